@@ -1,0 +1,65 @@
+"""The `pipe` command line: a click group whose subcommands are imported only when run.
+
+`pipe --help` lists commands from the static table below without importing them, and each
+command module keeps its heavy imports (torch, datasets, tokenizers) inside its callback, so help
+is instant and never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from pipeline import __version__
+
+# name -> (module:attribute, one-line help shown by `pipe --help`)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "preprocess": (
+        "pipeline.preprocess.commands:preprocess",
+        "Tokenize JSONL/Parquet/Arrow text into Megatron .bin/.idx token shards.",
+    ),
+    "merge": (
+        "pipeline.preprocess.commands:merge",
+        "Concatenate .bin/.idx datasets of one dtype into one.",
+    ),
+    "inspect": (
+        "pipeline.preprocess.commands:inspect",
+        "Show what a .bin/.idx dataset holds; optionally decode documents.",
+    ),
+}
+
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module only when that subcommand is used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module_name, attribute = COMMANDS[name][0].split(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="pipe")
+def cli() -> None:
+    """pipe: the life of an LLM pre-training run, from raw text to trained checkpoints.
+
+    \b
+    pipe preprocess  raw text -> Megatron .bin/.idx token shards
+    pipe merge       several shards -> one
+    pipe inspect     what a shard holds
+    """
+
+
+def main() -> None:
+    """Console-script entry point."""
+    cli(prog_name="pipe")

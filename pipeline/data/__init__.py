@@ -1,0 +1,1 @@
+"""Data formats shared by the preprocess writer and the training reader."""
