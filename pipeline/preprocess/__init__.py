@@ -1,0 +1,1 @@
+"""`pipe preprocess`: turn JSONL, parquet and similar inputs into token shards."""
