@@ -1,0 +1,258 @@
+"""Click commands `pipe preprocess`, `pipe merge`, `pipe inspect`.
+
+Thin on purpose: only click is imported at module level, so `pipe <cmd> --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+
+
+class _ListOptionsCommand(click.Command):
+    """Lets an option take several values after one flag, as argparse's nargs='+'
+    (`--json-keys text title`, a shell-expanded `--input part-*`), by rewriting it into repeated
+    flags before click parses."""
+
+    list_options: tuple[str, ...] = ("--json-keys", "--input", "-i")
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        rewritten: list[str] = []
+        flag, waiting = None, False  # the list flag in force; True until it has a value
+        for arg in args:
+            if arg in self.list_options:
+                if waiting:
+                    rewritten.append(flag)  # a flag with no value: let click report it
+                flag, waiting = arg, True
+            elif flag and not arg.startswith("-"):
+                rewritten += [flag, arg]
+                waiting = False
+            else:
+                if waiting:
+                    rewritten.append(flag)
+                flag, waiting = None, False
+                rewritten.append(arg)
+        if waiting:
+            rewritten.append(flag)
+        return super().parse_args(ctx, rewritten)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Show the toolkit's own errors as one clean line (`Error: file:line: problem`)."""
+    from pipeline.data.indexed import IndexFormatError
+    from pipeline.preprocess.merge import MergeError
+    from pipeline.preprocess.readers import InputError
+    from pipeline.preprocess.runner import PreprocessError
+    from pipeline.preprocess.tokenizer import TokenizerError
+
+    try:
+        yield
+    except (
+        PreprocessError,
+        InputError,
+        TokenizerError,
+        MergeError,
+        IndexFormatError,
+        FileNotFoundError,
+    ) as e:
+        raise click.ClickException(str(e)) from e
+    except KeyboardInterrupt:
+        click.echo("interrupted: no output was written under its final name", err=True)
+        sys.exit(130)
+
+
+@click.command(cls=_ListOptionsCommand)
+@click.option(
+    "--input",
+    "-i",
+    "inputs",
+    multiple=True,
+    required=True,
+    help="Input file, glob or `datasets` directory; repeat for several. JSONL "
+    "(.jsonl, .jsonl.zst, .jsonl.gz), Parquet, Arrow, JSON.",
+)
+@click.option(
+    "--output-prefix",
+    "-o",
+    required=True,
+    help="Writes {prefix}_{key}_document.bin/.idx per key and {prefix}.json.",
+)
+@click.option(
+    "--tokenizer",
+    "--tokenizer-model",
+    "tokenizer_path",
+    required=True,
+    help="tokenizer.json, a SentencePiece .model, vocab.json (+ merges.txt), "
+    "or a directory holding one.",
+)
+@click.option("--merge-file", default=None, help="GPT-2 merges.txt (default: beside vocab.json).")
+@click.option(
+    "--json-keys",
+    multiple=True,
+    default=("text",),
+    show_default=True,
+    help="Keys to tokenize, one output per key: --json-keys text title.",
+)
+@click.option("--append-eod", is_flag=True, help="Append the EOS id to every non-empty document.")
+@click.option(
+    "--add-special-tokens",
+    "--tokenizer-hf-include-special-tokens",
+    "add_special_tokens",
+    is_flag=True,
+    help="Apply the tokenizer's post-processing (e.g. BOS), as Megatron's "
+    "--tokenizer-hf-include-special-tokens.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=os.cpu_count() or 1,
+    show_default=True,
+    help="Tokenizer processes.",
+)
+@click.option(
+    "--skip-bad-lines",
+    is_flag=True,
+    help="Skip malformed lines (reported with file:line) instead of stopping.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace existing outputs.")
+@click.option(
+    "--tokenizer-engine",
+    type=click.Choice(["auto", "tiktoken", "tokenizers"]),
+    default="auto",
+    show_default=True,
+    help="auto: the fast tiktoken engine where provably identical to tokenizers.",
+)
+@click.option(
+    "--log-interval",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between progress lines when stderr is not a terminal.",
+)
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+def preprocess(
+    inputs,
+    output_prefix,
+    tokenizer_path,
+    merge_file,
+    json_keys,
+    append_eod,
+    add_special_tokens,
+    workers,
+    skip_bad_lines,
+    overwrite,
+    tokenizer_engine,
+    log_interval,
+    quiet,
+) -> None:
+    """Tokenize raw text into Megatron-compatible .bin/.idx token shards.
+
+    \b
+    pipe preprocess --input data.jsonl.zst --tokenizer llama3/ \\
+        --output-prefix out/corpus --append-eod --workers 8
+    """
+    with _user_errors():
+        from pipeline.preprocess.runner import PreprocessConfig, format_summary
+        from pipeline.preprocess.runner import preprocess as run
+        from pipeline.preprocess.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(
+            tokenizer_path,
+            merge_file=merge_file,
+            add_special_tokens=add_special_tokens,
+            engine=tokenizer_engine,
+        )
+        if not quiet:
+            note = f" ({tokenizer.engine_note})" if tokenizer.engine_note else ""
+            click.echo(
+                f"tokenizer {tokenizer.files[0]}: vocab {tokenizer.vocab_size:,}, "
+                f"eod {tokenizer.eod}, engine {tokenizer.engine}{note}",
+                err=True,
+            )
+        config = PreprocessConfig(
+            inputs=list(inputs),
+            output_prefix=output_prefix,
+            json_keys=tuple(json_keys),
+            append_eod=append_eod,
+            workers=workers,
+            skip_bad_lines=skip_bad_lines,
+            overwrite=overwrite,
+            log_interval=log_interval,
+            show_progress=not quiet,
+        )
+        summary = run(config, tokenizer)
+        for line in format_summary(summary):
+            click.echo(line)
+
+
+@click.command(cls=_ListOptionsCommand)
+@click.option(
+    "--input",
+    "-i",
+    "inputs",
+    multiple=True,
+    required=True,
+    help="Dataset prefix, .bin/.idx path, glob or directory; repeat for several. "
+    "Merged in the order given (a directory: sorted names, as Megatron).",
+)
+@click.option("--output-prefix", "-o", required=True, help="Writes {prefix}.bin/.idx.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+def merge(inputs, output_prefix, overwrite) -> None:
+    """Concatenate .bin/.idx datasets of one dtype into one (as Megatron's merge_datasets.py)."""
+    with _user_errors():
+        from pipeline.preprocess.merge import merge as run
+
+        summary = run(list(inputs), output_prefix, overwrite=overwrite)
+        click.echo(
+            f"merged {len(summary.inputs)} datasets into {summary.output_prefix}.bin/.idx "
+            f"({summary.dtype}, {summary.documents:,} documents, "
+            f"{summary.sequences:,} sequences, {summary.tokens:,} tokens)"
+        )
+
+
+@click.command()
+@click.argument("prefix")
+@click.option(
+    "--show",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Decode and print the first N documents (needs --tokenizer).",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    default=None,
+    help="Tokenizer for --show (default: the one recorded in the manifest).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
+def inspect(prefix, show, tokenizer_path, as_json) -> None:
+    """Counts, dtype, length distribution and provenance of a .bin/.idx dataset."""
+    with _user_errors():
+        from pipeline.preprocess.inspect import decoded_documents, describe, format_description
+
+        info = describe(prefix)
+        if as_json:
+            click.echo(json.dumps(info, indent=2))
+        else:
+            click.echo("\n".join(format_description(info)))
+        if show:
+            tokenizer = _tokenizer_for_show(tokenizer_path, info)
+            for i, text in enumerate(decoded_documents(prefix, tokenizer, show)):
+                click.echo(f"--- document {i} ---\n{text}")
+
+
+def _tokenizer_for_show(path: str | None, info: dict):
+    from pipeline.preprocess.tokenizer import load_tokenizer
+
+    if path is None:
+        files = info.get("manifest", {}).get("tokenizer", {}).get("files", [])
+        if not files:
+            raise click.UsageError("--show needs --tokenizer (no manifest names one)")
+        path = files[0]["path"]
+    return load_tokenizer(path, engine="tokenizers")

@@ -1,0 +1,242 @@
+"""`pipe preprocess`: stream inputs through a pool of tokenizer workers into one Megatron indexed
+dataset per JSON key, in input order, with a provenance manifest.
+
+The main process only reads and writes; workers parse, validate and tokenize. At most a few
+batches per worker are in flight, so memory stays bounded whatever the input size. Every output is
+written under a temporary name and renamed at the end, so an interrupted run leaves no final-named
+file; SIGTERM is turned into a clean exit so that the temporary files are removed too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.data.indexed import IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+from pipeline.preprocess import manifest as manifest_io
+from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
+from pipeline.preprocess.progress import Progress
+from pipeline.preprocess.readers import iter_batches, resolve_inputs
+from pipeline.preprocess.tokenizer import TextTokenizer
+
+MAX_REPORTED_BAD_LINES = 10
+
+
+class PreprocessError(RuntimeError):
+    """The run stopped on bad input or refused to start; the message says where and why."""
+
+
+@dataclass
+class PreprocessConfig:
+    """Everything `pipe preprocess` needs; field names follow Megatron's preprocess_data.py."""
+
+    inputs: list[str]
+    output_prefix: str
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    workers: int = 1
+    skip_bad_lines: bool = False
+    overwrite: bool = False
+    batch_bytes: int = 1 << 20
+    log_interval: float = 10.0
+    show_progress: bool = True
+
+
+@dataclass
+class KeyOutput:
+    key: str
+    prefix: str
+    dtype: str
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class PreprocessSummary:
+    outputs: list[KeyOutput]
+    documents: int = 0
+    blank_lines: int = 0
+    bad_lines: int = 0
+    bad_line_examples: list[BadLine] = field(default_factory=list)
+    input_bytes: int = 0
+    text_bytes: int = 0
+    elapsed: float = 0.0
+    manifest: str = ""
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """Megatron's document-level naming: `{prefix}_{key}_document`."""
+    return f"{output_prefix}_{key}_document"
+
+
+def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> PreprocessSummary:
+    """Run the whole job and return its counts; raises PreprocessError on bad input."""
+    inputs = resolve_inputs(config.inputs)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    outputs = [
+        KeyOutput(key, output_prefix_for(config.output_prefix, key), dtype.name)
+        for key in config.json_keys
+    ]
+    manifest_path = manifest_io.manifest_path(config.output_prefix)
+    _refuse_existing([o.prefix for o in outputs], manifest_path, config.overwrite)
+    options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
+    encoder = DocumentEncoder(tokenizer, options)  # validates options before any work starts
+    summary = PreprocessSummary(outputs)
+    progress = Progress(
+        sum(f.size for f in inputs), log_interval=config.log_interval, enabled=config.show_progress
+    )
+    with ExitStack() as stack, _sigterm_as_exit(), ThreadPoolExecutor(1) as hasher:
+        input_hashes = hasher.submit(manifest_io.hash_inputs, inputs)
+        writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, dtype)) for o in outputs]
+        batches = iter_batches(inputs, config.json_keys, batch_bytes=config.batch_bytes)
+        try:
+            for result in _encode_in_order(batches, encoder, tokenizer, options, config.workers):
+                _write(result, writers, outputs, summary, config.skip_bad_lines)
+                progress.update(
+                    documents=result.documents,
+                    input_bytes=result.input_bytes,
+                    text_bytes=result.text_bytes,
+                    tokens=sum(len(k.tokens) for k in result.keys),
+                )
+        finally:
+            progress.close()
+        for writer, out in zip(writers, outputs):
+            out.sequences = writer.num_sequences
+            writer.finalize()
+        summary.elapsed = progress.elapsed
+        summary.input_bytes, summary.text_bytes = progress.input_bytes, progress.text_bytes
+        record = manifest_io.build(config, tokenizer, inputs, input_hashes.result(), summary)
+        manifest_io.write(manifest_path, record)
+        summary.manifest = str(manifest_path)
+    return summary
+
+
+def _write(
+    result: EncodedBatch,
+    writers: list[IndexedDatasetWriter],
+    outputs: list[KeyOutput],
+    summary: PreprocessSummary,
+    skip_bad_lines: bool,
+) -> None:
+    if result.bad_lines:
+        if not skip_bad_lines:
+            raise PreprocessError(
+                f"{result.bad_lines[0]} (use --skip-bad-lines to skip such lines and go on)"
+            )
+        summary.bad_lines += len(result.bad_lines)
+        room = MAX_REPORTED_BAD_LINES - len(summary.bad_line_examples)
+        summary.bad_line_examples.extend(result.bad_lines[:room])
+    summary.documents += result.documents
+    summary.blank_lines += result.blank_lines
+    for writer, out, encoded in zip(writers, outputs, result.keys):
+        writer.add_documents(
+            encoded.tokens, encoded.sequence_lengths, encoded.sequences_per_document
+        )
+        out.documents += len(encoded.sequences_per_document)
+        out.tokens += len(encoded.tokens)
+
+
+def _refuse_existing(prefixes: list[str], manifest_path: Path, overwrite: bool) -> None:
+    candidates = [p for prefix in prefixes for p in (bin_path(prefix), idx_path(prefix))]
+    existing = [p for p in candidates if p.exists()]
+    if manifest_path.exists():
+        existing.append(manifest_path)
+    if existing and not overwrite:
+        names = ", ".join(str(p) for p in existing[:4])
+        raise PreprocessError(f"output exists: {names}; pass --overwrite to replace it")
+
+
+# --------------------------------------------------------------------------------- workers
+
+_worker_encoder: DocumentEncoder | None = None
+
+
+def _init_worker(tokenizer: TextTokenizer, options: EncodeOptions) -> None:
+    global _worker_encoder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _worker_encoder = DocumentEncoder(tokenizer, options)
+
+
+def _encode_in_worker(batch) -> EncodedBatch:
+    assert _worker_encoder is not None
+    return _worker_encoder(batch)
+
+
+def _encode_in_order(
+    batches: Iterable,
+    encoder: DocumentEncoder,
+    tokenizer: TextTokenizer,
+    options: EncodeOptions,
+    workers: int,
+) -> Iterator[EncodedBatch]:
+    """Encoded batches in input order; with workers > 1 a process pool with bounded look-ahead
+    (Pool.imap would read the whole input ahead of the workers)."""
+    if workers <= 1:
+        yield from map(encoder, batches)
+        return
+    context = multiprocessing.get_context("spawn")
+    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, options))
+    try:
+        yield from _bounded_ordered_map(
+            pool.apply_async, _encode_in_worker, batches, limit=3 * workers
+        )
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _bounded_ordered_map(submit: Callable, fn: Callable, items: Iterable, limit: int) -> Iterator:
+    pending: deque = deque()
+    for item in items:
+        pending.append(submit(fn, (item,)))
+        if len(pending) >= limit:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+@contextmanager
+def _sigterm_as_exit():
+    """Turn SIGTERM into SystemExit so that context managers remove temporary files."""
+    if multiprocessing.current_process().name != "MainProcess":
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def format_summary(summary: PreprocessSummary) -> list[str]:
+    """Human-readable closing lines: one summary line plus bad-line reports and output paths."""
+    rate = summary.text_bytes / max(summary.elapsed, 1e-9) / 1e6
+    tokens = sum(o.tokens for o in summary.outputs)
+    lines = [
+        f"done: {summary.documents:,} documents, {tokens:,} tokens, "
+        f"{summary.text_bytes / 1e6:,.1f} MB in {summary.elapsed:.1f}s ({rate:,.1f} MB/s, "
+        f"{tokens / max(summary.elapsed, 1e-9):,.0f} tokens/s)"
+    ]
+    if summary.blank_lines:
+        lines.append(f"skipped {summary.blank_lines:,} blank lines")
+    if summary.bad_lines:
+        lines.append(f"skipped {summary.bad_lines:,} bad lines, first ones:")
+        lines += [f"  {b}" for b in summary.bad_line_examples]
+    for out in summary.outputs:
+        lines.append(
+            f"wrote {out.prefix}.bin/.idx ({out.dtype}, {out.documents:,} documents, "
+            f"{out.sequences:,} sequences, {out.tokens:,} tokens)"
+        )
+    lines.append(f"manifest {summary.manifest}")
+    return lines
