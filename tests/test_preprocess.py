@@ -143,6 +143,11 @@ def test_sentencepiece_model(tmp_path):
     preprocess(src, tmp_path / "sp.model", tmp_path / "out", "--append-eod", "-q")
     expected = megatron_preprocess(docs, sp.encode, sp.eos_id(), np.uint16, tmp_path / "meg")
     assert file_bytes(tmp_path / "out_text_document") == file_bytes(expected)
+    preprocess(src, tmp_path / "sp.model", tmp_path / "bos", "--add-special-tokens", "-q")
+    assert IndexedDataset(tmp_path / "bos_text_document")[0].tolist() == [
+        sp.bos_id(),
+        *sp.encode(docs[0]),
+    ]
 
 
 def test_gpt2_vocab_and_merges(tmp_path):

@@ -13,9 +13,10 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +95,8 @@ def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> Preprocess
     progress = Progress(
         sum(f.size for f in inputs), log_interval=config.log_interval, enabled=config.show_progress
     )
-    with ExitStack() as stack, _sigterm_as_exit(), ThreadPoolExecutor(1) as hasher:
-        input_hashes = hasher.submit(manifest_io.hash_inputs, inputs)
+    with ExitStack() as stack, _sigterm_as_exit():
+        input_hashes = _in_background(manifest_io.hash_inputs, inputs)
         writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, dtype)) for o in outputs]
         batches = iter_batches(inputs, config.json_keys, batch_bytes=config.batch_bytes)
         try:
@@ -204,6 +205,21 @@ def _bounded_ordered_map(submit: Callable, fn: Callable, items: Iterable, limit:
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
+
+
+def _in_background(fn: Callable, *args) -> Future:
+    """Run `fn` in a daemon thread: an interrupted run exits without waiting for it (hashing a
+    large input would otherwise hold up Ctrl-C)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # handed to whoever reads the result
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="pipe-hash-inputs").start()
+    return future
 
 
 @contextmanager
