@@ -3,6 +3,7 @@ lines otherwise (they read cleanly in CI and Slurm logs)."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import TextIO
@@ -30,13 +31,16 @@ class Progress:
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
+            size = shutil.get_terminal_size((100, 24))
             self._bar = tqdm(
                 total=self.total_bytes,
                 unit="B",
                 unit_scale=True,
                 file=self.stream,
                 desc="preprocess",
-                dynamic_ncols=True,
+                # A pty that reports a 0x0 size would otherwise hide the bar entirely.
+                ncols=size.columns,
+                nrows=size.lines,
             )
 
     def update(self, *, documents: int, tokens: int, input_bytes: int, text_bytes: int) -> None:
