@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.data import manifest as manifest_io
 from pipeline.data.indexed import IndexedDataset
-from pipeline.preprocess import manifest as manifest_io
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 

@@ -1,5 +1,6 @@
-"""The provenance manifest written beside preprocessed data (`{output_prefix}.json`): which
-tokenizer and inputs (with hashes) made the files, with which flags, and what they hold."""
+"""Writing the provenance manifest beside preprocessed data (`{output_prefix}.json`): which
+tokenizer and inputs (with hashes) made the files, with which flags, and what they hold.
+Reading it is `pipeline.data.manifest` (re-exported here)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import __version__
+from pipeline.data.manifest import MANIFEST_FORMAT
 from pipeline.preprocess.tokenizer import sha256_file
 
 if TYPE_CHECKING:
     from pipeline.preprocess.readers import InputFile
     from pipeline.preprocess.runner import PreprocessConfig, PreprocessSummary
     from pipeline.preprocess.tokenizer import TextTokenizer
-
-MANIFEST_FORMAT = "pipe-preprocess-manifest/1"
-
-
-def manifest_path(output_prefix: str) -> Path:
-    return Path(f"{output_prefix}.json")
 
 
 def hash_inputs(inputs: list[InputFile]) -> list[str]:
@@ -91,25 +87,3 @@ def write(path: Path, record: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
-
-
-def find_for_dataset(prefix: str) -> Path | None:
-    """The manifest of a dataset prefix such as `out/corpus_text_document` (-> `out/corpus.json`),
-    found by reading candidate manifests and matching their recorded output prefixes."""
-    stem = Path(prefix)
-    parts = stem.name.split("_")
-    for cut in range(len(parts) - 1, 0, -1):
-        candidate = stem.with_name("_".join(parts[:cut]) + ".json")
-        record = read(candidate)
-        if record and any(o.get("prefix") == prefix for o in record.get("outputs", {}).values()):
-            return candidate
-    return None
-
-
-def read(path: Path) -> dict[str, Any] | None:
-    """A manifest's record, or None when the file is absent or is not a pipe manifest."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("format") == MANIFEST_FORMAT else None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.data.indexed import IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+from pipeline.data.manifest import manifest_path
 from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
 from pipeline.preprocess.progress import Progress
@@ -87,8 +88,8 @@ def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> Preprocess
         KeyOutput(key, output_prefix_for(config.output_prefix, key), dtype.name)
         for key in config.json_keys
     ]
-    manifest_path = manifest_io.manifest_path(config.output_prefix)
-    _refuse_existing([o.prefix for o in outputs], manifest_path, config.overwrite)
+    manifest_file = manifest_path(config.output_prefix)
+    _refuse_existing([o.prefix for o in outputs], manifest_file, config.overwrite)
     options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
     encoder = DocumentEncoder(tokenizer, options)  # validates options before any work starts
     summary = PreprocessSummary(outputs)
@@ -116,8 +117,8 @@ def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> Preprocess
         summary.elapsed = progress.elapsed
         summary.input_bytes, summary.text_bytes = progress.input_bytes, progress.text_bytes
         record = manifest_io.build(config, tokenizer, inputs, input_hashes.result(), summary)
-        manifest_io.write(manifest_path, record)
-        summary.manifest = str(manifest_path)
+        manifest_io.write(manifest_file, record)
+        summary.manifest = str(manifest_file)
     return summary
 
 
