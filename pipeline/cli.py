@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "inspect": (
         "pipeline.preprocess.commands:inspect",
-        "Show what a .bin/.idx dataset holds; optionally decode documents.",
+        "Show what a .bin/.idx dataset holds, or what a run reads from a blend.",
     ),
 }
 

@@ -405,3 +405,49 @@ def test_inspect_reports_counts_manifest_and_decodes(tmp_path, tiny_tokenizer_di
     assert info["documents"] == 3 and info["manifest"]["flags"]["append_eod"] is True
     expected_tokens = sum(len(hf_encoder(tiny_tokenizer_dir)(d)) + 1 for d in docs if d)
     assert info["tokens"] == expected_tokens
+
+
+def test_manifest_found_from_relative_and_absolute_paths(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    from pipeline.data.manifest import find_for_dataset
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b"}])
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    preprocess(src, tiny_tokenizer_dir, "out/my_corpus", "-q")  # recorded as a relative prefix
+    expected = tmp_path / "out" / "my_corpus.json"
+    assert find_for_dataset("out/my_corpus_text_document") == Path("out/my_corpus.json")
+    assert find_for_dataset(str(tmp_path / "out/my_corpus_text_document")) == expected
+    assert find_for_dataset(str(tmp_path / "out/other_text_document")) is None
+
+
+def test_inspect_blend_reports_what_a_run_reads(tmp_path, tiny_tokenizer_dir):
+    for name, n in (("a", 40), ("b", 10)):
+        docs = [{"text": f"{name} document {i} " * 20} for i in range(n)]
+        preprocess(write_jsonl(tmp_path / f"{name}.jsonl", docs), tiny_tokenizer_dir,
+                   tmp_path / name, "--append-eod", "-q")  # fmt: skip
+    blend = f"0.75 {tmp_path / 'a_text_document'} 0.25 {tmp_path / 'b_text_document'}"
+    args = [
+        "inspect",
+        "--data",
+        blend,
+        "--seq-length",
+        "32",
+        "--samples",
+        "400",
+        "--split",
+        "1,0,0",
+    ]
+    rows = json.loads(run_pipe(*args, "--json").output)
+    assert [r["samples"] for r in rows] == [300, 100]
+    assert [r["weight"] for r in rows] == [0.75, 0.25]
+    tokens_b = IndexedDataset(tmp_path / "b_text_document").num_tokens
+    assert rows[1]["tokens_per_epoch"] == tokens_b and rows[1]["epochs"] > 1
+    assert "total" in run_pipe(*args).output
+    # An int32 dataset cannot join a uint16 blend: inspect warns before a run would refuse it.
+    encode = hf_encoder(tiny_tokenizer_dir)
+    wide = megatron_preprocess(["x y z " * 50] * 20, encode, 1, np.int32, tmp_path / "wide")
+    result = run_pipe("inspect", "--data", f"{tmp_path / 'a_text_document'} {wide}",
+                      "--seq-length", "32", "--samples", "10")  # fmt: skip
+    assert "training would refuse this blend: the blend mixes token dtypes" in result.output
+    bad = run_pipe("inspect", "--data", "0.5 x -1 y", "--seq-length", "8", expect_ok=False)
+    assert bad.exit_code == 1 and "weight '-1'" in bad.output

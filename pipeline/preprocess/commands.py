@@ -217,12 +217,12 @@ def merge(inputs, output_prefix, overwrite) -> None:
 
 
 @click.command()
-@click.argument("prefix")
+@click.argument("prefix", required=False)
 @click.option(
     "--show",
     type=click.IntRange(min=0),
     default=0,
-    help="Decode and print the first N documents (needs --tokenizer).",
+    help="Decode and print the first N documents of PREFIX.",
 )
 @click.option(
     "--tokenizer",
@@ -230,10 +230,41 @@ def merge(inputs, output_prefix, overwrite) -> None:
     default=None,
     help="Tokenizer for --show (default: the one recorded in the manifest).",
 )
+@click.option(
+    "--data",
+    default=None,
+    help='A training blend instead of PREFIX: "0.7 a_text_document 0.3 b_text_document" or '
+    "unweighted prefixes. Shows what a run will read from each dataset.",
+)
+@click.option("--seq-length", type=click.IntRange(min=1), help="Sequence length (with --data).")
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training samples the run reads, i.e. iterations x global batch (with --data).",
+)
+@click.option(
+    "--split",
+    default="969,30,1",
+    show_default=True,
+    help="Train/valid/test split of each dataset (with --data), as --split in training.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
-def inspect(prefix, show, tokenizer_path, as_json) -> None:
-    """Counts, dtype, length distribution and provenance of a .bin/.idx dataset."""
+def inspect(prefix, show, tokenizer_path, data, seq_length, samples, split, as_json) -> None:
+    """What a .bin/.idx dataset holds (counts, dtype, lengths, provenance), or with --data what
+    a training run will read from each dataset of a blend.
+
+    \b
+    pipe inspect out/corpus_text_document --show 2
+    pipe inspect --data "0.7 out/a_text_document 0.3 out/b_text_document" \\
+        --seq-length 4096 --samples 128000
+    """
     with _user_errors():
+        if data is not None:
+            _inspect_blend(prefix, data, seq_length, samples, split, as_json)
+            return
+        if prefix is None:
+            raise click.UsageError("give a dataset PREFIX, or --data with a blend")
         from pipeline.preprocess.inspect import decoded_documents, describe, format_description
 
         info = describe(prefix)
@@ -245,6 +276,29 @@ def inspect(prefix, show, tokenizer_path, as_json) -> None:
             tokenizer = _tokenizer_for_show(tokenizer_path, info)
             for i, text in enumerate(decoded_documents(prefix, tokenizer, show)):
                 click.echo(f"--- document {i} ---\n{text}")
+
+
+def _inspect_blend(prefix, data, seq_length, samples, split, as_json) -> None:
+    if prefix is not None:
+        raise click.UsageError("give either a dataset PREFIX or --data, not both")
+    if seq_length is None:
+        raise click.UsageError("--data needs --seq-length")
+    from pipeline.data.blend_spec import check_compatible, parse_blend
+    from pipeline.data.blended import describe_blend, format_blend_description
+
+    try:
+        blend = parse_blend(data)
+        rows = describe_blend(blend, seq_length, samples, split=split)
+    except ValueError as e:  # a bad weight, split or prefix in what the user typed
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        click.echo("\n".join(format_blend_description(rows, seq_length)))
+    try:
+        check_compatible(blend.prefixes)
+    except ValueError as e:
+        click.echo(f"warning: training would refuse this blend: {e}", err=True)
 
 
 def _tokenizer_for_show(path: str | None, info: dict):
