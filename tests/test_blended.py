@@ -397,9 +397,6 @@ ONE_BLEND_CASES = {
         extra=False,
     ),  # fmt: skip
     "unweighted-with-sizes": dict(n=3, weights=None, sizes=[500, 50, 10], split="90,8,2"),
-    "unweighted-size-above-total": dict(
-        n=2, weights=None, sizes=[10**6, 10**6, 10**6], split="90,8,2", seq=128
-    ),
     "unweighted-exhaustive": dict(n=3, weights=None, sizes=[None] * 3, split="70,20,10", seq=48),
     "single-unweighted": dict(n=1, weights=None, sizes=[200, 20, 5], split="90,8,2"),
     "single-weighted": dict(n=1, weights=[2.0], sizes=[200, 20, 5], split="90,8,2"),
@@ -416,6 +413,13 @@ def test_one_blend_equals_megatron(megatron, prefixes, case):
     theirs = megatron_build(megatron, sizes, blend=(chosen, weights), split=split, **spec)
     ours = build_datasets(Blend(chosen, weights), our_config(split, **spec), sizes)
     assert_same(ours, theirs)
+
+
+def test_unweighted_blend_refuses_more_samples_than_it_holds(prefixes):
+    """Megatron shrinks an unweighted blend to what exists (a run then silently runs out of
+    data); we refuse and say what to do."""
+    with pytest.raises(ValueError, match=r"train: 1,000,000 samples requested.*give weights"):
+        build_datasets(Blend(prefixes[:2], None), our_config("90,8,2", seq=128), [10**6, 1, 1])
 
 
 def test_per_split_blends_equal_megatron(megatron, prefixes):
@@ -640,3 +644,8 @@ def test_describe_unweighted_blends(prefixes):
         describe_blend(Blend(prefixes[:2], [1, 1]), 16, None)
     with pytest.raises(FileNotFoundError, match="missing"):
         describe_blend(Blend(["nowhere/x"]), 16, 10)
+
+
+def test_describe_refuses_what_training_would_refuse(prefixes):
+    with pytest.raises(ValueError, match="unweighted blend holds only"):
+        describe_blend(Blend(prefixes[:2], None), 16, 10**7)

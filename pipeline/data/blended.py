@@ -379,10 +379,23 @@ def _blend_split(
         blend_size: int | None = sum(targets)
     else:
         blend_weights = [len(m) for m in members]
-        blend_size = None if size is None else min(size, sum(blend_weights))
+        blend_size = size
+        if size is not None:
+            _check_unweighted_size(split, size, sum(blend_weights))
     return BlendedDataset(
         members, blend_weights, blend_size, config, split, mid_level_dataset_surplus=surplus
     )
+
+
+def _check_unweighted_size(split: str, size: int, available: int) -> None:
+    """Refuse more samples than an unweighted blend holds. Megatron shrinks the blend to what
+    exists instead, so a run silently runs out of data part-way."""
+    if size > available:
+        raise ValueError(
+            f"{split}: {size:,} samples requested, but the unweighted blend holds only "
+            f"{available:,} (without weights each dataset is read once, not repeated); give "
+            "weights so that datasets repeat, or request fewer samples"
+        )
 
 
 # ----------------------------------------------------------------------------------- describe
@@ -469,7 +482,8 @@ def _planned_draws(
         buffers: list[int | None] = [None] * n
         if num_samples is None:  # exhaustive: every sample of every dataset once
             return weights, per_epoch, buffers, True
-        size = min(num_samples, sum(per_epoch))
+        _check_unweighted_size("train", num_samples, sum(per_epoch))
+        size = num_samples
         estimate = [int(math.ceil(size * w)) for w in weights]
     else:
         if num_samples is None:
