@@ -4,8 +4,11 @@ megatron-core oracle that writes what Megatron's preprocess_data.py would write.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,14 +86,23 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
-def megatron_builder():
-    """megatron-core's IndexedDatasetBuilder/IndexedDataset, or skip when not installed."""
+@contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Import megatron-core modules inside this block without its warnings (no TE or Apex on a
+    CPU), or skip the test when megatron-core is not installed."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+            yield
         except ImportError:
             pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def megatron_builder():
+    """megatron-core's IndexedDatasetBuilder/IndexedDataset, or skip when not installed."""
+    with quiet_megatron():
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
     return IndexedDatasetBuilder, IndexedDataset
 
 

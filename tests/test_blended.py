@@ -5,14 +5,13 @@ to a plain reference loop), and built datasets equal, sample by sample, to megat
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import pickle
-import warnings
 
 import numpy as np
 import pytest
+from conftest import quiet_megatron
 
 from pipeline.data import blended, blending_indices
 from pipeline.data.blend_spec import (
@@ -47,14 +46,9 @@ VOCAB, EOD, PAD = 1000, 0, 1
 @pytest.fixture(scope="module")
 def megatron():
     """megatron-core's builder pieces and C++ helpers, imported quietly, or skip."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from megatron.core.datasets import blended_megatron_dataset_builder as builder
-            from megatron.core.datasets import gpt_dataset, helpers_cpp, utils
-        except ImportError:
-            pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+    with quiet_megatron():
+        from megatron.core.datasets import blended_megatron_dataset_builder as builder
+        from megatron.core.datasets import gpt_dataset, helpers_cpp, utils
 
     class Namespace:
         pass

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import pickle
-import warnings
 
 import numpy as np
 import pytest
+from conftest import quiet_megatron
 
 from pipeline.data import gpt_dataset
 from pipeline.data.gpt_dataset import (
@@ -43,21 +42,16 @@ SAMPLE_DTYPES = {
 @pytest.fixture(scope="module")
 def megatron():
     """megatron-core's dataset modules, imported quietly, or skip when not installed."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            from megatron.core.datasets import gpt_dataset as mgpt
-            from megatron.core.datasets import helpers
-            from megatron.core.datasets.blended_megatron_dataset_builder import (
-                BlendedMegatronDatasetBuilder,
-            )
-            from megatron.core.datasets.blended_megatron_dataset_config import (
-                convert_split_vector_to_split_matrix,
-                parse_and_normalize_split,
-            )
-        except ImportError:
-            pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+    with quiet_megatron():
+        from megatron.core.datasets import gpt_dataset as mgpt
+        from megatron.core.datasets import helpers
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.blended_megatron_dataset_config import (
+            convert_split_vector_to_split_matrix,
+            parse_and_normalize_split,
+        )
 
     class Namespace:
         pass

@@ -44,7 +44,7 @@ from pipeline.data.gpt_dataset import (
     plan_epochs,
     split_sequence_indices,
 )
-from pipeline.data.index_cache import IndexCache
+from pipeline.data.index_cache import IndexCache, remap, state_without_mapped
 from pipeline.data.indexed import (
     IndexedDataset,
     normalize_prefix,
@@ -168,18 +168,11 @@ class BlendedDataset:
         return {"dataset_id": dataset_id, **sample}
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle cached indices as their file paths, so DataLoader workers map them again."""
-        state = dict(self.__dict__)
-        if self._index_files is not None:
-            for name in BLENDED_INDEX_NAMES:
-                state[name] = None
-        return state
+        return state_without_mapped(self.__dict__, self._index_files)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self._index_files is not None:
-            for name, path in self._index_files.items():
-                setattr(self, name, np.load(path, mmap_mode="r").view(np.ndarray))
+        remap(self, self._index_files)
 
 
 def _identify(obj: Any) -> Any:

@@ -33,7 +33,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.data.index_cache import CacheNotWritableError, IndexCache
+from pipeline.data.index_cache import (
+    CacheNotWritableError,
+    IndexCache,
+    remap,
+    state_without_mapped,
+)
 from pipeline.data.indexed import IndexedDataset, normalize_prefix
 
 logger = logging.getLogger(__name__)
@@ -607,20 +612,13 @@ class GPTDataset:
     # --------------------------------------------------------------------------- pickling
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle cached indices as their file paths, so DataLoader workers map them again."""
-        state = dict(self.__dict__)
+        state = state_without_mapped(self.__dict__, self._index_files)
         state["_mask_cache"] = None  # the attention mask alone can be S*S bytes
-        if self._index_files is not None:
-            for name in INDEX_NAMES:
-                state[name] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if self._index_files is not None:
-            for name, path in self._index_files.items():
-                array = np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray)
-                setattr(self, name, array)
+        remap(self, self._index_files)
 
 
 # ----------------------------------------------------------------------------------- building

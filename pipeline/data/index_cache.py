@@ -339,3 +339,15 @@ def _fsync_directory(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def state_without_mapped(state: dict, index_files: Mapping[str, Path] | None) -> dict:
+    """A pickling state with cache-mapped arrays left out (their file paths travel instead), so
+    DataLoader workers map the files again rather than receive copies."""
+    return {**state, **dict.fromkeys(index_files or ())}
+
+
+def remap(obj: object, index_files: Mapping[str, Path] | None) -> None:
+    """Map each cached array back onto `obj` after unpickling (see `state_without_mapped`)."""
+    for name, path in (index_files or {}).items():
+        setattr(obj, name, np.load(path, mmap_mode="r", allow_pickle=False).view(np.ndarray))
