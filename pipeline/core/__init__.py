@@ -1,0 +1,1 @@
+"""The parallel FP8 core: model, kernels, parallelism."""
