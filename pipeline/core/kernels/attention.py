@@ -1,0 +1,73 @@
+"""Scaled dot-product attention behind one function, so the model never names a backend.
+
+Layout is SDPA's: q `[batch, heads, seq, head_dim]`, k/v `[batch, kv_heads, seq, head_dim]`.
+Grouped-query attention is handled here (kv heads are shared by groups of query heads), and so is
+document masking: with `document_ids` (one id per token) a token attends only to earlier tokens of
+the same document, which is how Megatron's `reset_attention_mask` treats packed sequences.
+
+Backends: only "sdpa" (torch's `scaled_dot_product_attention`, which itself picks flash /
+memory-efficient / math kernels) exists today. flash-attn or Transformer Engine attention go in
+`_BACKENDS` as functions with the same signature, importing their package inside the function
+so that its absence costs nothing until it is asked for, and each gets a test against "sdpa".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask `[batch, 1, seq, seq]`: True where query i may attend to key j, that is
+    j <= i and both tokens belong to the same document."""
+    seq_len = document_ids.shape[-1]
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    document_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    if not causal:
+        raise ValueError("document masking is only defined for causal attention")
+    mask = document_causal_mask(document_ids)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa}
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    document_ids: torch.Tensor | None = None,
+    backend: str = "sdpa",
+) -> torch.Tensor:
+    """Softmax attention with 1/sqrt(head_dim) scaling; returns `[batch, heads, seq, head_dim]`.
+
+    `document_ids` (`[batch, seq]`, any integer ids) restricts attention to tokens of the same
+    document; without it the mask is plain causal (or none when `causal=False`).
+    """
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+    try:
+        fn = _BACKENDS[backend]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {backend!r}; have {sorted(_BACKENDS)}"
+        ) from None
+    return fn(q, k, v, causal=causal, document_ids=document_ids)

@@ -1,0 +1,3 @@
+"""One transformer definition (`transformer.py`, `moe.py`) and its configurations
+(`config.py`, named sizes in `flavors.py`). Import the submodules directly; this package file stays
+empty so that reading a config does not import torch."""

@@ -1,0 +1,147 @@
+"""Mixture of experts (Mixtral style): a top-k softmax router over SwiGLU experts.
+
+Tokens are grouped by expert (a stable sort of the (token, k) assignments) and each expert runs
+one matmul over its group, so no token is dropped unless a capacity factor asks for it. The
+router's auxiliary losses are kept on the module after each forward (`MoE.aux_loss`) for the
+trainer to add (`Transformer.moe_aux_loss`), and per-expert token counts for logging.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.core.model.config import MoEConfig
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs with stacked weights: w1 (gate) and w3 (up) `[E, ffn, hidden]`,
+    w2 (down) `[E, hidden, ffn]`; the same layout as Hugging Face Mixtral's fused experts."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn.
+
+        A plain loop over experts: simple and exact on every device. `torch._grouped_mm` would
+        do it in one kernel on recent GPUs; it belongs in a kernel backend tested against this.
+        """
+        # One host sync to learn the group sizes; unavoidable without a grouped kernel.
+        groups = torch.split(x, tokens_per_expert.tolist())
+        outputs = [
+            (F.silu(g @ self.w1[e].t()) * (g @ self.w3[e].t())) @ self.w2[e].t()
+            for e, g in enumerate(groups)
+        ]
+        return torch.cat(outputs) if outputs else x.new_empty(0, self.w2.shape[1])
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=out_std)
+
+
+def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Switch/Megatron load-balancing loss without its coefficient: E * sum_e f_e * P_e.
+
+    f_e is the fraction of (token, k) assignments routed to expert e (no gradient), P_e the
+    mean router probability of expert e; the minimum, 1, is reached by a uniform router.
+    """
+    num_experts = probs.shape[-1]
+    counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    f = counts.float() / topk_idx.numel()
+    p = probs.mean(dim=0)
+    return num_experts * (f * p).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss without its coefficient: mean over tokens of logsumexp(logits)^2,
+    which keeps router logits small and the softmax numerically tame."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+class MoE(nn.Module):
+    """Router (`router`, a bias-free linear) -> softmax -> top-k (renormalised, as Mixtral does)
+    -> experts; outputs are the weighted sum of each token's k expert outputs.
+
+    After each forward: `aux_loss` (coefficient-weighted load-balancing + z-loss, or None when
+    both coefficients are 0), `tokens_per_expert` (assignments per expert, before dropping) and
+    `num_dropped` (assignments over capacity, 0 when dropless).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
+        self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size)
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.num_dropped: torch.Tensor | None = None
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Assignments each expert accepts per forward: ceil(factor * tokens * k / experts)."""
+        c = self.config
+        if c.capacity_factor is None:
+            return None
+        return math.ceil(c.capacity_factor * num_tokens * c.top_k / c.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        topk_probs, topk_idx = probs.topk(self.config.top_k, dim=-1)
+        topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
+        self.aux_loss = self._aux_loss(logits, probs, topk_idx)
+
+        out = self._dispatch_and_combine(x, topk_idx, topk_probs.to(x.dtype))
+        return out.reshape(shape)
+
+    def _dispatch_and_combine(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        num_experts, top_k = self.config.num_experts, self.config.top_k
+        flat_expert = topk_idx.reshape(-1)
+        # Stable sort keeps tokens in sequence order within each expert, so capacity dropping
+        # below keeps the earliest tokens (GShard's position policy).
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=num_experts)
+        self.tokens_per_expert = counts.detach()
+
+        capacity = self.capacity(x.shape[0])
+        if capacity is not None:
+            sorted_expert = flat_expert[order]
+            group_start = torch.cumsum(counts, 0) - counts
+            rank_in_expert = torch.arange(len(order), device=x.device) - group_start[sorted_expert]
+            order = order[rank_in_expert < capacity]
+            kept = counts.clamp(max=capacity)
+            self.num_dropped = (counts - kept).sum()
+            counts = kept
+        else:
+            self.num_dropped = torch.zeros((), dtype=torch.long, device=x.device)
+
+        token_idx = order // top_k
+        expert_out = self.experts(x[token_idx], counts)
+        expert_out = expert_out * topk_weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token_idx, expert_out)
+
+    def _aux_loss(
+        self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
+    ) -> torch.Tensor | None:
+        c = self.config
+        terms = []
+        if c.aux_loss_coeff > 0:
+            terms.append(c.aux_loss_coeff * load_balancing_loss(probs, topk_idx))
+        if c.z_loss_coeff > 0:
+            terms.append(c.z_loss_coeff * router_z_loss(logits))
+        return sum(terms) if terms else None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        self.experts.init_weights(std, out_std)

@@ -1,0 +1,304 @@
+"""The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2 and Mixtral, one definition.
+
+Written as plain single-device PyTorch; tensor, pipeline, data and expert parallelism are applied
+afterwards by `pipeline.core.parallel` (DESIGN principle 2). Build it on the `meta` device,
+parallelise, `to_empty(device=...)`, then call `init_weights()`:
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device="cuda")
+    model.init_weights()
+
+Parameter names are the canonical checkpoint names: `tok_embeddings`, `layers.<global index>.*`,
+`norm`, `output`. Layers live in an `nn.ModuleDict` keyed by the global layer index so a pipeline
+stage that keeps layers 8-15 still calls them `layers.8` ... `layers.15`; a stage may also set
+`tok_embeddings`, `norm` or `output` to None when it does not own them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.core.kernels.attention import attention
+from pipeline.core.model.config import ModelConfig, RopeScaling
+from pipeline.core.model.moe import MoE
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face Llama does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]`, with Llama 3.1 frequency scaling if configured.
+
+    Llama 3.1 leaves high frequencies (wavelength < original_max / high_freq_factor) alone,
+    divides low frequencies (wavelength > original_max / low_freq_factor) by `factor`, and
+    interpolates linearly in between.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    orig = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = orig / scaling.low_freq_factor
+    high_freq_wavelen = orig / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (orig / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_between, interpolated, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces cos/sin `[batch, 1, seq, head_dim]` for given positions.
+
+    Only the inverse frequencies are kept (a non-persistent buffer, rebuilt by `init_weights`),
+    so no table sized by the maximum context is stored and any position id works.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        c = self.config
+        device = buffer_device or self.inv_freq.device
+        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = position_ids[..., None].float() * self.inv_freq  # [batch, seq, head_dim // 2]
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[batch, heads, seq, head_dim]` in the "rotate half" convention.
+
+    Dimension i is paired with i + head_dim/2 (not with its neighbour as in Meta's original
+    code), matching Hugging Face checkpoints so their q/k weights load without permutation.
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def _init_linear(linear: nn.Linear, std: float) -> None:
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query kv heads, RoPE and optional q/k/v bias (Qwen2)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        q_dim = config.num_attention_heads * config.head_dim
+        kv_dim = config.num_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attention(q, k, v, causal=True, document_ids=document_ids)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _init_linear(linear, std)
+        _init_linear(self.wo, out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        _init_linear(self.w1, std)
+        _init_linear(self.w3, std)
+        _init_linear(self.w2, out_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)) (dense or MoE)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        if config.moe is None:
+            self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
+        else:
+            self.moe = MoE(config.hidden_size, config.expert_ffn_hidden_size, config.moe)
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self.moe if hasattr(self, "moe") else self.feed_forward
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, document_ids)
+        return x + self.mlp(self.ffn_norm(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(std, out_std)
+        self.mlp.init_weights(std, out_std)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """Token embeddings, `num_layers` blocks, final RMSNorm; `output` projects to the vocabulary.
+
+    `forward` returns the normalised hidden states rather than logits so the trainer can fuse the
+    output projection with the loss (`pipeline.core.kernels.cross_entropy`); `logits` is the
+    plain projection for evaluation and tests.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+            config.vocab_size, config.hidden_size
+        )
+        self.rope = RotaryEmbedding(config)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.num_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `output.weight` the embedding parameter itself when `tie_word_embeddings`.
+
+        `Module.to_empty` replaces each parameter separately, which un-ties them, so
+        `init_weights` ties again.
+        """
+        if not self.config.tie_word_embeddings:
+            return
+        if self.tok_embeddings is None or self.output is None:
+            return  # a pipeline stage with one end; tying across stages is the parallel code's job
+        if self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens `[batch, seq]` (or hidden states `[batch, seq, hidden]` on a pipeline stage
+        without embeddings) -> hidden states `[batch, seq, hidden]`, after the final norm.
+
+        position_ids `[batch, seq]` default to 0..seq-1; document_ids `[batch, seq]` restrict
+        attention to tokens of the same document.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+        rope = self.rope(position_ids)
+        for layer in self.layers.values():
+            h = layer(h, rope, document_ids)
+        return self.norm(h) if self.norm is not None else h
+
+    def logits(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Full `[batch, seq, vocab]` logits (materialised; training uses the chunked loss)."""
+        return self.output(self.forward(tokens, position_ids, document_ids))
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Megatron initialisation: normal(0, init_method_std) for embeddings and linear weights;
+        with `use_scaled_init` the block output projections (`wo`, `w2`, expert `w2`) use
+        std / sqrt(2 * num_layers) so the residual stream's variance does not grow with depth;
+        norms one, biases zero. Also rebuilds the RoPE buffer (not stored in checkpoints)."""
+        c = self.config
+        std = c.init_method_std
+        out_std = std / math.sqrt(2 * c.num_layers) if c.use_scaled_init else std
+        self.tie_weights()
+        self.rope.init_weights(buffer_device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std, out_std)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None and not c.tie_word_embeddings:
+            _init_linear(self.output, std)
+
+    def moe_layers(self) -> dict[str, MoE]:
+        """The MoE modules of the layers this model (or pipeline stage) holds, by layer index."""
+        return {i: layer.moe for i, layer in self.layers.items() if hasattr(layer, "moe")}
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Sum over layers of the load-balancing and z-losses of the last forward (already
+        multiplied by their coefficients), to be added to the training loss; None if dense."""
+        losses = [moe.aux_loss for moe in self.moe_layers().values() if moe.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
