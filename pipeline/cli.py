@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pipeline.preprocess.commands:merge",
         "Concatenate .bin/.idx datasets of one dtype into one.",
     ),
+    "checkpoint": (
+        "pipeline.checkpoint.commands:checkpoint",
+        "Verify checkpoints: complete, every file intact.",
+    ),
     "inspect": (
         "pipeline.preprocess.commands:inspect",
         "Show what a .bin/.idx dataset holds, or what a run reads from a blend.",
@@ -57,6 +61,7 @@ def cli() -> None:
     pipe preprocess  raw text -> Megatron .bin/.idx token shards
     pipe merge       several shards -> one
     pipe inspect     what a shard holds
+    pipe checkpoint  verify a checkpoint
     """
 
 

@@ -1,0 +1,136 @@
+"""Load a committed checkpoint in place, refusing anything incomplete or unsafe.
+
+The directory comes from an explicit iteration, from the `latest` tracker (or Megatron's
+`latest_checkpointed_iteration.txt`), or is given directly. It must carry a complete
+`pipe_metadata.json`; DCP's `.metadata` is read with a restricted unpickler. DCP re-shards on
+load, so a checkpoint saved under one parallel layout loads under any other.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint.layout import (
+    DCP_METADATA,
+    PIPE_METADATA,
+    CheckpointError,
+    iteration_dir_name,
+    read_pipe_metadata,
+    read_tracker,
+)
+from pipeline.checkpoint.rng import restore_rng_state
+from pipeline.checkpoint.safe_reader import load_dcp_metadata, safe_file_system_reader
+from pipeline.checkpoint.state import (
+    is_stateful,
+    merge_json_leaves,
+    resolve_stateful,
+    split_state,
+)
+
+
+def resolve_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = None) -> Path:
+    """The `iter_*` directory to load: given iteration, else the tracker's, else `load_dir`.
+
+    `load_dir` may itself be a checkpoint directory. Raises `CheckpointError` naming the
+    directory when it is missing or not a complete checkpoint.
+    """
+    root = Path(load_dir)
+    if iteration is not None:
+        target = root / iteration_dir_name(iteration)
+    elif (root / PIPE_METADATA).exists():
+        target = root
+    else:
+        if not root.is_dir():
+            raise CheckpointError(f"checkpoint directory {root} does not exist")
+        tracked = read_tracker(root)
+        if tracked is None:
+            raise CheckpointError(f"{root} has no 'latest' tracker and no iteration was given")
+        target = tracked
+    if not target.is_dir():
+        raise CheckpointError(f"checkpoint {target} does not exist")
+    record = read_pipe_metadata(target)
+    if record is None or record.get("complete") is not True:
+        raise CheckpointError(
+            f"checkpoint {target} is incomplete (no complete {PIPE_METADATA}); "
+            "it was probably interrupted while saving and will not be loaded"
+        )
+    return target
+
+
+def read_checkpoint_record(directory: str | os.PathLike) -> dict[str, Any]:
+    """The whole `pipe_metadata.json` of a complete checkpoint directory."""
+    target = resolve_checkpoint_dir(directory)
+    record = read_pipe_metadata(target)
+    assert record is not None  # resolve_checkpoint_dir checked it
+    return record
+
+
+def load(
+    load_dir: str | os.PathLike,
+    iteration: int | None = None,
+    state: dict[str, Any] | None = None,
+    *,
+    process_group: Any | None = None,
+    restore_rng: bool = True,
+    verify_checksums: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint into `state` in place and return the metadata given to `save`.
+
+    `state` has the same shape as at save time: Stateful objects (their `load_state_dict` is
+    called with the loaded values) or nested dicts of pre-allocated tensors/DTensors, filled in
+    place (use `load_model_and_optimizer_state` afterwards for a model + optimizer). Saved
+    non-tensor leaves are put back into the dicts. RNG states are restored for this rank when
+    `restore_rng`. The returned metadata always has `iteration`.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    target = resolve_checkpoint_dir(load_dir, iteration)
+    record = read_pipe_metadata(target)
+    assert record is not None
+    if verify_checksums:
+        from pipeline.checkpoint.integrity import verify
+
+        report = verify(target)
+        if not report.ok:
+            raise CheckpointError("; ".join(report.problems))
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    if state:
+        resolved = resolve_stateful(state)
+        tensors, _ = split_state(resolved)
+        if tensors:
+            # Read the DCP metadata ourselves first, so an unsafe file is refused with our error
+            # rather than wrapped in DCP's rank-failure report.
+            load_dcp_metadata(target / DCP_METADATA)
+            try:
+                dcp.load(
+                    tensors,
+                    storage_reader=safe_file_system_reader(target),
+                    process_group=process_group,
+                    no_dist=not distributed,
+                )
+            except CheckpointException as error:
+                raise CheckpointError(f"loading checkpoint {target} failed: {error}") from error
+        merge_json_leaves(resolved, record.get("non_tensor_state") or [])
+        for key, value in state.items():
+            if is_stateful(value):
+                value.load_state_dict(resolved[key])
+
+    rng_states = record.get("rng")
+    if restore_rng and rng_states:
+        if rank < len(rng_states):
+            restore_rng_state(rng_states[rank])
+        else:
+            warnings.warn(
+                f"{target}: saved with {len(rng_states)} ranks; rank {rank} keeps its RNG state",
+                stacklevel=2,
+            )
+    metadata = dict(record.get("metadata") or {})
+    metadata.setdefault("iteration", record.get("iteration"))
+    return metadata

@@ -1,0 +1,66 @@
+"""`CheckpointManager`: the trainer's one object for periodic saves, rotation and resume.
+
+It holds the save directory and policy, allows one background save at a time (a new save
+first waits for the pending one) and loads from a separate directory when resuming elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint.layout import CheckpointError, read_tracker
+from pipeline.checkpoint.loader import load
+from pipeline.checkpoint.saver import AsyncSave, save
+
+
+class CheckpointManager:
+    """Save to `save_dir` keeping the last `keep_last`; load from `load_dir` (default: same)."""
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        load_dir: str | os.PathLike | None = None,
+        process_group: Any | None = None,
+    ) -> None:
+        self.save_dir = Path(save_dir)
+        self.load_dir = Path(load_dir) if load_dir is not None else self.save_dir
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.process_group = process_group
+        self._pending: AsyncSave | None = None
+
+    def save(self, iteration: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """Save (in the background when `async_save`), after finishing any pending save."""
+        self.wait()
+        result = save(
+            self.save_dir,
+            iteration,
+            state,
+            metadata,
+            keep_last=self.keep_last,
+            async_save=self.async_save,
+            process_group=self.process_group,
+        )
+        if isinstance(result, AsyncSave):
+            self._pending = result
+
+    def wait(self) -> Path | None:
+        """Finish the pending background save, if any; returns its directory."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def has_checkpoint(self) -> bool:
+        """True when `load_dir` has a tracker to resume from."""
+        try:
+            return read_tracker(self.load_dir) is not None
+        except CheckpointError:
+            return False
+
+    def load(self, state: dict[str, Any], iteration: int | None = None) -> dict[str, Any]:
+        """Load the latest (or the given) checkpoint into `state`; returns its metadata."""
+        self.wait()
+        return load(self.load_dir, iteration, state, process_group=self.process_group)

@@ -1,0 +1,309 @@
+"""Save a training state as a DCP checkpoint and commit it atomically.
+
+Order on disk, all inside `iter_XXXXXXX.tmp-<hex>/`: DCP shards and `.metadata` (fsynced by
+DCP's writer), then `pipe_metadata.json` with per-file sizes and SHA-256 and `"complete": true`
+(fsynced), then the directory is renamed to `iter_XXXXXXX`, then `latest` is replaced through
+a temporary file. A crash at any point leaves the previous checkpoint and tracker untouched;
+the leftover `.tmp-` directory is never loaded. Old checkpoints are rotated out only after that.
+
+Works in one process without a process group (CPU tests, conversion tools) and with one, where
+every rank writes its own shards into the same directory and rank 0 commits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pipeline.checkpoint.integrity import file_record
+from pipeline.checkpoint.layout import (
+    DCP_METADATA,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    PIPE_METADATA,
+    CheckpointError,
+    committed_iterations,
+    fsync_path,
+    iteration_dir_name,
+    read_tracker,
+    temporary_dir_name,
+    write_tracker,
+)
+from pipeline.checkpoint.rng import capture_rng_state
+from pipeline.checkpoint.state import resolve_stateful, split_state
+
+
+def _dist_context(process_group: Any | None) -> tuple[bool, int, int]:
+    """(distributed?, rank, world size) for `process_group` (default group when None)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False, 0, 1
+    return True, dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _broadcast_name(name: str, distributed: bool, process_group: Any | None) -> str:
+    """Every rank must write into the same temporary directory: take rank 0's name."""
+    if not distributed:
+        return name
+    import torch.distributed as dist
+
+    holder = [name]
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(holder, src=src, group=process_group)
+    return holder[0]
+
+
+def _gather(value: Any, distributed: bool, process_group: Any | None) -> list[Any]:
+    """`[value of rank 0, value of rank 1, ...]` (in memory between ranks, never on disk)."""
+    if not distributed:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, value, group=process_group)
+    return gathered
+
+
+def _own_file_records(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Hash this rank's shard files, so ranks share the hashing work of a large checkpoint."""
+    prefix = f"__{rank}_"
+    return {
+        entry.name: file_record(entry)
+        for entry in directory.iterdir()
+        if entry.name.startswith(prefix) and entry.is_file()
+    }
+
+
+def _write_pipe_metadata(directory: Path, record: dict[str, Any]) -> None:
+    """Write the completion record last; its presence with `complete: true` marks the commit."""
+    path = directory / PIPE_METADATA
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _move_into_place(temporary: Path, final: Path) -> None:
+    """Rename the finished directory to its final name, replacing a same-iteration one."""
+    aside = None
+    if final.exists():
+        aside = final.with_name(f"{final.name}.trash-{uuid.uuid4().hex[:12]}")
+        os.replace(final, aside)
+    os.replace(temporary, final)
+    fsync_path(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def rotate(save_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` committed checkpoints; returns what was deleted.
+
+    The checkpoint `latest` points at is always kept. Each victim is first renamed to a
+    `.trash-` name (atomic), so a crash mid-delete never leaves a half-deleted `iter_` dir.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(save_dir)
+    iterations = committed_iterations(root)
+    try:
+        protected = read_tracker(root)
+    except CheckpointError:
+        protected = None
+    deleted = []
+    for iteration in iterations[:-keep_last]:
+        victim = root / iteration_dir_name(iteration)
+        if protected is not None and victim.name == protected.name:
+            continue
+        trash = victim.with_name(f"{victim.name}.trash-{uuid.uuid4().hex[:12]}")
+        os.replace(victim, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(victim)
+    for leftover in root.glob("iter_*.trash-*"):  # from an earlier crash mid-delete
+        shutil.rmtree(leftover, ignore_errors=True)
+    return deleted
+
+
+class _SaveJob:
+    """Everything a save needs after DCP has written its files: the commit step."""
+
+    def __init__(
+        self,
+        save_dir: Path,
+        iteration: int,
+        temporary: Path,
+        record: dict[str, Any],
+        keep_last: int | None,
+        process_group: Any | None,
+    ) -> None:
+        self.save_dir = save_dir
+        self.iteration = iteration
+        self.temporary = temporary
+        self.record = record
+        self.keep_last = keep_last
+        self.process_group = process_group
+
+    def commit(self) -> Path:
+        """Checksums, completion record, rename, tracker, rotation (rank 0; others wait)."""
+        distributed, rank, _ = _dist_context(self.process_group)
+        records = _gather(_own_file_records(self.temporary, rank), distributed, self.process_group)
+        final = self.save_dir / iteration_dir_name(self.iteration)
+        failure: BaseException | None = None
+        if rank == 0:
+            try:
+                self._commit_on_coordinator(records, final)
+            except BaseException as error:  # re-raised below, after the other ranks learn of it
+                failure = error
+        # Doubles as the closing barrier: every rank learns whether the commit happened.
+        outcome = _gather(
+            None if failure is None else str(failure), distributed, self.process_group
+        )
+        if failure is not None:
+            raise failure
+        if outcome[0] is not None:
+            raise CheckpointError(f"commit of {final} failed on rank 0: {outcome[0]}")
+        return final
+
+    def _commit_on_coordinator(self, records: list[dict[str, Any]], final: Path) -> None:
+        """Rank 0: record every file's size and SHA-256, mark complete, rename, track, rotate."""
+        files: dict[str, dict[str, Any]] = {}
+        for rank_records in records:
+            files.update(rank_records)
+        for entry in self.temporary.iterdir():
+            if entry.name not in files and entry.is_file():
+                files[entry.name] = file_record(entry)
+        if DCP_METADATA not in files:
+            raise CheckpointError(f"{self.temporary}: DCP wrote no {DCP_METADATA}")
+        record = dict(self.record, files=files, complete=True)
+        _write_pipe_metadata(self.temporary, record)
+        fsync_path(self.temporary)
+        _move_into_place(self.temporary, final)
+        write_tracker(self.save_dir, final.name)
+        if self.keep_last is not None:
+            rotate(self.save_dir, self.keep_last)
+
+
+def _dcp_result(future: Any, temporary: Path) -> None:
+    """Wait for DCP's write; its failures (BaseException subclasses) become CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        future.result()
+    except CheckpointException as error:
+        raise CheckpointError(f"writing checkpoint {temporary} failed: {error}") from error
+
+
+class AsyncSave:
+    """Handle of a checkpoint being written in the background by `dcp.async_save`.
+
+    Without a process group the commit runs as soon as DCP's future completes (on DCP's thread);
+    with one it runs in `wait()`, because the commit uses collectives that must be issued from
+    the training thread on every rank. Call `wait()` before the next save and before exiting.
+    """
+
+    def __init__(self, dcp_future: Any, job: _SaveJob, distributed: bool) -> None:
+        self._job = job
+        self._distributed = distributed
+        self._dcp_future = dcp_future
+        self._committed: concurrent.futures.Future[Path] = concurrent.futures.Future()
+        if not distributed:
+            dcp_future.add_done_callback(self._commit_when_written)
+
+    def _commit_when_written(self, future: Any) -> None:
+        try:
+            _dcp_result(future, self._job.temporary)
+            self._committed.set_result(self._job.commit())
+        except BaseException as error:  # handed to wait()
+            self._committed.set_exception(error)
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed (or failed); `wait()` will not block."""
+        if self._distributed:
+            return self._dcp_future.done() and self._committed.done()
+        return self._committed.done()
+
+    def wait(self) -> Path:
+        """Block until committed; returns the final directory or raises the save's error."""
+        if self._distributed and not self._committed.done():
+            try:
+                _dcp_result(self._dcp_future, self._job.temporary)
+                self._committed.set_result(self._job.commit())
+            except BaseException as error:
+                self._committed.set_exception(error)
+        return self._committed.result()
+
+
+def save(
+    save_dir: str | os.PathLike,
+    iteration: int,
+    state: dict[str, Any],
+    metadata: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    async_save: bool = False,
+    *,
+    process_group: Any | None = None,
+    save_rng: bool = True,
+) -> Path | AsyncSave:
+    """Write `state` as checkpoint `iteration` under `save_dir` and commit it atomically.
+
+    `state` maps names to Stateful objects or nested dicts of tensors (DTensors included).
+    Non-tensor leaves that are JSON values go to `pipe_metadata.json`; anything else is an
+    error. `metadata` (JSON: iteration, consumed samples, scheduler, data blend, tokenizer,
+    model config, parallel layout...) is stored as given and returned by `load`. RNG states
+    of every rank are recorded unless `save_rng` is False. Returns the committed directory, or
+    an `AsyncSave` handle when `async_save` is true.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(save_dir)
+    distributed, rank, world_size = _dist_context(process_group)
+    tensors, json_leaves = split_state(resolve_stateful(state))
+    rng = _gather(capture_rng_state(), distributed, process_group) if save_rng else None
+    record = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "iteration": iteration,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        "world_size": world_size,
+        "metadata": metadata or {},
+        "non_tensor_state": json_leaves,
+        "rng": rng,
+    }
+    try:
+        json.dumps(record, allow_nan=True)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {error}") from error
+
+    root.mkdir(parents=True, exist_ok=True)
+    temporary = root / _broadcast_name(temporary_dir_name(iteration), distributed, process_group)
+    writer = dcp.FileSystemWriter(temporary, sync_files=True)
+    job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
+    if async_save:
+        try:
+            future = dcp.async_save(
+                tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed
+            )
+        except CheckpointException as error:
+            raise CheckpointError(f"writing checkpoint {temporary} failed: {error}") from error
+        return AsyncSave(future, job, distributed)
+    try:
+        dcp.save(
+            tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed
+        )
+    except CheckpointException as error:
+        # DCP's exception derives from BaseException; turn it into an ordinary, named error.
+        raise CheckpointError(f"writing checkpoint {temporary} failed: {error}") from error
+    return job.commit()
