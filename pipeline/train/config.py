@@ -1,0 +1,631 @@
+"""The training configuration: one dataclass per section, a docstring per field.
+
+A run is described by `TrainConfig`, whose sections (`model`, `data`, `training`, `optimizer`,
+`scheduler`, `checkpoint`, `parallel`, `fp8`, `logging`) map one to one onto the tables of a recipe
+TOML file and onto the `section.key` names that `--set` accepts. Values are layered
+defaults < recipe < `--set` < first-class CLI flags by `pipeline.train.config_loader`; this module
+only holds the schema, its typed setter and the cross-field checks.
+
+`None` means "not set" everywhere: every field that may be `None` defaults to `None`, so dropping
+`None` values when writing TOML (which has no null) loses nothing on reload.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Union
+
+from pipeline.core.model.config import ModelConfig, MoEConfig
+
+__all__ = [
+    "CheckpointSection",
+    "ConfigError",
+    "DataSection",
+    "Fp8Section",
+    "LoggingSection",
+    "ModelSection",
+    "OptimizerSection",
+    "ParallelSection",
+    "SchedulerSection",
+    "TrainConfig",
+    "TrainingSection",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or inconsistent with another."""
+
+
+@dataclass
+class ModelSection:
+    """Which model to train: a named flavor, plus optional overrides of its fields.
+
+    Every override left at `None` keeps the flavor's value. Changing `hidden_size` or
+    `num_attention_heads` re-derives `head_dim` (and `num_kv_heads` for multi-head flavors) unless
+    those are overridden too.
+    """
+
+    flavor: str = "tiny"
+    """Name of a model flavor in `pipeline.core.model.flavors` (e.g. llama3_8b, tiny_moe)."""
+    vocab_size: int | None = None
+    """Vocabulary size (rows of the embedding and output layers)."""
+    hidden_size: int | None = None
+    """Model width."""
+    num_layers: int | None = None
+    """Number of transformer blocks."""
+    num_attention_heads: int | None = None
+    """Number of query heads."""
+    num_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention)."""
+    head_dim: int | None = None
+    """Width of one attention head."""
+    ffn_hidden_size: int | None = None
+    """Hidden width of the SwiGLU MLP."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon."""
+    rope_theta: float | None = None
+    """RoPE base frequency."""
+    max_position_embeddings: int | None = None
+    """Longest sequence the position encoding is configured for."""
+    tie_word_embeddings: bool | None = None
+    """Share the input embedding with the output layer."""
+    qkv_bias: bool | None = None
+    """Add biases to the query/key/value projections (Qwen2)."""
+    init_method_std: float | None = None
+    """Standard deviation of the normal weight initialisation."""
+    use_scaled_init: bool | None = None
+    """Scale output-projection init by 1/sqrt(2 * num_layers) (Megatron)."""
+    num_experts: int | None = None
+    """Experts per MoE layer; 0 turns a MoE flavor dense, >0 makes a dense flavor MoE."""
+    moe_top_k: int | None = None
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden width of one expert's MLP."""
+    moe_aux_loss_coeff: float | None = None
+    """Weight of the load-balancing auxiliary loss."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss."""
+    moe_capacity_factor: float | None = None
+    """Expert capacity factor (tokens over capacity are dropped); unset keeps the flavor's."""
+
+
+@dataclass
+class DataSection:
+    """Where training tokens come from and how samples are cut from them."""
+
+    blend: str | None = None
+    """Megatron `--data-path` blend: "PREFIX" or "W1 PREFIX1 W2 PREFIX2 ...", split by `split`."""
+    train_blend: str | None = None
+    """Blend used only for training (Megatron `--train-data-path`); excludes `blend`."""
+    valid_blend: str | None = None
+    """Blend used only for validation (Megatron `--valid-data-path`)."""
+    test_blend: str | None = None
+    """Blend used only for testing (Megatron `--test-data-path`)."""
+    split: str = "969,30,1"
+    """Train/valid/test proportions of each dataset in `blend` (Megatron `--split`)."""
+    seq_length: int = 2048
+    """Tokens per training sample."""
+    mock: bool = False
+    """Train on synthetic tokens (Megatron `--mock-data`); excludes real blends."""
+    tokenizer: str | None = None
+    """Tokenizer directory or file, recorded in checkpoints and used to check the vocabulary."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+    add_extra_token_to_sequence: bool = True
+    """Read seq_length + 1 tokens per sample so inputs and labels are both seq_length long."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens."""
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
+    data_cache_path: str | None = None
+    """Directory for the cached sample/shuffle indices (default: beside the data)."""
+
+
+@dataclass
+class TrainingSection:
+    """Length of the run, batch geometry, numerics and device."""
+
+    _choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "device": ("auto", "cpu", "cuda"),
+        "dtype": ("bf16", "fp32"),
+        "activation_checkpointing": ("none", "full", "selective"),
+    }
+
+    iters: int = 1000
+    """Optimizer steps to train for."""
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all data-parallel ranks (accumulation fills the rest)."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout (Megatron's default)."""
+    eval_interval: int = 1000
+    """Validate every this many iterations (0: never)."""
+    eval_iters: int = 100
+    """Validation batches per evaluation."""
+    log_interval: int = 10
+    """Log metrics every this many iterations."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda."""
+    dtype: str = "bf16"
+    """Compute dtype: bf16 (fp32 master weights and optimizer state) or fp32."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: none, full (every block) or selective."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW hyper-parameters and gradient clipping."""
+
+    lr: float = 3e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of decay and after it."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to >=2-D weights only."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+
+
+@dataclass
+class SchedulerSection:
+    """Learning-rate schedule, following Megatron's `OptimizerParamScheduler`."""
+
+    _choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "decay_style": ("cosine", "linear", "wsd", "constant"),
+        "wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
+    }
+
+    warmup_iters: int = 0
+    """Iterations of linear warmup from `warmup_init_lr` to `optimizer.lr`."""
+    warmup_init_lr: float = 0.0
+    """Learning rate at step 0 (Megatron `--lr-warmup-init`)."""
+    decay_style: str = "cosine"
+    """cosine, linear, wsd (warmup-stable-decay) or constant."""
+    decay_iters: int | None = None
+    """Step at which decay reaches `optimizer.min_lr` (unset: `training.iters`)."""
+    wsd_decay_iters: int | None = None
+    """For wsd: length of the final decay phase, which ends at `decay_iters`."""
+    wsd_decay_style: str = "linear"
+    """For wsd: shape of the final decay (linear, cosine, exponential, minus_sqrt)."""
+
+
+@dataclass
+class CheckpointSection:
+    """Saving and loading checkpoints."""
+
+    save: str | None = None
+    """Directory to save checkpoints to (unset: `<run_dir>/checkpoints`)."""
+    load: str | None = None
+    """Checkpoint directory to resume or start from."""
+    save_interval: int = 1000
+    """Save every this many iterations (0: only at the end)."""
+    keep_last: int = 0
+    """Keep only the newest this many checkpoints (0: keep all)."""
+    finetune: bool = False
+    """Load weights only: reset iteration, optimizer, scheduler and data position."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+
+
+@dataclass
+class ParallelSection:
+    """Parallel layout (degrees multiply to the world size; dp=-1 takes what is left)."""
+
+    tp: int = 1
+    """Tensor (and sequence) parallel degree."""
+    pp: int = 1
+    """Pipeline parallel degree."""
+    cp: int = 1
+    """Context parallel degree (splits the sequence)."""
+    ep: int = 1
+    """Expert parallel degree (MoE only)."""
+    dp: int = -1
+    """Data parallel (FSDP) degree; -1: world_size / (tp * pp * cp)."""
+
+
+@dataclass
+class Fp8Section:
+    """FP8 training (reserved: the recipe names are fixed by the FP8 work)."""
+
+    recipe: str | None = None
+    """FP8 scaling recipe (unset: no FP8)."""
+
+
+@dataclass
+class LoggingSection:
+    """Where the run writes its logs and metrics."""
+
+    run_dir: str = "runs/default"
+    """Run directory: config.toml, metrics.jsonl and, by default, checkpoints/."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (needs the `track` extra)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the `track` extra)."""
+    wandb_project: str = "pipe"
+    """W&B project name."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "training": TrainingSection,
+    "optimizer": OptimizerSection,
+    "scheduler": SchedulerSection,
+    "checkpoint": CheckpointSection,
+    "parallel": ParallelSection,
+    "fp8": Fp8Section,
+    "logging": LoggingSection,
+}
+
+_MOE_OVERRIDES = {
+    "moe_top_k": "top_k",
+    "moe_ffn_hidden_size": "ffn_hidden_size",
+    "moe_aux_loss_coeff": "aux_loss_coeff",
+    "moe_z_loss_coeff": "z_loss_coeff",
+    "moe_capacity_factor": "capacity_factor",
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs, section by section."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    fp8: Fp8Section = field(default_factory=Fp8Section)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    # ---- typed access -------------------------------------------------------------------------
+
+    def set(self, dotted: str, value: Any, source: str = "config") -> None:
+        """Set `section.key` to `value` after checking it against the field's type and choices.
+
+        `source` (a file name, "--set", "--lr") prefixes error messages so the user knows which
+        input to fix. Ints are accepted for float fields; nothing else is converted.
+        """
+        section_name, _, key = dotted.partition(".")
+        if section_name not in SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section {section_name!r} in {dotted!r}; "
+                f"valid sections: {', '.join(SECTIONS)}"
+            )
+        section = getattr(self, section_name)
+        hints = field_types(type(section))
+        if key not in hints:
+            raise ConfigError(
+                f"{source}: unknown key {key!r} in section [{section_name}]; "
+                f"valid keys: {', '.join(hints)}"
+            )
+        coerced = coerce(value, hints[key], f"{source}: {section_name}.{key}")
+        choices = getattr(type(section), "_choices", {}).get(key)
+        if choices and coerced not in choices:
+            raise ConfigError(
+                f"{source}: {section_name}.{key} must be one of {', '.join(choices)}; "
+                f"got {coerced!r}"
+            )
+        setattr(section, key, coerced)
+
+    def update(self, tables: dict[str, Any], source: str) -> None:
+        """Apply `{section: {key: value}}` (a parsed recipe or config.toml) over this config."""
+        for section_name, values in tables.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"{source}: {section_name!r} must be a table [{section_name}]; "
+                    f"valid sections: {', '.join(SECTIONS)}"
+                )
+            for key, value in values.items():
+                self.set(f"{section_name}.{key}", value, source)
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """`{section: {key: value}}` of every set field (`None` means unset and is left out)."""
+        out: dict[str, dict[str, Any]] = {}
+        for name in SECTIONS:
+            section = getattr(self, name)
+            out[name] = {
+                f.name: copy.copy(getattr(section, f.name))
+                for f in dataclasses.fields(section)
+                if getattr(section, f.name) is not None
+            }
+        return out
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML; `TrainConfig().update(tomllib.loads(...))` reproduces it."""
+        from pipeline.train.toml_io import dumps
+
+        return dumps(self.to_dict())
+
+    def save_toml(self, path: str | os.PathLike[str]) -> None:
+        """Write `to_toml()` to `path` atomically (a temporary file, then a rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(self.to_toml(), encoding="utf-8")
+        os.replace(tmp, path)
+
+    # ---- derived values -----------------------------------------------------------------------
+
+    @property
+    def decay_iters(self) -> int:
+        """The step at which the learning rate reaches `min_lr`."""
+        if self.scheduler.decay_iters is None:
+            return self.training.iters
+        return self.scheduler.decay_iters
+
+    def data_parallel_size(self, world_size: int | None = None) -> int:
+        """`parallel.dp`, inferring -1 from `world_size` (1 when the world size is unknown)."""
+        p = self.parallel
+        if p.dp != -1:
+            return p.dp
+        if world_size is None:
+            return 1
+        return world_size // (p.tp * p.pp * p.cp)
+
+    def model_config(self) -> ModelConfig:
+        """The `ModelConfig` of `model.flavor` with this section's overrides applied."""
+        base = _lookup_flavor(self.model.flavor)
+        return apply_model_overrides(base, self.model)
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def validate(self, world_size: int | None = None) -> TrainConfig:
+        """Check cross-field consistency; raise one `ConfigError` listing every problem."""
+        problems = _problems(self, world_size)
+        if problems:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+        return self
+
+
+# ---- types ---------------------------------------------------------------------------------------
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation of a section dataclass (ClassVars excluded)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def type_name(tp: Any) -> str:
+    """A readable name for an annotation: `int`, `str or None`, `list of int`."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Return `value` if it fits annotation `tp` (int widens to float), else raise `ConfigError`."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, where)
+            except ConfigError:
+                continue
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item_type,) = typing.get_args(tp)
+            return [coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{where} expects {type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+# ---- model resolution ----------------------------------------------------------------------------
+
+
+def _lookup_flavor(name: str) -> ModelConfig:
+    """A fresh `ModelConfig` of the named flavor from `pipeline.core.model.flavors`."""
+    from pipeline.core.model.flavors import FLAVORS
+
+    if name not in FLAVORS:
+        raise ConfigError(f"unknown model.flavor {name!r}; known flavors: {', '.join(FLAVORS)}")
+    return FLAVORS[name]()
+
+
+def apply_model_overrides(base: ModelConfig, section: ModelSection) -> ModelConfig:
+    """`base` with the non-`None` overrides of `section` applied (a new object).
+
+    `head_dim` and `num_kv_heads` are filled in by `ModelConfig.__post_init__`, so they are
+    re-derived when the fields they came from change and they were not overridden themselves.
+    """
+    changes: dict[str, Any] = {}
+    moe_changes: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.name == "flavor" or value is None:
+            continue
+        if f.name in _MOE_OVERRIDES:
+            moe_changes[_MOE_OVERRIDES[f.name]] = value
+        elif f.name != "num_experts":
+            changes[f.name] = value
+    reshaped = "hidden_size" in changes or "num_attention_heads" in changes
+    if reshaped and "head_dim" not in changes:
+        derived = base.hidden_size // base.num_attention_heads
+        if base.head_dim == derived:
+            changes["head_dim"] = None
+    heads_changed = "num_attention_heads" in changes and "num_kv_heads" not in changes
+    if heads_changed and base.num_kv_heads == base.num_attention_heads:
+        changes["num_kv_heads"] = None
+    moe = copy.deepcopy(base.moe)
+    if section.num_experts is not None:
+        if section.num_experts == 0:
+            moe = None
+        else:
+            moe = moe or MoEConfig()
+            moe.num_experts = section.num_experts
+    if moe_changes:
+        if moe is None:
+            raise ConfigError(
+                f"model overrides {', '.join('moe_' + k for k in moe_changes)} need a MoE model; "
+                "set model.num_experts too"
+            )
+        moe = dataclasses.replace(moe, **moe_changes)
+    changes["moe"] = moe
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as e:
+        raise ConfigError(f"model overrides give an invalid model: {e}") from e
+
+
+# ---- cross-field checks --------------------------------------------------------------------------
+
+
+def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
+    problems: list[str] = []
+    t, d, o, s, p = cfg.training, cfg.data, cfg.optimizer, cfg.scheduler, cfg.parallel
+
+    for name in ("iters", "micro_batch_size", "global_batch_size", "log_interval"):
+        if getattr(t, name) <= 0:
+            problems.append(f"training.{name} must be positive, got {getattr(t, name)}")
+    if t.eval_interval < 0 or t.eval_iters < 0:
+        problems.append("training.eval_interval and training.eval_iters must be >= 0")
+    if d.seq_length <= 0:
+        problems.append(f"data.seq_length must be positive, got {d.seq_length}")
+    if d.num_workers < 0:
+        problems.append(f"data.num_workers must be >= 0, got {d.num_workers}")
+
+    split_blends = [b for b in (d.train_blend, d.valid_blend, d.test_blend) if b is not None]
+    if d.blend is not None and split_blends:
+        problems.append("data.blend excludes data.train_blend/valid_blend/test_blend")
+    if d.mock and (d.blend is not None or split_blends):
+        problems.append("data.mock is set together with a data blend; set one or the other")
+    if not d.mock and d.blend is None and d.train_blend is None:
+        problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
+    problems += _split_problems(d.split)
+
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
+    if not 0 <= s.warmup_init_lr <= o.lr:
+        problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
+    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
+        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+
+    decay = cfg.decay_iters
+    if s.warmup_iters < 0:
+        problems.append(f"scheduler.warmup_iters must be >= 0, got {s.warmup_iters}")
+    if decay <= 0 or s.warmup_iters >= decay:
+        # Megatron asserts both: the decay phase must exist and start after warmup.
+        problems.append(
+            f"need 0 <= scheduler.warmup_iters ({s.warmup_iters}) < decay iters ({decay})"
+        )
+    if s.decay_style == "wsd":
+        if s.wsd_decay_iters is None:
+            problems.append("scheduler.decay_style = wsd needs scheduler.wsd_decay_iters")
+        elif not 0 < s.wsd_decay_iters <= decay - s.warmup_iters:
+            problems.append(
+                f"scheduler.wsd_decay_iters ({s.wsd_decay_iters}) must be in "
+                f"(0, decay iters - warmup_iters = {decay - s.warmup_iters}]"
+            )
+
+    layout_ok = t.micro_batch_size > 0 and d.seq_length > 0
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            problems.append(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+            layout_ok = False
+    if p.dp == 0 or p.dp < -1:
+        problems.append(f"parallel.dp must be >= 1 or -1 (infer), got {p.dp}")
+        layout_ok = False
+    if not layout_ok:
+        return problems  # the checks below divide by these
+
+    model_parallel = p.tp * p.pp * p.cp
+    if world_size is not None:
+        if p.dp == -1 and world_size % model_parallel:
+            problems.append(
+                f"world size {world_size} is not divisible by tp*pp*cp = {model_parallel}"
+            )
+        elif p.dp != -1 and p.dp * model_parallel != world_size:
+            problems.append(
+                f"tp*pp*cp*dp = {p.dp * model_parallel} does not match world size {world_size}"
+            )
+    dp = cfg.data_parallel_size(world_size)
+    if dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
+        problems.append(
+            f"training.global_batch_size ({t.global_batch_size}) must be divisible by "
+            f"micro_batch_size * dp ({t.micro_batch_size} * {dp})"
+        )
+    if p.cp > 1 and d.seq_length % (2 * p.cp):
+        # Load-balanced context parallelism cuts the sequence into 2 * cp chunks.
+        problems.append(f"data.seq_length ({d.seq_length}) must be divisible by 2 * cp ({p.cp})")
+    if p.ep > 1 and world_size is not None and (dp * p.cp) % p.ep:
+        problems.append(f"parallel.ep ({p.ep}) must divide dp * cp ({dp * p.cp})")
+    problems += _model_problems(cfg)
+    return problems
+
+
+def _model_problems(cfg: TrainConfig) -> list[str]:
+    """Checks that need the resolved model: the flavor exists and the layout fits its shape."""
+    p = cfg.parallel
+    try:
+        m = cfg.model_config()
+    except ConfigError as e:
+        return [str(e)]
+    problems = []
+    if p.pp > m.num_layers:
+        problems.append(f"parallel.pp ({p.pp}) exceeds the model's {m.num_layers} layers")
+    if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:
+        problems.append(
+            f"parallel.tp ({p.tp}) must divide num_attention_heads ({m.num_attention_heads}) "
+            f"and num_kv_heads ({m.num_kv_heads})"
+        )
+    if p.ep > 1:
+        if m.moe is None:
+            problems.append(f"parallel.ep = {p.ep} needs a MoE model; {cfg.model.flavor} is dense")
+        elif m.moe.num_experts % p.ep:
+            problems.append(f"parallel.ep ({p.ep}) must divide num_experts ({m.moe.num_experts})")
+    return problems
+
+
+def _split_problems(split: str) -> list[str]:
+    parts = [x.strip() for x in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        return [f"data.split {split!r} must be up to three comma-separated numbers"]
+    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        return [f"data.split {split!r}: up to three non-negative numbers with a positive sum"]
+    return []

@@ -1,0 +1,195 @@
+"""What a run will cost before it starts: parameters, FLOPs and memory per device (`--dry-run`).
+
+Parameter and FLOP counts come from `pipeline.core.model.flavors`; this module adds the count of
+parameters active per token (MoE), the split of parameters across the parallel layout, and a
+memory model. The memory model is an estimate, stated so it can be checked:
+
+* Training state, 16 bytes per parameter whatever the compute dtype: fp32 weights (4), fp32
+  gradients (4), Adam's two fp32 moments (8). With bf16 the forward/backward runs on bf16 copies
+  gathered one block at a time by FSDP; those transient copies are not counted.
+* Split: non-expert parameters over tp * pp, expert parameters over ep * tp * pp (expert tensor
+  parallel = tp, Megatron's default); then all of it sharded by FSDP over dp * cp (for experts,
+  dp * cp / ep), as torchtitan's meshes do. Pipeline stages are assumed equal in size.
+* Activations per layer per token, in the compute dtype, from what backward keeps (no dropout,
+  SDPA/flash attention so no seq x seq scores): the two norm inputs and outputs (4h), q, k, v and
+  the attention output (2q + 2kv), and per routed expert its input copy plus gate, up and their
+  product (h + 3f; dense: 3f). Tensor + sequence parallel divide all of it by tp, context parallel
+  divides the tokens by cp. Logits add tokens * vocab / tp * (dtype + 4 bytes for the fp32 loss).
+* With full activation checkpointing each layer keeps only its input (h), plus one layer's full
+  activations while it is recomputed. 1F1B pipelining keeps min(pp, micro batches) micro batches
+  in flight on the first stage, i.e. about one micro batch through all layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.flavors import flops_per_token, num_parameters
+from pipeline.train.config import TrainConfig
+
+__all__ = [
+    "MemoryEstimate",
+    "ParamCounts",
+    "dry_run_report",
+    "estimate_memory",
+    "parameter_counts",
+]
+
+_GIB = 1024**3
+_STATE_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + Adam exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model."""
+
+    total: int
+    """Every parameter, all experts included, tied embeddings counted once."""
+    active: int
+    """Parameters a single token passes through (top-k experts only; equals total when dense)."""
+    expert: int
+    """Parameters inside experts (0 when dense)."""
+    embedding: int
+    """Input embedding plus untied output layer."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device; see the module docstring for the assumptions."""
+
+    params_per_device: float
+    """Parameters held by one device after the tp/pp/ep split and FSDP sharding."""
+    state: float
+    """Weights + gradients + Adam moments."""
+    activations_none: float
+    """Activations of one micro batch without activation checkpointing."""
+    activations_full: float
+    """Activations of one micro batch with full activation checkpointing."""
+
+    @property
+    def total_none(self) -> float:
+        return self.state + self.activations_none
+
+    @property
+    def total_full(self) -> float:
+        return self.state + self.activations_full
+
+
+def parameter_counts(model: ModelConfig) -> ParamCounts:
+    """Total, active-per-token, expert and embedding parameter counts."""
+    total = num_parameters(model)
+    h = model.hidden_size
+    embedding = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
+    if model.moe is None:
+        return ParamCounts(total=total, active=total, expert=0, embedding=embedding)
+    per_expert = 3 * h * model.expert_ffn_hidden_size
+    expert = model.num_layers * model.moe.num_experts * per_expert
+    inactive = model.num_layers * (model.moe.num_experts - model.moe.top_k) * per_expert
+    return ParamCounts(total=total, active=total - inactive, expert=expert, embedding=embedding)
+
+
+def estimate_memory(
+    cfg: TrainConfig, model: ModelConfig, world_size: int | None = None
+) -> MemoryEstimate:
+    """Per-device memory of `cfg`'s layout for `model` (see the module docstring)."""
+    p = cfg.parallel
+    dp = cfg.data_parallel_size(world_size)
+    counts = parameter_counts(model)
+    dense = counts.total - counts.expert
+    dense_local = dense / (p.tp * p.pp) / (dp * p.cp)
+    expert_local = counts.expert / (p.ep * p.tp * p.pp) / max(dp * p.cp / p.ep, 1)
+    params_local = dense_local + expert_local
+
+    act_bytes = 2 if cfg.training.dtype == "bf16" else 4
+    h = model.hidden_size
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_kv_heads * model.head_dim
+    if model.moe is None:
+        mlp = 3 * model.ffn_hidden_size
+    else:
+        mlp = model.moe.top_k * (h + 3 * model.expert_ffn_hidden_size) + model.moe.num_experts
+    per_token_layer = (4 * h + 2 * q + 2 * kv + mlp) / p.tp
+    tokens = cfg.training.micro_batch_size * cfg.data.seq_length / p.cp
+    layers_local = math.ceil(model.num_layers / p.pp)
+    micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
+    in_flight = min(p.pp, max(micro_batches, 1))
+    logits = tokens * model.vocab_size / p.tp * (act_bytes + 4)
+
+    per_layer = per_token_layer * tokens * act_bytes
+    none = layers_local * per_layer * in_flight + logits
+    full = layers_local * (h / p.tp) * tokens * act_bytes * in_flight + per_layer + logits
+    return MemoryEstimate(
+        params_per_device=params_local,
+        state=params_local * _STATE_BYTES_PER_PARAM,
+        activations_none=none,
+        activations_full=full,
+    )
+
+
+def dry_run_report(cfg: TrainConfig, world_size: int | None = None) -> list[str]:
+    """Human-readable lines describing the resolved run and what it will cost."""
+    model = cfg.model_config()
+    t, p, d, o, s = cfg.training, cfg.parallel, cfg.data, cfg.optimizer, cfg.scheduler
+    dp = cfg.data_parallel_size(world_size)
+    dp_note = " (inferred)" if p.dp == -1 and world_size is not None else ""
+    if p.dp == -1 and world_size is None:
+        dp_note = " (dp=-1 with no world size: assuming 1)"
+    accumulation = t.global_batch_size // (t.micro_batch_size * dp)
+    tokens_per_step = t.global_batch_size * d.seq_length
+    counts = parameter_counts(model)
+    fpt = flops_per_token(model, d.seq_length)
+    mem = estimate_memory(cfg, model, world_size)
+
+    moe = ""
+    if model.moe is not None:
+        moe = f", MoE {model.moe.num_experts} experts top-{model.moe.top_k}"
+    data = "mock (synthetic tokens)" if d.mock else (d.blend or d.train_blend or "-")
+    lines = [
+        f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"heads {model.num_attention_heads}/{model.num_kv_heads} kv, ffn {model.ffn_hidden_size}, "
+        f"vocab {model.vocab_size}{moe}",
+        f"data         {data}; seq {d.seq_length}, split {d.split}",
+        f"layout       tp {p.tp} pp {p.pp} cp {p.cp} ep {p.ep} dp {dp}{dp_note} "
+        f"= {p.tp * p.pp * p.cp * dp} devices",
+        f"batch        micro {t.micro_batch_size} x accumulation {accumulation} x dp {dp} "
+        f"= global {t.global_batch_size} samples = {tokens_per_step:,} tokens/step",
+        f"schedule     {t.iters:,} iters ({t.iters * tokens_per_step:,} tokens); lr {o.lr:g} "
+        f"-> {o.min_lr:g}, warmup {s.warmup_iters}, {s.decay_style} until {cfg.decay_iters:,}",
+        f"numerics     {t.dtype} on {t.device}, activation checkpointing "
+        f"{t.activation_checkpointing}, compile {t.compile}, fp8 {cfg.fp8.recipe or 'off'}",
+        f"parameters   {counts.total:,} total ({_count(counts.total)})",
+    ]
+    if model.moe is not None:
+        lines.append(f"             {counts.active:,} active per token ({_count(counts.active)})")
+    lines += [
+        f"FLOPs        {_si(fpt)}FLOP/token (Megatron's num_floating_point_operations, "
+        "causal attention, forward + backward)",
+        f"             {_si(fpt * tokens_per_step)}FLOP/step, "
+        f"{fpt * tokens_per_step * t.iters:.3g} FLOP for the run",
+        f"memory/dev   {_count(mem.params_per_device)} params -> weights + grads + Adam "
+        f"(16 B/param) {mem.state / _GIB:.2f} GiB",
+        f"             activations per micro batch: {mem.activations_none / _GIB:.2f} GiB "
+        f"without checkpointing, {mem.activations_full / _GIB:.2f} GiB with full",
+        f"             total ~ {mem.total_none / _GIB:.2f} GiB (none) / "
+        f"{mem.total_full / _GIB:.2f} GiB (full); excludes framework, buffers and "
+        "fragmentation",
+    ]
+    return lines
+
+
+def _si(value: float) -> str:
+    """`8.03 B`, `2.84 M`, `51.5 G`: three significant digits and a decimal prefix."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}"
+    return f"{value:.3g} "
+
+
+def _count(value: float) -> str:
+    """Parameter counts the way model cards write them: `8.03 B`, `2.84 M`."""
+    for factor, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {suffix}"
+    return f"{value:.0f}"

@@ -1,0 +1,93 @@
+"""AdamW with Megatron's weight-decay rule, and the learning-rate scheduler that drives it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from pipeline.train.schedules import LRSchedule
+
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
+
+__all__ = ["MegatronLR", "build_optimizer", "build_scheduler", "param_groups"]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: decayed (>=2-D weights) and not decayed (biases and 1-D params such as norms).
+
+    This is Megatron's rule (`name.endswith(".bias") or param.ndim == 1` -> no decay), so
+    embeddings and the output layer are decayed. Both groups are always present, even when one is
+    empty, so optimizer state dicts keep the same layout across models and layouts.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.endswith(".bias") or param.ndim < 2:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over `param_groups(model)` with `cfg.optimizer`'s hyper-parameters.
+
+    The fused kernel is used when every parameter lives on CUDA; elsewhere the multi-tensor
+    `foreach` kernel, which torch has long supported for DTensor parameters on CPU (our reference
+    path, where resumed runs must match bit for bit).
+    """
+    o = cfg.optimizer
+    groups = param_groups(model, o.weight_decay)
+    devices = {p.device.type for g in groups for p in g["params"]}
+    fused = devices == {"cuda"}
+    return torch.optim.AdamW(
+        groups,
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=fused or None,
+        foreach=None if fused else True,
+    )
+
+
+class MegatronLR(LambdaLR):
+    """`LambdaLR` driven by an `LRSchedule`; every param group gets `schedule.lr(step)`.
+
+    Its state dict holds only the step count and learning rates (the schedule itself comes from
+    the config, so a resumed run follows the config it was started with now), and loading one
+    re-applies the learning rate at the loaded step so optimizer and scheduler agree at once.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> None:
+        self.schedule = schedule
+
+        # A plain function, not a callable object: LambdaLR then leaves it out of state_dict().
+        def factor(step: int) -> float:
+            return schedule.factor(step)
+
+        super().__init__(optimizer, lr_lambda=factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("schedule", None)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        lrs = [base * self.schedule.factor(self.last_epoch) for base in self.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> MegatronLR:
+    """The learning-rate scheduler for `cfg`; call `.step()` after each `optimizer.step()`."""
+    return MegatronLR(optimizer, LRSchedule.from_config(cfg))
