@@ -15,6 +15,10 @@ from pipeline import __version__
 
 # name -> (module:attribute, one-line help shown by `pipe --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "plot": (
+        "pipeline.train.plot_command:plot",
+        "Plot loss, lr, grad norm and tokens/s of one or more runs.",
+    ),
     "preprocess": (
         "pipeline.preprocess.commands:preprocess",
         "Tokenize JSONL/Parquet/Arrow text into Megatron .bin/.idx token shards.",
@@ -62,6 +66,7 @@ def cli() -> None:
     pipe merge       several shards -> one
     pipe inspect     what a shard holds
     pipe checkpoint  verify a checkpoint
+    pipe plot        curves of one or more runs
     """
 
 
