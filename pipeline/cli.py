@@ -35,6 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pipeline.preprocess.commands:inspect",
         "Show what a .bin/.idx dataset holds, or what a run reads from a blend.",
     ),
+    "train": (
+        "pipeline.train.commands:train",
+        "Train a Llama-style dense or MoE model from a recipe (--dry-run to size it first).",
+    ),
 }
 
 
@@ -65,6 +69,7 @@ def cli() -> None:
     pipe preprocess  raw text -> Megatron .bin/.idx token shards
     pipe merge       several shards -> one
     pipe inspect     what a shard holds
+    pipe train       train a model from a recipe on preprocessed data
     pipe checkpoint  verify a checkpoint
     pipe plot        curves of one or more runs
     """

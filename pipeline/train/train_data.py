@@ -1,0 +1,140 @@
+"""The trainer's data: which tokenizer ids the samples use, the three split datasets, loaders.
+
+Tokenizer ids (EOD, vocabulary size) come, in this order, from the preprocess manifest beside
+the first dataset of the blend (`pipeline.data.manifest`), from `data.tokenizer` when set, or,
+for mock data, from the model: EOD = vocab_size - 1. The manifest records no pad id, and a pad
+id only matters for partial samples, so `pad_id` is None (Megatron's GPT tokenizers have none
+either). Sample counts per split follow Megatron's rule: train iters * gbs, valid
+(iters // eval_interval + 1) * eval_iters * gbs, test eval_iters * gbs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.data import manifest
+from pipeline.data.blend_spec import (
+    Blend,
+    MockData,
+    PerSplitBlend,
+    all_prefixes,
+    parse_blend,
+    parse_per_split_blend,
+)
+from pipeline.data.blended import build_datasets
+from pipeline.data.gpt_dataset import GPTDatasetConfig
+from pipeline.data.loader import build_data_loader
+from pipeline.train.config import ConfigError, TrainConfig
+
+__all__ = ["TokenizerInfo", "build_loader", "build_split_datasets", "split_sizes", "tokenizer_info"]
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The ids training needs from the tokenizer, and where they came from."""
+
+    eod_id: int
+    vocab_size: int
+    source: str
+    """"manifest:<path>", "tokenizer:<path>" or "mock"."""
+    fingerprint: dict[str, Any] | None = None
+    """The manifest's tokenizer record (kind, files with SHA-256), for checkpoint metadata."""
+
+    def to_metadata(self) -> dict[str, Any]:
+        return {
+            "eod_id": self.eod_id,
+            "vocab_size": self.vocab_size,
+            "source": self.source,
+            "fingerprint": self.fingerprint,
+        }
+
+
+def data_spec(cfg: TrainConfig, model_vocab: int) -> Blend | PerSplitBlend | MockData:
+    """The blend `cfg.data` describes (one blend, per-split blends, or mock data)."""
+    d = cfg.data
+    try:
+        if d.mock:
+            return MockData(vocab_size=model_vocab)
+        if d.blend is not None:
+            return parse_blend(d.blend, source="data.blend")
+        return parse_per_split_blend(d.train_blend, d.valid_blend, d.test_blend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def tokenizer_info(cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData) -> TokenizerInfo:
+    """EOD id and vocabulary size of the data's tokenizer (see the module docstring)."""
+    if isinstance(spec, MockData):
+        return TokenizerInfo(spec.vocab_size - 1, spec.vocab_size, "mock")
+    first = all_prefixes(spec)[0]
+    path = manifest.find_for_dataset(first)
+    record = manifest.read(path) if path is not None else None
+    tok = (record or {}).get("tokenizer") or {}
+    if tok.get("eod") is not None and tok.get("vocab_size") is not None:
+        return TokenizerInfo(int(tok["eod"]), int(tok["vocab_size"]), f"manifest:{path}", tok)
+    if cfg.data.tokenizer is not None:
+        from pipeline.preprocess.tokenizer import load_tokenizer
+
+        loaded = load_tokenizer(cfg.data.tokenizer)
+        if loaded.eod is None:
+            raise ConfigError(
+                f"data.tokenizer {cfg.data.tokenizer}: the tokenizer has no EOD token"
+            )
+        return TokenizerInfo(
+            int(loaded.eod), int(loaded.vocab_size), f"tokenizer:{cfg.data.tokenizer}",
+            loaded.fingerprint(),
+        )  # fmt: skip
+    raise ConfigError(
+        f"cannot tell the end-of-document token of {first}: no preprocess manifest beside it; "
+        "set data.tokenizer to the tokenizer the data was made with"
+    )
+
+
+def split_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
+    """Samples wanted per split, by Megatron's rule (valid is 0 when evaluation is off)."""
+    t = cfg.training
+    gbs = t.global_batch_size
+    if t.eval_interval == 0 or t.eval_iters == 0:
+        return t.iters * gbs, 0, 0
+    return t.iters * gbs, (t.iters // t.eval_interval + 1) * t.eval_iters * gbs, t.eval_iters * gbs
+
+
+def build_split_datasets(
+    cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData, tok: TokenizerInfo
+) -> list[Any]:
+    """Train, valid and test datasets (None for a split without data)."""
+    d = cfg.data
+    identity = (tok.fingerprint or {}).get("files") or tok.source
+    config = GPTDatasetConfig(
+        sequence_length=d.seq_length,
+        eod_id=tok.eod_id,
+        tokenizer_id=str(identity),
+        random_seed=cfg.training.seed,
+        split=None if isinstance(spec, PerSplitBlend) else d.split,
+        add_extra_token_to_sequence=d.add_extra_token_to_sequence,
+        reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask,
+        eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=False,  # the model takes document ids instead of a dense mask
+        path_to_cache=d.data_cache_path,
+        pad_id=None,
+    )
+    try:
+        return build_datasets(spec, config, split_sizes(cfg))
+    except ValueError as e:
+        raise ConfigError(f"building the datasets: {e}") from e
+
+
+def build_loader(dataset: Any, cfg: TrainConfig, consumed_samples: int) -> Any:
+    """A resumable loader for one split on a single data-parallel rank (None without data)."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    return build_data_loader(
+        dataset,
+        cfg.training.micro_batch_size,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+        consumed_samples=consumed_samples,
+        num_workers=cfg.data.num_workers,
+    )

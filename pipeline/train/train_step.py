@@ -1,0 +1,139 @@
+"""One optimizer step over a global batch, and one evaluation pass.
+
+The loss of a step is the sum of the masked token losses of all its micro-batches divided by
+the number of loss tokens in the whole global batch (not a mean of per-micro-batch means), so
+a step gives the same loss and gradients whatever the micro-batch size: 1 x 8 == 8 x 1 up to
+floating-point summation order. MoE auxiliary losses are per forward pass, so each micro-batch
+adds its own scaled by 1 / num_micro_batches. The output projection is fused with the loss in
+chunks (`chunked_linear_cross_entropy`), so full-vocabulary fp32 logits never exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+
+__all__ = ["StepResult", "autocast_context", "batch_to_device", "evaluate", "train_step"]
+
+CE_CHUNK_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: its loss (CE only, token-normalised), gradient norm, token count."""
+
+    loss: float
+    grad_norm: float
+    num_tokens: int
+    skipped: bool
+
+
+def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA when asked (weights, grads and optimizer state stay fp32); plain
+    fp32 otherwise. CPU runs fp32 even for bf16 configs: CPU bf16 autocast is slow and is not
+    the reference numerics."""
+    if device.type == "cuda" and dtype == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def document_ids_from_tokens(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Document index of each position: the count of EOD tokens strictly before it, so an EOD
+    belongs to the document it ends (Megatron's `reset_attention_mask` rule)."""
+    is_eod = (tokens == eod_id).long()
+    return torch.cumsum(is_eod, dim=1) - is_eod
+
+
+def batch_to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, eod_id: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The model's inputs from a loader batch, on `device`; with `eod_id` also `document_ids`
+    so attention stops at document boundaries (the dataset's dense mask is not used)."""
+    out = {
+        key: batch[key].to(device, non_blocking=True)
+        for key in ("tokens", "labels", "loss_mask", "position_ids")
+    }
+    if eod_id is not None:
+        out["document_ids"] = document_ids_from_tokens(out["tokens"], eod_id)
+    return out
+
+
+def micro_batch_loss(
+    model: Any, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of masked token losses, number of loss tokens) of one micro-batch."""
+    hidden = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
+    return chunked_linear_cross_entropy(
+        hidden, model.output.weight, batch["labels"], batch["loss_mask"], CE_CHUNK_TOKENS
+    )
+
+
+def train_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    *,
+    clip_grad: float,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> StepResult:
+    """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
+
+    A non-finite step leaves weights, optimizer state and learning rate untouched (gradients
+    are dropped) and reports `skipped`; the caller counts it.
+    """
+    autocast = autocast or contextlib.nullcontext()
+    global_tokens = float(sum(mb["loss_mask"].sum() for mb in micro_batches))
+    denominator = max(global_tokens, 1.0)
+    num_micro = len(micro_batches)
+    loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
+    optimizer.zero_grad(set_to_none=True)
+    for batch in micro_batches:
+        with autocast:
+            loss_sum, _ = micro_batch_loss(model, batch)
+            loss = loss_sum / denominator
+            aux = model.moe_aux_loss()
+            if aux is not None:
+                loss = loss + aux / num_micro
+        loss.backward()
+        loss_sum_total += loss_sum.detach()
+
+    max_norm = clip_grad if clip_grad > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    loss_value = (loss_sum_total / denominator).item()
+    norm_value = float(grad_norm)
+    finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
+    if finite:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, norm_value, int(global_tokens), skipped=not finite)
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    batches: Iterable[dict[str, torch.Tensor]],
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> tuple[float, int]:
+    """Token-normalised loss over `batches` (the model is put in eval mode, then back)."""
+    autocast = autocast or contextlib.nullcontext()
+    was_training = model.training
+    model.eval()
+    loss_sum = 0.0
+    tokens = 0.0
+    try:
+        for batch in batches:
+            with autocast:
+                batch_loss, batch_tokens = micro_batch_loss(model, batch)
+            loss_sum += float(batch_loss)
+            tokens += float(batch_tokens)
+    finally:
+        model.train(was_training)
+    return loss_sum / max(tokens, 1.0), int(tokens)
