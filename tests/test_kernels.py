@@ -120,3 +120,47 @@ def test_chunked_cross_entropy_bf16() -> None:
     assert torch.allclose(loss, ref, rtol=2e-2)
     assert torch.allclose(hidden.grad.float(), hidden32.grad, atol=5e-2)
     assert torch.allclose(weight.grad.float(), weight32.grad, atol=5e-2)
+
+
+def test_resolve_backend_auto_and_explicit():
+    from pipeline.core.kernels.attention import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", device=cpu, document_masking=False) == "sdpa"
+    assert resolve_backend("flash_attn", device=cpu, document_masking=False) == "flash_attn"
+    with pytest.raises(ValueError, match="unknown attention backend 'xformers'"):
+        resolve_backend("xformers", device=cpu, document_masking=False)
+
+
+@pytest.mark.gpu
+def test_flash_attn_backend_matches_sdpa():
+    pytest.importorskip("flash_attn")
+    from pipeline.core.kernels.attention import attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    reference = attention(q, k, v, backend="sdpa").float()
+    flash = attention(q, k, v, backend="flash_attn").float()
+    torch.testing.assert_close(flash, reference, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_attn_backend_refuses_document_masking():
+    from pipeline.core.kernels.attention import attention
+
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises((ValueError, ImportError), match="flash"):
+        attention(q, q, q, document_ids=torch.zeros(1, 4, dtype=torch.long), backend="flash_attn")
+
+
+def test_fp8_hook_refuses_clearly_and_is_a_no_op_without_a_recipe():
+    from pipeline.core.kernels.fp8 import apply_fp8
+
+    model = torch.nn.Linear(4, 4)
+    cpu = torch.device("cpu")
+    assert apply_fp8(model, None, cpu) is model
+    with pytest.raises(ValueError, match="unknown backend 'fp16'"):
+        apply_fp8(model, "fp16", cpu)
+    with pytest.raises(ValueError, match="FP8 training needs a CUDA GPU; this run is on cpu"):
+        apply_fp8(model, "torchao:tensorwise", cpu)

@@ -281,3 +281,26 @@ def test_activation_checkpointing_keeps_losses(tmp_path: Path) -> None:
         )
         losses[mode] = Trainer(resolve_config(None, sets[:]), console=False).train().losses
     assert losses["none"] == losses["full"] == losses["selective"]
+
+
+def test_fp8_recipe_on_cpu_is_refused_before_training(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.train.commands import train
+
+    result = CliRunner().invoke(
+        train,
+        [
+            "--recipe",
+            "tiny",
+            "--iters",
+            "40",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "fp8.recipe=torchao:tensorwise",
+        ],
+    )
+    assert result.exit_code == 1
+    assert "FP8 training needs a CUDA GPU" in result.output
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -9,6 +9,20 @@ import time
 from typing import TextIO
 
 
+def terminal_bar(total: int | None, *, desc: str, stream: TextIO | None = None, **options):
+    """A tqdm bar on `stream` (stderr by default) when it is a terminal, else None (logs and CI
+    get plain lines instead)."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+    from tqdm import tqdm
+
+    size = shutil.get_terminal_size((100, 24))
+    # A pty that reports a 0x0 size would otherwise hide the bar entirely.
+    return tqdm(total=total, desc=desc, file=stream, ncols=size.columns, nrows=size.lines,
+                **options)  # fmt: skip
+
+
 class Progress:
     """Tracks documents, tokens and bytes; shows rates and, when the input size is known, an ETA."""
 
@@ -28,19 +42,9 @@ class Progress:
         self.documents = self.tokens = self.input_bytes = self.text_bytes = 0
         self._last_log = self.start
         self._bar = None
-        if enabled and self.stream.isatty():
-            from tqdm import tqdm
-
-            size = shutil.get_terminal_size((100, 24))
-            self._bar = tqdm(
-                total=self.total_bytes,
-                unit="B",
-                unit_scale=True,
-                file=self.stream,
-                desc="preprocess",
-                # A pty that reports a 0x0 size would otherwise hide the bar entirely.
-                ncols=size.columns,
-                nrows=size.lines,
+        if enabled:
+            self._bar = terminal_bar(
+                self.total_bytes, desc="preprocess", stream=self.stream, unit="B", unit_scale=True
             )
 
     def update(self, *, documents: int, tokens: int, input_bytes: int, text_bytes: int) -> None:

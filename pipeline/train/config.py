@@ -137,6 +137,7 @@ class TrainingSection:
         "device": ("auto", "cpu", "cuda"),
         "dtype": ("bf16", "fp32"),
         "activation_checkpointing": ("none", "full", "selective"),
+        "attention_backend": ("auto", "sdpa", "flash_attn"),
     }
 
     iters: int = 1000
@@ -161,6 +162,9 @@ class TrainingSection:
     """Recompute activations in backward: none, full (every block) or selective."""
     compile: bool = False
     """torch.compile each transformer block."""
+    attention_backend: str = "auto"
+    """auto (flash-attn on CUDA when installed and no document masking, else sdpa), sdpa or
+    flash_attn."""
 
 
 @dataclass

@@ -31,8 +31,11 @@ from pipeline.checkpoint import (
     load_model_and_optimizer_state,
     model_and_optimizer_state,
 )
+from pipeline.core.kernels.attention import resolve_backend
+from pipeline.core.kernels.fp8 import apply_fp8
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.model.transformer import Transformer
+from pipeline.preprocess.progress import terminal_bar
 from pipeline.train import train_data
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
@@ -141,13 +144,28 @@ class Trainer:
         self.model_config = self.cfg.model_config()
         with torch.device("meta"):
             model = Transformer(self.model_config)
+        try:
+            model = apply_fp8(model, self.cfg.fp8.recipe, self.device)
+        except (ValueError, NotImplementedError) as e:  # a recipe asking for what is not here
+            raise ConfigError(str(e)) from e
         model = parallelize(model, self.cfg)
+        self._select_attention(model)
         model.to_empty(device=self.device)
         model.init_weights(buffer_device=self.device)
         model.train()
         if self.device.type == "cpu" and self.cfg.training.dtype == "bf16":
             log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
         return model
+
+    def _select_attention(self, model: Transformer) -> None:
+        backend = resolve_backend(
+            self.cfg.training.attention_backend,
+            device=self.device,
+            document_masking=self.cfg.data.reset_attention_mask,
+        )
+        for block in model.layers.values():
+            block.attention.backend = backend
+        log.info("attention backend: %s", backend)
 
     def _build_data(self) -> None:
         """The blend, the tokenizer's ids and the three split datasets."""
@@ -275,6 +293,7 @@ class Trainer:
         saved_at = evaluated_at = None
         iterator = iter(self.train_loader)
         tokens_per_step = t.global_batch_size * self.cfg.data.seq_length
+        bar = terminal_bar(t.iters, desc="train", initial=self.iteration, unit="it", leave=False)
         try:
             with StopSignals() as signals:
                 while self.iteration < t.iters:
@@ -286,6 +305,9 @@ class Trainer:
                     )  # fmt: skip
                     window.add(step, tokens_per_step, time.perf_counter() - start)
                     self._record_step(step, result)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"loss {step.loss:.4f}", refresh=False)
                     if self.iteration % t.log_interval == 0 or self.iteration == t.iters:
                         self._log_train(window)
                         window = _Window()
@@ -309,6 +331,8 @@ class Trainer:
                     if saved_at != self.iteration:
                         result.checkpoint = self.save_checkpoint()
         finally:
+            if bar is not None:
+                bar.close()
             self.metrics.close()
         result.iteration = self.iteration
         result.skipped = self.guard.total

@@ -5,10 +5,11 @@ Grouped-query attention is handled here (kv heads are shared by groups of query 
 document masking: with `document_ids` (one id per token) a token attends only to earlier tokens of
 the same document, which is how Megatron's `reset_attention_mask` treats packed sequences.
 
-Backends: only "sdpa" (torch's `scaled_dot_product_attention`, which itself picks flash /
-memory-efficient / math kernels) exists today. flash-attn or Transformer Engine attention go in
-`_BACKENDS` as functions with the same signature, importing their package inside the function
-so that its absence costs nothing until it is asked for, and each gets a test against "sdpa".
+Backends: "sdpa" (torch's `scaled_dot_product_attention`, which itself picks flash /
+memory-efficient / math kernels; the reference, on CPU and GPU) and "flash_attn" (the flash-attn
+package, CUDA, fp16/bf16, no document masking yet). Each backend imports its package inside its
+function, so its absence costs nothing until it is asked for, and each has a test against "sdpa"
+(the flash-attn one runs on a GPU). Transformer Engine attention joins with the FP8 work.
 """
 
 from __future__ import annotations
@@ -45,7 +46,45 @@ def _sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa}
+def _flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    document_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as e:
+        raise ImportError("attention backend flash_attn needs: pip install 'pipe-llm[gpu]'") from e
+    if document_ids is not None:
+        raise ValueError("attention backend flash_attn has no document masking yet; use sdpa")
+    # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself.
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    return out.transpose(1, 2)
+
+
+_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "flash_attn": _flash_attn}
+BACKENDS = tuple(_BACKENDS)
+
+
+def resolve_backend(name: str, *, device: torch.device, document_masking: bool) -> str:
+    """The backend a run uses: `auto` picks flash_attn on CUDA when it is installed and no
+    document masking is asked for, else sdpa; an explicit name is kept as given."""
+    if name != "auto":
+        if name not in _BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {name!r}; have auto, {', '.join(BACKENDS)}"
+            )
+        return name
+    if device.type != "cuda" or document_masking:
+        return "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_attn"
 
 
 def attention(

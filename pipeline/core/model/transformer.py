@@ -131,6 +131,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.backend = "sdpa"  # set by the trainer (training.attention_backend)
 
     def forward(
         self,
@@ -144,7 +145,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v, causal=True, document_ids=document_ids)
+        out = attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
