@@ -304,3 +304,16 @@ def test_fp8_recipe_on_cpu_is_refused_before_training(tmp_path):
     assert result.exit_code == 1
     assert "FP8 training needs a CUDA GPU" in result.output
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_moe_model_trains_with_its_aux_loss(tmp_path: Path) -> None:
+    """A micro Mixtral-style model trains on the same path; its router losses are added."""
+    moe = ["model.num_experts=4", "model.moe_top_k=2", "model.moe_aux_loss_coeff=0.01"]
+    cfg = resolve_config(None, micro_sets(tmp_path / "moe", *moe, iters=4))
+    trainer = Trainer(cfg, console=False)
+    assert len(trainer.model.moe_layers()) == 2
+    result = trainer.train()
+    assert result.stop_reason == "finished" and len(result.losses) == 4
+    assert all(math.isfinite(loss) for loss in result.losses.values())
+    aux = trainer.model.moe_aux_loss()
+    assert aux is not None and float(aux) > 0
