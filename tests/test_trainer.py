@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.checkpoint import read_checkpoint_record, verify
+from pipeline.train import toml_io
 from pipeline.train.config_loader import resolve_config
 from pipeline.train.guards import NonFiniteStop
 from pipeline.train.trainer import Trainer
@@ -225,6 +226,10 @@ def test_cli_flags_and_parallel_refusal(tmp_path: Path) -> None:
     result = CliRunner().invoke(train, ["--recipe", "tiny", "--iters", "50", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "global 16 samples" in result.output and "50 iters" in result.output
+    # The resolved config is printed whole, as config.toml will hold it, flags applied.
+    printed = result.output.split("# resolved config (what the run writes to config.toml)\n")[1]
+    resolved = toml_io.loads(printed[: printed.index("model   ")])
+    assert resolved["training"]["iters"] == 50 and resolved["model"]["flavor"] == "tiny"
 
 
 def test_short_real_data_run_learns(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:

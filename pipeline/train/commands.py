@@ -97,6 +97,8 @@ def train(
     if dry_run:
         from pipeline.train.estimates import dry_run_report
 
+        click.echo("# resolved config (what the run writes to config.toml)")
+        click.echo(cfg.to_toml())
         click.echo("\n".join(dry_run_report(cfg, world_size=1)))
         return
     _run(cfg)
