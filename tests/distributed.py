@@ -1,0 +1,74 @@
+"""A small harness for tier-B tests: run a function on `world_size` gloo processes on this CPU.
+
+    def check(rank, world_size, tmp):        # runs in every process, process group initialised
+        ...                                  # raise (or assert) to fail; return picklable results
+    results = run_distributed(check, world_size=2, tmp_path=tmp_path)   # one result per rank
+
+Processes are spawned (not forked), use a FileStore rendezvous in `tmp_path` (no ports), and
+`destroy_process_group` runs in each. An exception in any rank fails the test with that rank's
+traceback. Mark such tests `@pytest.mark.dist`; each costs a few seconds of process start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 240
+
+
+def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, queue: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)
+        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        queue.put((rank, True, fn(rank, world_size, Path(tmp), *args)))
+    except BaseException:  # report every failure, then let the process end
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
+    """Run `fn(rank, world_size, tmp_path, *args)` on `world_size` gloo ranks; return results in
+    rank order. `fn` must be importable (a module-level function of a test module)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_entry, args=(r, fn, world_size, str(tmp_path), args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures = []
+    for _ in range(world_size):
+        try:
+            rank, ok, value = queue.get(timeout=TIMEOUT_S)
+        except queue_module.Empty:
+            failures.append(f"a rank reported nothing within {TIMEOUT_S} s (crashed or hung)")
+            break
+        if ok:
+            results[rank] = value
+        else:
+            failures.append(f"rank {rank} failed:\n{value}")
+    for p in procs:
+        p.join(TIMEOUT_S if not failures else 5)
+        if p.is_alive():
+            p.kill()
+            failures.append(f"process {p.pid} did not exit")
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [results[r] for r in range(world_size)]
