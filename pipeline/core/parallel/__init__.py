@@ -1,0 +1,1 @@
+"""Parallelism applied to the single-device model: TP/SP, FSDP2, pipeline stages and schedules."""

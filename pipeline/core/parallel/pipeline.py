@@ -1,0 +1,225 @@
+"""Pipeline parallelism on `torch.distributed.pipelining`: split the model, build the schedule.
+
+The transformer is split by layer ranges (DESIGN principle 2: layers keep their global index, so
+parameter names do not depend on the split). Each rank builds one stage module per (virtual)
+stage it holds, wraps it in a `PipelineStage`, and hands the stages to one of torch's schedules
+(principle 1: no home-made pipeline engine):
+
+    ranges = stage_layer_ranges(cfg.num_layers, num_stages)
+    indices = local_stage_indices(pp_rank, pp_size, "Interleaved1F1B")
+    modules = [split_model(copy.deepcopy(meta_model), i, num_stages, ranges) for i in indices]
+    ... materialise and initialise `modules` ...
+    stages = build_stages(modules, indices, num_stages, device, pp_group)
+    schedule = build_schedule(stages, n_microbatches, make_loss_fn(modules), "Interleaved1F1B")
+    schedule.step(tokens, position_ids=pos, target=masked_labels(labels, loss_mask),
+                  losses=losses, loss_kwargs={"num_tokens": global_loss_tokens})
+
+The last stage returns hidden states after the final norm; the loss function owns the output
+projection through `chunked_linear_cross_entropy(hidden, output.weight, ...)`, so full logits are
+never materialised. It divides each micro-batch's loss sum by the global loss-token count, so the
+micro-batch losses add up to the single-device, token-normalised loss; build the schedule with
+`scale_grads=False` for that (`scale_grads=True` would divide the gradients again by the number of
+micro-batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
+
+from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+
+# Label value for positions that do not count in the loss (the loss mask travels inside the
+# target tensor, since a schedule's loss function receives exactly one target per micro-batch).
+IGNORE_INDEX = -100
+CE_CHUNK_TOKENS = 4096
+
+# Schedules whose ranks hold one stage each; every other schedule holds two stages per rank.
+SINGLE_STAGE_SCHEDULES = frozenset({"1f1b", "gpipe"})
+# Schedules that place a rank's two stages in a "V" (rank r: stages r and 2*pp - 1 - r).
+V_SCHEDULES = frozenset({"zbvzerobubble", "dualpipev"})
+
+
+def _split_evenly(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts of `num_stages` stages differing by at most one; the earlier stages get the
+    extra layers, since the last stage also pays for the output projection and the loss."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i < extra else 0) for i in range(num_stages)]
+
+
+def stage_layer_ranges(
+    num_layers: int,
+    num_stages: int,
+    *,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> list[tuple[int, int]]:
+    """Contiguous `[start, stop)` layer ranges, one per (virtual) stage, covering all layers.
+
+    By default balanced. `first_stage_layers` / `last_stage_layers` fix the first and last
+    stage's counts (Megatron's `--decoder-first/last-pipeline-num-layers`, to make room for the
+    embedding and the output + loss; either may be 0) and the rest are spread evenly over the
+    middle stages, each of which must get at least one layer.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    for name, value in (("first", first_stage_layers), ("last", last_stage_layers)):
+        if value is not None and not 0 <= value <= num_layers:
+            raise ValueError(f"{name}_stage_layers must be in [0, {num_layers}], got {value}")
+    if num_stages == 1:
+        fixed = {v for v in (first_stage_layers, last_stage_layers) if v is not None}
+        if fixed and fixed != {num_layers}:
+            raise ValueError(
+                f"with one stage, first/last_stage_layers must equal num_layers {num_layers}"
+            )
+        return [(0, num_layers)]
+
+    first = first_stage_layers
+    last = last_stage_layers
+    middle_stages = num_stages - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < middle_stages or (middle_stages == 0 and middle_layers != 0):
+        raise ValueError(
+            f"cannot place {num_layers} layers on {num_stages} stages with "
+            f"first_stage_layers={first}, last_stage_layers={last}: the other "
+            f"{middle_stages} stage(s) would get {middle_layers} layer(s) "
+            "(each needs at least one, and all layers must be placed)"
+        )
+    counts = _split_evenly(middle_layers, middle_stages) if middle_stages else []
+    if first is not None:
+        counts.insert(0, first)
+    if last is not None:
+        counts.append(last)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def local_stage_indices(pp_rank: int, pp_size: int, schedule: str) -> list[int]:
+    """The global stage indices rank `pp_rank` holds: `[r]` for single-stage schedules,
+    `[r, r + pp]` for interleaved ones (looping placement), `[r, 2 * pp - 1 - r]` for V ones."""
+    name = schedule.lower()
+    if name in SINGLE_STAGE_SCHEDULES:
+        return [pp_rank]
+    if name in V_SCHEDULES:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp_size]
+
+
+def stages_per_rank(schedule: str) -> int:
+    """How many (virtual) stages each rank holds under `schedule` (1 or 2)."""
+    return 1 if schedule.lower() in SINGLE_STAGE_SCHEDULES else 2
+
+
+def split_model(
+    model: nn.Module,
+    stage_index: int,
+    num_stages: int,
+    ranges: Sequence[tuple[int, int]],
+) -> nn.Module:
+    """Turn `model` (a `Transformer`) into pipeline stage `stage_index`, in place, and return it.
+
+    Keeps only the layers in `ranges[stage_index]` (still named by their global index), the
+    embedding only on the first stage and the final norm and output only on the last. Pass a
+    copy (cheap on the `meta` device) when a rank builds several stages from one model.
+    """
+    if len(ranges) != num_stages:
+        raise ValueError(f"{len(ranges)} layer ranges for {num_stages} stages")
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index {stage_index} not in [0, {num_stages})")
+    if num_stages > 1 and getattr(model.config, "tie_word_embeddings", False):
+        raise NotImplementedError(
+            "tied embeddings across pipeline stages are not supported (the first and last "
+            "stage would need to share and all-reduce the embedding gradient)"
+        )
+    start, stop = ranges[stage_index]
+    for name in list(model.layers.keys()):
+        if not start <= int(name) < stop:
+            del model.layers[name]
+    if stage_index != 0:
+        model.tok_embeddings = None
+    if stage_index != num_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_stages(
+    modules: Sequence[nn.Module],
+    stage_indices: Sequence[int],
+    num_stages: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> list[PipelineStage]:
+    """Wrap this rank's stage modules as `PipelineStage`s; shapes are inferred on the first step
+    by a metadata exchange, so micro-batch shapes may change between runs of `build_schedule`."""
+    if len(modules) != len(stage_indices):
+        raise ValueError(f"{len(modules)} modules for {len(stage_indices)} stage indices")
+    return [
+        PipelineStage(module, index, num_stages, device, group=group)
+        for module, index in zip(modules, stage_indices, strict=True)
+    ]
+
+
+def masked_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The schedule's `target`: labels with `IGNORE_INDEX` where the loss mask is zero (the
+    mask is 0/1, as the data loader produces it)."""
+    return torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX))
+
+
+def make_loss_fn(
+    modules: Sequence[nn.Module], chunk_tokens: int = CE_CHUNK_TOKENS
+) -> Callable[..., torch.Tensor]:
+    """The schedule's loss function: `loss_fn(hidden, target, num_tokens)` ->
+    chunked linear cross-entropy of the last stage's hidden states against `target`
+    (see `masked_labels`), summed over the micro-batch and divided by `num_tokens`, the loss
+    tokens of the whole batch (passed as `step(..., loss_kwargs={"num_tokens": n})`).
+
+    The output weight is looked up among `modules` (the rank's stage modules) when called; only
+    the rank holding the last stage ever calls it.
+    """
+
+    def loss_fn(hidden: torch.Tensor, target: torch.Tensor, num_tokens: float) -> torch.Tensor:
+        output = next((m.output for m in modules if m.output is not None), None)
+        if output is None:
+            raise RuntimeError("loss_fn called on a rank that does not hold the output layer")
+        loss_sum, _ = chunked_linear_cross_entropy(
+            hidden, output.weight, target, target != IGNORE_INDEX, chunk_tokens
+        )
+        return loss_sum / max(float(num_tokens), 1.0)
+
+    return loss_fn
+
+
+def build_schedule(
+    stages: Sequence[PipelineStage],
+    n_microbatches: int,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    schedule: str = "1F1B",
+    scale_grads: bool = True,
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """A torch pipeline schedule by name ("1F1B", "GPipe", "Interleaved1F1B",
+    "InterleavedZeroBubble", "ZBVZeroBubble", ... as `get_schedule_class` knows them) over this
+    rank's stages. Pass `scale_grads=False` with `make_loss_fn`'s token-normalised loss.
+    Micro-batch count constraints (e.g. interleaved: a multiple of the rounds) are torch's."""
+    cls = get_schedule_class(schedule)
+    expected = stages_per_rank(schedule)
+    if len(stages) != expected:
+        raise ValueError(
+            f"schedule {schedule} needs {expected} stage(s) per rank, got {len(stages)}"
+        )
+    target = stages[0] if expected == 1 else list(stages)
+    return cls(target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
