@@ -1,0 +1,294 @@
+"""Tensor and sequence parallelism as a DTensor plan, and the vocabulary-parallel loss.
+
+`apply_tensor_parallel` shards the model in place with `parallelize_module` (DESIGN principle 1):
+q/k/v and the MLP's gate and up projections column-wise (each rank holds whole heads and a slice
+of the MLP width), their output projections row-wise, the embedding and the output layer on the
+vocabulary. Attention itself runs on local tensors: the model views q/k/v with -1 heads, so each
+rank attends over its own heads without knowing it is sharded (and CPU SDPA, which has no DTensor
+rule, still works).
+
+With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
+DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
+all-gathers its input and reduce-scatters its output. The stream stays a DTensor rather than a
+local shard because `Transformer.forward` derives default position ids from the hidden states'
+sequence length, which must be the global one.
+
+MoE blocks are not split: experts stay replicated on every tp rank, which computes the whole MoE
+on the whole (gathered) sequence. Expert parallelism is a separate step.
+
+The output layer's weight becomes a vocabulary-sharded DTensor, which the single-device chunked
+loss cannot take; `tp_linear_cross_entropy` computes the same loss from the local vocabulary
+shard. Vocabulary sizes are best padded to `padded_vocab_size(vocab, tp)` when the model is built
+(uneven shards work, but waste the last rank's matmul and break tensor-core alignment).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """The smallest multiple of `multiple * tp` >= `vocab_size` (Megatron's
+    `make_vocab_size_divisible_by`): every tp rank then holds an equal, aligned vocabulary slice."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Shard `model` (a `Transformer` or a pipeline stage of one) over `tp_mesh`, in place.
+
+    loss_parallel: `output(...)` (used by `Transformer.logits`) returns vocabulary-sharded
+    DTensor logits for torch's `loss_parallel()` instead of gathering them. Training does not
+    call `output`; it passes `output.weight` to `tp_linear_cross_entropy`.
+    """
+    if tp_mesh.size() == 1:
+        return model
+    stream = Shard(1) if sequence_parallel else Replicate()
+    # SP keeps the stream a DTensor (see the module docstring); without SP it is a plain tensor.
+    keep_dtensor = sequence_parallel
+
+    top: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=not keep_dtensor
+        ),
+        "output": ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
+    parallelize_module(model, tp_mesh, top)
+
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel, keep_dtensor))
+
+    tie = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tie and model.tok_embeddings is not None and model.output is not None:
+        # Each style made its own DTensor parameter; both are Shard(0) on the vocabulary.
+        model.output.weight = model.tok_embeddings.weight
+    _match_grad_layouts(model)
+    return model
+
+
+def _match_grad_layouts(model: nn.Module) -> None:
+    """Give each DTensor parameter's gradient the parameter's own layout after backward.
+
+    Left alone, the sequence-parallel norm weights (Replicate) get Partial gradients, pending a
+    sum over tp, and the embedding (Shard(0)) a full Replicate one. Optimizers and gradient
+    clipping would then reduce them implicitly on every use, or hold a full-vocabulary gradient
+    on each rank; reducing once here makes `param.grad` a plain shard of the true gradient.
+    FSDP2 replaces the parameters (and so these hooks) and does the same redistribution itself.
+    """
+
+    def hook(param: torch.Tensor) -> None:
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(placements=param.placements)
+
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(hook)
+
+
+def _block_plan(
+    block: nn.Module, sequence_parallel: bool, keep_dtensor: bool
+) -> dict[str, ParallelStyle]:
+    """The plan for one `TransformerBlock`: attention and the MLP (dense or MoE)."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    # One DTensor input shared by q, k and v (and w1, w3), so backward reduces their input
+    # gradients once; under SP this is also where the sequence is all-gathered.
+    plan["attention"] = PrepareModuleInput(
+        input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+    )
+    if hasattr(block, "moe"):
+        if sequence_parallel:
+            # Replicated experts see the whole sequence; the output is re-sharded for the stream.
+            plan["moe"] = _gather_then_reshard(stream)
+        return plan
+    plan["feed_forward"] = PrepareModuleInput(
+        input_layouts=(stream,), desired_input_layouts=(Replicate(),)
+    )
+    plan["feed_forward.w1"] = ColwiseParallel()
+    plan["feed_forward.w3"] = ColwiseParallel()
+    plan["feed_forward.w2"] = RowwiseParallel(
+        output_layouts=stream, use_local_output=not keep_dtensor
+    )
+    return plan
+
+
+def _gather_then_reshard(stream: Shard) -> ParallelStyle:
+    """Gather a replicated module's input over the sequence and shard its output back onto it."""
+    return PrepareModuleInputOutput(
+        input_layouts=(stream,),
+        desired_input_layouts=(Replicate(),),
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(stream,),
+        use_local_input=True,
+        use_local_output=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary-parallel cross-entropy
+# ---------------------------------------------------------------------------------------------
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The chunked fused loss of `pipeline.core.kernels.cross_entropy` on a vocabulary shard.
+
+    Each rank projects onto its rows of the output weight; the softmax's max and denominator and
+    the target logit (held by one rank) are combined with two all-reduces per chunk, so no rank
+    ever holds more than `chunk_tokens x vocab / tp` logits. Gradients are computed in the forward
+    pass, as in the single-device loss: the weight gradient is this rank's shard; the hidden
+    gradient is this rank's partial sum over its vocabulary slice (the caller reduces it).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        vocab_start: int,
+        group: dist.ProcessGroup,
+        chunk_tokens: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
+        need_weight_grad = grad_enabled and ctx.needs_input_grad[1]
+        need_grad = need_hidden_grad or need_weight_grad
+        local_vocab = weight.shape[0]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
+
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            h, y, m = hidden[rows], labels[rows], loss_mask[rows]
+            logits = (h @ weight.t()).float()
+            row_max = logits.max(dim=-1).values
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            exp = torch.exp(logits - row_max[:, None])
+            mine = (y >= vocab_start) & (y < vocab_start + local_vocab)
+            local_y = (y - vocab_start).clamp(0, local_vocab - 1)
+            target = logits.gather(1, local_y[:, None]).squeeze(1) * mine
+            sums = torch.stack((exp.sum(dim=-1), target))
+            dist.all_reduce(sums, group=group)
+            sum_exp, target = sums
+            loss_sum += ((sum_exp.log() + row_max - target) * m).sum()
+            if not need_grad:
+                continue
+            # d(sum_i m_i * CE_i) / d logits_i = m_i * (softmax_i - onehot(y_i)), on our columns.
+            grad_logits = exp / sum_exp[:, None]
+            hit = mine.nonzero().squeeze(1)
+            grad_logits[hit, local_y[hit]] -= 1.0
+            grad_logits *= m[:, None]
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_hidden_grad:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight_grad:
+                grad_weight += (grad_logits.t() @ h).float()
+
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def tp_linear_cross_entropy(
+    hidden: torch.Tensor,
+    output_weight: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_linear_cross_entropy` for a tensor-parallel model: `(loss_sum, num_tokens)`.
+
+    output_weight: the output layer's weight, a DTensor sharded on the vocabulary (Shard(0));
+    a plain tensor falls through to the single-device loss. hidden: the model's output, a
+    DTensor sharded on the sequence (sequence parallelism) or a plain tensor replicated over tp.
+    labels and loss_mask are the full (unsharded) batch, the same on every tp rank. The loss is
+    the same on every tp rank; backward leaves each rank its shard of the weight gradient and
+    the hidden gradient summed over the vocabulary shards (reduce-scattered back onto the
+    sequence under sequence parallelism).
+    """
+    if not isinstance(output_weight, DTensor):
+        if isinstance(hidden, DTensor):
+            hidden = hidden.full_tensor()
+        return chunked_linear_cross_entropy(hidden, output_weight, labels, loss_mask, chunk_tokens)
+    mesh = output_weight.device_mesh
+    if mesh.ndim != 1 or output_weight.placements != (Shard(0),):
+        raise ValueError(
+            f"output weight must be Shard(0) on a 1-D tp mesh, got {output_weight.placements} "
+            f"on a {mesh.ndim}-D mesh"
+        )
+    # Every rank needs every token; the gradient each rank returns for them is a partial sum.
+    if isinstance(hidden, DTensor):
+        hidden = hidden.redistribute(mesh, (Replicate(),))
+    else:
+        hidden = DTensor.from_local(hidden, mesh, (Replicate(),), run_check=False)
+    hidden = hidden.to_local(grad_placements=(Partial(),))
+
+    weight = output_weight.to_local()
+    vocab, tp = output_weight.shape[0], mesh.size()
+    # DTensor's Shard follows torch.chunk: ceil(vocab / tp) rows per rank, the last ones fewer.
+    vocab_start = min(mesh.get_local_rank() * -(-vocab // tp), vocab)
+
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    if loss_mask is None:
+        loss_mask = torch.ones_like(labels, dtype=torch.float32)
+    loss_mask = loss_mask.reshape(-1).float()
+    labels = torch.where(loss_mask > 0, labels, torch.zeros_like(labels))
+    loss_sum = _VocabParallelCrossEntropy.apply(
+        hidden,
+        weight,
+        labels,
+        loss_mask,
+        vocab_start,
+        mesh.get_group(),
+        chunk_tokens,
+        torch.is_grad_enabled(),
+    )
+    return loss_sum, loss_mask.sum()
