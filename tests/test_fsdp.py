@@ -107,29 +107,12 @@ def _assert_state_close(actual: dict, expected: dict, where: str) -> None:
             assert actual[key] == value, f"{where}.{key}"
 
 
-def _dp_step(model, optimizer, scheduler, micro_batches, dp_group, *, use_global_count: bool):
-    """`train_step` as it must run under data parallelism: the one change is the denominator,
-    `global_token_count(local, dp_group)` instead of the local count; the reported loss is the
-    sum over ranks of the local loss sums over that global count."""
-    import torch.distributed as dist
+def _dp_step(model, optimizer, scheduler, micro_batches, dp_group):
+    """The real `train_step` under data parallelism: (global loss, grad norm)."""
+    from pipeline.train.train_step import train_step
 
-    from pipeline.core.parallel.fsdp import global_token_count
-    from pipeline.train.train_step import micro_batch_loss
-
-    local = sum(mb["loss_mask"].sum() for mb in micro_batches)
-    denominator = global_token_count(local, dp_group) if use_global_count else float(local)
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum_total = torch.zeros(())
-    for batch in micro_batches:
-        loss_sum, _ = micro_batch_loss(model, batch)
-        (loss_sum / denominator).backward()
-        loss_sum_total += loss_sum.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-    optimizer.step()
-    scheduler.step()
-    loss = loss_sum_total / denominator
-    dist.all_reduce(loss, group=dp_group)
-    return float(loss), float(_full(grad_norm))
+    step = train_step(model, optimizer, scheduler, micro_batches, clip_grad=1.0, dp_group=dp_group)
+    return step.loss, step.grad_norm
 
 
 def _fsdp_model(tied: bool, mesh, **kwargs) -> Transformer:
@@ -171,15 +154,15 @@ def _parity_worker(rank: int, world_size: int, tmp: Path) -> list[str]:
             assert (model.output.weight is weight) == tied, "tying changed by sharding"
             copy_full_weights_(model, initial)
             optimizer, scheduler = _optimizer(model)
-            loss, norm = _dp_step(model, optimizer, scheduler, mine, group, use_global_count=True)
+            loss, norm = _dp_step(model, optimizer, scheduler, mine, group)
             name = f"tied={tied} mode={mode} reshard={reshard}"
             assert abs(loss - expected.loss) < TOL, (name, loss, expected.loss)
             assert abs(norm - expected.grad_norm) < 1e-5, (name, norm, expected.grad_norm)
             _assert_state_close(_full(model.state_dict()), reference.state_dict(), name)
             assert (model.output.weight is model.tok_embeddings.weight) == tied, name
             checked.append(name)
-        # Today's train_step runs unchanged on the FSDP model, but its local denominator
-        # gives the wrong gradient (here its norm is off by tens of percent) under dp.
+        # Without the dp group the denominator is the local token count: the wrong gradient
+        # (here its norm is off by tens of percent), which is what dp_group is for.
         model = _fsdp_model(tied, mesh)
         copy_full_weights_(model, initial)
         optimizer, scheduler = _optimizer(model)
@@ -224,7 +207,6 @@ def _checkpoint_worker(rank: int, world_size: int, tmp: Path) -> None:
         scheduler,
         _global_batch()[rank::2],
         mesh.get_group(),
-        use_global_count=True,
     )
     state = model_and_optimizer_state(model, optimizer)
     save(tmp / "fsdp", 2, state, {"layout": {"dp_shard": world_size}})

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+from pipeline.core.parallel.fsdp import global_token_count
 
 __all__ = ["StepResult", "autocast_context", "batch_to_device", "evaluate", "train_step"]
 
@@ -82,14 +83,19 @@ def train_step(
     *,
     clip_grad: float,
     autocast: contextlib.AbstractContextManager | None = None,
+    dp_group: Any = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
     A non-finite step leaves weights, optimizer state and learning rate untouched (gradients
-    are dropped) and reports `skipped`; the caller counts it.
+    are dropped) and reports `skipped`; the caller counts it. Under data parallelism
+    (`dp_group`, with gradients summed over its ranks as `apply_fsdp` does) every rank divides
+    by the loss tokens of the whole global batch and reports the global loss, so every rank
+    takes the same skip decision and dp=N equals one device.
     """
     autocast = autocast or contextlib.nullcontext()
-    global_tokens = float(sum(mb["loss_mask"].sum() for mb in micro_batches))
+    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
+    global_tokens = global_token_count(local_tokens, dp_group)
     denominator = max(global_tokens, 1.0)
     num_micro = len(micro_batches)
     loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
@@ -106,6 +112,8 @@ def train_step(
 
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    if dp_group is not None:
+        torch.distributed.all_reduce(loss_sum_total, group=dp_group)
     loss_value = (loss_sum_total / denominator).item()
     norm_value = float(grad_norm)
     finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
