@@ -18,6 +18,7 @@ stage that keeps layers 8-15 still calls them `layers.8` ... `layers.15`; a stag
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         self.backend = "sdpa"  # set by the trainer (training.attention_backend)
+        # A replacement kernel with `attention`'s signature (context parallelism sets one).
+        self.attention_fn: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self,
@@ -145,7 +148,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
+        if self.attention_fn is not None:
+            out = self.attention_fn(q, k, v, causal=True, document_ids=document_ids)
+        else:
+            out = attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
