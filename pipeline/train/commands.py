@@ -4,30 +4,81 @@ Configuration layers: defaults < recipe < `--set` < first-class flags, and only 
 actually typed override anything (click's parameter source tells us), so a flag's default never
 silently replaces a recipe's value. click is the only import at module level; torch is imported
 inside the callback, so `pipe train --help` stays instant.
+
+`--nproc-per-node N` (N > 1) re-launches the same command under torchrun
+(`python -m torch.distributed.run --nproc-per-node N -m pipeline train ARGS`) unless this process
+already is one of torchrun's (LOCAL_RANK set); each rank then builds its share of the run.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-PARALLEL_FLAGS = ("tp", "pp", "cp", "ep", "dp")
+UNSUPPORTED_PARALLEL = ("tp", "pp", "cp", "ep")
 EXIT_SIGINT = 130  # the shell's convention for "interrupted by Ctrl-C"
 
 
 def _reject_parallel(cfg: object) -> None:
-    """Refuse layouts with more than one device: single-device training only, for now."""
+    """Refuse the layouts not wired in yet: anything but data parallelism."""
     p = cfg.parallel  # type: ignore[attr-defined]
-    wanted = {name: getattr(p, name) for name in PARALLEL_FLAGS if getattr(p, name) > 1}
+    wanted = {name: getattr(p, name) for name in UNSUPPORTED_PARALLEL if getattr(p, name) > 1}
     if wanted:
         layout = ", ".join(f"{k}={v}" for k, v in wanted.items())
         raise click.UsageError(
-            f"parallel layouts are not implemented yet ({layout}): pipe train runs on one "
-            "device (CPU or one GPU) until the parallel work lands; use the default degrees of 1"
+            f"parallel layouts are not implemented yet ({layout}): pipe train runs data "
+            "parallel only (--dp with --nproc-per-node); use degrees of 1 for tp, pp, cp and ep"
         )
+
+
+def _launched_by_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _world_size(nproc_per_node: int) -> int:
+    """The run's world size: torchrun's WORLD_SIZE inside a launched rank, else N."""
+    if _launched_by_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return nproc_per_node
+
+
+def strip_nproc(args: Sequence[str]) -> list[str]:
+    """`args` without `--nproc-per-node N` / `--nproc-per-node=N` (and a leading `train`)."""
+    args = list(args)
+    if args and args[0] == "train":
+        args = args[1:]
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
+
+
+def torchrun_command(nproc_per_node: int, args: Sequence[str]) -> list[str]:
+    """The command that runs `pipe train ARGS` on `nproc_per_node` local processes."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
+        "-m", "pipeline", "train", *strip_nproc(args),
+    ]  # fmt: skip
+
+
+def _relaunch_under_torchrun(nproc_per_node: int) -> None:
+    """Replace this process by torchrun running the same command (never returns)."""
+    command = torchrun_command(nproc_per_node, sys.argv[1:])
+    click.echo(" ".join(command), err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, command)
 
 
 def _default_run_dir(recipe: str | None) -> str:
@@ -55,7 +106,14 @@ def _default_run_dir(recipe: str | None) -> str:
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel (reserved).")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context parallel (reserved).")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel (reserved).")
-@click.option("--dp", type=int, default=-1, show_default=True, help="Data parallel (reserved).")
+@click.option(
+    "--dp", type=int, default=-1, show_default=True,
+    help="Data parallel (FSDP2) degree; -1: the world size.",
+)  # fmt: skip
+@click.option(
+    "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Processes on this node: N > 1 re-launches under torchrun.",
+)  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @click.option("--run-dir", metavar="DIR", help="Run directory (default: runs/<recipe or 'run'>).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved run and its cost; build nothing.")
@@ -67,6 +125,7 @@ def train(
     finetune: bool,
     run_dir: str | None,
     dry_run: bool,
+    nproc_per_node: int,
     **flags: object,
 ) -> None:
     """Train a model from a recipe, with --set overrides and a few first-class flags.
@@ -82,6 +141,7 @@ def train(
         for name, value in flags.items()
         if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
     }
+    world_size = _world_size(nproc_per_node)
     try:
         cfg = resolve_config(recipe, sets, given, validate=False)
         if finetune:
@@ -91,7 +151,7 @@ def train(
         elif cfg.logging.run_dir == LoggingSection().run_dir:
             cfg.logging.run_dir = _default_run_dir(recipe)
         _reject_parallel(cfg)
-        cfg.validate(world_size=1)
+        cfg.validate(world_size=world_size)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if dry_run:
@@ -99,8 +159,10 @@ def train(
 
         click.echo("# resolved config (what the run writes to config.toml)")
         click.echo(cfg.to_toml())
-        click.echo("\n".join(dry_run_report(cfg, world_size=1)))
+        click.echo("\n".join(dry_run_report(cfg, world_size=world_size)))
         return
+    if nproc_per_node > 1 and not _launched_by_torchrun():
+        _relaunch_under_torchrun(nproc_per_node)
     _run(cfg)
 
 
@@ -113,11 +175,15 @@ def _run(cfg: object) -> None:
     from pipeline.train.guards import NonFiniteStop
     from pipeline.train.trainer import Trainer
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    level = logging.INFO if rank0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
     try:
         result = Trainer(cfg).train()  # type: ignore[arg-type]
     except (ConfigError, CheckpointError, NonFiniteStop) as e:
         raise click.ClickException(str(e)) from None
+    finally:
+        _destroy_process_group()
     if result.stop_reason == "SIGINT":
         click.echo(
             f"interrupted at iteration {result.iteration}; saved {result.checkpoint}", err=True
@@ -129,6 +195,14 @@ def _run(cfg: object) -> None:
             "(resume with --load)",
             err=True,
         )
+
+
+def _destroy_process_group() -> None:
+    """Tear down the process group a data-parallel run initialised (no-op otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # `python -m pipeline.train.commands ...` (tests, debugging)

@@ -1,28 +1,45 @@
 """The step between building the model on `meta` and materialising it (DESIGN principle 2).
 
-Single device for now: no tensor, pipeline or data parallelism yet, so `parallelize` applies only
-what a single device has, in the order the parallel version will keep: (TP ->) activation
-checkpointing -> compile (-> FSDP2). Both are applied per transformer block and in place, by
-replacing the block's `forward`, so parameter names (the checkpoint's names) do not change.
+Data parallelism (FSDP2) is the one parallel layout wired in so far; tensor, pipeline, context
+and expert parallelism are refused. `parallelize` applies, in torchtitan's order: (TP ->)
+activation checkpointing -> compile -> FSDP2. Checkpointing and compile are applied per
+transformer block and in place, by replacing the block's `forward`, so parameter names (the
+checkpoint's names) do not change; FSDP2 keeps them too (its parameters are DTensors).
+
+`init_distributed` and `build_parallel_dims` set up the process group and the device mesh of a
+run launched by torchrun (`pipe train --nproc-per-node N`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
+from pipeline.core.parallel.dims import ParallelDims
+
 if TYPE_CHECKING:
     from pipeline.core.model.transformer import Transformer
     from pipeline.train.config import TrainConfig
 
-__all__ = ["apply_activation_checkpointing", "parallelize"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "build_parallel_dims",
+    "init_distributed",
+    "parallelize",
+    "refuse_unsupported_layout",
+    "wants_distributed",
+]
+
+UNSUPPORTED = ("tp", "pp", "cp", "ep")
 
 # Selective recomputation keeps the outputs of matmuls and attention (expensive to recompute)
 # and recomputes everything elementwise (norms, activations, RoPE), which is cheap.
@@ -61,17 +78,81 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         block.forward = checkpointed
 
 
-def parallelize(model: Transformer, cfg: TrainConfig) -> Transformer:
+def refuse_unsupported_layout(cfg: TrainConfig) -> None:
+    """Raise NotImplementedError naming the degrees > 1 that are not wired in (all but dp)."""
+    p = cfg.parallel
+    wanted = {name: getattr(p, name) for name in UNSUPPORTED if getattr(p, name) > 1}
+    if wanted:
+        layout = ", ".join(f"{k}={v}" for k, v in wanted.items())
+        raise NotImplementedError(
+            f"parallel layouts are not implemented yet ({layout}): only data parallelism "
+            "(parallel.dp) is; use degrees of 1 for tp, pp, cp and ep"
+        )
+
+
+def wants_distributed(cfg: TrainConfig) -> bool:
+    """True when the run is (or must be) multi-process: a process group exists, torchrun
+    launched us with WORLD_SIZE > 1, or `parallel.dp` > 1."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.parallel.dp > 1
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Initialise the default process group if needed (gloo on CPU, nccl on CUDA); returns this
+    rank's device (`cuda:LOCAL_RANK` on GPUs). Needs torchrun's RANK / WORLD_SIZE variables
+    when no group exists yet."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            "data parallel training needs one process per rank: launch with "
+            "`pipe train --nproc-per-node N` (torchrun), not a single process"
+        )
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def build_parallel_dims(cfg: TrainConfig, device_type: str) -> ParallelDims:
+    """`ParallelDims` for the initialised world (dp from `parallel.dp`, -1 inferred) with its
+    mesh built; refuses layouts other than pure data parallelism."""
+    refuse_unsupported_layout(cfg)
+    dims = ParallelDims(dp=cfg.parallel.dp, world_size=dist.get_world_size())
+    dims.build_mesh(device_type)
+    return dims
+
+
+def _fsdp_param_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
+    """Compute dtype of the gathered parameters: bf16 only for bf16 runs on CUDA."""
+    bf16 = device_type == "cuda" and cfg.training.dtype == "bf16"
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def parallelize(
+    model: Transformer, cfg: TrainConfig, dims: ParallelDims | None = None
+) -> Transformer:
     """Apply the configured layout to a model still on `meta`; returns the model to train.
 
-    Identity for the parallel degrees (all 1 until the parallel work lands); activation
-    checkpointing and per-block `torch.compile` as configured.
+    Activation checkpointing and per-block `torch.compile` as configured, then, with `dims`
+    and dp > 1, FSDP2 over the "dp_cp" mesh (gradients summed, see `apply_fsdp`). Without
+    `dims` (one process) any parallel degree > 1 is refused.
     """
-    p = cfg.parallel
-    if max(p.tp, p.pp, p.cp, p.ep) > 1 or p.dp > 1:
-        raise NotImplementedError("parallel layouts are not implemented yet (single device only)")
+    from pipeline.core.parallel.fsdp import apply_fsdp
+
+    refuse_unsupported_layout(cfg)
+    if dims is None and cfg.parallel.dp > 1:
+        raise NotImplementedError(
+            f"parallel.dp = {cfg.parallel.dp} needs that many processes "
+            "(pipe train --nproc-per-node N)"
+        )
     apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
     if cfg.training.compile:
         for block in model.layers.values():
             block.compile()
+    if dims is not None and dims.dp_enabled:
+        mesh = dims.get_mesh("dp_cp")
+        apply_fsdp(model, mesh, param_dtype=_fsdp_param_dtype(cfg, mesh.device_type))
     return model

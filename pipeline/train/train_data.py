@@ -126,15 +126,18 @@ def build_split_datasets(
         raise ConfigError(f"building the datasets: {e}") from e
 
 
-def build_loader(dataset: Any, cfg: TrainConfig, consumed_samples: int) -> Any:
-    """A resumable loader for one split on a single data-parallel rank (None without data)."""
+def build_loader(
+    dataset: Any, cfg: TrainConfig, consumed_samples: int, dp_rank: int = 0, dp_size: int = 1
+) -> Any:
+    """A resumable loader for one split on data-parallel rank `dp_rank` of `dp_size` (None
+    without data). `consumed_samples` counts the samples of all ranks (Megatron's rule)."""
     if dataset is None or len(dataset) == 0:
         return None
     return build_data_loader(
         dataset,
         cfg.training.micro_batch_size,
-        data_parallel_rank=0,
-        data_parallel_size=1,
+        data_parallel_rank=dp_rank,
+        data_parallel_size=dp_size,
         consumed_samples=consumed_samples,
         num_workers=cfg.data.num_workers,
     )

@@ -1,9 +1,19 @@
-"""`Trainer`: builds a single-device run from a `TrainConfig` and trains it.
+"""`Trainer`: builds a run (one device, or data parallel over processes) from a `TrainConfig`
+and trains it.
 
-Build order (DESIGN principle 2): seed -> model on `meta` -> `parallelize` (identity for the
-parallel degrees for now; activation checkpointing, compile) -> `to_empty` -> `init_weights` ->
-optimizer and scheduler -> data -> checkpoint resume -> run directory and metrics. Each piece
-has its own `_build_*` method; `train` is the loop, `train_step` (in `train_step.py`) one step.
+Build order (DESIGN principle 2): process group and mesh (multi-process runs only) -> seed ->
+model on `meta` -> `parallelize` (activation checkpointing, compile, FSDP2 when dp > 1) ->
+`to_empty` -> `init_weights` -> optimizer and scheduler -> data -> checkpoint resume -> run
+directory and metrics. Each piece has its own `_build_*` method; `train` is the loop,
+`train_step` (in `train_step.py`) one step.
+
+Data parallelism (launched by torchrun, `pipe train --nproc-per-node N`): every rank loads its
+slice of each global micro-batch, the step divides by the global token count and reports the
+global loss, evaluation losses are summed over the ranks, checkpoints are written by all ranks
+(DCP, DTensor shards) and only rank 0 writes logs and metrics. On a CPU the FSDP model takes
+its weights from a plain model initialised with the run's seed (DTensor has no CPU RNG
+tracker), so dp=N starts from the single-process weights; on CUDA `init_weights` runs on the
+sharded model directly (DTensor's RNG tracker), which differs from one device's draw.
 
 Resuming restores weights, optimizer, scheduler, RNG states, the iteration and the consumed
 sample counts, and the loaders restart from those counts, so on a CPU a resumed run repeats an
@@ -24,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pipeline.checkpoint import (
     CheckpointManager,
@@ -35,13 +46,20 @@ from pipeline.core.kernels.attention import resolve_backend
 from pipeline.core.kernels.fp8 import apply_fp8
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.model.transformer import Transformer
+from pipeline.core.parallel.dims import ParallelDims
+from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.preprocess.progress import terminal_bar
 from pipeline.train import train_data
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.optimizer import build_optimizer, build_scheduler
-from pipeline.train.parallelize import parallelize
+from pipeline.train.parallelize import (
+    build_parallel_dims,
+    init_distributed,
+    parallelize,
+    wants_distributed,
+)
 from pipeline.train.perf import memory_gib, peak_tflops
 from pipeline.train.train_step import (
     StepResult,
@@ -105,7 +123,7 @@ class _Window:
 
 
 class Trainer:
-    """A single-device training run (CPU or one GPU); see the module docstring."""
+    """A training run on one device or data parallel over processes; see the module docstring."""
 
     def __init__(
         self,
@@ -117,6 +135,7 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
+        self.dims = self._build_parallel()
         seed_everything(cfg.training.seed, deterministic=self.device.type == "cpu")
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, cfg)
@@ -128,16 +147,38 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir)
         self.checkpoints = self._build_checkpointing()
         self._resume(load_iteration)
-        self.train_loader = train_data.build_loader(self.datasets[0], cfg, self.consumed["train"])
-        self.valid_loader = train_data.build_loader(self.datasets[1], cfg, self.consumed["valid"])
+        self.train_loader = self._build_loader(0, "train")
+        self.valid_loader = self._build_loader(1, "valid")
         self._valid_iterator: Any = None
         self.metrics = self._build_logging(console)
         self.autocast = autocast_context(self.device, cfg.training.dtype)
-        self.num_micro_batches = cfg.training.global_batch_size // cfg.training.micro_batch_size
+        t = cfg.training
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
     # ---- building -----------------------------------------------------------------------------
+
+    def _build_parallel(self) -> ParallelDims | None:
+        """Process group and mesh of a multi-process run; None (and rank 0 of 1) otherwise."""
+        self.rank, self.dp_rank, self.dp_size = 0, 0, 1
+        self.dp_group: Any = None
+        self.process_group: Any = None
+        if not wants_distributed(self.cfg):
+            return None
+        try:
+            self.device = init_distributed(self.device)
+            dims = build_parallel_dims(self.cfg, self.device.type)
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            raise ConfigError(str(e)) from e
+        self.cfg.validate(world_size=dims.world_size)
+        dp_mesh = dims.get_mesh("dp")
+        self.rank = dist.get_rank()
+        self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dims.dp
+        self.dp_group = dp_mesh.get_group()
+        self.process_group = dist.group.WORLD
+        log.info("data parallel: rank %d of %d (dp=%d)", self.rank, dims.world_size, dims.dp)
+        return dims
 
     def _build_model(self) -> Transformer:
         """Model on `meta`, parallelised, materialised on the device, initialised (fp32)."""
@@ -148,14 +189,34 @@ class Trainer:
             model = apply_fp8(model, self.cfg.fp8.recipe, self.device)
         except (ValueError, NotImplementedError) as e:  # a recipe asking for what is not here
             raise ConfigError(str(e)) from e
-        model = parallelize(model, self.cfg)
+        model = parallelize(model, self.cfg, self.dims)
         self._select_attention(model)
         model.to_empty(device=self.device)
-        model.init_weights(buffer_device=self.device)
+        self._init_weights(model)
         model.train()
         if self.device.type == "cpu" and self.cfg.training.dtype == "bf16":
             log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
         return model
+
+    def _init_weights(self, model: Transformer) -> None:
+        """`init_weights`, except for a sharded model on a CPU: there every rank would draw the
+        same shard, so the shards are filled from a plain model initialised with the seed (the
+        RNG then stands where a single-process run leaves it)."""
+        sharded = self.dims is not None and self.dims.dp_enabled
+        if not sharded or self.device.type != "cpu":
+            model.init_weights(buffer_device=self.device)
+            return
+        with torch.random.fork_rng(devices=[]):
+            model.init_weights(buffer_device=self.device)  # buffers; the shards are replaced
+        copy_full_weights_(model, self._plain_initial_weights())
+
+    def _plain_initial_weights(self) -> dict[str, torch.Tensor]:
+        """Parameters of an unsharded model initialised as a single-process run would be."""
+        with torch.device("meta"):
+            plain = Transformer(self.model_config)
+        plain.to_empty(device=self.device)
+        plain.init_weights(buffer_device=self.device)
+        return dict(plain.named_parameters())
 
     def _select_attention(self, model: Transformer) -> None:
         backend = resolve_backend(
@@ -184,23 +245,35 @@ class Trainer:
             self.tokenizer.eod_id if self.cfg.data.reset_attention_mask else None
         )
 
+    def _build_loader(self, split: int, name: str) -> Any:
+        """This data-parallel rank's resumable loader of one split (None without data)."""
+        return train_data.build_loader(
+            self.datasets[split], self.cfg, self.consumed[name], self.dp_rank, self.dp_size
+        )
+
     def _build_checkpointing(self) -> CheckpointManager:
         c = self.cfg.checkpoint
         save_dir = Path(c.save) if c.save else self.run_dir / "checkpoints"
         return CheckpointManager(
-            save_dir, keep_last=c.keep_last or None, async_save=c.async_save, load_dir=c.load
+            save_dir,
+            keep_last=c.keep_last or None,
+            async_save=c.async_save,
+            load_dir=c.load,
+            process_group=self.process_group,
         )
 
     def _build_logging(self, console: bool) -> MetricsLogger:
         """The run directory with the resolved `config.toml`, and the metrics logger."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg.save_toml(self.run_dir / "config.toml")
+        if self.rank == 0:
+            self.cfg.save_toml(self.run_dir / "config.toml")
         lg = self.cfg.logging
         return MetricsLogger(
             self.run_dir,
             tensorboard=lg.tensorboard,
             wandb_project=lg.wandb_project if lg.wandb else None,
             config=self.cfg.to_dict(),
+            rank=self.rank,
             console=console,
         )
 
@@ -231,7 +304,14 @@ class Trainer:
                 "seq_length": d.seq_length,
             },
             "tokenizer": self.tokenizer.to_metadata(),
-            "layout": {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "world_size": 1},
+            "layout": {
+                "tp": 1,
+                "pp": 1,
+                "cp": 1,
+                "ep": 1,
+                "dp": self.dp_size,
+                "world_size": self.dims.world_size if self.dims is not None else 1,
+            },  # fmt: skip
         }
 
     def save_checkpoint(self) -> Path:
@@ -259,7 +339,7 @@ class Trainer:
             return
         if c.finetune:
             state = model_and_optimizer_state(self.model)
-            load(c.load, iteration, state, restore_rng=False)
+            load(c.load, iteration, state, restore_rng=False, process_group=self.process_group)
             load_model_and_optimizer_state(self.model, None, state)
             log.info("finetuning from the weights in %s (iteration 0)", c.load)
             return
@@ -293,7 +373,7 @@ class Trainer:
         saved_at = evaluated_at = None
         iterator = iter(self.train_loader)
         tokens_per_step = t.global_batch_size * self.cfg.data.seq_length
-        bar = terminal_bar(t.iters, desc="train", initial=self.iteration, unit="it", leave=False)
+        bar = self._progress_bar()
         try:
             with StopSignals() as signals:
                 while self.iteration < t.iters:
@@ -302,6 +382,7 @@ class Trainer:
                         self.model, self.optimizer, self.scheduler,
                         self._next_global_batch(iterator),
                         clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
+                        dp_group=self.dp_group,
                     )  # fmt: skip
                     window.add(step, tokens_per_step, time.perf_counter() - start)
                     self._record_step(step, result)
@@ -337,6 +418,13 @@ class Trainer:
         result.iteration = self.iteration
         result.skipped = self.guard.total
         return result
+
+    def _progress_bar(self) -> Any:
+        """A terminal progress bar on rank 0 (None elsewhere or off a terminal)."""
+        if self.rank != 0:
+            return None
+        t = self.cfg.training
+        return terminal_bar(t.iters, desc="train", initial=self.iteration, unit="it", leave=False)
 
     def _record_step(self, step: StepResult, result: TrainResult) -> None:
         """Advance the iteration and sample counts; count and report a skipped step."""
@@ -391,10 +479,19 @@ class Trainer:
             for batch in self._next_global_batch(self._valid_iterator)
         )
         self.consumed["valid"] += self.cfg.training.eval_iters * self.cfg.training.global_batch_size
-        loss, _ = evaluate(self.model, batches, self.autocast)
+        loss = self._global_eval_loss(*evaluate(self.model, batches, self.autocast))
         ppl = math.exp(loss) if loss < 700 else math.inf
         self.metrics.log(self.iteration, {"loss": loss, "ppl": ppl}, split="valid")
         return loss
+
+    def _global_eval_loss(self, loss: float, tokens: int) -> float:
+        """The token-normalised loss over every data-parallel rank's evaluation batches."""
+        if self.dp_group is None:
+            return loss
+        device = self.device if dist.get_backend(self.dp_group) == "nccl" else "cpu"
+        sums = torch.tensor([loss * tokens, float(tokens)], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, group=self.dp_group)
+        return float(sums[0] / sums[1].clamp(min=1.0))
 
 
 def _is_iter_dir(path: str) -> bool:
