@@ -8,17 +8,57 @@ hidden states and the weight (softmax minus one-hot, times the mask). Backward t
 stored gradients by the incoming gradient. This costs one `[tokens, hidden]` and one
 `[vocab, hidden]` buffer instead of a second projection per chunk, the trade Liger-Kernel's fused
 linear cross-entropy makes too. When no input needs a gradient, or grad mode is off (evaluation),
-the gradient work is skipped.
+the gradient work is skipped. With a `VocabShard` the same pass runs on one rank's rows of a
+vocabulary-parallel weight (tensor parallelism).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
+class VocabShard(NamedTuple):
+    """Where this rank's rows of a vocabulary-parallel output weight start, and its group."""
+
+    start: int
+    group: Any  # torch.distributed.ProcessGroup
+
+
+def _score_chunk(
+    logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor, shard: VocabShard | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(masked loss sum, softmax of the chunk's logits, the columns holding each row's label).
+
+    On a vocabulary shard the softmax's max and denominator and the target logit (held by one
+    rank) are combined with two all-reduces, so no rank holds more than its slice of logits.
+    The third value is None for a full vocabulary, else a boolean of rows whose label is ours.
+    """
+    if shard is None:
+        loss = (F.cross_entropy(logits, y, reduction="none") * m).sum()
+        return loss, torch.softmax(logits, dim=-1), None
+    local_vocab = logits.shape[-1]
+    row_max = logits.max(dim=-1).values
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=shard.group)
+    exp = torch.exp(logits - row_max[:, None])
+    mine = (y >= 0) & (y < local_vocab)
+    target = logits.gather(1, y.clamp(0, local_vocab - 1)[:, None]).squeeze(1) * mine
+    sums = torch.stack((exp.sum(dim=-1), target))
+    dist.all_reduce(sums, group=shard.group)
+    sum_exp, target = sums
+    loss = ((sum_exp.log() + row_max - target) * m).sum()
+    return loss, exp / sum_exp[:, None], mine
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Loss and, when needed, its input gradients in one chunked pass (see the module docstring)."""
+    """Loss and, when needed, its input gradients in one chunked pass (see the module docstring).
+
+    With a `VocabShard` the weight is this rank's vocabulary rows: the weight gradient is this
+    rank's shard and the hidden gradient this rank's partial sum (the caller reduces it).
+    """
 
     @staticmethod
     def forward(
@@ -29,6 +69,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss_mask: torch.Tensor,
         chunk_tokens: int,
         grad_enabled: bool,
+        shard: VocabShard | None,
     ) -> torch.Tensor:
         # Autograd turns grad mode off inside forward, so the caller's mode arrives as an argument.
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
@@ -37,17 +78,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
+        if shard is not None:
+            labels = labels - shard.start  # label columns in this rank's slice
 
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h, y, m = hidden[rows], labels[rows], loss_mask[rows]
-            logits = (h @ weight.t()).float()
-            loss_sum += (F.cross_entropy(logits, y, reduction="none") * m).sum()
+            chunk_loss, grad_logits, mine = _score_chunk((h @ weight.t()).float(), y, m, shard)
+            loss_sum += chunk_loss
             if not need_grad:
                 continue
             # d(sum_i m_i * CE_i) / d logits_i = m_i * (softmax_i - onehot(y_i))
-            grad_logits = torch.softmax(logits, dim=-1)
-            grad_logits[torch.arange(len(y), device=y.device), y] -= 1.0
+            hit = torch.arange(len(y), device=y.device) if mine is None else mine.nonzero()[:, 0]
+            grad_logits[hit, y[hit]] -= 1.0
             grad_logits *= m[:, None]
             grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden_grad:
@@ -66,7 +109,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -75,13 +118,15 @@ def chunked_linear_cross_entropy(
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     chunk_tokens: int = 4096,
+    vocab_shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of masked token losses of `hidden @ weight.T` against `labels`, and the token count.
 
-    hidden `[..., hidden]`, weight `[vocab, hidden]`, labels and loss_mask `[...]` (the leading
-    shapes match). Masked positions may hold any label (e.g. -100). Returns `(loss_sum,
-    num_tokens)` as fp32 scalars; only `loss_sum` carries gradients. Dividing by the token count
-    is left to the caller, which knows the global count across micro-batches and ranks.
+    hidden `[..., hidden]`, weight `[vocab, hidden]` (with `vocab_shard`: this rank's rows of a
+    vocabulary-parallel weight), labels and loss_mask `[...]` (the leading shapes match). Masked
+    positions may hold any label (e.g. -100). Returns `(loss_sum, num_tokens)` as fp32 scalars;
+    only `loss_sum` carries gradients. Dividing by the token count is left to the caller, which
+    knows the global count across micro-batches and ranks.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
@@ -90,6 +135,6 @@ def chunked_linear_cross_entropy(
     loss_mask = loss_mask.reshape(-1).float()
     labels = torch.where(loss_mask > 0, labels, torch.zeros_like(labels))
     loss_sum = _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, labels, loss_mask, chunk_tokens, torch.is_grad_enabled()
+        hidden, weight, labels, loss_mask, chunk_tokens, torch.is_grad_enabled(), vocab_shard
     )
     return loss_sum, loss_mask.sum()

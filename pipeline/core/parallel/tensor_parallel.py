@@ -25,7 +25,6 @@ shard. Vocabulary sizes are best padded to `padded_vocab_size(vocab, tp)` when t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -39,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+from pipeline.core.kernels.cross_entropy import VocabShard, chunked_linear_cross_entropy
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -165,77 +164,6 @@ def _gather_then_reshard(stream: Shard) -> ParallelStyle:
 # ---------------------------------------------------------------------------------------------
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """The chunked fused loss of `pipeline.core.kernels.cross_entropy` on a vocabulary shard.
-
-    Each rank projects onto its rows of the output weight; the softmax's max and denominator and
-    the target logit (held by one rank) are combined with two all-reduces per chunk, so no rank
-    ever holds more than `chunk_tokens x vocab / tp` logits. Gradients are computed in the forward
-    pass, as in the single-device loss: the weight gradient is this rank's shard; the hidden
-    gradient is this rank's partial sum over its vocabulary slice (the caller reduces it).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor,
-        vocab_start: int,
-        group: dist.ProcessGroup,
-        chunk_tokens: int,
-        grad_enabled: bool,
-    ) -> torch.Tensor:
-        need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
-        need_weight_grad = grad_enabled and ctx.needs_input_grad[1]
-        need_grad = need_hidden_grad or need_weight_grad
-        local_vocab = weight.shape[0]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
-
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            h, y, m = hidden[rows], labels[rows], loss_mask[rows]
-            logits = (h @ weight.t()).float()
-            row_max = logits.max(dim=-1).values
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            exp = torch.exp(logits - row_max[:, None])
-            mine = (y >= vocab_start) & (y < vocab_start + local_vocab)
-            local_y = (y - vocab_start).clamp(0, local_vocab - 1)
-            target = logits.gather(1, local_y[:, None]).squeeze(1) * mine
-            sums = torch.stack((exp.sum(dim=-1), target))
-            dist.all_reduce(sums, group=group)
-            sum_exp, target = sums
-            loss_sum += ((sum_exp.log() + row_max - target) * m).sum()
-            if not need_grad:
-                continue
-            # d(sum_i m_i * CE_i) / d logits_i = m_i * (softmax_i - onehot(y_i)), on our columns.
-            grad_logits = exp / sum_exp[:, None]
-            hit = mine.nonzero().squeeze(1)
-            grad_logits[hit, local_y[hit]] -= 1.0
-            grad_logits *= m[:, None]
-            grad_logits = grad_logits.to(hidden.dtype)
-            if need_hidden_grad:
-                grad_hidden[rows] = grad_logits @ weight
-            if need_weight_grad:
-                grad_weight += (grad_logits.t() @ h).float()
-
-        ctx.weight_dtype = weight.dtype
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss_sum
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
-
-
 def tp_linear_cross_entropy(
     hidden: torch.Tensor,
     output_weight: torch.Tensor,
@@ -275,20 +203,5 @@ def tp_linear_cross_entropy(
     # DTensor's Shard follows torch.chunk: ceil(vocab / tp) rows per rank, the last ones fewer.
     vocab_start = min(mesh.get_local_rank() * -(-vocab // tp), vocab)
 
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    labels = labels.reshape(-1)
-    if loss_mask is None:
-        loss_mask = torch.ones_like(labels, dtype=torch.float32)
-    loss_mask = loss_mask.reshape(-1).float()
-    labels = torch.where(loss_mask > 0, labels, torch.zeros_like(labels))
-    loss_sum = _VocabParallelCrossEntropy.apply(
-        hidden,
-        weight,
-        labels,
-        loss_mask,
-        vocab_start,
-        mesh.get_group(),
-        chunk_tokens,
-        torch.is_grad_enabled(),
-    )
-    return loss_sum, loss_mask.sum()
+    shard = VocabShard(vocab_start, mesh.get_group())
+    return chunked_linear_cross_entropy(hidden, weight, labels, loss_mask, chunk_tokens, shard)
