@@ -126,3 +126,19 @@ def megatron_preprocess(documents: list, encode, eod: int | None, dtype, prefix:
 
 def file_bytes(prefix: str | os.PathLike) -> tuple[bytes, bytes]:
     return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def micro_model_config(**overrides):
+    """The micro dense model the parallel tests compare against one device: 2 layers, hidden 32,
+    4 heads over 2 kv heads, ffn 64, vocab 128 (fp32-sized for gloo on 2 cores)."""
+    from pipeline.core.model.config import ModelConfig
+
+    fields = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+    )
+    return ModelConfig(**(fields | overrides))

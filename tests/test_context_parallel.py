@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import micro_model_config
 
 from pipeline.core.kernels.attention import attention
-from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.context_parallel import (
     apply_context_parallel,
@@ -114,15 +114,7 @@ def test_cp_attention_matches_full(tmp_path: Path, causal: bool, with_docs: bool
 
 
 def _tiny_model() -> Transformer:
-    cfg = ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=64,
-        rope_theta=1e4,
-    )
+    cfg = micro_model_config(rope_theta=1e4)
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.init_weights()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import micro_model_config
 
 from pipeline.checkpoint import (
     load,
@@ -34,16 +35,7 @@ GLOBAL_BATCH = 4  # sequences; each rank gets 2, as 2 micro-batches of 1
 
 
 def _config(tied: bool) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=64,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=tied,
-    )
+    return micro_model_config(max_position_embeddings=SEQ, tie_word_embeddings=tied)
 
 
 def _reference_model(tied: bool) -> Transformer:

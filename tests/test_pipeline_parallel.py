@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import micro_model_config
 from distributed import run_distributed
 
 from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
@@ -36,15 +37,7 @@ BATCH, SEQ = 8, 16
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        num_layers=4,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=64,
-        rope_theta=10000.0,
-    )
+    return micro_model_config(num_layers=4, rope_theta=10000.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ The init std is raised to 0.2 so logits and gradients are far from zero and a mi
 from __future__ import annotations
 
 import pytest
+from conftest import micro_model_config
 from distributed import run_distributed
 
 from pipeline.core.parallel.tensor_parallel import padded_vocab_size
@@ -27,15 +28,10 @@ def test_padded_vocab_size():
 
 
 def _config(variant: str):
-    from pipeline.core.model.config import ModelConfig, MoEConfig
+    from pipeline.core.model.config import MoEConfig
 
-    return ModelConfig(
+    return micro_model_config(
         vocab_size=127 if variant == "uneven_vocab" else 128,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=64,
         init_method_std=0.2,
         tie_word_embeddings=variant == "tied",
         moe=MoEConfig(num_experts=4, top_k=2) if variant == "moe" else None,
