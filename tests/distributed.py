@@ -32,7 +32,11 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, queu
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, Path(tmp), *args)))
+        result = fn(rank, world_size, Path(tmp), *args)
+        # Leave together: a rank destroying the group while another is still in a collective
+        # aborts the late one's gloo threads.
+        dist.barrier()
+        queue.put((rank, True, result))
     except BaseException:  # report every failure, then let the process end
         queue.put((rank, False, traceback.format_exc()))
     finally:

@@ -12,6 +12,7 @@ already is one of torchrun's (LOCAL_RANK set); each rank then builds its share o
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -202,6 +203,9 @@ def _destroy_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        # Free leftover async work (e.g. from checkpoint saves) while the interpreter is fully
+        # alive: gloo threads releasing it during interpreter teardown abort the process.
+        gc.collect()
         dist.destroy_process_group()
 
 
