@@ -12,6 +12,7 @@ traceback. Mark such tests `@pytest.mark.dist`; each costs a few seconds of proc
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import traceback
 from collections.abc import Callable
@@ -36,7 +37,9 @@ def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, queu
         # Leave together: a rank destroying the group while another is still in a collective
         # aborts the late one's gloo threads.
         dist.barrier()
-        queue.put((rank, True, result))
+        # Plain pickle copies tensors by value; torch's queue would share their memory, which
+        # is gone once this process exits.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # report every failure, then let the process end
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -65,7 +68,7 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -
             failures.append(f"a rank reported nothing within {TIMEOUT_S} s (crashed or hung)")
             break
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             failures.append(f"rank {rank} failed:\n{value}")
     for p in procs:

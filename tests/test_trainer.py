@@ -217,11 +217,13 @@ def test_help_and_dry_run_do_not_import_torch() -> None:
     assert "parameters" in output and "FLOP/token" in output
 
 
-def test_cli_flags_and_parallel_refusal(tmp_path: Path) -> None:
+def test_cli_flags_and_layout_check(tmp_path: Path) -> None:
     from pipeline.train.commands import train
 
+    # tp=2 needs two processes: a usage error naming the sizes, before anything is built.
     result = CliRunner().invoke(train, ["--recipe", "tiny", "--tp", "2"])
-    assert result.exit_code == 2 and "not implemented yet (tp=2)" in result.output
+    assert result.exit_code == 2
+    assert "world size 1 is not divisible by tp*pp*cp = 2" in result.output
     # Only typed flags override: the recipe's global batch (16) survives the flag defaults.
     result = CliRunner().invoke(train, ["--recipe", "tiny", "--iters", "50", "--dry-run"])
     assert result.exit_code == 0, result.output

@@ -21,20 +21,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-UNSUPPORTED_PARALLEL = ("tp", "pp", "cp", "ep")
 EXIT_SIGINT = 130  # the shell's convention for "interrupted by Ctrl-C"
-
-
-def _reject_parallel(cfg: object) -> None:
-    """Refuse the layouts not wired in yet: anything but data parallelism."""
-    p = cfg.parallel  # type: ignore[attr-defined]
-    wanted = {name: getattr(p, name) for name in UNSUPPORTED_PARALLEL if getattr(p, name) > 1}
-    if wanted:
-        layout = ", ".join(f"{k}={v}" for k, v in wanted.items())
-        raise click.UsageError(
-            f"parallel layouts are not implemented yet ({layout}): pipe train runs data "
-            "parallel only (--dp with --nproc-per-node); use degrees of 1 for tp, pp, cp and ep"
-        )
 
 
 def _launched_by_torchrun() -> bool:
@@ -103,10 +90,10 @@ def _default_run_dir(recipe: str | None) -> str:
 @click.option(
     "--load", metavar="DIR", help="Resume from DIR's latest checkpoint (or an iter_ dir)."
 )
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor parallel (reserved).")
-@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel (reserved).")
-@click.option("--cp", type=int, default=1, show_default=True, help="Context parallel (reserved).")
-@click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel (reserved).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor (+ sequence) parallel.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel.")
+@click.option("--cp", type=int, default=1, show_default=True, help="Context parallel.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel (MoE).")
 @click.option(
     "--dp", type=int, default=-1, show_default=True,
     help="Data parallel (FSDP2) degree; -1: the world size.",
@@ -151,7 +138,6 @@ def train(
             cfg.set("logging.run_dir", run_dir, source="--run-dir")
         elif cfg.logging.run_dir == LoggingSection().run_dir:
             cfg.logging.run_dir = _default_run_dir(recipe)
-        _reject_parallel(cfg)
         cfg.validate(world_size=world_size)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None

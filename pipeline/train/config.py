@@ -242,6 +242,19 @@ class ParallelSection:
     """Expert parallel degree (MoE only)."""
     dp: int = -1
     """Data parallel (FSDP) degree; -1: world_size / (tp * pp * cp)."""
+    sequence_parallel: bool = True
+    """With tp > 1: shard norms and the residual stream on the sequence (Megatron's SP)."""
+    pipeline_schedule: str = "1F1B"
+    """With pp > 1: a torch.distributed.pipelining schedule: 1F1B, GPipe (one stage per rank),
+    Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble (two virtual stages per rank)."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage (it also holds the embedding); unset: balanced."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage (it also holds the output layer and the loss)."""
+    dp_mode: str = "fsdp"
+    """fsdp: FSDP2 sharding over dp * cp; replicate: DDP-style replication (dp only)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered weights after forward (ZeRO-3); false keeps them to backward (ZeRO-2)."""
 
 
 @dataclass
@@ -597,7 +610,42 @@ def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append(f"data.seq_length ({d.seq_length}) must be divisible by 2 * cp ({p.cp})")
     if p.ep > 1 and world_size is not None and (dp * p.cp) % p.ep:
         problems.append(f"parallel.ep ({p.ep}) must divide dp * cp ({dp * p.cp})")
+    if p.ep > 1 and p.tp > 1:
+        problems.append(
+            "parallel.ep > 1 with tp > 1 (expert tensor parallelism) is not supported; "
+            "experts are split over the data-parallel ranks only"
+        )
+    problems += _pipeline_problems(p)
+    if p.dp_mode not in ("fsdp", "replicate"):
+        problems.append(f"parallel.dp_mode must be fsdp or replicate, got {p.dp_mode!r}")
+    elif p.dp_mode == "replicate" and (p.cp > 1 or p.tp > 1 or p.ep > 1):
+        problems.append("parallel.dp_mode = replicate works with dp only (tp, cp and ep of 1)")
     problems += _model_problems(cfg)
+    return problems
+
+
+def pipeline_stages_per_rank(p: ParallelSection) -> int:
+    """Stages each pipeline rank holds: 1, or 2 for interleaved and V schedules (pp > 1)."""
+    if p.pp == 1:
+        return 1
+    from pipeline.core.parallel.stage_placement import stages_per_rank
+
+    return stages_per_rank(p.pipeline_schedule)
+
+
+def _pipeline_problems(p: ParallelSection) -> list[str]:
+    """The schedule is one torch knows, and fixed first/last stage sizes need pp > 1."""
+    from pipeline.core.parallel.stage_placement import KNOWN_SCHEDULES
+
+    problems = []
+    if p.pipeline_schedule.lower() not in KNOWN_SCHEDULES:
+        problems.append(
+            f"parallel.pipeline_schedule {p.pipeline_schedule!r} is not one of "
+            f"{', '.join(sorted(KNOWN_SCHEDULES.values()))}"
+        )
+    fixed = p.first_stage_layers is not None or p.last_stage_layers is not None
+    if fixed and p.pp == 1:
+        problems.append("parallel.first/last_stage_layers need pp > 1")
     return problems
 
 
@@ -609,8 +657,12 @@ def _model_problems(cfg: TrainConfig) -> list[str]:
     except ConfigError as e:
         return [str(e)]
     problems = []
-    if p.pp > m.num_layers:
-        problems.append(f"parallel.pp ({p.pp}) exceeds the model's {m.num_layers} layers")
+    stages = p.pp * pipeline_stages_per_rank(p)
+    if stages > m.num_layers:
+        problems.append(
+            f"parallel.pp ({p.pp}) x {stages // p.pp} stage(s) per rank exceeds the model's "
+            f"{m.num_layers} layers"
+        )
     if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:
         problems.append(
             f"parallel.tp ({p.tp}) must divide num_attention_heads ({m.num_attention_heads}) "

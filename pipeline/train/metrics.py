@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["METRICS_FILE", "MetricsError", "MetricsLogger", "format_console_line", "read_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "MetricsError",
+    "MetricsLogger",
+    "format_console_line",
+    "read_metrics",
+    "router_statistics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 TRACK_HINT = "pip install 'pipe-llm[track]'"
@@ -140,6 +147,26 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             raise MetricsError(f"{path}:{number}: not a metrics record (no 'step')")
         records.append(record)
     return records
+
+
+def router_statistics(model: Any) -> dict[str, float]:
+    """MoE router statistics of the last forward over this rank's MoE layers (empty when
+    dense): `moe_max_load`, the busiest expert's share of assignments relative to a perfectly
+    balanced router (1.0 is balanced), and `moe_dropped`, the fraction of assignments dropped
+    over capacity. Under expert parallelism the counts are those of the whole ep group."""
+    layers = model.moe_layers().values() if hasattr(model, "moe_layers") else ()
+    loads, dropped, total = [], 0.0, 0.0
+    for moe in layers:
+        counts = moe.tokens_per_expert
+        if counts is None or counts.sum() == 0:
+            continue
+        counts = counts.float()
+        loads.append(float(counts.max() / counts.mean()))
+        total += float(counts.sum())
+        dropped += float(moe.num_dropped) if moe.num_dropped is not None else 0.0
+    if not loads:
+        return {}
+    return {"moe_max_load": max(loads), "moe_dropped": dropped / total}
 
 
 # ----------------------------------------------------------------------------- console line

@@ -21,19 +21,41 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     This is Megatron's rule (`name.endswith(".bias") or param.ndim == 1` -> no decay), so
     embeddings and the output layer are decayed. Both groups are always present, even when one is
     empty, so optimizer state dicts keep the same layout across models and layouts.
+
+    A parallel model may mix plain tensors and DTensors of different meshes (e.g. replicated
+    experts beside tensor-parallel attention, or expert-parallel experts beside FSDP shards);
+    the multi-tensor kernels take one kind per call, so each kind gets its own pair of groups
+    (named `decay:<mesh>`, ...). Checkpoints key optimizer state by parameter name, so the
+    grouping may differ between the layout that saved and the one that loads.
     """
-    decay, no_decay = [], []
+    kinds: dict[str, tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
+        decay, no_decay = kinds.setdefault(_kind(param), ([], []))
         if name.endswith(".bias") or param.ndim < 2:
             no_decay.append(param)
         else:
             decay.append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
+    if not kinds:
+        kinds[""] = ([], [])
+    suffix = len(kinds) > 1
+    groups = []
+    for kind, (decay, no_decay) in kinds.items():
+        tag = f":{kind}" if suffix else ""
+        groups.append({"params": decay, "weight_decay": weight_decay, "name": f"decay{tag}"})
+        groups.append({"params": no_decay, "weight_decay": 0.0, "name": f"no_decay{tag}"})
+    return groups
+
+
+def _kind(param: torch.Tensor) -> str:
+    """ "tensor" for a plain parameter, the mesh's dimension names for a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return "tensor"
+    mesh = param.device_mesh
+    return "x".join(mesh.mesh_dim_names or ()) or f"mesh{tuple(mesh.mesh.shape)}"
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -82,6 +104,8 @@ class MegatronLR(LambdaLR):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # The saving layout may have grouped the parameters differently (see `param_groups`).
+        self.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         lrs = [base * self.schedule.factor(self.last_epoch) for base in self.base_lrs]
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr

@@ -1,10 +1,12 @@
 """The step between building the model on `meta` and materialising it (DESIGN principle 2).
 
-Data parallelism (FSDP2) is the one parallel layout wired in so far; tensor, pipeline, context
-and expert parallelism are refused. `parallelize` applies, in torchtitan's order: (TP ->)
-activation checkpointing -> compile -> FSDP2. Checkpointing and compile are applied per
-transformer block and in place, by replacing the block's `forward`, so parameter names (the
-checkpoint's names) do not change; FSDP2 keeps them too (its parameters are DTensors).
+`build_model_parts` cuts the model into this rank's pipeline stages (one part without pipeline
+parallelism) and `parallelize` applies the layout to each part, in torchtitan's order:
+tensor (+ sequence) parallel -> expert parallel -> context parallel -> activation
+checkpointing -> compile -> FSDP2 (over dp x cp; experts over the expert-data-parallel ranks).
+Every step keeps parameter names (the checkpoint's names): layers keep their global index,
+checkpointing and compile replace a block's `forward` in place, and TP, EP and FSDP2 turn
+parameters into DTensors of the same global shape.
 
 `init_distributed` and `build_parallel_dims` set up the process group and the device mesh of a
 run launched by torchrun (`pipe train --nproc-per-node N`).
@@ -12,6 +14,7 @@ run launched by torchrun (`pipe train --nproc-per-node N`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import TYPE_CHECKING, Any
@@ -27,19 +30,19 @@ from torch.utils.checkpoint import (
 from pipeline.core.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from pipeline.core.model.transformer import Transformer
     from pipeline.train.config import TrainConfig
 
 __all__ = [
     "apply_activation_checkpointing",
+    "build_model_parts",
     "build_parallel_dims",
     "init_distributed",
     "parallelize",
-    "refuse_unsupported_layout",
     "wants_distributed",
 ]
-
-UNSUPPORTED = ("tp", "pp", "cp", "ep")
 
 # Selective recomputation keeps the outputs of matmuls and attention (expensive to recompute)
 # and recomputes everything elementwise (norms, activations, RoPE), which is cheap.
@@ -78,24 +81,14 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         block.forward = checkpointed
 
 
-def refuse_unsupported_layout(cfg: TrainConfig) -> None:
-    """Raise NotImplementedError naming the degrees > 1 that are not wired in (all but dp)."""
-    p = cfg.parallel
-    wanted = {name: getattr(p, name) for name in UNSUPPORTED if getattr(p, name) > 1}
-    if wanted:
-        layout = ", ".join(f"{k}={v}" for k, v in wanted.items())
-        raise NotImplementedError(
-            f"parallel layouts are not implemented yet ({layout}): only data parallelism "
-            "(parallel.dp) is; use degrees of 1 for tp, pp, cp and ep"
-        )
-
-
 def wants_distributed(cfg: TrainConfig) -> bool:
     """True when the run is (or must be) multi-process: a process group exists, torchrun
-    launched us with WORLD_SIZE > 1, or `parallel.dp` > 1."""
+    launched us with WORLD_SIZE > 1, or a parallel degree is > 1."""
     if dist.is_available() and dist.is_initialized():
         return True
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.parallel.dp > 1
+    p = cfg.parallel
+    degrees = (p.tp, p.pp, p.cp, p.ep, p.dp)
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or max(degrees) > 1
 
 
 def init_distributed(device: torch.device) -> torch.device:
@@ -109,7 +102,7 @@ def init_distributed(device: torch.device) -> torch.device:
         return device
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError(
-            "data parallel training needs one process per rank: launch with "
+            "parallel training needs one process per rank: launch with "
             "`pipe train --nproc-per-node N` (torchrun), not a single process"
         )
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -117,10 +110,15 @@ def init_distributed(device: torch.device) -> torch.device:
 
 
 def build_parallel_dims(cfg: TrainConfig, device_type: str) -> ParallelDims:
-    """`ParallelDims` for the initialised world (dp from `parallel.dp`, -1 inferred) with its
-    mesh built; refuses layouts other than pure data parallelism."""
-    refuse_unsupported_layout(cfg)
-    dims = ParallelDims(dp=cfg.parallel.dp, world_size=dist.get_world_size())
+    """`ParallelDims` for the initialised world from `cfg.parallel` (dp -1: inferred), checked
+    against the model and sequence, with its meshes built."""
+    p = cfg.parallel
+    dims = ParallelDims(
+        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, world_size=dist.get_world_size()
+    )
+    dims.validate_for_model(
+        cfg.model_config(), cfg.data.seq_length, sequence_parallel=p.sequence_parallel
+    )
     dims.build_mesh(device_type)
     return dims
 
@@ -131,28 +129,125 @@ def _fsdp_param_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def build_model_parts(
+    model: Transformer, cfg: TrainConfig, dims: ParallelDims | None
+) -> tuple[list[Transformer], list[int], int]:
+    """This rank's pipeline stages of `model` (still on `meta`): (parts, stage indices, number
+    of stages). Without pipeline parallelism: ([model], [0], 1)."""
+    if dims is None or not dims.pp_enabled:
+        return [model], [0], 1
+    from pipeline.core.parallel.pipeline import (
+        local_stage_indices,
+        split_model,
+        stage_layer_ranges,
+        stages_per_rank,
+    )
+
+    p = cfg.parallel
+    num_stages = dims.pp * stages_per_rank(p.pipeline_schedule)
+    ranges = stage_layer_ranges(
+        model.config.num_layers,
+        num_stages,
+        first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers,
+    )
+    pp_rank = dims.get_mesh("pp").get_local_rank()
+    indices = local_stage_indices(pp_rank, dims.pp, p.pipeline_schedule)
+    parts = [split_model(copy.deepcopy(model), i, num_stages, ranges) for i in indices]
+    return parts, indices, num_stages
+
+
 def parallelize(
     model: Transformer, cfg: TrainConfig, dims: ParallelDims | None = None
 ) -> Transformer:
-    """Apply the configured layout to a model still on `meta`; returns the model to train.
+    """Apply the configured layout to a model (or pipeline stage) still on `meta`, in place.
 
-    Activation checkpointing and per-block `torch.compile` as configured, then, with `dims`
-    and dp > 1, FSDP2 over the "dp_cp" mesh (gradients summed, see `apply_fsdp`). Without
-    `dims` (one process) any parallel degree > 1 is refused.
+    Without `dims` (one process) any parallel degree > 1 is refused.
     """
-    from pipeline.core.parallel.fsdp import apply_fsdp
-
-    refuse_unsupported_layout(cfg)
-    if dims is None and cfg.parallel.dp > 1:
-        raise NotImplementedError(
-            f"parallel.dp = {cfg.parallel.dp} needs that many processes "
-            "(pipe train --nproc-per-node N)"
-        )
+    if dims is None:
+        p = cfg.parallel
+        wanted = {n: getattr(p, n) for n in ("tp", "pp", "cp", "ep", "dp") if getattr(p, n) > 1}
+        if wanted:
+            layout = ", ".join(f"{k}={v}" for k, v in wanted.items())
+            raise NotImplementedError(
+                f"{layout} needs one process per rank (pipe train --nproc-per-node N)"
+            )
+    else:
+        _apply_model_parallel(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
     if cfg.training.compile:
         for block in model.layers.values():
             block.compile()
-    if dims is not None and dims.dp_enabled:
-        mesh = dims.get_mesh("dp_cp")
-        apply_fsdp(model, mesh, param_dtype=_fsdp_param_dtype(cfg, mesh.device_type))
+    if dims is not None and dims.fsdp_degree > 1:
+        _apply_data_parallel(model, cfg, dims)
     return model
+
+
+def _apply_model_parallel(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> None:
+    """Tensor (+ sequence), expert and context parallelism, in that order."""
+    from pipeline.core.parallel.context_parallel import apply_context_parallel
+    from pipeline.core.parallel.expert_parallel import apply_expert_parallel
+    from pipeline.core.parallel.tensor_parallel import apply_tensor_parallel
+
+    sequence_parallel = cfg.parallel.sequence_parallel
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, dims.get_mesh("tp"), sequence_parallel=sequence_parallel)
+        if dims.pp_enabled and sequence_parallel:
+            _local_stage_boundaries(model, dims.get_mesh("tp"))
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.get_mesh("ep"))
+    if dims.cp_enabled:
+        cp_mesh = dims.get_mesh("cp")
+        apply_context_parallel(model, cp_mesh.get_group(), cp_mesh.get_local_rank(), dims.cp)
+        for moe in model.moe_layers().values():
+            moe.token_group = cp_mesh.get_group()
+
+
+def _local_stage_boundaries(stage: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Under sequence parallelism the residual stream is a DTensor; pipeline stages exchange
+    plain tensors. A stage without the embedding takes its input as this rank's sequence shard
+    and one without the output layer hands on its local shard."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+
+    plans: dict[str, Any] = {}
+    if stage.tok_embeddings is None:
+        plans["input"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)
+        )
+    if stage.output is None:
+        plans["output"] = PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True
+        )
+    for style in plans.values():
+        style._apply(stage, tp_mesh)
+
+
+def _apply_data_parallel(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> None:
+    """FSDP2 (or replication) over dp x cp. Experts under expert parallelism are already split
+    over the ep ranks; they are sharded over the expert-data-parallel ranks (edp) on their own,
+    or left out of FSDP when edp is 1 (their gradients are complete after the all-to-all)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pipeline.core.parallel.fsdp import apply_fsdp, mixed_precision_policy
+
+    p = cfg.parallel
+    mesh = dims.get_mesh("dp_cp")
+    param_dtype = _fsdp_param_dtype(cfg, mesh.device_type)
+    ignored: set[torch.nn.Parameter] = set()
+    if dims.ep_enabled:
+        edp_mesh = dims.get_mesh("edp")
+        for moe in model.moe_layers().values():
+            if edp_mesh.size() > 1:
+                policy = mixed_precision_policy(param_dtype, torch.float32)
+                fully_shard(moe.experts, mesh=edp_mesh, mp_policy=policy)
+            else:
+                ignored.update(moe.experts.parameters())
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=param_dtype,
+        reshard_after_forward=p.reshard_after_forward,
+        mode=p.dp_mode,
+        ignored_params=ignored or None,
+    )

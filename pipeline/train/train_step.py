@@ -3,9 +3,15 @@
 The loss of a step is the sum of the masked token losses of all its micro-batches divided by
 the number of loss tokens in the whole global batch (not a mean of per-micro-batch means), so
 a step gives the same loss and gradients whatever the micro-batch size: 1 x 8 == 8 x 1 up to
-floating-point summation order. MoE auxiliary losses are per forward pass, so each micro-batch
-adds its own scaled by 1 / num_micro_batches. The output projection is fused with the loss in
-chunks (`chunked_linear_cross_entropy`), so full-vocabulary fp32 logits never exist.
+floating-point summation order. MoE auxiliary losses are per forward pass; each MoE layer
+attaches its own gradient with the weight the trainer set (`set_moe_aux_loss_scale`), so they
+are not added here. The output projection is fused with the loss in chunks (the vocabulary-
+parallel form under tensor parallelism), so full-vocabulary fp32 logits never exist.
+
+Under a parallel layout the same function runs on every rank: `dp_group` is the group whose
+ranks hold different tokens of the global batch (data x context parallel), `pipeline` runs the
+micro-batches through a pipeline schedule instead of the plain loop, and `pp_group` makes the
+gradient norm and the reported loss those of the whole model.
 """
 
 from __future__ import annotations
@@ -16,11 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
 from pipeline.core.parallel.fsdp import global_token_count
+from pipeline.core.parallel.grad_norm import clip_grad_norm_
+from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
 
-__all__ = ["StepResult", "autocast_context", "batch_to_device", "evaluate", "train_step"]
+__all__ = [
+    "StepResult",
+    "autocast_context",
+    "batch_to_device",
+    "evaluate",
+    "forward_backward",
+    "train_step",
+]
 
 CE_CHUNK_TOKENS = 4096
 
@@ -70,7 +85,7 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of masked token losses, number of loss tokens) of one micro-batch."""
     hidden = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
-    return chunked_linear_cross_entropy(
+    return tp_linear_cross_entropy(
         hidden, model.output.weight, batch["labels"], batch["loss_mask"], CE_CHUNK_TOKENS
     )
 
@@ -84,37 +99,27 @@ def train_step(
     clip_grad: float,
     autocast: contextlib.AbstractContextManager | None = None,
     dp_group: Any = None,
+    pipeline: Any = None,
+    pp_group: Any = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
     A non-finite step leaves weights, optimizer state and learning rate untouched (gradients
-    are dropped) and reports `skipped`; the caller counts it. Under data parallelism
-    (`dp_group`, with gradients summed over its ranks as `apply_fsdp` does) every rank divides
-    by the loss tokens of the whole global batch and reports the global loss, so every rank
-    takes the same skip decision and dp=N equals one device.
+    are dropped) and reports `skipped`; the caller counts it. Every rank divides by the loss
+    tokens of the whole global batch (summed over `dp_group`, whose gradients are summed as
+    `apply_fsdp` does) and reports the global loss, so every rank takes the same skip decision
+    and any layout equals one device.
     """
-    autocast = autocast or contextlib.nullcontext()
-    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
-    global_tokens = global_token_count(local_tokens, dp_group)
-    denominator = max(global_tokens, 1.0)
-    num_micro = len(micro_batches)
-    loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
     optimizer.zero_grad(set_to_none=True)
-    for batch in micro_batches:
-        with autocast:
-            loss_sum, _ = micro_batch_loss(model, batch)
-            loss = loss_sum / denominator
-            aux = model.moe_aux_loss()
-            if aux is not None:
-                loss = loss + aux / num_micro
-        loss.backward()
-        loss_sum_total += loss_sum.detach()
-
+    loss_sum, global_tokens = forward_backward(
+        model, micro_batches, autocast=autocast, dp_group=dp_group, pipeline=pipeline
+    )
     max_norm = clip_grad if clip_grad > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-    if dp_group is not None:
-        torch.distributed.all_reduce(loss_sum_total, group=dp_group)
-    loss_value = (loss_sum_total / denominator).item()
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group)
+    for group in (dp_group, pp_group):
+        if group is not None:
+            dist.all_reduce(loss_sum, group=group)
+    loss_value = (loss_sum / max(global_tokens, 1.0)).item()
     norm_value = float(grad_norm)
     finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
     if finite:
@@ -122,6 +127,31 @@ def train_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, int(global_tokens), skipped=not finite)
+
+
+def forward_backward(
+    model: Any,
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    *,
+    autocast: contextlib.AbstractContextManager | None = None,
+    dp_group: Any = None,
+    pipeline: Any = None,
+) -> tuple[torch.Tensor, float]:
+    """Accumulate the gradients of one global batch (this rank's share): returns this rank's
+    loss sum (0 on pipeline stages without the loss) and the global loss-token count."""
+    autocast = autocast or contextlib.nullcontext()
+    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
+    global_tokens = global_token_count(local_tokens, dp_group)
+    denominator = max(global_tokens, 1.0)
+    if pipeline is not None:
+        return pipeline.forward_backward(micro_batches, denominator, autocast), global_tokens
+    loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
+    for batch in micro_batches:
+        with autocast:
+            loss_sum, _ = micro_batch_loss(model, batch)
+        (loss_sum / denominator).backward()
+        loss_sum_total += loss_sum.detach()
+    return loss_sum_total, global_tokens
 
 
 @torch.no_grad()

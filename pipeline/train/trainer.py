@@ -1,19 +1,21 @@
-"""`Trainer`: builds a run (one device, or data parallel over processes) from a `TrainConfig`
-and trains it.
+"""`Trainer`: builds a run (one device, or any parallel layout over processes) from a
+`TrainConfig` and trains it.
 
-Build order (DESIGN principle 2): process group and mesh (multi-process runs only) -> seed ->
-model on `meta` -> `parallelize` (activation checkpointing, compile, FSDP2 when dp > 1) ->
-`to_empty` -> `init_weights` -> optimizer and scheduler -> data -> checkpoint resume -> run
-directory and metrics. Each piece has its own `_build_*` method; `train` is the loop,
-`train_step` (in `train_step.py`) one step.
+Build order (DESIGN principle 2): process group and meshes (multi-process runs only) -> seed ->
+model on `meta` -> this rank's pipeline stages -> `parallelize` each (TP/SP, EP, CP, activation
+checkpointing, compile, FSDP2) -> `to_empty` -> `init_weights` -> optimizer and scheduler ->
+data -> checkpoint resume -> run directory and metrics. Each piece has its own `_build_*`
+method; `train` is the loop, `train_step` (in `train_step.py`) one step.
 
-Data parallelism (launched by torchrun, `pipe train --nproc-per-node N`): every rank loads its
-slice of each global micro-batch, the step divides by the global token count and reports the
-global loss, evaluation losses are summed over the ranks, checkpoints are written by all ranks
-(DCP, DTensor shards) and only rank 0 writes logs and metrics. On a CPU the FSDP model takes
-its weights from a plain model initialised with the run's seed (DTensor has no CPU RNG
-tracker), so dp=N starts from the single-process weights; on CUDA `init_weights` runs on the
-sharded model directly (DTensor's RNG tracker), which differs from one device's draw.
+Parallel runs (launched by torchrun, `pipe train --nproc-per-node N`): each data-parallel rank
+loads its slice of each global batch and each context-parallel rank keeps its chunks of every
+sequence (`RunLayout`); the step divides by the global token count and reports the global loss;
+checkpoints are written by all ranks (DCP, DTensor shards under the single-device names, so
+they load under any other layout) and only rank 0 writes logs and metrics. On a CPU a sharded
+or split model takes its weights from a plain model initialised with the run's seed (DTensor
+has no CPU RNG tracker), so every layout starts from the single-process weights; on CUDA
+`init_weights` runs on the parallel model directly (DTensor's RNG tracker; pipeline ranks offset
+the seed so stages do not repeat each other's draws), which differs from one device's draw.
 
 Resuming restores weights, optimizer, scheduler, RNG states, the iteration and the consumed
 sample counts, and the loaders restart from those counts, so on a CPU a resumed run repeats an
@@ -46,26 +48,30 @@ from pipeline.core.kernels.attention import resolve_backend
 from pipeline.core.kernels.fp8 import apply_fp8
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.model.transformer import Transformer
-from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.preprocess.progress import terminal_bar
 from pipeline.train import train_data
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
-from pipeline.train.metrics import MetricsLogger
+from pipeline.train.layout import RunLayout
+from pipeline.train.metrics import MetricsLogger, router_statistics
+from pipeline.train.model_parts import StageUnion, model_parts, set_moe_aux_loss_scale
 from pipeline.train.optimizer import build_optimizer, build_scheduler
 from pipeline.train.parallelize import (
+    build_model_parts,
     build_parallel_dims,
     init_distributed,
     parallelize,
     wants_distributed,
 )
 from pipeline.train.perf import memory_gib, peak_tflops
+from pipeline.train.pipeline_step import PipelineRunner
 from pipeline.train.train_step import (
     StepResult,
     autocast_context,
     batch_to_device,
     evaluate,
+    forward_backward,
     train_step,
 )
 
@@ -123,7 +129,8 @@ class _Window:
 
 
 class Trainer:
-    """A training run on one device or data parallel over processes; see the module docstring."""
+    """A training run on one device or a parallel layout over processes; see the module
+    docstring."""
 
     def __init__(
         self,
@@ -135,7 +142,10 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.training.device)
-        self.dims = self._build_parallel()
+        self.layout = self._build_parallel()
+        self.dims = self.layout.dims
+        t = cfg.training
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         seed_everything(cfg.training.seed, deterministic=self.device.type == "cpu")
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, cfg)
@@ -152,62 +162,83 @@ class Trainer:
         self._valid_iterator: Any = None
         self.metrics = self._build_logging(console)
         self.autocast = autocast_context(self.device, cfg.training.dtype)
-        t = cfg.training
-        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
     # ---- building -----------------------------------------------------------------------------
 
-    def _build_parallel(self) -> ParallelDims | None:
-        """Process group and mesh of a multi-process run; None (and rank 0 of 1) otherwise."""
-        self.rank, self.dp_rank, self.dp_size = 0, 0, 1
-        self.dp_group: Any = None
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
+
+    def _build_parallel(self) -> RunLayout:
+        """Process group, meshes and this rank's place in them (a trivial layout for one
+        process)."""
         self.process_group: Any = None
         if not wants_distributed(self.cfg):
-            return None
+            return RunLayout()
         try:
             self.device = init_distributed(self.device)
             dims = build_parallel_dims(self.cfg, self.device.type)
         except (NotImplementedError, RuntimeError, ValueError) as e:
             raise ConfigError(str(e)) from e
         self.cfg.validate(world_size=dims.world_size)
-        dp_mesh = dims.get_mesh("dp")
-        self.rank = dist.get_rank()
-        self.dp_rank, self.dp_size = dp_mesh.get_local_rank(), dims.dp
-        self.dp_group = dp_mesh.get_group()
         self.process_group = dist.group.WORLD
-        log.info("data parallel: rank %d of %d (dp=%d)", self.rank, dims.world_size, dims.dp)
-        return dims
+        layout = RunLayout.from_dims(dims)
+        log.info("parallel layout: %s", layout.describe())
+        return layout
 
-    def _build_model(self) -> Transformer:
-        """Model on `meta`, parallelised, materialised on the device, initialised (fp32)."""
+    def _build_model(self) -> torch.nn.Module:
+        """This rank's share of the model: built on `meta`, split into pipeline stages,
+        parallelised, materialised on the device and initialised (fp32)."""
         self.model_config = self.cfg.model_config()
         with torch.device("meta"):
             model = Transformer(self.model_config)
         try:
             model = apply_fp8(model, self.cfg.fp8.recipe, self.device)
-        except (ValueError, NotImplementedError) as e:  # a recipe asking for what is not here
+            parts, stage_indices, num_stages = build_model_parts(model, self.cfg, self.dims)
+            parts = [parallelize(part, self.cfg, self.dims) for part in parts]
+        except (ValueError, NotImplementedError) as e:  # a layout or recipe that cannot be
             raise ConfigError(str(e)) from e
-        model = parallelize(model, self.cfg, self.dims)
+        model = StageUnion(parts) if num_stages > 1 else parts[0]
         self._select_attention(model)
-        model.to_empty(device=self.device)
+        for part in parts:
+            part.to_empty(device=self.device)
         self._init_weights(model)
         model.train()
+        set_moe_aux_loss_scale(model, 1.0 / (self.num_micro_batches * self.dp_size))
+        self.pipeline = None
+        if num_stages > 1:
+            self.pipeline = PipelineRunner(
+                parts, stage_indices, num_stages, self.cfg.parallel.pipeline_schedule,
+                self.num_micro_batches, self.device, self.layout.pp_group,
+            )  # fmt: skip
         if self.device.type == "cpu" and self.cfg.training.dtype == "bf16":
             log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
         return model
 
-    def _init_weights(self, model: Transformer) -> None:
-        """`init_weights`, except for a sharded model on a CPU: there every rank would draw the
-        same shard, so the shards are filled from a plain model initialised with the seed (the
-        RNG then stands where a single-process run leaves it)."""
-        sharded = self.dims is not None and self.dims.dp_enabled
-        if not sharded or self.device.type != "cpu":
-            model.init_weights(buffer_device=self.device)
+    def _init_weights(self, model: torch.nn.Module) -> None:
+        """`init_weights` on each part, except for a parallel model on a CPU: there every rank
+        would draw the same shard, so the parameters are filled from a plain model initialised
+        with the seed (the RNG then stands where a single-process run leaves it)."""
+        parts = model_parts(model)
+        if self.dims is None or self.device.type != "cpu":
+            if self.layout.pp_rank:  # stages must not repeat each other's draws
+                torch.manual_seed(self.cfg.training.seed + self.layout.pp_rank)
+            for part in parts:
+                part.init_weights(buffer_device=self.device)
             return
         with torch.random.fork_rng(devices=[]):
-            model.init_weights(buffer_device=self.device)  # buffers; the shards are replaced
+            for part in parts:  # buffers; the parameters are replaced
+                part.init_weights(buffer_device=self.device)
         copy_full_weights_(model, self._plain_initial_weights())
 
     def _plain_initial_weights(self) -> dict[str, torch.Tensor]:
@@ -218,14 +249,14 @@ class Trainer:
         plain.init_weights(buffer_device=self.device)
         return dict(plain.named_parameters())
 
-    def _select_attention(self, model: Transformer) -> None:
+    def _select_attention(self, model: torch.nn.Module) -> None:
         backend = resolve_backend(
             self.cfg.training.attention_backend,
             device=self.device,
             document_masking=self.cfg.data.reset_attention_mask,
         )
         for block in model.layers.values():
-            block.attention.backend = backend
+            block.attention.backend = backend  # context parallelism overrides the kernel
         log.info("attention backend: %s", backend)
 
     def _build_data(self) -> None:
@@ -304,14 +335,7 @@ class Trainer:
                 "seq_length": d.seq_length,
             },
             "tokenizer": self.tokenizer.to_metadata(),
-            "layout": {
-                "tp": 1,
-                "pp": 1,
-                "cp": 1,
-                "ep": 1,
-                "dp": self.dp_size,
-                "world_size": self.dims.world_size if self.dims is not None else 1,
-            },  # fmt: skip
+            "layout": self.layout.describe(),
         }
 
     def save_checkpoint(self) -> Path:
@@ -358,11 +382,28 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def _next_global_batch(self, iterator: Any) -> list[dict[str, torch.Tensor]]:
+    def next_global_batch(self, iterator: Any) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of the next global batch (its context-parallel chunks)."""
         return [
-            batch_to_device(next(iterator), self.device, self.eod_for_documents)
+            self.layout.shard_batch(
+                batch_to_device(next(iterator), self.device, self.eod_for_documents)
+            )
             for _ in range(self.num_micro_batches)
         ]
+
+    def compute_gradients(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        """Forward and backward of one global batch (this rank's `next_global_batch`) without
+        an optimizer step: the gradients stay in the parameters, for inspection. Returns the
+        global loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, tokens = forward_backward(
+            self.model, micro_batches, autocast=self.autocast,
+            dp_group=self.layout.token_group, pipeline=self.pipeline,
+        )  # fmt: skip
+        for group in (self.layout.token_group, self.layout.pp_group):
+            if group is not None:
+                dist.all_reduce(loss_sum, group=group)
+        return float(loss_sum) / max(tokens, 1.0)
 
     def train(self) -> TrainResult:
         """Train to `training.iters`; returns how it ended. Raises `NonFiniteStop` (after saving)
@@ -380,9 +421,10 @@ class Trainer:
                     start = time.perf_counter()
                     step = train_step(
                         self.model, self.optimizer, self.scheduler,
-                        self._next_global_batch(iterator),
+                        self.next_global_batch(iterator),
                         clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
-                        dp_group=self.dp_group,
+                        dp_group=self.layout.token_group, pipeline=self.pipeline,
+                        pp_group=self.layout.pp_group,
                     )  # fmt: skip
                     window.add(step, tokens_per_step, time.perf_counter() - start)
                     self._record_step(step, result)
@@ -462,6 +504,7 @@ class Trainer:
             "mem_gib": memory_gib(self.device),
             "skipped": self.guard.total,
             "iters": self.cfg.training.iters,
+            **router_statistics(self.model),
         }
         if self.peak_tflops is not None:
             metrics["mfu"] = tflops / self.peak_tflops
@@ -473,24 +516,44 @@ class Trainer:
             return None
         if self._valid_iterator is None:
             self._valid_iterator = iter(self.valid_loader)
-        batches = (
-            batch
-            for _ in range(self.cfg.training.eval_iters)
-            for batch in self._next_global_batch(self._valid_iterator)
-        )
         self.consumed["valid"] += self.cfg.training.eval_iters * self.cfg.training.global_batch_size
-        loss = self._global_eval_loss(*evaluate(self.model, batches, self.autocast))
+        loss_sum, tokens = 0.0, 0.0
+        for _ in range(self.cfg.training.eval_iters):
+            batch_sum, batch_tokens = self._eval_global_batch(
+                self.next_global_batch(self._valid_iterator)
+            )
+            loss_sum, tokens = loss_sum + batch_sum, tokens + batch_tokens
+        loss = self._global_eval_loss(loss_sum, tokens)
         ppl = math.exp(loss) if loss < 700 else math.inf
         self.metrics.log(self.iteration, {"loss": loss, "ppl": ppl}, split="valid")
         return loss
 
-    def _global_eval_loss(self, loss: float, tokens: int) -> float:
-        """The token-normalised loss over every data-parallel rank's evaluation batches."""
-        if self.dp_group is None:
-            return loss
-        device = self.device if dist.get_backend(self.dp_group) == "nccl" else "cpu"
-        sums = torch.tensor([loss * tokens, float(tokens)], dtype=torch.float64, device=device)
-        dist.all_reduce(sums, group=self.dp_group)
+    def _eval_global_batch(
+        self, micro_batches: list[dict[str, torch.Tensor]]
+    ) -> tuple[float, float]:
+        """(loss sum, loss tokens) of this rank's share of one global batch."""
+        if self.pipeline is not None:
+            self.model.eval()
+            try:
+                loss_sum, tokens = self.pipeline.evaluate(micro_batches, self.autocast)
+            finally:
+                self.model.train()
+            return float(loss_sum), tokens
+        loss, tokens = evaluate(self.model, micro_batches, self.autocast)
+        return loss * tokens, float(tokens)
+
+    def _global_eval_loss(self, loss_sum: float, tokens: float) -> float:
+        """The token-normalised loss over every rank's evaluation batches: token counts are
+        summed over the ranks holding different tokens, loss sums also over pipeline stages
+        (only the last one has them)."""
+        sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
+        if self.layout.token_group is not None or self.layout.pp_group is not None:
+            on_gpu = dist.get_backend() == "nccl"
+            sums = sums.to(self.device if on_gpu else "cpu")
+            if self.layout.token_group is not None:
+                dist.all_reduce(sums, group=self.layout.token_group)
+            if self.layout.pp_group is not None:
+                dist.all_reduce(sums[:1], group=self.layout.pp_group)
         return float(sums[0] / sums[1].clamp(min=1.0))
 
 

@@ -2,8 +2,16 @@
 
 Tokens are grouped by expert (a stable sort of the (token, k) assignments) and each expert runs
 one matmul over its group, so no token is dropped unless a capacity factor asks for it. The
-router's auxiliary losses are kept on the module after each forward (`MoE.aux_loss`) for the
-trainer to add (`Transformer.moe_aux_loss`), and per-expert token counts for logging.
+router's auxiliary losses are kept on the module after each forward (`MoE.aux_loss`), and
+per-expert token counts for logging.
+
+The trainer does not add the auxiliary loss to the language-model loss. It sets
+`aux_loss_scale` (1 / micro-batches in the global batch) and each MoE attaches the gradient of
+`scale * aux_loss` to its own output (`_AttachAuxLoss`, Megatron's "aux loss auto-scaler"), so
+the router gets its load-balancing gradient wherever the layer runs: on any pipeline stage,
+under any schedule, with activation checkpointing. With context parallelism a micro-batch's
+tokens are split over ranks; `token_group` then makes the router statistics those of the whole
+micro-batch (each rank adds its tokens' share of the single-device loss).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -66,6 +75,22 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out`; in backward, also gives `aux_loss` the gradient `scale`, as if
+    `scale * aux_loss` had been added to the final loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_shape = aux_loss.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device)
+        return grad, aux_grad, None
+
+
 class MoE(nn.Module):
     """Router (`router`, a bias-free linear) -> softmax -> top-k (renormalised, as Mixtral does)
     -> experts; outputs are the weighted sum of each token's k expert outputs.
@@ -81,6 +106,11 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size)
         self.aux_loss: torch.Tensor | None = None
+        # Set by the trainer: attach the aux-loss gradient with this weight (None: the caller
+        # adds `aux_loss` to its loss itself).
+        self.aux_loss_scale: float | None = None
+        # Context parallelism: the group over which one micro-batch's tokens are split.
+        self.token_group: dist.ProcessGroup | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.num_dropped: torch.Tensor | None = None
 
@@ -101,6 +131,8 @@ class MoE(nn.Module):
         self.aux_loss = self._aux_loss(logits, probs, topk_idx)
 
         out = self._dispatch_and_combine(x, topk_idx, topk_probs.to(x.dtype))
+        if self.aux_loss is not None and self.aux_loss_scale is not None and out.requires_grad:
+            out = _AttachAuxLoss.apply(out, self.aux_loss, self.aux_loss_scale)
         return out.reshape(shape)
 
     def _dispatch_and_combine(
@@ -134,13 +166,38 @@ class MoE(nn.Module):
     def _aux_loss(
         self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
     ) -> torch.Tensor | None:
+        """Coefficient-weighted load-balancing + z-loss of this forward's tokens (with
+        `token_group`: this rank's share of the loss over the whole group's tokens)."""
         c = self.config
-        terms = []
+        if c.aux_loss_coeff <= 0 and c.z_loss_coeff <= 0:
+            return None
+        if self.token_group is None:
+            terms = []
+            if c.aux_loss_coeff > 0:
+                terms.append(c.aux_loss_coeff * load_balancing_loss(probs, topk_idx))
+            if c.z_loss_coeff > 0:
+                terms.append(c.z_loss_coeff * router_z_loss(logits))
+            return sum(terms)
+        return self._group_aux_loss(logits, probs, topk_idx)
+
+    def _group_aux_loss(
+        self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
+    ) -> torch.Tensor:
+        """The single-device formulas with the expert counts and token count summed over
+        `token_group`: the ranks' results add up to the loss of the whole micro-batch."""
+        c = self.config
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=c.num_experts).float()
+        stats = torch.cat([counts, counts.new_full((1,), float(probs.shape[0]))])
+        dist.all_reduce(stats, group=self.token_group)
+        counts, tokens = stats[:-1], stats[-1]
+        loss = probs.new_zeros(())
         if c.aux_loss_coeff > 0:
-            terms.append(c.aux_loss_coeff * load_balancing_loss(probs, topk_idx))
+            f = counts / (tokens * c.top_k)
+            loss = loss + c.aux_loss_coeff * c.num_experts * (f * probs.sum(0) / tokens).sum()
         if c.z_loss_coeff > 0:
-            terms.append(c.z_loss_coeff * router_z_loss(logits))
-        return sum(terms) if terms else None
+            lse = torch.logsumexp(logits.float(), dim=-1)
+            loss = loss + c.z_loss_coeff * lse.pow(2).sum() / tokens
+        return loss
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)

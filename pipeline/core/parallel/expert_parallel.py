@@ -176,12 +176,18 @@ class ExpertParallelMoE(MoE):
             output_size=received.shape[0],
         )
         by_expert = torch.argsort(local_expert, stable=True)
-        weights = {n: _local(getattr(self.experts, n)) for n in EXPERT_WEIGHTS}
-        # The single-device kernel on the local shards: one definition of the expert maths.
-        out = GroupedExperts.forward(
-            SimpleNamespace(**weights), received[by_expert], recv_counts.sum(0)
-        )
+        # Called as a module, so FSDP (experts sharded over edp) gathers the weights first.
+        out = self.experts(received[by_expert], recv_counts.sum(0))
         return torch.empty_like(out).index_copy_(0, by_expert, out)
+
+
+class ShardedGroupedExperts(GroupedExperts):
+    """`GroupedExperts` whose weights are DTensors sharded over ep: runs this rank's experts."""
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        weights = {n: _local(getattr(self, n)) for n in EXPERT_WEIGHTS}
+        # The single-device kernel on the local shards: one definition of the expert maths.
+        return GroupedExperts.forward(SimpleNamespace(**weights), x, tokens_per_expert)
 
 
 def _shard_experts(experts: GroupedExperts, mesh: DeviceMesh, start: int, stop: int) -> None:
@@ -235,4 +241,5 @@ def apply_expert_parallel(
         module.local_tokens_per_expert = module.local_num_dropped = None
         start, stop = module.expert_range
         _shard_experts(module.experts, mesh, start, stop)
+        module.experts.__class__ = ShardedGroupedExperts
     return model

@@ -38,6 +38,7 @@ __all__ = [
     "copy_full_weights_",
     "default_param_dtype",
     "global_token_count",
+    "mixed_precision_policy",
 ]
 
 DataParallelMode = Literal["fsdp", "replicate"]
@@ -49,7 +50,9 @@ def default_param_dtype(device_type: str) -> torch.dtype | None:
     return torch.bfloat16 if device_type == "cuda" else None
 
 
-def _mixed_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> object:
+def mixed_precision_policy(
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> object:
     """FSDP2's policy: cast all-gathered parameters to `param_dtype`, reduce gradients in
     `reduce_dtype` (fp32 by default, so bf16 training still sums gradients in fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -82,6 +85,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     mode: DataParallelMode = "fsdp",
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard (or replicate) `model` over `dp_mesh`, one unit per block and then the root.
 
@@ -94,25 +98,33 @@ def apply_fsdp(
     on the FSDP2 engine: parameters are `Replicate()` DTensors and gradients are all-reduced;
     it needs a 1-D mesh.
 
-    `param_dtype` None means `default_param_dtype(dp_mesh.device_type)` (pass torch.float32
-    for fp32 compute on a GPU). Call on the `meta`
-    model before `to_empty` + `init_weights`. Returns `model` (modified in place).
+    `ignored_params` stay out of FSDP (e.g. experts already split over every data-parallel
+    rank by expert parallelism). `param_dtype` None means
+    `default_param_dtype(dp_mesh.device_type)` (pass torch.float32 for fp32 compute on a GPU).
+    Call on the `meta` model before `to_empty` + `init_weights`. Returns `model` (modified in
+    place).
     """
     if mode not in ("fsdp", "replicate"):
         raise ValueError(f"mode must be 'fsdp' or 'replicate', got {mode!r}")
     if param_dtype is None:
         param_dtype = default_param_dtype(dp_mesh.device_type)
-    policy = _mixed_precision(param_dtype, reduce_dtype)
+    policy = mixed_precision_policy(param_dtype, reduce_dtype)
     if mode == "fsdp":
-        _shard(model, dp_mesh, policy, reshard_after_forward)
+        _shard(model, dp_mesh, policy, reshard_after_forward, ignored_params)
     else:
+        if ignored_params:
+            raise ValueError("mode='replicate' takes no ignored_params")
         _replicate(model, dp_mesh, policy)
     _sum_gradients(model)
     return model
 
 
 def _shard(
-    model: nn.Module, dp_mesh: DeviceMesh, policy: object, reshard_after_forward: bool
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    policy: object,
+    reshard_after_forward: bool,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """fully_shard each block, then the root (which takes the embeddings, final norm and
     output head: they are used at the two ends of the step, so one unit suffices).
@@ -130,11 +142,18 @@ def _shard(
             mesh=dp_mesh,
             mp_policy=policy,
             reshard_after_forward=reshard_after_forward and not last,
+            ignored_params=ignored_params,
         )
     # The root never reshards after forward: its parameters are needed again at once by the
     # loss and backward, and the fused loss reads `model.output.weight` outside any forward
     # (it must see the gathered tensor, not the shard).
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(
+        model,
+        mesh=dp_mesh,
+        mp_policy=policy,
+        reshard_after_forward=False,
+        ignored_params=ignored_params,
+    )
 
 
 def _replicate(model: nn.Module, dp_mesh: DeviceMesh, policy: object) -> None:

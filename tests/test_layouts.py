@@ -1,0 +1,235 @@
+"""Every parallel layout of `pipe train` equals one device (gloo, fp32, CPU).
+
+For the `tiny` and `tiny_moe` recipes (shrunk to a micro model on mock data, so 8 gloo processes
+fit on 2 cores), each layout trains ITERS steps through the real `Trainer` and then computes
+the gradients of one more global batch. Against the single-process run of the same recipe:
+
+* the loss of every step and the validation loss agree to REL (relative);
+* every parameter's gradient (gathered to a full tensor, each from the rank of its stage)
+  agrees to GRAD_ATOL absolute, GRAD_RTOL relative.
+
+Only summation order differs between layouts (gradient sums over ranks, chunked attention,
+vocabulary-parallel softmax), so the tolerances are those of fp32 rounding. Layouts sharing a
+world size run one after another in one spawn, since each spawn costs seconds of start-up.
+
+Checkpoints: the tp2 x pp2 x dp2 run of `tiny` saves at iteration ITERS; it is loaded under
+dp4 (4 processes) and under one process, and the next losses equal those of an uninterrupted
+run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.train.config_loader import resolve_config
+from pipeline.train.trainer import Trainer
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+ITERS = 3
+RESUMED_ITERS = 5
+REL = 1e-5
+GRAD_ATOL = 1e-6
+GRAD_RTOL = 1e-4
+
+MICRO = [
+    "model.num_layers=4",  # pp2 with two virtual stages per rank needs 4 layers
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.vocab_size=128",
+    "model.max_position_embeddings=32",
+]
+MOE = ["model.num_experts=4", "model.moe_top_k=2"]
+
+DENSE_AND_MOE = {
+    2: {
+        "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+        "tp2_sp": ["parallel.tp=2"],
+        "dp2": ["parallel.dp=2"],
+        "pp2_1f1b": ["parallel.pp=2", "parallel.pipeline_schedule=1F1B"],
+        "pp2_interleaved": ["parallel.pp=2", "parallel.pipeline_schedule=Interleaved1F1B"],
+        "pp2_zero_bubble": ["parallel.pp=2", "parallel.pipeline_schedule=ZBVZeroBubble"],
+        "cp2": ["parallel.cp=2"],
+    },
+    4: {
+        "tp2_dp2": ["parallel.tp=2", "parallel.dp=2"],
+        "tp2_pp2": ["parallel.tp=2", "parallel.pp=2"],
+        "cp2_tp2": ["parallel.cp=2", "parallel.tp=2"],
+    },
+    8: {"dp2_pp2_tp2": ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2"]},
+}
+MOE_ONLY = {
+    2: {"ep2": ["parallel.ep=2"]},  # the two data-parallel ranks hold two experts each
+    4: {"ep2_dp2": ["parallel.ep=2"]},  # experts over 2 ranks, each half sharded over 2
+}
+
+
+def _sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
+    """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU."""
+    return [
+        *MICRO,
+        *(MOE if recipe == "tiny_moe" else []),
+        "data.mock=true",
+        "data.seq_length=32",
+        "data.num_workers=0",
+        f"training.iters={ITERS}",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=8",
+        f"training.eval_interval={ITERS}",
+        "training.eval_iters=1",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "scheduler.warmup_iters=1",
+        f"scheduler.decay_iters={RESUMED_ITERS}",  # the same schedule for runs of any length
+        f"checkpoint.save_interval={ITERS}",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def _full_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient on this rank as a full tensor (DTensors gathered: every rank
+    of a stage must call this, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, param in trainer.model.named_parameters():
+        grad = param.grad
+        assert grad is not None, f"{name} has no gradient"
+        grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).clone()
+    return grads
+
+
+def _train_and_probe(recipe: str, sets: list[str]) -> dict:
+    """Train ITERS steps, then the gradients of the first global batch again."""
+    trainer = Trainer(resolve_config(recipe, sets), console=False)
+    result = trainer.train()
+    probe_loss = trainer.compute_gradients(trainer.next_global_batch(iter(trainer.train_loader)))
+    grads = _full_gradients(trainer)
+    valid = [r for r in _records(Path(trainer.run_dir)) if r["split"] == "valid"]
+    return {
+        "losses": result.losses,
+        "valid": valid[-1]["loss"] if valid else None,
+        "probe": probe_loss,
+        "grads": grads,
+        "first_of_stage": trainer.layout.rank == _first_rank_of_stage(trainer),
+    }
+
+
+def _first_rank_of_stage(trainer: Trainer) -> int:
+    """The lowest global rank holding the same pipeline stage as this one."""
+    dims = trainer.layout.dims
+    if dims is None:
+        return 0
+    return int(dims.world_mesh.mesh[trainer.layout.pp_rank].min())
+
+
+def _records(run_dir: Path) -> list[dict]:
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _layout_worker(rank: int, world_size: int, tmp: Path, layouts: list) -> dict:
+    """Run each (recipe, name, sets) layout in turn; return what the first rank of each
+    pipeline stage saw."""
+    out = {}
+    for recipe, name, extra in layouts:
+        result = _train_and_probe(recipe, _sets(recipe, tmp / f"{recipe}_{name}", *extra))
+        if result.pop("first_of_stage"):
+            out[(recipe, name)] = result
+        else:
+            out[(recipe, name)] = {k: v for k, v in result.items() if k != "grads"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The single-process run of each recipe."""
+    tmp = tmp_path_factory.mktemp("single")
+    out = {}
+    for recipe in ("tiny", "tiny_moe"):
+        result = _train_and_probe(recipe, _sets(recipe, tmp / recipe))
+        result.pop("first_of_stage")
+        out[recipe] = result
+    return out
+
+
+def _layouts(world_size: int) -> list[tuple[str, str, list[str]]]:
+    dense = [(r, n, s) for r in ("tiny", "tiny_moe") for n, s in DENSE_AND_MOE[world_size].items()]
+    moe = [("tiny_moe", n, s) for n, s in MOE_ONLY.get(world_size, {}).items()]
+    return dense + moe
+
+
+def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict]) -> list[str]:
+    """Compare every layout's losses and gradients with the single process; returns the names
+    of the layouts checked."""
+    checked = []
+    for key in per_rank[0]:
+        recipe, name = key
+        ref = reference[recipe]
+        grads: dict[str, torch.Tensor] = {}
+        for result in (r[key] for r in per_rank):
+            assert result["losses"].keys() == ref["losses"].keys(), key
+            for step, loss in ref["losses"].items():
+                assert result["losses"][step] == pytest.approx(loss, rel=REL), (key, step)
+            assert result["probe"] == pytest.approx(ref["probe"], rel=REL), key
+            if result["valid"] is not None:  # only rank 0 writes metrics
+                assert result["valid"] == pytest.approx(ref["valid"], rel=REL), key
+            for param, grad in result.get("grads", {}).items():
+                assert param not in grads, f"{key}: {param} reported by two stages"
+                grads[param] = grad
+        assert grads.keys() == ref["grads"].keys(), key
+        for param, grad in ref["grads"].items():
+            torch.testing.assert_close(
+                grads[param], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=f"{key} {param}"
+            )
+        checked.append(f"{recipe}:{name}")
+    return checked
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layouts_equal_one_device(tmp_path: Path, reference: dict, world_size: int) -> None:
+    layouts = _layouts(world_size)
+    per_rank = run_distributed(_layout_worker, world_size, tmp_path, layouts)
+    checked = _assert_equal_to_reference(per_rank, reference)
+    assert len(checked) == len(layouts)
+
+
+def _resume_worker(rank: int, world_size: int, tmp: Path, checkpoint: Path) -> dict[int, float]:
+    """Resume the `tiny` run from `checkpoint` under dp=world_size and train to RESUMED_ITERS."""
+    return _resumed_losses(tmp / "resumed", checkpoint, f"parallel.dp={world_size}")
+
+
+def _resumed_losses(run_dir: Path, checkpoint: Path | None, *extra: str) -> dict[int, float]:
+    load = [f"checkpoint.load={checkpoint}"] if checkpoint is not None else []
+    sets = _sets("tiny", run_dir, f"training.iters={RESUMED_ITERS}", *load, *extra)
+    return Trainer(resolve_config("tiny", sets), console=False).train().losses
+
+
+@pytest.mark.dist
+def test_eight_processes_and_checkpoints_across_layouts(tmp_path: Path, reference: dict) -> None:
+    """dp2 x pp2 x tp2 equals one device; its checkpoint resumes under dp4 and one process."""
+    per_rank = run_distributed(_layout_worker, 8, tmp_path, _layouts(8))
+    assert len(_assert_equal_to_reference(per_rank, reference)) == len(_layouts(8))
+
+    checkpoint = tmp_path / "tiny_dp2_pp2_tp2" / "checkpoints" / f"iter_{ITERS:07d}"
+    uninterrupted = _resumed_losses(tmp_path / "uninterrupted", None)
+    expected = {step: uninterrupted[step] for step in range(ITERS + 1, RESUMED_ITERS + 1)}
+    resumed = {
+        "dp4": run_distributed(_resume_worker, 4, tmp_path / "dp4", checkpoint)[0],
+        "tp1_pp1": _resumed_losses(tmp_path / "single", checkpoint),
+    }
+    for layout, losses in resumed.items():
+        assert losses.keys() == expected.keys(), layout
+        for step, loss in expected.items():
+            assert losses[step] == pytest.approx(loss, rel=REL), (layout, step)
