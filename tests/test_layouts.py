@@ -14,7 +14,7 @@ world size run one after another in one spawn, since each spawn costs seconds of
 
 Checkpoints: the tp2 x pp2 x dp2 run of `tiny` saves at iteration ITERS; it is loaded under
 dp4 (4 processes) and under one process, and the next losses equal those of an uninterrupted
-run.
+run. The ep2 run of `tiny_moe` resumes in one process (experts gathered) the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ DENSE_AND_MOE = {
         "cp2_tp2": ["parallel.cp=2", "parallel.tp=2"],
     },
     8: {"dp2_pp2_tp2": ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2"]},
+}
+# Variants of the data-parallel and pipeline modes, checked on the dense recipe.
+DENSE_ONLY = {
+    2: {
+        "dp2_zero2": ["parallel.dp=2", "parallel.reshard_after_forward=false"],
+        "dp2_replicate": ["parallel.dp=2", "parallel.dp_mode=replicate"],
+        "pp2_first_stage_1_layer": ["parallel.pp=2", "parallel.first_stage_layers=1"],
+    },
 }
 MOE_ONLY = {
     2: {"ep2": ["parallel.ep=2"]},  # the two data-parallel ranks hold two experts each
@@ -113,10 +121,13 @@ def _train_and_probe(recipe: str, sets: list[str]) -> dict:
     result = trainer.train()
     probe_loss = trainer.compute_gradients(trainer.next_global_batch(iter(trainer.train_loader)))
     grads = _full_gradients(trainer)
-    valid = [r for r in _records(Path(trainer.run_dir)) if r["split"] == "valid"]
+    records = _records(Path(trainer.run_dir))
+    valid = [r for r in records if r["split"] == "valid"]
+    train = [r for r in records if r["split"] == "train"]
     return {
         "losses": result.losses,
         "valid": valid[-1]["loss"] if valid else None,
+        "moe_max_load": train[-1].get("moe_max_load") if train else None,
         "probe": probe_loss,
         "grads": grads,
         "first_of_stage": trainer.layout.rank == _first_rank_of_stage(trainer),
@@ -164,9 +175,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 def _layouts(world_size: int) -> list[tuple[str, str, list[str]]]:
-    dense = [(r, n, s) for r in ("tiny", "tiny_moe") for n, s in DENSE_AND_MOE[world_size].items()]
+    both = [(r, n, s) for r in ("tiny", "tiny_moe") for n, s in DENSE_AND_MOE[world_size].items()]
+    dense = [("tiny", n, s) for n, s in DENSE_ONLY.get(world_size, {}).items()]
     moe = [("tiny_moe", n, s) for n, s in MOE_ONLY.get(world_size, {}).items()]
-    return dense + moe
+    return both + dense + moe
 
 
 def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict]) -> list[str]:
@@ -184,6 +196,10 @@ def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict])
             assert result["probe"] == pytest.approx(ref["probe"], rel=REL), key
             if result["valid"] is not None:  # only rank 0 writes metrics
                 assert result["valid"] == pytest.approx(ref["valid"], rel=REL), key
+                # Router statistics are logged for MoE runs (the load of the last micro-batch).
+                assert (result["moe_max_load"] is not None) == (recipe == "tiny_moe"), key
+                if recipe == "tiny_moe":
+                    assert result["moe_max_load"] >= 1.0, key
             for param, grad in result.get("grads", {}).items():
                 assert param not in grads, f"{key}: {param} reported by two stages"
                 grads[param] = grad
@@ -203,6 +219,13 @@ def test_layouts_equal_one_device(tmp_path: Path, reference: dict, world_size: i
     per_rank = run_distributed(_layout_worker, world_size, tmp_path, layouts)
     checked = _assert_equal_to_reference(per_rank, reference)
     assert len(checked) == len(layouts)
+    if world_size == 2:
+        # Experts move too: the ep2 checkpoint resumes in one process, where every expert is
+        # local, and continues as the uninterrupted run does.
+        checkpoint = tmp_path / "tiny_moe_ep2" / "checkpoints" / f"iter_{ITERS:07d}"
+        resumed = _resumed_losses(tmp_path / "moe_resumed", checkpoint, recipe="tiny_moe")
+        uninterrupted = _resumed_losses(tmp_path / "moe_uninterrupted", None, recipe="tiny_moe")
+        _assert_continues(resumed, uninterrupted, "ep2 -> ep1")
 
 
 def _resume_worker(rank: int, world_size: int, tmp: Path, checkpoint: Path) -> dict[int, float]:
@@ -210,10 +233,21 @@ def _resume_worker(rank: int, world_size: int, tmp: Path, checkpoint: Path) -> d
     return _resumed_losses(tmp / "resumed", checkpoint, f"parallel.dp={world_size}")
 
 
-def _resumed_losses(run_dir: Path, checkpoint: Path | None, *extra: str) -> dict[int, float]:
+def _resumed_losses(
+    run_dir: Path, checkpoint: Path | None, *extra: str, recipe: str = "tiny"
+) -> dict[int, float]:
+    """Losses of a run to RESUMED_ITERS, resumed from `checkpoint` (None: from scratch)."""
     load = [f"checkpoint.load={checkpoint}"] if checkpoint is not None else []
-    sets = _sets("tiny", run_dir, f"training.iters={RESUMED_ITERS}", *load, *extra)
-    return Trainer(resolve_config("tiny", sets), console=False).train().losses
+    sets = _sets(recipe, run_dir, f"training.iters={RESUMED_ITERS}", *load, *extra)
+    return Trainer(resolve_config(recipe, sets), console=False).train().losses
+
+
+def _assert_continues(resumed: dict, uninterrupted: dict, layout: str) -> None:
+    """The resumed run's losses (steps after ITERS only) equal the uninterrupted run's."""
+    expected = {step: uninterrupted[step] for step in range(ITERS + 1, RESUMED_ITERS + 1)}
+    assert resumed.keys() == expected.keys(), layout
+    for step, loss in expected.items():
+        assert resumed[step] == pytest.approx(loss, rel=REL), (layout, step)
 
 
 @pytest.mark.dist
@@ -224,12 +258,7 @@ def test_eight_processes_and_checkpoints_across_layouts(tmp_path: Path, referenc
 
     checkpoint = tmp_path / "tiny_dp2_pp2_tp2" / "checkpoints" / f"iter_{ITERS:07d}"
     uninterrupted = _resumed_losses(tmp_path / "uninterrupted", None)
-    expected = {step: uninterrupted[step] for step in range(ITERS + 1, RESUMED_ITERS + 1)}
-    resumed = {
-        "dp4": run_distributed(_resume_worker, 4, tmp_path / "dp4", checkpoint)[0],
-        "tp1_pp1": _resumed_losses(tmp_path / "single", checkpoint),
-    }
-    for layout, losses in resumed.items():
-        assert losses.keys() == expected.keys(), layout
-        for step, loss in expected.items():
-            assert losses[step] == pytest.approx(loss, rel=REL), (layout, step)
+    resumed = run_distributed(_resume_worker, 4, tmp_path / "dp4", checkpoint)
+    _assert_continues(resumed[0], uninterrupted, "tp2.pp2.dp2 -> dp4")
+    single = _resumed_losses(tmp_path / "single", checkpoint)
+    _assert_continues(single, uninterrupted, "tp2.pp2.dp2 -> tp1.pp1")

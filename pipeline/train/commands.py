@@ -105,6 +105,10 @@ def _default_run_dir(recipe: str | None) -> str:
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @click.option("--run-dir", metavar="DIR", help="Run directory (default: runs/<recipe or 'run'>).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved run and its cost; build nothing.")
+@click.option(
+    "--gpu", metavar="NAME",
+    help="With --dry-run: say whether the memory per device fits this GPU (e.g. h100, a100-40gb).",
+)  # fmt: skip
 @click.pass_context
 def train(
     ctx: click.Context,
@@ -113,6 +117,7 @@ def train(
     finetune: bool,
     run_dir: str | None,
     dry_run: bool,
+    gpu: str | None,
     nproc_per_node: int,
     **flags: object,
 ) -> None:
@@ -124,6 +129,7 @@ def train(
     from pipeline.train.config import ConfigError, LoggingSection
     from pipeline.train.config_loader import resolve_config
 
+    _check_gpu(gpu, dry_run)
     given = {
         name: value
         for name, value in flags.items()
@@ -146,11 +152,25 @@ def train(
 
         click.echo("# resolved config (what the run writes to config.toml)")
         click.echo(cfg.to_toml())
-        click.echo("\n".join(dry_run_report(cfg, world_size=world_size)))
+        click.echo("\n".join(dry_run_report(cfg, world_size=world_size, gpu=gpu)))
         return
     if nproc_per_node > 1 and not _launched_by_torchrun():
         _relaunch_under_torchrun(nproc_per_node)
     _run(cfg)
+
+
+def _check_gpu(gpu: str | None, dry_run: bool) -> None:
+    """Refuse `--gpu` without `--dry-run` or with a GPU the memory table does not know."""
+    if gpu is None:
+        return
+    if not dry_run:
+        raise click.UsageError("--gpu is for --dry-run (it checks the memory estimate)")
+    from pipeline.train.estimates import gpu_memory_gib
+
+    try:
+        gpu_memory_gib(gpu)
+    except ValueError as e:
+        raise click.UsageError(f"--gpu: {e}") from None
 
 
 def _run(cfg: object) -> None:

@@ -18,6 +18,11 @@ memory model. The memory model is an estimate, stated so it can be checked:
 * With full activation checkpointing each layer keeps only its input (h), plus one layer's full
   activations while it is recomputed. 1F1B pipelining keeps min(pp, micro batches) micro batches
   in flight on the first stage, i.e. about one micro batch through all layers.
+
+`--gpu NAME` compares the total that matches `training.activation_checkpointing` (selective:
+the no-checkpointing total, an upper bound) with the GPU's memory as torch reports it
+(`total_memory`), and warns above `FIT_FRACTION` of it: the estimate leaves out the CUDA
+context, communication buffers and fragmentation, which take the rest.
 """
 
 from __future__ import annotations
@@ -30,15 +35,33 @@ from pipeline.core.model.flavors import flops_per_token, num_parameters
 from pipeline.train.config import TrainConfig
 
 __all__ = [
+    "FIT_FRACTION",
+    "GPU_MEMORY_GIB",
     "MemoryEstimate",
     "ParamCounts",
     "dry_run_report",
     "estimate_memory",
+    "gpu_fit_line",
+    "gpu_memory_gib",
     "parameter_counts",
 ]
 
 _GIB = 1024**3
 _STATE_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + Adam exp_avg + exp_avg_sq
+
+GPU_MEMORY_GIB = {
+    "h100": 79.1,  # H100 80 GB (SXM and PCIe)
+    "h200": 139.8,
+    "a100-80gb": 79.2,
+    "a100-40gb": 39.4,
+    "l40s": 44.4,
+    "b200": 178.4,
+    "rtx4090": 23.6,
+}
+"""Usable GiB per GPU, as `torch.cuda.get_device_properties(0).total_memory` reports it."""
+
+FIT_FRACTION = 0.9
+"""Share of a GPU's memory the estimate may use; the rest goes to what it leaves out."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +151,55 @@ def estimate_memory(
     )
 
 
-def dry_run_report(cfg: TrainConfig, world_size: int | None = None) -> list[str]:
-    """Human-readable lines describing the resolved run and what it will cost."""
+def gpu_memory_gib(name: str) -> float:
+    """Usable GiB of the GPU called `name` (any case); ValueError naming the known GPUs."""
+    try:
+        return GPU_MEMORY_GIB[name.lower()]
+    except KeyError:
+        known = ", ".join(GPU_MEMORY_GIB)
+        raise ValueError(f"unknown GPU {name!r}; known: {known}") from None
+
+
+def gpu_fit_line(cfg: TrainConfig, mem: MemoryEstimate, gpu: str) -> str:
+    """`fits on GPU ...` or `WARNING: ... will not fit on GPU ...; try ...` for the total that
+    matches the run's activation checkpointing (selective counts as none: an upper bound)."""
+    name = gpu.lower()
+    available = gpu_memory_gib(name)
+    mode = cfg.training.activation_checkpointing
+    needed = (mem.total_full if mode == "full" else mem.total_none) / _GIB
+    share = needed / available
+    if share <= FIT_FRACTION:
+        return (
+            f"gpu          fits on {name}: {needed:.2f} GiB of {available:.2f} GiB "
+            f"({share:.0%}, activation checkpointing {mode})"
+        )
+    return (
+        f"gpu          WARNING: this layout will not fit on {name} ({needed:.2f} GiB needed, "
+        f"{available:.2f} GiB available, activation checkpointing {mode}; the limit is "
+        f"{FIT_FRACTION:.0%}); try {', '.join(_fit_suggestions(cfg, mem))}"
+    )
+
+
+def _fit_suggestions(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
+    """What would shrink the per-device total, most effective first for this run."""
+    tips = []
+    if cfg.training.activation_checkpointing != "full":
+        tips.append(
+            f"activation checkpointing full (--set training.activation_checkpointing=full: "
+            f"{mem.total_full / _GIB:.2f} GiB)"
+        )
+    tips.append("more tensor/pipeline parallelism (--tp, --pp)")
+    tips.append("more data-parallel devices (FSDP shards the training state over dp)")
+    if cfg.training.micro_batch_size > 1:
+        tips.append("a smaller micro batch (--micro-batch-size)")
+    return tips
+
+
+def dry_run_report(
+    cfg: TrainConfig, world_size: int | None = None, gpu: str | None = None
+) -> list[str]:
+    """Human-readable lines describing the resolved run and what it will cost; with `gpu`, a
+    last line saying whether the per-device memory fits that GPU."""
     model = cfg.model_config()
     t, p, d, o, s = cfg.training, cfg.parallel, cfg.data, cfg.optimizer, cfg.scheduler
     dp = cfg.data_parallel_size(world_size)
@@ -176,6 +246,8 @@ def dry_run_report(cfg: TrainConfig, world_size: int | None = None) -> list[str]
         f"{mem.total_full / _GIB:.2f} GiB (full); excludes framework, buffers and "
         "fragmentation",
     ]
+    if gpu is not None:
+        lines.append(gpu_fit_line(cfg, mem, gpu))
     return lines
 
 

@@ -221,6 +221,10 @@ def _local_stage_boundaries(stage: Transformer, tp_mesh: DeviceMesh) -> None:
         )
     for style in plans.values():
         style._apply(stage, tp_mesh)
+    if stage.output is None:
+        # `to_local` returns a view; FSDP2 (applied later) warns about views it hooks, since an
+        # in-place op on one would skip its backward hook. One copy of a hidden shard is cheap.
+        stage.register_forward_hook(lambda module, args, output: output.clone())
 
 
 def _apply_data_parallel(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> None:

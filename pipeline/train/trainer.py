@@ -236,7 +236,9 @@ class Trainer:
             for part in parts:
                 part.init_weights(buffer_device=self.device)
             return
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # Random init of DTensors on a CPU mesh warns; these draws are discarded anyway.
+            warnings.filterwarnings("ignore", message="DTensor random operators")
             for part in parts:  # buffers; the parameters are replaced
                 part.init_weights(buffer_device=self.device)
         copy_full_weights_(model, self._plain_initial_weights())
