@@ -7,6 +7,8 @@ returns before `--nproc-per-node` would re-launch under torchrun, so N only sets
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -101,3 +103,17 @@ def test_gpu_names_are_case_insensitive(name: str) -> None:
             gpu_memory_gib(name)
     else:
         assert gpu_memory_gib(name) == 139.8
+
+
+def test_gpu_check_does_not_import_torch() -> None:
+    """The fit check is arithmetic on the estimate: `--dry-run --gpu` stays torch-free."""
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from pipeline.train.commands import train\n"
+        "r = CliRunner().invoke(train, ['--recipe', 'tiny', '--dry-run', '--gpu', 'h100'])\n"
+        "assert r.exit_code == 0 and 'fits on h100' in r.output, r.output\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

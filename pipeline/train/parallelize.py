@@ -208,20 +208,20 @@ def _local_stage_boundaries(stage: Transformer, tp_mesh: DeviceMesh) -> None:
     plain tensors. A stage without the embedding takes its input as this rank's sequence shard
     and one without the output layer hands on its local shard."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        parallelize_module,
+    )
 
-    plans: dict[str, Any] = {}
     if stage.tok_embeddings is None:
-        plans["input"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)
-        )
+        style = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),))
+        parallelize_module(stage, tp_mesh, style)
     if stage.output is None:
-        plans["output"] = PrepareModuleOutput(
+        style = PrepareModuleOutput(
             output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True
         )
-    for style in plans.values():
-        style._apply(stage, tp_mesh)
-    if stage.output is None:
+        parallelize_module(stage, tp_mesh, style)
         # `to_local` returns a view; FSDP2 (applied later) warns about views it hooks, since an
         # in-place op on one would skip its backward hook. One copy of a hidden shard is cheap.
         stage.register_forward_hook(lambda module, args, output: output.clone())

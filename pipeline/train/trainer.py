@@ -206,7 +206,7 @@ class Trainer:
             model = apply_fp8(model, self.cfg.fp8.recipe, self.device)
             parts, stage_indices, num_stages = build_model_parts(model, self.cfg, self.dims)
             parts = [parallelize(part, self.cfg, self.dims) for part in parts]
-        except (ValueError, NotImplementedError) as e:  # a layout or recipe that cannot be
+        except (ValueError, NotImplementedError) as e:  # a layout or recipe we cannot build
             raise ConfigError(str(e)) from e
         model = StageUnion(parts) if num_stages > 1 else parts[0]
         self._select_attention(model)
