@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pipeline.preprocess.commands:merge",
         "Concatenate .bin/.idx datasets of one dtype into one.",
     ),
+    "convert": (
+        "pipeline.convert.commands:convert",
+        "Convert checkpoints: to/from Hugging Face, from Megatron, between layouts.",
+    ),
     "checkpoint": (
         "pipeline.checkpoint.commands:checkpoint",
         "Verify checkpoints: complete, every file intact.",
@@ -71,6 +75,7 @@ def cli() -> None:
     pipe inspect     what a shard holds
     pipe train       train a model from a recipe on preprocessed data
     pipe checkpoint  verify a checkpoint
+    pipe convert     checkpoints <-> Hugging Face, from Megatron, between layouts
     pipe plot        curves of one or more runs
     """
 

@@ -250,6 +250,7 @@ def save(
     *,
     process_group: Any | None = None,
     save_rng: bool = True,
+    planner: Any | None = None,
 ) -> Path | AsyncSave:
     """Write `state` as checkpoint `iteration` under `save_dir` and commit it atomically.
 
@@ -257,8 +258,9 @@ def save(
     Non-tensor leaves that are JSON values go to `pipe_metadata.json`; anything else is an
     error. `metadata` (JSON: iteration, consumed samples, scheduler, data blend, tokenizer,
     model config, parallel layout...) is stored as given and returned by `load`. RNG states
-    of every rank are recorded unless `save_rng` is False. Returns the committed directory, or
-    an `AsyncSave` handle when `async_save` is true.
+    of every rank are recorded unless `save_rng` is False. `planner` is a DCP save planner
+    (e.g. one that streams tensors from elsewhere; synchronous saves only). Returns the
+    committed directory, or an `AsyncSave` handle when `async_save` is true.
     """
     import torch
     import torch.distributed.checkpoint as dcp
@@ -292,6 +294,8 @@ def save(
     writer = dcp.FileSystemWriter(temporary, sync_files=True)
     job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
     if async_save:
+        if planner is not None:
+            raise ValueError("a custom planner needs a synchronous save")
         try:
             future = dcp.async_save(
                 tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed
@@ -301,7 +305,11 @@ def save(
         return AsyncSave(future, job, distributed)
     try:
         dcp.save(
-            tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed
+            tensors,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=not distributed,
         )
     except CheckpointException as error:
         # DCP's exception derives from BaseException; turn it into an ordinary, named error.

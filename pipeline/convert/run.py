@@ -1,0 +1,225 @@
+"""One conversion from start to finish: open the source, write the output, verify it.
+
+`pipe convert` (commands.py) parses the command line and calls `run_conversion`; tests and
+scripts may call it directly. See commands.py for what each format means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from pipeline.convert.source import TensorSource
+
+__all__ = ["ConversionError", "open_source", "run_conversion"]
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class ConversionError(RuntimeError):
+    """A conversion that cannot be done or did not verify; the message says why."""
+
+
+def open_source(
+    path: Path,
+    fmt: str,
+    *,
+    iteration: int | None = None,
+    allow_pickle: bool = False,
+    flavor: str | None = None,
+) -> TensorSource:
+    """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron)."""
+    if fmt == "pipe":
+        from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+
+        return PipeCheckpointSource(path, iteration)
+    if fmt == "hf":
+        from pipeline.convert.hf_reader import HFSource
+
+        return HFSource(path, allow_pickle=allow_pickle)
+    if fmt == "megatron":
+        from pipeline.convert.megatron import MegatronSource
+
+        config = None
+        if flavor is not None:
+            from pipeline.core.model.flavors import get_flavor
+
+            config = get_flavor(flavor)
+        return MegatronSource(path, model_config=config)
+    raise ConversionError(f"unknown source format {fmt!r}")
+
+
+def run_conversion(
+    source_path: Path,
+    output: Path,
+    from_format: str,
+    to_format: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: str | None = None,
+    shard_bytes: int = 5 * 10**9,
+    iteration: int | None = None,
+    verify: str = "auto",
+    verify_layers: int | None = None,
+    tokenizer_dir: Path | None = None,
+    flavor: str | None = None,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    quiet: bool = False,
+) -> str:
+    """Convert and verify; returns a one-paragraph summary. Raises `ConversionError`."""
+    import torch
+
+    from pipeline.checkpoint.layout import CheckpointError
+    from pipeline.convert.source import CastSource
+    from pipeline.convert.verify import VerifyError
+
+    try:
+        source = open_source(
+            source_path, from_format, iteration=iteration, allow_pickle=allow_pickle, flavor=flavor
+        )
+        target_dtype = dtype or ("bf16" if to_format == "hf" else None)
+        if target_dtype is not None:
+            source = CastSource(source, getattr(torch, _TORCH_DTYPES[target_dtype]))
+        total = sum(info.nbytes for info in source.tensors().values())
+        start = time.perf_counter()
+        with _progress(total, quiet) as advance, _quiet_dcp():
+            written = _write(source, output, to_format, (tp, pp, ep), shard_bytes,
+                             tokenizer_dir, advance)  # fmt: skip
+        seconds = time.perf_counter() - start
+        with _quiet_dcp():
+            verdict = _verify(source, source_path, from_format, written, to_format,
+                              verify, verify_layers)  # fmt: skip
+    except (CheckpointError, VerifyError, ValueError, OSError) as e:
+        raise ConversionError(str(e)) from e
+    rate = total / max(seconds, 1e-9) / 1e9
+    return (
+        f"wrote {written} ({len(source.tensors())} tensors, {total / 1e9:.2f} GB in "
+        f"{seconds:.1f} s, {rate:.2f} GB/s); {verdict}"
+    )
+
+
+def _write(
+    source: TensorSource,
+    output: Path,
+    to_format: str,
+    layout: tuple[int, int, int],
+    shard_bytes: int,
+    tokenizer_dir: Path | None,
+    advance: Any,
+) -> Path:
+    """Write `source` as `to_format` under `output`; returns what was written."""
+    if to_format == "pipe":
+        from pipeline.convert.pipe_checkpoint import TargetLayout, write_pipe_checkpoint
+
+        return write_pipe_checkpoint(source, output, layout=TargetLayout(*layout), progress=advance)
+    from pipeline.convert.hf_writer import write_hf
+
+    tokenizer_dir = tokenizer_dir or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
+    write_hf(
+        source, output, max_shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir, progress=advance
+    )
+    return output
+
+
+def _verify(
+    source: TensorSource,
+    source_path: Path,
+    from_format: str,
+    written: Path,
+    to_format: str,
+    mode: str,
+    layers: int | None,
+) -> str:
+    """Check the output against the source as `mode` asks; returns what was checked."""
+    from pipeline.convert.verify import compare_hf_logits, compare_tensors, fits_in_memory
+
+    if mode == "off":
+        return "not verified (--verify off)"
+    notes = []
+    if to_format == "pipe":
+        from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+
+        output_source = PipeCheckpointSource(written)
+        count = compare_tensors(source, output_source)
+        notes.append(f"all {count} tensors read back bit-identical")
+        if from_format != "hf":
+            return "verified: " + "; ".join(notes)
+        hf_dir, ours = source_path, output_source
+    else:
+        hf_dir, ours = written, source
+    if not _transformers_available():
+        if mode == "on":
+            raise ConversionError("--verify on needs transformers: pip install 'pipe[hf]'")
+        notes.append("logits not compared (transformers is not installed)")
+    elif layers is None and not fits_in_memory(ours):
+        if mode == "on":
+            raise ConversionError("the model does not fit in memory twice; use --verify layers=N")
+        notes.append("logits not compared (too large for memory; try --verify layers=N)")
+    else:
+        diff = compare_hf_logits(ours, hf_dir, layers=layers)
+        sliced = f" (first {layers} layers)" if layers else ""
+        notes.append(f"logits match transformers{sliced}: max abs difference {diff:.2e}")
+    return "verified: " + "; ".join(notes)
+
+
+def _transformers_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
+    """The directory of the tokenizer a checkpoint recorded, if its files are still there and
+    unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
+    files = ((tokenizer or {}).get("fingerprint") or {}).get("files") or []
+    if not files:
+        return None
+    for record in files:
+        path = Path(record["path"])
+        if not path.is_file() or _sha256(path) != record.get("sha256"):
+            warnings.warn(
+                f"the recorded tokenizer file {path} is missing or changed; "
+                "no tokenizer files copied (pass --tokenizer DIR)",
+                stacklevel=2,
+            )
+            return None
+    return Path(files[0]["path"]).parent
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextmanager
+def _progress(total: int, quiet: bool) -> Iterator[Any]:
+    """A byte-weighted progress bar on a terminal; yields its `advance(bytes)` function."""
+    from pipeline.preprocess.progress import terminal_bar
+
+    bar = None if quiet else terminal_bar(total, desc="convert", unit="B", unit_scale=True)
+    try:
+        yield (bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+@contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """DCP warns that it runs without a process group: expected in a converter."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
