@@ -130,7 +130,7 @@ def parse_verify(text: str) -> tuple[str, int | None]:
     help="hf input: accept pickled .bin/.pt weights (loaded with weights_only=True).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def convert(source: Path, output: Path, from_format: str, to_format: str, **options: Any) -> None:
     """Convert SOURCE (a pipe checkpoint, a Hugging Face directory, or a Megatron torch_dist
     checkpoint) to a pipe checkpoint or a Hugging Face model directory."""  # fmt: skip

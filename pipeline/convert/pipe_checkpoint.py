@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 MODEL_PREFIX = "model."
+_HF_KEYS = ("hf_architecture", "bos_token_id", "eos_token_id")
 
 
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
@@ -71,6 +72,7 @@ class PipeCheckpointSource:
             "iteration": record.get("iteration"),
             "tokenizer": meta.get("tokenizer"),
             "layout": meta.get("layout"),
+            **(meta.get("hf") or {}),
         }
         self._infos = self._read_infos(load_dcp_metadata(self.directory / DCP_METADATA))
 
@@ -187,6 +189,8 @@ def write_pipe_checkpoint(
         "tokenizer": source.metadata.get("tokenizer"),
         "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": 1, "dp": 1},
         "converted_from": source.metadata.get("source"),
+        # What a Hugging Face export should write back (architecture, bos/eos ids).
+        "hf": {k: source.metadata[k] for k in _HF_KEYS if source.metadata.get(k) is not None},
     }
     return Path(save(output, iteration, {}, metadata, save_rng=False, planner=planner))
 

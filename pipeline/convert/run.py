@@ -94,7 +94,7 @@ def run_conversion(
         start = time.perf_counter()
         with _progress(total, quiet) as advance, _quiet_dcp():
             written = _write(source, output, to_format, (tp, pp, ep), shard_bytes,
-                             tokenizer_dir, advance)  # fmt: skip
+                             tokenizer_dir, advance, overwrite)  # fmt: skip
         seconds = time.perf_counter() - start
         with _quiet_dcp():
             verdict = _verify(source, source_path, from_format, written, to_format,
@@ -116,6 +116,7 @@ def _write(
     shard_bytes: int,
     tokenizer_dir: Path | None,
     advance: Any,
+    overwrite: bool,
 ) -> Path:
     """Write `source` as `to_format` under `output`; returns what was written."""
     if to_format == "pipe":
@@ -125,10 +126,28 @@ def _write(
     from pipeline.convert.hf_writer import write_hf
 
     tokenizer_dir = tokenizer_dir or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
-    write_hf(
-        source, output, max_shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir, progress=advance
+    return write_hf(
+        source,
+        output,
+        max_shard_bytes=shard_bytes,
+        tokenizer_dir=tokenizer_dir,
+        progress=_cumulative(advance),
+        overwrite=overwrite,
     )
-    return output
+
+
+def _cumulative(advance: Any) -> Any:
+    """`write_hf` reports bytes done so far; the bar wants increments."""
+    if advance is None:
+        return None
+    done = 0
+
+    def report(total_done: int) -> None:
+        nonlocal done
+        advance(total_done - done)
+        done = total_done
+
+    return report
 
 
 def _verify(

@@ -1,6 +1,10 @@
-"""Hugging Face (Llama / Mistral / Qwen2 / Mixtral) parameter names -> ours, for in-memory
-transformers modules. The full converter (files, shards, configs, the reverse direction) lives in
-`pipeline.convert`; this is the name map it and the parity tests share."""
+"""Hugging Face (Llama / Mistral / Qwen2 / Mixtral) parameter names <-> ours.
+
+Two HF spellings exist for Mixtral: the on-disk one (`block_sparse_moe.gate`, one
+`experts.{e}.w1/w2/w3` tensor per expert, all transformers versions) and the in-memory one of
+transformers >= 5 modules (`mlp.gate`, fused 3-D `mlp.experts.gate_up_proj` / `down_proj`).
+Files (`pipeline.convert`) use the on-disk names; the parity tests use the in-memory ones.
+"""
 
 from __future__ import annotations
 
@@ -8,39 +12,81 @@ import re
 
 import torch
 
-# (HF regex, our template); {i} is the layer index.
-_NAME_MAP: list[tuple[str, str]] = [
-    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
-    (r"model\.norm\.weight", "norm.weight"),
-    (r"lm_head\.weight", "output.weight"),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{i}.attention_norm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{i}.ffn_norm.weight"),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)", "layers.{i}.attention.wq.{p}"),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias)", "layers.{i}.attention.wk.{p}"),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias)", "layers.{i}.attention.wv.{p}"),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{i}.attention.wo.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{i}.feed_forward.w1.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{i}.feed_forward.w3.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{i}.feed_forward.w2.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", "layers.{i}.moe.router.weight"),
-    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "layers.{i}.moe.experts.w2"),
+# (HF template, our template): {i} is the layer index, {p} is `weight` or `bias`. For our -> HF
+# the first matching row wins, so on-disk spellings come before in-memory ones.
+_NAME_PAIRS: list[tuple[str, str]] = [
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.{p}", "layers.{i}.attention.wq.{p}"),
+    ("model.layers.{i}.self_attn.k_proj.{p}", "layers.{i}.attention.wk.{p}"),
+    ("model.layers.{i}.self_attn.v_proj.{p}", "layers.{i}.attention.wv.{p}"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
+    ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.moe.router.weight"),
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.weight"),
+    ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.moe.experts.w2"),
 ]
-# HF Mixtral (transformers >= 5) fuses gate and up: gate_up_proj [E, 2 * ffn, hidden].
+
+
+def _regex(template: str) -> re.Pattern[str]:
+    pattern = re.escape(template)
+    pattern = pattern.replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>weight|bias)")
+    return re.compile(pattern)
+
+
+_HF_TO_PIPE = [(_regex(hf), ours) for hf, ours in _NAME_PAIRS]
+_PIPE_TO_HF = [(_regex(ours), hf) for hf, ours in _NAME_PAIRS]
+# HF Mixtral (transformers >= 5) fuses gate and up in memory: gate_up_proj [E, 2 * ffn, hidden].
 _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
+# On disk, each expert's matrices are separate tensors; ours stack them as [E, ...].
+_DISK_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"
+)
+_PIPE_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 
 
 def hf_to_pipe_name(hf_name: str) -> str:
     """Our name for a Hugging Face parameter name; KeyError if it has none."""
-    for pattern, template in _NAME_MAP:
-        m = re.fullmatch(pattern, hf_name)
+    for pattern, template in _HF_TO_PIPE:
+        m = pattern.fullmatch(hf_name)
         if m:
-            groups = m.groups()
-            return template.format(i=groups[0] if groups else "", p=groups[-1] if groups else "")
+            return template.format(**m.groupdict())
     raise KeyError(f"no pipe name for Hugging Face parameter {hf_name!r}")
 
 
+def hf_expert_piece(hf_name: str) -> tuple[str, int] | None:
+    """(our stacked expert name, expert index) for an on-disk Mixtral expert tensor, else None."""
+    m = _DISK_EXPERT.fullmatch(hf_name)
+    if m is None:
+        return None
+    layer, expert, w = m.groups()
+    return f"layers.{layer}.moe.experts.{w}", int(expert)
+
+
+def pipe_to_hf_names(name: str, num_experts: int | None = None) -> list[str]:
+    """The on-disk Hugging Face names for our parameter `name`: one name, or for a stacked
+    expert tensor (`layers.N.moe.experts.w1`) one name per expert, in expert order."""
+    m = _PIPE_EXPERTS.fullmatch(name)
+    if m:
+        if num_experts is None:
+            raise ValueError(f"{name} is an expert stack; num_experts is required")
+        layer, w = m.groups()
+        prefix = f"model.layers.{layer}.block_sparse_moe.experts"
+        return [f"{prefix}.{e}.{w}.weight" for e in range(num_experts)]
+    for pattern, template in _PIPE_TO_HF:
+        m = pattern.fullmatch(name)
+        if m:
+            return [template.format(**m.groupdict())]
+    raise KeyError(f"no Hugging Face name for pipe parameter {name!r}")
+
+
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and split fused expert gate/up) a Hugging Face state dict into ours."""
+    """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         m = _GATE_UP.fullmatch(name)

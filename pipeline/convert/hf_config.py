@@ -1,0 +1,256 @@
+"""Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Mixtral).
+
+Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
+5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
+and older transformers read, and which transformers 5 still loads. Anything our model cannot
+represent exactly (o_proj or MLP biases, another activation, linear/yarn RoPE scaling, a sliding
+window shorter than the context) is refused rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "choose_architecture",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_architecture",
+    "dtype_from_hf",
+    "generation_config",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+def _supported() -> str:
+    return ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
+
+
+def hf_architecture(hf: dict[str, Any]) -> str:
+    """The supported architecture a config.json dict names; ValueError listing them if none."""
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    model_type = hf.get("model_type")
+    for arch, mtype in SUPPORTED_ARCHITECTURES.items():
+        if not archs and model_type == mtype:
+            return arch
+    raise ValueError(
+        f"unsupported Hugging Face model: architectures={archs}, model_type={model_type!r}; "
+        f"supported: {_supported()}"
+    )
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """rope_theta and scaling from either spelling (5.x `rope_parameters` or 4.x keys)."""
+    params = hf.get("rope_parameters")
+    if params:
+        theta = params.get("rope_theta", hf.get("rope_theta", _DEFAULT_ROPE_THETA))
+        scaling = params
+    else:
+        theta = hf.get("rope_theta", _DEFAULT_ROPE_THETA)
+        scaling = hf.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+    defaults = RopeScaling()
+    return float(theta), RopeScaling(
+        factor=float(scaling.get("factor", defaults.factor)),
+        low_freq_factor=float(scaling.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(scaling.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            scaling.get(
+                "original_max_position_embeddings", defaults.original_max_position_embeddings
+            )
+        ),
+    )
+
+
+def _check_sliding_window(hf: dict[str, Any], arch: str, ignore: bool) -> None:
+    """Our attention is full causal: a window shorter than the context changes the model."""
+    window = hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None or window >= hf.get("max_position_embeddings", 0):
+        return
+    if not ignore:
+        raise ValueError(
+            f"{arch} uses sliding-window attention (window {window} < max_position_embeddings "
+            f"{hf.get('max_position_embeddings')}), which pipe models do not implement; outputs "
+            f"match only for sequences up to {window} tokens. Pass ignore_sliding_window=True "
+            f"to convert anyway with full attention."
+        )
+    log.warning("ignoring sliding_window=%s: pipe models use full causal attention", window)
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ValueError(f"unsupported Hugging Face config: {what}")
+
+
+def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -> ModelConfig:
+    """Our `ModelConfig` for a Hugging Face `config.json` dict.
+
+    Raises ValueError naming the supported architectures for any other model, and for settings
+    our model cannot reproduce exactly.
+    """
+    arch = hf_architecture(hf)
+    _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
+    _refuse(bool(hf.get("attention_bias")), "attention_bias (o_proj bias) is not supported")
+    _refuse(bool(hf.get("mlp_bias")), "mlp_bias is not supported")
+    _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
+    _check_sliding_window(hf, arch, ignore_sliding_window)
+    theta, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    moe = None
+    if arch == "MixtralForCausalLM":
+        moe = MoEConfig(
+            num_experts=hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            aux_loss_coeff=float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_coeff)),
+        )
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim"),
+        ffn_hidden_size=hf["intermediate_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        moe=moe,
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def choose_architecture(config: ModelConfig, preferred: str | None = None) -> str:
+    """The HF architecture that represents `config` exactly: `preferred` (e.g. the one a model
+    was read from) when it can, else Mixtral for MoE, Qwen2 for q/k/v biases, Mistral for an
+    explicit head_dim, Llama otherwise."""
+    default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
+    if config.is_moe:
+        _refuse(config.qkv_bias, "MoE with q/k/v biases has no supported HF architecture")
+        candidates = ["MixtralForCausalLM"]
+    elif config.qkv_bias:
+        _refuse(not default_head_dim, "Qwen2 with head_dim != hidden_size / heads")
+        candidates = ["Qwen2ForCausalLM"]
+    else:
+        candidates = ["LlamaForCausalLM", "MistralForCausalLM"]
+        if not default_head_dim:
+            candidates.reverse()
+    return preferred if preferred in candidates else candidates[0]
+
+
+def _hf_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_hf(hf: dict[str, Any]) -> torch.dtype | None:
+    """The `torch_dtype` / `dtype` a config declares, or None."""
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def config_to_hf(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    architecture: str | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> dict[str, Any]:
+    """A Hugging Face `config.json` dict (transformers 4.x keys) for `config`.
+
+    `architecture` is a preference (see `choose_architecture`); `dtype` is what the weights are
+    stored in.
+    """
+    arch = choose_architecture(config, architecture)
+    hf: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": SUPPORTED_ARCHITECTURES[arch],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.expert_ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.init_method_std,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": _hf_dtype_name(dtype),
+    }
+    default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
+    # Llama and Mistral configs always carry head_dim; Mixtral's only when it is not the
+    # default; Qwen2 has no such key (choose_architecture refused a non-default one).
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM") or not default_head_dim:
+        hf["head_dim"] = config.head_dim
+    if arch == "LlamaForCausalLM":
+        hf |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        hf["sliding_window"] = None
+    if arch == "Qwen2ForCausalLM":
+        hf |= {"use_sliding_window": False, "sliding_window": None}
+    if config.moe is not None:
+        # Every layer is MoE, so the experts' size is the only FFN size.
+        hf |= {
+            "num_local_experts": config.moe.num_experts,
+            "num_experts_per_tok": config.moe.top_k,
+            "router_aux_loss_coef": config.moe.aux_loss_coeff,
+            "output_router_logits": False,
+        }
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        hf["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    if bos_token_id is not None:
+        hf["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        hf["eos_token_id"] = eos_token_id
+    return dict(sorted(hf.items()))
+
+
+def generation_config(
+    bos_token_id: int | None, eos_token_id: int | list[int] | None
+) -> dict[str, Any]:
+    """A minimal `generation_config.json` dict (what `save_pretrained` writes for a base model)."""
+    out: dict[str, Any] = {"_from_model_config": True}
+    if bos_token_id is not None:
+        out["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        out["eos_token_id"] = eos_token_id
+    return out

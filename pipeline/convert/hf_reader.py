@@ -1,0 +1,209 @@
+"""A lazy `TensorSource` over a Hugging Face model directory (safetensors, sharded or not).
+
+Only headers are read up front; `read` copies one tensor out of the memory-mapped file (for a
+Mixtral expert stack, the E per-expert tensors, stacked as our `[E, ...]` layout). Pickled
+weights (`pytorch_model.bin`, `*.pt`) can run code when loaded, so they are refused unless the
+caller opts in, and then loaded with `torch.load(weights_only=True)`.
+
+Tied embeddings: when the config ties them, the source lists `tok_embeddings.weight` only (an
+`lm_head.weight` some checkpoints store anyway is not listed); consumers tie `output.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pipeline.convert.hf_config import (
+    config_from_hf,
+    dtype_from_hf,
+    hf_architecture,
+)
+from pipeline.convert.hf_writer import SAFETENSORS_DTYPES
+from pipeline.convert.source import TensorInfo
+from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name
+
+__all__ = ["HFSource"]
+
+_FROM_SAFETENSORS = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# Buffers older checkpoints saved alongside the weights; recomputed by the model, never needed.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _order(name: str) -> tuple:
+    """Embeddings, then layers in numeric order, then the final norm and the output."""
+    if name.startswith("layers."):
+        layer, rest = name.removeprefix("layers.").split(".", 1)
+        return (1, int(layer), rest)
+    return ({"tok_embeddings.weight": 0, "norm.weight": 2}.get(name, 3), 0, name)
+
+
+class HFSource:
+    """Weights and config of a Hugging Face Llama / Mistral / Qwen2 / Mixtral directory.
+
+    `metadata` holds `source` (the directory), `hf_architecture` (so writing back picks the
+    same architecture), `hf_dtype` (the declared dtype's name, e.g. `bfloat16`, or `None`), and
+    `bos_token_id` / `eos_token_id` when the config has them.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        allow_pickle: bool = False,
+        ignore_sliding_window: bool = False,
+    ) -> None:
+        self.directory = Path(directory)
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+        self.hf_config = hf_config
+        self.model_config: ModelConfig = config_from_hf(
+            hf_config, ignore_sliding_window=ignore_sliding_window
+        )
+        self.metadata: dict[str, Any] = {
+            "source": str(self.directory),
+            "hf_architecture": hf_architecture(hf_config),
+            "hf_dtype": str(dtype_from_hf(hf_config)).removeprefix("torch."),
+        }
+        for key in ("bos_token_id", "eos_token_id"):
+            if hf_config.get(key) is not None:
+                self.metadata[key] = hf_config[key]
+        self._handles: dict[Path, Any] = {}
+        # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
+        self._locations: dict[str, list[tuple[Path, str]]] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        self._pickled = False
+        files = self._weight_files(allow_pickle)
+        pieces = self._scan(files)
+        self._assemble(pieces)
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def _weight_files(self, allow_pickle: bool) -> list[Path]:
+        d = self.directory
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = [d / f for f in dict.fromkeys(weight_map.values())]
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"{f} is listed in {index.name} but missing")
+            return files
+        files = sorted(d.glob("*.safetensors"))
+        if files:
+            return files
+        pickled = sorted(p for p in d.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if not pickled:
+            raise FileNotFoundError(f"no *.safetensors (or pytorch_model.bin) weights in {d}")
+        if not allow_pickle:
+            raise ValueError(
+                f"{d} holds pickled weights ({', '.join(p.name for p in pickled)}), which can "
+                f"execute code when loaded; convert them to safetensors, or pass "
+                f"allow_pickle=True to load them with torch.load(weights_only=True)"
+            )
+        self._pickled = True
+        return pickled
+
+    def _open(self, path: Path) -> Any:
+        handle = self._handles.get(path)
+        if handle is not None:
+            return handle
+        try:
+            if self._pickled:
+                handle = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            else:
+                handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ValueError(f"cannot read weights file {path}: {e}") from e
+        self._handles[path] = handle
+        return handle
+
+    def _header(self, path: Path) -> dict[str, TensorInfo]:
+        handle = self._open(path)
+        if self._pickled:
+            return {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in handle.items()}
+        infos = {}
+        for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+            sl = handle.get_slice(name)
+            code = sl.get_dtype()
+            if code not in _FROM_SAFETENSORS:
+                raise ValueError(f"{path}: tensor {name} has unsupported dtype {code}")
+            infos[name] = TensorInfo(tuple(sl.get_shape()), _FROM_SAFETENSORS[code])
+        return infos
+
+    def _scan(self, files: list[Path]) -> dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]:
+        """our name -> {expert index or None: (file, hf name, info)}."""
+        tied = self.model_config.tie_word_embeddings
+        pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
+        for path in files:
+            for hf_name, info in self._header(path).items():
+                if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                expert = hf_expert_piece(hf_name)
+                if expert is not None:
+                    name, index = expert
+                else:
+                    try:
+                        name, index = hf_to_pipe_name(hf_name), None
+                    except KeyError:
+                        raise ValueError(
+                            f"{path}: tensor {hf_name!r} has no counterpart in pipe models"
+                        ) from None
+                pieces.setdefault(name, {})[index] = (path, hf_name, info)
+        return pieces
+
+    def _assemble(self, pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]) -> None:
+        moe = self.model_config.moe
+        for name in sorted(pieces, key=_order):
+            parts = pieces[name]
+            if None in parts:
+                path, hf_name, info = parts[None]
+                self._locations[name] = [(path, hf_name)]
+                self._infos[name] = info
+                continue
+            expected = list(range(moe.num_experts if moe is not None else 0))
+            if sorted(parts) != expected:
+                raise ValueError(
+                    f"{name}: found experts {sorted(parts)}, config says {len(expected)} experts"
+                )
+            first = parts[0][2]
+            if any(parts[e][2] != first for e in expected):
+                raise ValueError(f"{name}: experts differ in shape or dtype")
+            self._locations[name] = [(parts[e][0], parts[e][1]) for e in expected]
+            self._infos[name] = TensorInfo((len(expected), *first.shape), first.dtype)
+        if not self.model_config.tie_word_embeddings and "output.weight" not in self._infos:
+            raise ValueError(
+                f"{self.directory}: no lm_head.weight and tie_word_embeddings is false"
+            )
+
+    # -- TensorSource ------------------------------------------------------------------------
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Our parameter name -> shape and dtype, embeddings first, layers in order."""
+        return dict(self._infos)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The full tensor `name`, a fresh CPU tensor (expert stacks are read expert by expert)."""
+        if name not in self._locations:
+            raise KeyError(f"{name!r} is not in {self.directory}")
+        parts = []
+        for path, hf_name in self._locations[name]:
+            handle = self._open(path)
+            try:
+                t = handle[hf_name] if self._pickled else handle.get_tensor(hf_name)
+            except SafetensorError as e:
+                raise ValueError(f"cannot read {hf_name} from {path}: {e}") from e
+            parts.append(t)
+        if len(parts) == 1:
+            # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
+            return parts[0].clone()
+        return torch.stack(parts)

@@ -1,0 +1,304 @@
+"""Write a `TensorSource` as a Hugging Face model directory, streaming one tensor at a time.
+
+Shards are planned from `source.tensors()` (shapes and dtypes are known before anything is
+read), so each safetensors header is written first and the tensors follow as they are read and
+converted: peak memory is about the largest source tensor, whatever the model size. The whole
+directory is built beside the output and renamed into place at the end, so a crash never leaves
+a half-written model under the final name.
+
+Tied embeddings: when `model_config.tie_word_embeddings`, only `tok_embeddings.weight` is
+written (as `model.embed_tokens.weight`; no `lm_head.weight` on disk, as transformers expects);
+an `output.weight` the source may list anyway is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.convert.hf_config import config_to_hf, generation_config
+from pipeline.convert.source import TensorInfo, TensorSource
+from pipeline.core.model.hf_names import pipe_to_hf_names
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "TOKENIZER_FILES",
+    "HFShard",
+    "plan_hf_shards",
+    "write_hf",
+    "write_safetensors_header",
+]
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers 4.x's "5GB"
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One on-disk tensor: `source_name` (or expert `index` of that stacked tensor)."""
+
+    hf_name: str
+    source_name: str
+    index: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return TensorInfo(self.shape, self.dtype).nbytes
+
+
+@dataclass
+class HFShard:
+    """One safetensors file: its pieces grouped by source tensor, in writing order."""
+
+    groups: list[list[_Piece]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for g in self.groups for p in g)
+
+    @property
+    def pieces(self) -> list[_Piece]:
+        return [p for g in self.groups for p in g]
+
+
+def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+
+
+def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[_Piece]]:
+    """The on-disk pieces of each source tensor (expert stacks give one piece per expert)."""
+    cfg = source.model_config
+    infos = source.tensors()
+    if not cfg.tie_word_embeddings and "output.weight" not in infos:
+        raise ValueError("source has no output.weight and tie_word_embeddings is false")
+    num_experts = cfg.moe.num_experts if cfg.moe is not None else None
+    groups = []
+    for name, info in infos.items():
+        if name == "output.weight" and cfg.tie_word_embeddings:
+            continue
+        out = _out_dtype(info, dtype)
+        if out not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
+        hf_names = pipe_to_hf_names(name, num_experts)
+        if len(hf_names) == 1:
+            groups.append([_Piece(hf_names[0], name, None, info.shape, out)])
+        elif info.shape[0] != len(hf_names):
+            raise ValueError(f"{name}: shape {info.shape} does not hold {len(hf_names)} experts")
+        else:
+            groups.append([_Piece(n, name, e, info.shape[1:], out) for e, n in enumerate(hf_names)])
+    return groups
+
+
+def plan_hf_shards(
+    source: TensorSource,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[HFShard]:
+    """Split the source's tensors into shards of at most `max_shard_bytes` (a single tensor
+    larger than that gets a shard of its own, as transformers does). The pieces of one source
+    tensor (an expert stack) stay in one shard so each source tensor is read exactly once."""
+    shards: list[HFShard] = []
+    current: list[list[_Piece]] = []
+    size = 0
+    for group in _groups(source, dtype):
+        group_bytes = sum(p.nbytes for p in group)
+        if current and size + group_bytes > max_shard_bytes:
+            shards.append(HFShard(current))
+            current, size = [], 0
+        current.append(group)
+        size += group_bytes
+    if current:
+        shards.append(HFShard(current))
+    for shard in shards:
+        # Larger items first keeps every tensor's data aligned to its element size.
+        shard.groups.sort(key=lambda g: -g[0].dtype.itemsize)
+    return shards
+
+
+def write_safetensors_header(f, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+    """Write the safetensors header for tensors laid out back to back in `entries` order.
+
+    Format: 8-byte little-endian header length, then the JSON header, padded with spaces to a
+    multiple of 8 bytes (as the safetensors library does). Returns the data size in bytes.
+    """
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape in entries:
+        end = offset + TensorInfo(shape, dtype).nbytes
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    return offset
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor (bf16 and fp8 included, which numpy lacks)."""
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_shard(
+    path: Path, shard: HFShard, source: TensorSource, step: Callable[[int], None]
+) -> None:
+    with open(path, "wb") as f:
+        entries = [(p.hf_name, p.dtype, p.shape) for p in shard.pieces]
+        write_safetensors_header(f, entries)
+        for group in shard.groups:
+            first = group[0]
+            tensor = source.read(first.source_name).to(first.dtype)
+            for piece in group:
+                part = tensor if piece.index is None else tensor[piece.index]
+                if tuple(part.shape) != piece.shape:
+                    raise ValueError(
+                        f"{piece.source_name}: read shape {tuple(part.shape)}, "
+                        f"source.tensors() said {piece.shape}"
+                    )
+                f.write(_tensor_bytes(part))
+                step(piece.nbytes)
+            del tensor
+
+
+def _token_ids(source: TensorSource) -> tuple[int | None, int | list[int] | None]:
+    """bos/eos ids from the source's metadata (an HF source's, else the tokenizer's eod)."""
+    meta = source.metadata
+    eos = meta.get("eos_token_id")
+    if eos is None:
+        eos = (meta.get("tokenizer") or {}).get("eod")
+    return meta.get("bos_token_id"), eos
+
+
+def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    tokenizer_dir = tokenizer_dir.parent if tokenizer_dir.is_file() else tokenizer_dir
+    copied = 0
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+            copied += 1
+    if not copied:
+        raise FileNotFoundError(
+            f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tokenizer_dir}"
+        )
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def write_hf(
+    source: TensorSource,
+    output_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_dir: str | os.PathLike | None = None,
+    progress: Callable[[int], None] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `source` as a Hugging Face model directory loadable by `from_pretrained`.
+
+    `dtype` casts floating-point tensors (None keeps each tensor's own dtype). `progress` is
+    called after each tensor with the cumulative bytes of tensor data written; the total is
+    `sum(s.nbytes for s in plan_hf_shards(...))`. Tokenizer files found in `tokenizer_dir` are
+    copied. An existing non-empty `output_dir` is refused unless `overwrite`. Returns the path.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this host is big-endian")
+    out = Path(output_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace)")
+    shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # not mkdtemp: that would leave the final directory mode 0700
+    done = 0
+
+    def step(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done)
+
+    try:
+        weight_map: dict[str, str] = {}
+        for k, shard in enumerate(shards, start=1):
+            name = (
+                "model.safetensors"
+                if len(shards) == 1
+                else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            )
+            _write_shard(tmp / name, shard, source, step)
+            weight_map |= {p.hf_name: name for p in shard.pieces}
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": done},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            _write_json(tmp / "model.safetensors.index.json", index)
+        pieces = [p for s in shards for p in s.pieces]
+        # config.json's dtype is the embedding's (what from_pretrained allocates by default)
+        embed = next((p for p in pieces if p.source_name == "tok_embeddings.weight"), pieces[0])
+        bos, eos = _token_ids(source)
+        config = config_to_hf(
+            source.model_config,
+            dtype=embed.dtype,
+            architecture=source.metadata.get("hf_architecture"),
+            bos_token_id=bos,
+            eos_token_id=eos,
+        )
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation_config(bos, eos))
+        if tokenizer_dir is not None:
+            _copy_tokenizer(Path(tokenizer_dir), tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`, replacing whatever was there only at the last step."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
