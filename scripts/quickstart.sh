@@ -2,7 +2,8 @@
 # Set up a fresh machine and run the main job on the embedded default: a corpus built from the
 # Python standard library's docstrings and a BPE tokenizer trained on it (no network needed),
 # preprocessed, then a tiny Llama-style model trained on it, its checkpoint verified and its
-# curves plotted. QUICKSTART_ITERS=50 makes it quicker.
+# curves plotted, and the model converted to Hugging Face (a few tokens generated from it with
+# transformers, when installed). QUICKSTART_ITERS=50 makes it quicker.
 # Everything is written under runs/quickstart/ in this checkout.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,28 +15,50 @@ echo "[quickstart] writing everything under $RUN"
 
 ITERS="${QUICKSTART_ITERS:-300}"
 
-echo "[quickstart] 1/5 corpus + tokenizer"
+echo "[quickstart] 1/6 corpus + tokenizer"
 python -m pipeline.examples.stdlib_corpus --output "$RUN/data"
 
-echo "[quickstart] 2/5 pipe preprocess"
+echo "[quickstart] 2/6 pipe preprocess"
 pipe preprocess --input "$RUN/data/stdlib_docs.jsonl" --tokenizer "$RUN/data/tokenizer" \
     --output-prefix "$RUN/data/stdlib" --append-eod --workers 2 --overwrite
 pipe inspect "$RUN/data/stdlib_text_document"
 pipe inspect "$RUN/data/stdlib_text_document" --show 3 > "$RUN/data/first_documents.txt"
 echo "(the first 3 documents, decoded: $RUN/data/first_documents.txt)"
 
-echo "[quickstart] 3/5 pipe train (recipe tiny, $ITERS iterations on $(nproc) CPU cores: a few minutes)"
+echo "[quickstart] 3/6 pipe train (recipe tiny, $ITERS iterations on $(nproc) CPU cores: a few minutes)"
 rm -rf "$RUN/train"
 pipe train --recipe tiny --data "$RUN/data/stdlib_text_document" --iters "$ITERS" \
     --device cpu --run-dir "$RUN/train" --set "scheduler.warmup_iters=$((ITERS / 10))"
 
-echo "[quickstart] 4/5 pipe checkpoint verify"
+echo "[quickstart] 4/6 pipe checkpoint verify"
 pipe checkpoint verify "$RUN/train/checkpoints"
 
-echo "[quickstart] 5/5 pipe plot"
+echo "[quickstart] 5/6 pipe plot"
 pipe plot "$RUN/train"
+
+echo "[quickstart] 6/6 pipe convert --to hf"
+rm -rf "$RUN/hf"
+pipe convert "$RUN/train/checkpoints" --to hf --output "$RUN/hf"
+python - "$RUN/hf" <<'PY'
+import importlib.util
+import sys
+
+if importlib.util.find_spec("transformers") is None:
+    print("(transformers is not installed: pip install 'pipe[hf]' to generate from the model)")
+    raise SystemExit(0)
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+directory = sys.argv[1]
+tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{directory}/tokenizer.json")
+model = AutoModelForCausalLM.from_pretrained(directory)
+prompt = "Return the"
+ids = tokenizer(prompt, return_tensors="pt").input_ids
+out = model.generate(ids, max_new_tokens=20, do_sample=False)
+print(f"transformers, greedy from {prompt!r}: {tokenizer.decode(out[0])!r}")
+PY
 
 echo "[quickstart] done, all under $RUN:"
 echo "  token shards  $RUN/data/stdlib_text_document.{bin,idx}"
 echo "  run           $RUN/train (config.toml, metrics.jsonl, checkpoints/)"
 echo "  curves        $RUN/train/metrics.png"
+echo "  Hugging Face  $RUN/hf (config.json, model.safetensors, tokenizer.json)"

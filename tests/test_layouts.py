@@ -170,6 +170,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for recipe in ("tiny", "tiny_moe"):
         result = _train_and_probe(recipe, _sets(recipe, tmp / recipe))
         result.pop("first_of_stage")
+        result["checkpoints"] = tmp / recipe / "checkpoints"
         out[recipe] = result
     return out
 
@@ -219,6 +220,8 @@ def test_layouts_equal_one_device(tmp_path: Path, reference: dict, world_size: i
     per_rank = run_distributed(_layout_worker, world_size, tmp_path, layouts)
     checked = _assert_equal_to_reference(per_rank, reference)
     assert len(checked) == len(layouts)
+    if world_size == 4:
+        _assert_tp2_pp2_exports_the_single_device_model(tmp_path, reference)
     if world_size == 2:
         # Experts move too: the ep2 checkpoint resumes in one process, where every expert is
         # local, and continues as the uninterrupted run does.
@@ -226,6 +229,24 @@ def test_layouts_equal_one_device(tmp_path: Path, reference: dict, world_size: i
         resumed = _resumed_losses(tmp_path / "moe_resumed", checkpoint, recipe="tiny_moe")
         uninterrupted = _resumed_losses(tmp_path / "moe_uninterrupted", None, recipe="tiny_moe")
         _assert_continues(resumed, uninterrupted, "ep2 -> ep1")
+
+
+def _assert_tp2_pp2_exports_the_single_device_model(tmp_path: Path, reference: dict) -> None:
+    """The tp2 x pp2 run's checkpoint converts to Hugging Face; transformers' logits from it
+    equal our single-device model's (from the single-process run's checkpoint)."""
+    pytest.importorskip("transformers")
+    from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+    from pipeline.convert.run import run_conversion
+    from pipeline.convert.verify import compare_hf_logits
+
+    hf_dir = tmp_path / "tiny_tp2_pp2_hf"
+    summary = run_conversion(
+        tmp_path / "tiny_tp2_pp2" / "checkpoints", hf_dir, "pipe", "hf", dtype="fp32",
+        verify="on", quiet=True,
+    )  # fmt: skip
+    assert "logits match transformers" in summary
+    single = PipeCheckpointSource(reference["tiny"]["checkpoints"])
+    assert compare_hf_logits(single, hf_dir) < 1e-4
 
 
 def _resume_worker(rank: int, world_size: int, tmp: Path, checkpoint: Path) -> dict[int, float]:

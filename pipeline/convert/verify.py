@@ -117,6 +117,9 @@ def compare_hf_logits(
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # pragma: no cover - the hf extra is missing
         raise VerifyError("verifying needs transformers: pip install 'pipe[hf]'") from e
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the summary line says what was compared
     ours = our_model(source, layers)
     overrides = {"num_hidden_layers": layers} if layers is not None else {}
     theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **overrides).eval()
