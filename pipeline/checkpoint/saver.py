@@ -293,9 +293,7 @@ def save(
     temporary = root / _broadcast_name(temporary_dir_name(iteration), distributed, process_group)
     # DCP's writer keeps every tensor of a file alive until the file is closed; a streaming
     # planner (whose tensors exist one at a time) gets one file per item instead.
-    writer = dcp.FileSystemWriter(
-        temporary, sync_files=True, single_file_per_rank=planner is None
-    )
+    writer = dcp.FileSystemWriter(temporary, sync_files=True, single_file_per_rank=planner is None)
     job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
     if async_save:
         if planner is not None:
