@@ -24,11 +24,7 @@ layer index instead of the layer axis (`decoder.layers.3.…`, Megatron's non-ho
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
 import os
-import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -37,8 +33,14 @@ from typing import Any
 
 import torch
 
-from pipeline.checkpoint.layout import CheckpointError
-from pipeline.checkpoint.safe_reader import UnsafeCheckpointError, _RestrictedUnpickler
+from pipeline.convert.megatron_files import (
+    MegatronCheckpointError,
+    check_torch_dist,
+    find_iteration_dir,
+    load_megatron_metadata,
+    read_megatron_args,
+)
+from pipeline.convert.megatron_layout import fuse_fc1, fuse_qkv, split_fc1, split_qkv
 from pipeline.convert.source import TensorInfo
 from pipeline.core.model.config import ModelConfig, RopeScaling
 
@@ -55,7 +57,6 @@ __all__ = [
     "split_qkv",
 ]
 
-TRACKER = "latest_checkpointed_iteration.txt"
 LAYERS = "decoder.layers"
 # Our per-layer name -> the Megatron per-layer suffixes that may hold it, in order of preference.
 _INPUT_NORM = ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
@@ -75,192 +76,6 @@ _GLOBAL_KEYS = {
 }
 # Megatron's own defaults, used when neither its args nor the caller say otherwise.
 _MEGATRON_DEFAULTS = {"norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096}
-
-
-class MegatronCheckpointError(CheckpointError):
-    """The directory is not a torch_dist GPT checkpoint we can read, or disagrees with a config."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Fused layouts (pure functions; the test checks they are exact inverses)
-# ---------------------------------------------------------------------------------------------
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Megatron's `linear_qkv` from q `[nq*d, ...]`, k and v `[ng*d, ...]` (weights or biases):
-    per query group g the rows `[q heads of g; k head g; v head g]`, groups in order (§4.2)."""
-    rest = q.shape[1:]
-    groups = [t.reshape(num_kv_heads, -1, *rest) for t in (q, k, v)]
-    return torch.cat(groups, dim=1).reshape(-1, *rest)
-
-
-def split_qkv(
-    qkv: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `fuse_qkv`: q `[nq*d, ...]`, k and v `[ng*d, ...]` (fresh tensors)."""
-    rest = qkv.shape[1:]
-    rows_per_group = qkv.shape[0] // num_kv_heads
-    head_dim = rows_per_group // (num_heads // num_kv_heads + 2)
-    grouped = qkv.reshape(num_kv_heads, rows_per_group, *rest)
-    q_rows = rows_per_group - 2 * head_dim
-    q, k, v = torch.split(grouped, [q_rows, head_dim, head_dim], dim=1)
-    return tuple(t.reshape(-1, *rest).clone() for t in (q, k, v))
-
-
-def fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Megatron's global SwiGLU `linear_fc1`: `[gate; up]` along the output rows (§4.3)."""
-    return torch.cat([gate, up], dim=0)
-
-
-def split_fc1(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `fuse_fc1`: (gate, up) as fresh tensors."""
-    gate, up = torch.chunk(fc1, 2, dim=0)
-    return gate.clone(), up.clone()
-
-
-# ---------------------------------------------------------------------------------------------
-# Directory, metadata and common state
-# ---------------------------------------------------------------------------------------------
-
-
-def find_iteration_dir(directory: str | os.PathLike) -> tuple[Path, int | None]:
-    """The iteration directory holding `.metadata`, and its iteration (None when unknown).
-
-    `directory` is either a save directory with Megatron's `latest_checkpointed_iteration.txt`
-    (an integer -> `iter_%07d`, or `release` -> `release/`) or an iteration directory itself.
-    """
-    path = Path(directory)
-    if (path / ".metadata").is_file():
-        match = re.fullmatch(r"iter_(\d+)", path.name)
-        return path, int(match.group(1)) if match else (0 if path.name == "release" else None)
-    tracker = path / TRACKER
-    if not tracker.is_file():
-        raise MegatronCheckpointError(
-            f"{path}: neither a torch_dist iteration directory (.metadata) nor a save directory "
-            f"({TRACKER})"
-        )
-    text = tracker.read_text().strip()
-    if text == "release":
-        iteration, iter_dir = 0, path / "release"
-    elif text.isdigit():
-        iteration, iter_dir = int(text), path / f"iter_{int(text):07d}"
-    else:
-        raise MegatronCheckpointError(
-            f"{tracker}: expected an iteration or 'release', got {text!r}"
-        )
-    if not (iter_dir / ".metadata").is_file():
-        raise MegatronCheckpointError(f"{iter_dir}: no .metadata (not a torch_dist checkpoint?)")
-    return iter_dir, iteration
-
-
-def check_torch_dist(iter_dir: Path) -> None:
-    """Refuse incomplete saves (Megatron writes `metadata.json` last) and other backends."""
-    marker = iter_dir / "metadata.json"
-    if not marker.is_file():
-        raise MegatronCheckpointError(
-            f"{iter_dir}: no metadata.json (an incomplete save, or not a Megatron checkpoint)"
-        )
-    try:
-        backend = json.loads(marker.read_text()).get("sharded_backend")
-    except (ValueError, AttributeError) as error:
-        raise MegatronCheckpointError(f"{marker}: unreadable ({error})") from error
-    if backend != "torch_dist":
-        raise MegatronCheckpointError(f"{iter_dir}: sharded_backend {backend!r}, not torch_dist")
-
-
-class _Placeholder:
-    """Stands in for Megatron's empty marker classes (`MCoreSavePlan`, `MCoreMetadata`)."""
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-# Megatron pickles its save plans into `.metadata` (`all_local_plans`); these are plain DCP
-# dataclasses and enums, so allowing them runs no checkpoint-chosen code.
-_PLANNER_CLASSES = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}
-_MCORE_MARKERS = {"MCoreSavePlan", "MCoreMetadata"}
-
-
-class _MegatronUnpickler(_RestrictedUnpickler):
-    """The repo's DCP-metadata unpickler plus DCP's save-plan types and Megatron's markers."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.planner" and name in _PLANNER_CLASSES:
-            return pickle.Unpickler.find_class(self, module, name)
-        if module.startswith("megatron.core.dist_checkpointing") and name in _MCORE_MARKERS:
-            return _Placeholder
-        return super().find_class(module, name)
-
-
-def load_megatron_metadata(path: str | os.PathLike) -> Any:
-    """Unpickle a Megatron DCP `.metadata` safely. Non-tensor ("bytes") items such as TE's
-    `_extra_state` are listed but never read (DCP would unpickle them without restriction)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    with open(path, "rb") as handle:
-        try:
-            metadata = _MegatronUnpickler(handle, str(path)).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as error:
-            raise MegatronCheckpointError(f"{path}: unreadable DCP metadata ({error})") from error
-    if not isinstance(metadata, Metadata):
-        raise MegatronCheckpointError(f"{path}: not a DCP Metadata ({type(metadata).__name__})")
-    return metadata
-
-
-def read_megatron_args(iter_dir: Path, metadata: Any) -> dict[str, Any]:
-    """Megatron's training `args` as a dict, or {} when the checkpoint holds none.
-
-    mcore <= 0.18 writes them in `common.pt`; later versions in the DCP bytes item
-    `common_state/shard_0_1`. Both are read with `torch.load(weights_only=True)`: besides
-    `argparse.Namespace`, every other class the pickle names (Megatron enums and the like) is
-    rebuilt as an inert `_Opaque` stand-in, so no checkpoint-chosen code runs and the plain
-    values we need (ints, floats, strings, bools) come through.
-    """
-    common = iter_dir / "common.pt"
-    blob = common.read_bytes() if common.is_file() else None
-    if blob is None:
-        blob = _read_bytes_item(iter_dir, metadata, "common_state/")
-    if blob is None:
-        return {}
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
-        allowed: list[Any] = [argparse.Namespace]
-        allowed += [(_Opaque, name) for name in names if name != "argparse.Namespace"]
-        with torch.serialization.safe_globals(allowed):
-            state = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
-    except Exception as error:  # not a zip-format torch.save, or something weights_only refuses
-        warnings.warn(
-            f"{iter_dir}: Megatron's common state is not readable with weights_only=True "
-            f"({error}); inferring the config from shapes and the given model_config",
-            stacklevel=3,
-        )
-        return {}
-    if isinstance(state, list) and len(state) == 1:  # a ShardedObject payload
-        state = state[0]
-    args = state.get("args") if isinstance(state, dict) else None
-    return dict(vars(args)) if isinstance(args, argparse.Namespace) else {}
-
-
-class _Opaque:
-    """An inert stand-in for any class named in Megatron's common state other than Namespace."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-def _read_bytes_item(iter_dir: Path, metadata: Any, prefix: str) -> bytes | None:
-    """The raw bytes of the first DCP bytes item whose key starts with `prefix`, or None."""
-    for index, info in metadata.storage_data.items():
-        if index.fqn.startswith(prefix):
-            with open(iter_dir / info.relative_path, "rb") as handle:
-                handle.seek(info.offset)
-                return handle.read(info.length)
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
