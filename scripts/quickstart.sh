@@ -47,6 +47,9 @@ if importlib.util.find_spec("transformers") is None:
     print("(transformers is not installed: pip install 'pipe[hf]' to generate from the model)")
     raise SystemExit(0)
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()
 
 directory = sys.argv[1]
 tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{directory}/tokenizer.json")
