@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.checkpoint.layout import DCP_METADATA, CheckpointError
@@ -35,6 +36,10 @@ _DCP_METADATA_CLASSES = {
 }
 
 
+# A hook admitting more globals to the restricted unpickler: (module, name) -> object or None.
+ExtraClasses = Callable[[str, str], Any]
+
+
 class UnsafeCheckpointError(CheckpointError):
     """The checkpoint's metadata refers to something outside DCP's metadata types."""
 
@@ -42,11 +47,18 @@ class UnsafeCheckpointError(CheckpointError):
 class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only an allow-list of globals (plus torch dtypes)."""
 
-    def __init__(self, file: io.BufferedIOBase, source: str) -> None:
+    def __init__(
+        self, file: io.BufferedIOBase, source: str, extra_classes: ExtraClasses | None = None
+    ) -> None:
         super().__init__(file)
         self._source = source
+        self._extra_classes = extra_classes
 
     def find_class(self, module: str, name: str) -> Any:
+        if self._extra_classes is not None:
+            found = self._extra_classes(module, name)
+            if found is not None:
+                return found
         if name in _DCP_METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch":
@@ -61,11 +73,22 @@ class _RestrictedUnpickler(pickle.Unpickler):
         )
 
 
-def load_dcp_metadata(path: str | os.PathLike) -> Any:
-    """Unpickle a DCP `.metadata` file with the restricted unpickler; errors name the file."""
+def load_dcp_metadata(
+    path: str | os.PathLike,
+    *,
+    extra_classes: ExtraClasses | None = None,
+    allow_byte_items: bool = False,
+) -> Any:
+    """Unpickle a DCP `.metadata` file with the restricted unpickler; errors name the file.
+
+    `extra_classes(module, name)` may admit more globals (return the object to use, or None
+    to fall through to the allow-list), e.g. the save-plan types other writers pickle in.
+    Non-tensor ("bytes") items are refused unless `allow_byte_items`: the caller then promises
+    never to let DCP read them (DCP unpickles them without restriction).
+    """
     with open(path, "rb") as handle:
         try:
-            metadata = _RestrictedUnpickler(handle, str(path)).load()
+            metadata = _RestrictedUnpickler(handle, str(path), extra_classes).load()
         except UnsafeCheckpointError:
             raise
         except Exception as error:  # any corrupt pickle: report the file, not a pickle internal
@@ -79,15 +102,17 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
         for key, item in metadata.state_dict_metadata.items()
         if isinstance(item, BytesStorageMetadata)
     ]
-    if byte_items:
+    if byte_items and not allow_byte_items:
         raise UnsafeCheckpointError(
             f"{path}: non-tensor items {byte_items[:5]} would be read with pickle; refusing"
         )
     return metadata
 
 
-def safe_file_system_reader(path: str | os.PathLike) -> Any:
-    """A `FileSystemReader` for `path` whose `read_metadata` uses `load_dcp_metadata`."""
+def safe_file_system_reader(path: str | os.PathLike, metadata: Any = None) -> Any:
+    """A `FileSystemReader` for `path` whose `read_metadata` uses `load_dcp_metadata`, or
+    returns `metadata` when the caller has already parsed it (no file read per load)."""
+    parsed = metadata
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -97,7 +122,7 @@ def safe_file_system_reader(path: str | os.PathLike) -> Any:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             rank = kwargs.get("rank")
             name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
-            metadata = load_dcp_metadata(os.path.join(self.path, name))
+            metadata = parsed or load_dcp_metadata(os.path.join(self.path, name))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

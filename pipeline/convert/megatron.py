@@ -28,11 +28,11 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.checkpoint.safe_reader import safe_file_system_reader
 from pipeline.convert.megatron_files import (
     MegatronCheckpointError,
     check_torch_dist,
@@ -104,17 +104,6 @@ def _box_planner(boxes: dict[str, Any]) -> Any:
     return BoxLoadPlanner()
 
 
-def _reader(iter_dir: Path, metadata: Any) -> Any:
-    """A `FileSystemReader` that returns the already (safely) parsed metadata."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class MegatronReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return metadata
-
-    return MegatronReader(str(iter_dir))
-
-
 @dataclass(frozen=True)
 class _Slot:
     """Where one of our tensors lives: a DCP key, an optional layer index on its leading axis,
@@ -155,7 +144,7 @@ class MegatronSource:
         self.padded_vocab_size = self._shape("embedding.word_embeddings.weight")[0]
         self.model_config = self._build_config(model_config)
         self._slots = self._plan()
-        self._storage = _reader(self.iter_dir, self._metadata)
+        self._storage = safe_file_system_reader(self.iter_dir, self._metadata)
         # The un-fused parts of the last fused tensors read, so wq, wk, wv (and w1, w3) of a
         # layer cost one read of linear_qkv (linear_fc1), not three (two).
         self._cache: dict[_Slot, tuple[torch.Tensor, ...]] = {}

@@ -9,7 +9,6 @@ import argparse
 import io
 import json
 import os
-import pickle
 import re
 import warnings
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from pipeline.checkpoint.layout import CheckpointError
-from pipeline.checkpoint.safe_reader import UnsafeCheckpointError, _RestrictedUnpickler
+from pipeline.checkpoint.safe_reader import load_dcp_metadata
 
 __all__ = [
     "TRACKER",
@@ -94,32 +93,21 @@ _PLANNER_CLASSES = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
 _MCORE_MARKERS = {"MCoreSavePlan", "MCoreMetadata"}
 
 
-class _MegatronUnpickler(_RestrictedUnpickler):
-    """The repo's DCP-metadata unpickler plus DCP's save-plan types and Megatron's markers."""
+def _megatron_classes(module: str, name: str) -> Any:
+    """DCP's save-plan types and stand-ins for Megatron's markers; None for anything else."""
+    if module == "torch.distributed.checkpoint.planner" and name in _PLANNER_CLASSES:
+        from torch.distributed.checkpoint import planner
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.planner" and name in _PLANNER_CLASSES:
-            return pickle.Unpickler.find_class(self, module, name)
-        if module.startswith("megatron.core.dist_checkpointing") and name in _MCORE_MARKERS:
-            return _Placeholder
-        return super().find_class(module, name)
+        return getattr(planner, name)
+    if module.startswith("megatron.core.dist_checkpointing") and name in _MCORE_MARKERS:
+        return _Placeholder
+    return None
 
 
 def load_megatron_metadata(path: str | os.PathLike) -> Any:
     """Unpickle a Megatron DCP `.metadata` safely. Non-tensor ("bytes") items such as TE's
     `_extra_state` are listed but never read (DCP would unpickle them without restriction)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    with open(path, "rb") as handle:
-        try:
-            metadata = _MegatronUnpickler(handle, str(path)).load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as error:
-            raise MegatronCheckpointError(f"{path}: unreadable DCP metadata ({error})") from error
-    if not isinstance(metadata, Metadata):
-        raise MegatronCheckpointError(f"{path}: not a DCP Metadata ({type(metadata).__name__})")
-    return metadata
+    return load_dcp_metadata(path, extra_classes=_megatron_classes, allow_byte_items=True)
 
 
 def read_megatron_args(iter_dir: Path, metadata: Any) -> dict[str, Any]:

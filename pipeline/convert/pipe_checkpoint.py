@@ -74,7 +74,9 @@ class PipeCheckpointSource:
             "layout": meta.get("layout"),
             **(meta.get("hf") or {}),
         }
-        self._infos = self._read_infos(load_dcp_metadata(self.directory / DCP_METADATA))
+        # Parsed once; every read hands it to DCP instead of reading the file again.
+        self._dcp_metadata = load_dcp_metadata(self.directory / DCP_METADATA)
+        self._infos = self._read_infos(self._dcp_metadata)
 
     def _read_infos(self, dcp_metadata: Any) -> dict[str, TensorInfo]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -102,9 +104,8 @@ class PipeCheckpointSource:
         from pipeline.checkpoint.safe_reader import safe_file_system_reader
 
         out = {n: torch.empty(self._infos[n].shape, dtype=self._infos[n].dtype) for n in names}
-        dcp.load(
-            {"model": out}, storage_reader=safe_file_system_reader(self.directory), no_dist=True
-        )
+        reader = safe_file_system_reader(self.directory, self._dcp_metadata)
+        dcp.load({"model": out}, storage_reader=reader, no_dist=True)
         return out
 
 

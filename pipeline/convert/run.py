@@ -6,7 +6,6 @@ scripts may call it directly. See commands.py for what each format means.
 
 from __future__ import annotations
 
-import hashlib
 import time
 import warnings
 from contextlib import contextmanager
@@ -200,12 +199,14 @@ def _transformers_available() -> bool:
 def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
     """The directory of the tokenizer a checkpoint recorded, if its files are still there and
     unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
+    from pipeline.preprocess.tokenizer import sha256_file
+
     files = ((tokenizer or {}).get("fingerprint") or {}).get("files") or []
     if not files:
         return None
     for record in files:
         path = Path(record["path"])
-        if not path.is_file() or _sha256(path) != record.get("sha256"):
+        if not path.is_file() or sha256_file(path) != record.get("sha256"):
             warnings.warn(
                 f"the recorded tokenizer file {path} is missing or changed; "
                 "no tokenizer files copied (pass --tokenizer DIR)",
@@ -213,14 +214,6 @@ def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
             )
             return None
     return Path(files[0]["path"]).parent
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @contextmanager

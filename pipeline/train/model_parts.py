@@ -38,9 +38,8 @@ class StageUnion(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError("a StageUnion is not run directly; the pipeline schedule runs `parts`")
 
-    def moe_layers(self) -> dict[str, MoE]:
-        """The MoE modules of this rank's layers, by global layer index."""
-        return {i: layer.moe for i, layer in self.layers.items() if hasattr(layer, "moe")}
+    # The same lookup as the model's: it only reads `self.layers`.
+    moe_layers = Transformer.moe_layers
 
 
 def model_parts(model: nn.Module) -> list[nn.Module]:

@@ -34,10 +34,9 @@ __all__ = [
     "batch_to_device",
     "evaluate",
     "forward_backward",
+    "reduce_loss_sum",
     "train_step",
 ]
-
-CE_CHUNK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -85,9 +84,7 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of masked token losses, number of loss tokens) of one micro-batch."""
     hidden = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
-    return tp_linear_cross_entropy(
-        hidden, model.output.weight, batch["labels"], batch["loss_mask"], CE_CHUNK_TOKENS
-    )
+    return tp_linear_cross_entropy(hidden, model.output.weight, batch["labels"], batch["loss_mask"])
 
 
 def train_step(
@@ -116,9 +113,7 @@ def train_step(
     )
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group)
-    for group in (dp_group, pp_group):
-        if group is not None:
-            dist.all_reduce(loss_sum, group=group)
+    reduce_loss_sum(loss_sum, dp_group, pp_group)
     loss_value = (loss_sum / max(global_tokens, 1.0)).item()
     norm_value = float(grad_norm)
     finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
@@ -127,6 +122,16 @@ def train_step(
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, int(global_tokens), skipped=not finite)
+
+
+def reduce_loss_sum(loss_sum: torch.Tensor, dp_group: Any, pp_group: Any) -> torch.Tensor:
+    """Sum a rank's loss sum, in place, over the ranks holding other tokens (`dp_group`) and
+    other pipeline stages (`pp_group`; only the last one has a loss); tensor-parallel ranks
+    already hold the same value."""
+    for group in (dp_group, pp_group):
+        if group is not None:
+            dist.all_reduce(loss_sum, group=group)
+    return loss_sum
 
 
 def forward_backward(

@@ -72,6 +72,7 @@ from pipeline.train.train_step import (
     batch_to_device,
     evaluate,
     forward_backward,
+    reduce_loss_sum,
     train_step,
 )
 
@@ -402,9 +403,7 @@ class Trainer:
             self.model, micro_batches, autocast=self.autocast,
             dp_group=self.layout.token_group, pipeline=self.pipeline,
         )  # fmt: skip
-        for group in (self.layout.token_group, self.layout.pp_group):
-            if group is not None:
-                dist.all_reduce(loss_sum, group=group)
+        reduce_loss_sum(loss_sum, self.layout.token_group, self.layout.pp_group)
         return float(loss_sum) / max(tokens, 1.0)
 
     def train(self) -> TrainResult:

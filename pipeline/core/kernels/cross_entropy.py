@@ -112,12 +112,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+# Tokens scored per chunk: big enough for efficient matmuls, small enough that one chunk's fp32
+# logits (chunk x vocab) stay a few hundred MB even for 128K vocabularies.
+DEFAULT_CHUNK_TOKENS = 4096
+
+
 def chunked_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     vocab_shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of masked token losses of `hidden @ weight.T` against `labels`, and the token count.

@@ -35,10 +35,15 @@ def total_grad_norm(
     parameters: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """The L2 norm of all gradients of the whole model (every shard, every stage), fp32."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    return _total_norm(_groups([p.grad for p in parameters if p.grad is not None]), pp_group)
+
+
+def _total_norm(
+    groups: list[list[torch.Tensor]], pp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    device = groups[0][0].device if groups else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
-    for group in _groups(grads):
+    for group in groups:
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -57,10 +62,10 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale all gradients so their global norm is at most `max_norm`; returns the norm before
     clipping (`inf` max_norm: measure only)."""
-    parameters = list(parameters)
-    norm = total_grad_norm(parameters, pp_group)
+    groups = _groups([p.grad for p in parameters if p.grad is not None])
+    norm = _total_norm(groups, pp_group)
     if max_norm != float("inf"):
-        for group in _groups([p.grad for p in parameters if p.grad is not None]):
+        for group in groups:
             coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(group[0].device)
             torch._foreach_mul_(group, coefficient)
     return norm

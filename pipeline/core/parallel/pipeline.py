@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from pipeline.core.kernels.cross_entropy import DEFAULT_CHUNK_TOKENS
 from pipeline.core.parallel.stage_placement import (  # noqa: F401 (re-exported)
     KNOWN_SCHEDULES,
     local_stage_indices,
@@ -47,7 +48,6 @@ from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
 # Label value for positions that do not count in the loss (the loss mask travels inside the
 # target tensor, since a schedule's loss function receives exactly one target per micro-batch).
 IGNORE_INDEX = -100
-CE_CHUNK_TOKENS = 4096
 
 
 def split_model(
@@ -107,7 +107,7 @@ def masked_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor
 
 
 def make_loss_fn(
-    modules: Sequence[nn.Module], chunk_tokens: int = CE_CHUNK_TOKENS
+    modules: Sequence[nn.Module], chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> Callable[..., torch.Tensor]:
     """The schedule's loss function: `loss_fn(hidden, target, num_tokens)` ->
     chunked linear cross-entropy of the last stage's hidden states against `target`

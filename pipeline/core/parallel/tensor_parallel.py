@@ -38,7 +38,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from pipeline.core.kernels.cross_entropy import VocabShard, chunked_linear_cross_entropy
+from pipeline.core.kernels.cross_entropy import (
+    DEFAULT_CHUNK_TOKENS,
+    VocabShard,
+    chunked_linear_cross_entropy,
+)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
@@ -169,7 +173,7 @@ def tp_linear_cross_entropy(
     output_weight: torch.Tensor,
     labels: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunked_linear_cross_entropy` for a tensor-parallel model: `(loss_sum, num_tokens)`.
 
