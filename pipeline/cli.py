@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pipeline.convert.commands:convert",
         "Convert checkpoints: to/from Hugging Face, from Megatron, between layouts.",
     ),
+    "export": (
+        "pipeline.export.commands:export",
+        "Export a checkpoint as a TensorRT-LLM checkpoint (bf16/fp16, FP8; any TP/PP).",
+    ),
     "checkpoint": (
         "pipeline.checkpoint.commands:checkpoint",
         "Verify checkpoints: complete, every file intact.",
@@ -76,6 +80,7 @@ def cli() -> None:
     pipe train       train a model from a recipe on preprocessed data
     pipe checkpoint  verify a checkpoint
     pipe convert     checkpoints <-> Hugging Face, from Megatron, between layouts
+    pipe export      a checkpoint -> TensorRT-LLM (trtllm-build's input)
     pipe plot        curves of one or more runs
     """
 

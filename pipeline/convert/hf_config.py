@@ -24,6 +24,8 @@ __all__ = [
     "hf_architecture",
     "dtype_from_hf",
     "generation_config",
+    "rope_from_hf",
+    "rope_scaling_to_hf",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ def hf_architecture(hf: dict[str, Any]) -> str:
     )
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """rope_theta and scaling from either spelling (5.x `rope_parameters` or 4.x keys)."""
     params = hf.get("rope_parameters")
     if params:
@@ -118,7 +120,7 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias is not supported")
     _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
     _check_sliding_window(hf, arch, ignore_sliding_window)
-    theta, scaling = _rope(hf)
+    theta, scaling = rope_from_hf(hf)
     heads = hf["num_attention_heads"]
     moe = None
     if arch == "MixtralForCausalLM":
@@ -202,7 +204,6 @@ def config_to_hf(
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None,
         "tie_word_embeddings": config.tie_word_embeddings,
         "initializer_range": config.init_method_std,
         "attention_dropout": 0.0,
@@ -228,20 +229,25 @@ def config_to_hf(
             "router_aux_loss_coef": config.moe.aux_loss_coeff,
             "output_router_logits": False,
         }
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        hf["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
+    hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
         hf["eos_token_id"] = eos_token_id
     return dict(sorted(hf.items()))
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """The 4.x `rope_scaling` dict for Llama 3.1-style scaling (None without scaling)."""
+    if scaling is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }
 
 
 def generation_config(

@@ -18,7 +18,8 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,10 @@ __all__ = [
     "TOKENIZER_FILES",
     "HFShard",
     "plan_hf_shards",
+    "staged_directory",
+    "tensor_bytes",
     "write_hf",
+    "write_json",
     "write_safetensors_header",
 ]
 
@@ -168,7 +172,7 @@ def write_safetensors_header(f, entries: list[tuple[str, torch.dtype, tuple[int,
     return offset
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor (bf16 and fp8 included, which numpy lacks)."""
     flat = t.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())
@@ -190,7 +194,7 @@ def _write_shard(
                         f"{piece.source_name}: read shape {tuple(part.shape)}, "
                         f"source.tensors() said {piece.shape}"
                     )
-                f.write(_tensor_bytes(part))
+                f.write(tensor_bytes(part))
                 step(piece.nbytes)
             del tensor
 
@@ -217,7 +221,8 @@ def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
         )
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
+    """`obj` as indented JSON with a final newline."""
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
@@ -238,15 +243,7 @@ def write_hf(
     `sum(s.nbytes for s in plan_hf_shards(...))`. Tokenizer files found in `tokenizer_dir` are
     copied. An existing non-empty `output_dir` is refused unless `overwrite`. Returns the path.
     """
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors data is little-endian; this host is big-endian")
-    out = Path(output_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace)")
     shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()  # not mkdtemp: that would leave the final directory mode 0700
     done = 0
 
     def step(nbytes: int) -> None:
@@ -255,7 +252,7 @@ def write_hf(
         if progress is not None:
             progress(done)
 
-    try:
+    with staged_directory(output_dir, overwrite=overwrite) as tmp:
         weight_map: dict[str, str] = {}
         for k, shard in enumerate(shards, start=1):
             name = (
@@ -270,7 +267,7 @@ def write_hf(
                 "metadata": {"total_size": done},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            _write_json(tmp / "model.safetensors.index.json", index)
+            write_json(tmp / "model.safetensors.index.json", index)
         pieces = [p for s in shards for p in s.pieces]
         # config.json's dtype is the embedding's (what from_pretrained allocates by default)
         embed = next((p for p in pieces if p.source_name == "tok_embeddings.weight"), pieces[0])
@@ -282,15 +279,34 @@ def write_hf(
             bos_token_id=bos,
             eos_token_id=eos,
         )
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config(bos, eos))
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json", generation_config(bos, eos))
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
+    return Path(output_dir)
+
+
+@contextmanager
+def staged_directory(output_dir: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
+    """A fresh directory beside `output_dir` to build an output in; renamed to `output_dir`
+    when the block completes, removed when it raises, so a crash never leaves a half-written
+    output under the final name. An existing non-empty `output_dir` is refused unless
+    `overwrite` (it is then replaced only at the last step). Safetensors data is little-endian,
+    so big-endian hosts are refused."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this host is big-endian")
+    out = Path(output_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # not mkdtemp: that would leave the final directory mode 0700
+    try:
+        yield tmp
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

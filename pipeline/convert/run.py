@@ -17,7 +17,14 @@ if TYPE_CHECKING:
 
     from pipeline.convert.source import TensorSource
 
-__all__ = ["ConversionError", "open_source", "run_conversion"]
+__all__ = [
+    "ConversionError",
+    "detect_format",
+    "open_source",
+    "progress_bar",
+    "quiet_dcp",
+    "run_conversion",
+]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -53,6 +60,18 @@ def open_source(
             config = get_flavor(flavor)
         return MegatronSource(path, model_config=config)
     raise ConversionError(f"unknown source format {fmt!r}")
+
+
+def detect_format(path: Path) -> str:
+    """`hf` for a directory with a `config.json`, `megatron` for a Megatron save directory or
+    iteration (its tracker, or `common.pt` beside `metadata.json`), `pipe` otherwise."""
+    from pipeline.checkpoint.layout import MEGATRON_TRACKER
+
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / MEGATRON_TRACKER).is_file() or (path / "common.pt").is_file():
+        return "megatron"
+    return "pipe"
 
 
 def run_conversion(
@@ -91,11 +110,11 @@ def run_conversion(
             source = CastSource(source, getattr(torch, _TORCH_DTYPES[target_dtype]))
         total = sum(info.nbytes for info in source.tensors().values())
         start = time.perf_counter()
-        with _progress(total, quiet) as advance, _quiet_dcp():
+        with progress_bar(total, quiet) as advance, quiet_dcp():
             written = _write(source, output, to_format, (tp, pp, ep), shard_bytes,
                              tokenizer_dir, advance, overwrite)  # fmt: skip
         seconds = time.perf_counter() - start
-        with _quiet_dcp():
+        with quiet_dcp():
             verdict = _verify(source, source_path, from_format, written, to_format,
                               verify, verify_layers)  # fmt: skip
     except (CheckpointError, VerifyError, ValueError, OSError) as e:
@@ -217,11 +236,11 @@ def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
 
 
 @contextmanager
-def _progress(total: int, quiet: bool) -> Iterator[Any]:
+def progress_bar(total: int, quiet: bool, desc: str = "convert") -> Iterator[Any]:
     """A byte-weighted progress bar on a terminal; yields its `advance(bytes)` function."""
     from pipeline.preprocess.progress import terminal_bar
 
-    bar = None if quiet else terminal_bar(total, desc="convert", unit="B", unit_scale=True)
+    bar = None if quiet else terminal_bar(total, desc=desc, unit="B", unit_scale=True)
     try:
         yield (bar.update if bar is not None else None)
     finally:
@@ -230,7 +249,7 @@ def _progress(total: int, quiet: bool) -> Iterator[Any]:
 
 
 @contextmanager
-def _quiet_dcp() -> Iterator[None]:
+def quiet_dcp() -> Iterator[None]:
     """DCP warns that it runs without a process group: expected in a converter."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

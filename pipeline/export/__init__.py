@@ -1,0 +1,1 @@
+"""`pipe export`: checkpoints to inference formats (TensorRT-LLM checkpoints)."""

@@ -1,0 +1,237 @@
+"""One TensorRT-LLM export from start to finish: open, calibrate (FP8), write, verify.
+
+`pipe export` (commands.py) parses the command line and calls `run_export`; tests and scripts
+may call it directly.
+
+Verification runs the reference forward (`reference.py`) on the written directory and our own
+model on the source, on the same tokens:
+
+- bf16/fp16/fp32 exports are compared with our model on the source weights rounded to the
+  export dtype (the router kept in fp32, as exported), computed in fp32: any difference beyond
+  rounding of the arithmetic is a layout mistake, so the bar is `LOGIT_TOLERANCE`.
+- FP8 exports are compared with our model on the unrounded source: the figures are the largest
+  logit difference and how often the top-1 next token agrees; on real text (`--calib-data`,
+  held-out sequences) at least `MIN_FP8_TOP1` agreement is required.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.convert.run import ConversionError, detect_format, open_source, progress_bar
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.convert.source import TensorInfo, TensorSource
+    from pipeline.export.trtllm_config import ExportOptions
+
+__all__ = ["CalibrationSettings", "ExportError", "run_export", "verify_export"]
+
+MIN_FP8_TOP1 = 0.95
+VERIFY_TOKENS = 128  # per sequence, when real text is used
+
+
+class ExportError(ConversionError):
+    """An export that cannot be done or did not verify; the message says why."""
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Where FP8 calibration reads text: a Megatron `.bin/.idx` prefix, `size` sequences of
+    `seq_len` tokens (documents concatenated in order)."""
+
+    data: Path | None = None
+    size: int = 256
+    seq_len: int = 512
+    batch_size: int = 8
+
+
+@dataclass
+class _RoundedSource:
+    """`source` as the export stores it: floating tensors rounded to `dtype` (the router kept
+    in fp32), then read back as fp32."""
+
+    source: TensorSource
+    dtype: torch.dtype
+
+    @property
+    def model_config(self):
+        return self.source.model_config
+
+    @property
+    def metadata(self):
+        return self.source.metadata
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.source.tensors()
+
+    def read(self, name: str) -> torch.Tensor:
+        tensor = self.source.read(name)
+        if not tensor.is_floating_point() or name.endswith("moe.router.weight"):
+            return tensor
+        return tensor.to(self.dtype).to(tensor.dtype)
+
+
+def default_dtype(source: TensorSource) -> str:
+    """The export dtype when none is asked for: a Hugging Face source's half precision dtype,
+    else bfloat16 (training checkpoints hold fp32 master weights)."""
+    declared = source.metadata.get("hf_dtype")
+    return declared if declared in ("bfloat16", "float16") else "bfloat16"
+
+
+def _calibration_tokens(settings: CalibrationSettings, vocab_size: int) -> torch.Tensor:
+    from pipeline.export.calibration import calibration_sequences
+
+    if settings.data is None:
+        raise ExportError("--fp8 needs calibration text: pass --calib-data PREFIX (a .bin/.idx)")
+    tokens = calibration_sequences(settings.data, settings.size, settings.seq_len)
+    if len(tokens) < settings.size:
+        warnings.warn(
+            f"{settings.data} holds only {len(tokens)} calibration sequences of "
+            f"{settings.seq_len} tokens ({settings.size} asked for)",
+            stacklevel=2,
+        )
+    if int(tokens.max()) >= vocab_size:
+        raise ExportError(
+            f"{settings.data}: token id {int(tokens.max())} is outside the model's vocabulary "
+            f"({vocab_size}); was it tokenized with this model's tokenizer?"
+        )
+    return tokens
+
+
+def _verification_tokens(
+    text: Path | None, skip_tokens: int, vocab_size: int
+) -> tuple[torch.Tensor, str]:
+    """Real text from `text` after its first `skip_tokens` (those calibration saw) when there
+    is some, else random tokens; and a few words saying which."""
+    import torch
+
+    from pipeline.export.calibration import calibration_sequences
+
+    if text is not None:
+        try:
+            tokens = calibration_sequences(text, 8, VERIFY_TOKENS, skip_tokens=skip_tokens)
+            return tokens, f"{tokens.numel()} held-out tokens of {text}"
+        except ValueError:
+            warnings.warn(
+                f"{text} has no text beyond the calibration sequences; verifying on random tokens",
+                stacklevel=2,
+            )
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (2, 32), generator=generator), "64 random tokens"
+
+
+def verify_export(
+    source: TensorSource,
+    directory: Path,
+    options: ExportOptions,
+    *,
+    text: Path | None = None,
+    skip_tokens: int = 0,
+) -> str:
+    """Check `directory` against `source` (see the module docstring) on real text from the
+    dataset prefix `text` after its first `skip_tokens`, or on random tokens; returns what was
+    checked, raises `ExportError` on a mismatch."""
+    import torch
+
+    from pipeline.convert.verify import LOGIT_TOLERANCE, our_model
+    from pipeline.export.reference import ReferenceModel
+
+    tokens, what = _verification_tokens(text, skip_tokens, source.model_config.vocab_size)
+    rounded = _RoundedSource(source, getattr(torch, options.dtype))
+    expected_source = source if options.fp8 else rounded
+    with torch.no_grad():
+        expected = our_model(expected_source).logits(tokens)
+    actual = ReferenceModel(directory).logits(tokens)
+    diff = float((actual - expected).abs().max())
+    scale = max(1.0, float(expected.abs().max()))
+    top1 = float((actual.argmax(-1) == expected.argmax(-1)).float().mean())
+    figures = f"max |logit difference| {diff:.3g}, top-1 agreement {top1:.1%} on {what}"
+    if not options.fp8:
+        if diff > LOGIT_TOLERANCE * scale:
+            raise ExportError(f"the export does not reproduce the source: {figures}")
+        return f"reference forward matches the source: {figures}"
+    real_text = "random" not in what
+    if real_text and top1 < MIN_FP8_TOP1:
+        raise ExportError(f"FP8 export below {MIN_FP8_TOP1:.0%} top-1 agreement: {figures}")
+    note = "" if real_text else " (random tokens: pass --calib-data to check on real text)"
+    return f"FP8 reference forward vs the unquantized source: {figures}{note}"
+
+
+def run_export(
+    source_path: Path,
+    output: Path,
+    options: ExportOptions,
+    *,
+    from_format: str = "auto",
+    calibration: CalibrationSettings | None = None,
+    iteration: int | None = None,
+    allow_pickle: bool = False,
+    verify: str = "auto",
+    overwrite: bool = False,
+    quiet: bool = False,
+) -> str:
+    """Export and verify; returns a one-paragraph summary. Raises `ExportError`.
+
+    `options.dtype` None means `default_dtype(source)`; `verify` is auto (when the model fits in
+    memory), on or off.
+    """
+    import dataclasses
+
+    from pipeline.checkpoint.layout import CheckpointError
+    from pipeline.convert.verify import VerifyError, our_model
+    from pipeline.export.calibration import calibrate
+    from pipeline.export.trtllm_writer import write_trtllm
+
+    try:
+        fmt = detect_format(source_path) if from_format == "auto" else from_format
+        source = open_source(source_path, fmt, iteration=iteration, allow_pickle=allow_pickle)
+        if options.dtype is None:
+            options = dataclasses.replace(options, dtype=default_dtype(source))
+        if options.architecture is None:
+            options = dataclasses.replace(
+                options, architecture=source.metadata.get("hf_architecture")
+            )
+        calibration = calibration or CalibrationSettings()
+        amax, calibrated = None, 0
+        if options.fp8:
+            tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
+            amax = calibrate(our_model(source), tokens, batch_size=calibration.batch_size)
+            calibrated = tokens.numel()
+        total = sum(info.nbytes for info in source.tensors().values())
+        start = time.perf_counter()
+        with progress_bar(total, quiet, desc="export") as advance:
+            write_trtllm(source, output, options, amax=amax, progress=advance, overwrite=overwrite)
+        seconds = time.perf_counter() - start
+        verdict = _verify(source, output, options, verify, calibration.data, calibrated)
+    except (CheckpointError, VerifyError, ValueError, OSError) as e:
+        raise ExportError(str(e)) from e
+    m = options.mapping
+    return (
+        f"wrote {output} (TensorRT-LLM, {options.dtype}{', FP8' if options.fp8 else ''}, "
+        f"tp {m.tp} x pp {m.pp} = {m.world_size} rank files, in {seconds:.1f} s); {verdict}"
+    )
+
+
+def _verify(
+    source: TensorSource,
+    output: Path,
+    options: ExportOptions,
+    mode: str,
+    text: Path | None,
+    skip_tokens: int,
+) -> str:
+    from pipeline.convert.verify import fits_in_memory
+
+    if mode == "off":
+        return "not verified (--verify off)"
+    if not fits_in_memory(source, copies=4.0):
+        if mode == "on":
+            raise ExportError("the model does not fit in memory for the reference forward")
+        return "not verified (too large for the reference forward in memory)"
+    return verify_export(source, output, options, text=text, skip_tokens=skip_tokens)
