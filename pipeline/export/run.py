@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.convert.run import ConversionError, detect_format, open_source, progress_bar
+from pipeline.convert.run import (
+    ConversionError,
+    detect_format,
+    open_source,
+    progress_bar,
+    quiet_dcp,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -181,34 +187,30 @@ def run_export(
     `options.dtype` None means `default_dtype(source)`; `verify` is auto (when the model fits in
     memory), on or off.
     """
-    import dataclasses
-
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.convert.verify import VerifyError, our_model
     from pipeline.export.calibration import calibrate
     from pipeline.export.trtllm_writer import write_trtllm
 
     try:
-        fmt = detect_format(source_path) if from_format == "auto" else from_format
-        source = open_source(source_path, fmt, iteration=iteration, allow_pickle=allow_pickle)
-        if options.dtype is None:
-            options = dataclasses.replace(options, dtype=default_dtype(source))
-        if options.architecture is None:
-            options = dataclasses.replace(
-                options, architecture=source.metadata.get("hf_architecture")
-            )
-        calibration = calibration or CalibrationSettings()
-        amax, calibrated = None, 0
-        if options.fp8:
-            tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
-            amax = calibrate(our_model(source), tokens, batch_size=calibration.batch_size)
-            calibrated = tokens.numel()
-        total = sum(info.nbytes for info in source.tensors().values())
-        start = time.perf_counter()
-        with progress_bar(total, quiet, desc="export") as advance:
-            write_trtllm(source, output, options, amax=amax, progress=advance, overwrite=overwrite)
-        seconds = time.perf_counter() - start
-        verdict = _verify(source, output, options, verify, calibration.data, calibrated)
+        with quiet_dcp():
+            fmt = detect_format(source_path) if from_format == "auto" else from_format
+            source = open_source(source_path, fmt, iteration=iteration, allow_pickle=allow_pickle)
+            options = _resolved(options, source)
+            calibration = calibration or CalibrationSettings()
+            amax, calibrated = None, 0
+            if options.fp8:
+                tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
+                amax = calibrate(our_model(source), tokens, batch_size=calibration.batch_size)
+                calibrated = tokens.numel()  # verification text starts after these
+            total = sum(info.nbytes for info in source.tensors().values())
+            start = time.perf_counter()
+            with progress_bar(total, quiet, desc="export") as advance:
+                write_trtllm(
+                    source, output, options, amax=amax, progress=advance, overwrite=overwrite
+                )
+            seconds = time.perf_counter() - start
+            verdict = _verify(source, output, options, verify, calibration.data, calibrated)
     except (CheckpointError, VerifyError, ValueError, OSError) as e:
         raise ExportError(str(e)) from e
     m = options.mapping
@@ -216,6 +218,18 @@ def run_export(
         f"wrote {output} (TensorRT-LLM, {options.dtype}{', FP8' if options.fp8 else ''}, "
         f"tp {m.tp} x pp {m.pp} = {m.world_size} rank files, in {seconds:.1f} s); {verdict}"
     )
+
+
+def _resolved(options: ExportOptions, source: TensorSource) -> ExportOptions:
+    """`options` with the dtype and architecture the source implies where left unset."""
+    import dataclasses
+
+    if options.dtype is None:
+        options = dataclasses.replace(options, dtype=default_dtype(source))
+    if options.architecture is None:
+        architecture = source.metadata.get("hf_architecture")
+        options = dataclasses.replace(options, architecture=architecture)
+    return options
 
 
 def _verify(

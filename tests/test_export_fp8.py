@@ -1,0 +1,150 @@
+"""FP8 export on real text: a tiny dense and a tiny MoE model are trained briefly on the shared
+corpus (Python docs), saved as Hugging Face, exported with `--fp8 --fp8-kv-cache` (calibrated
+on a prefix of the tokenized corpus) at tp2, and the reference forward over the FP8 rank files
+is compared with transformers on held-out text: the top-1 next token must agree on at least 95%
+of positions, and the logits stay within the stated FP8 tolerance. A trained model is needed:
+an untrained one has near-flat logits whose top-1 any rounding flips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.convert.hf_writer import write_hf
+from pipeline.convert.source import InMemorySource
+from pipeline.core.model.config import ModelConfig, MoEConfig
+from pipeline.core.model.transformer import Transformer
+from pipeline.data.indexed import IndexedDatasetWriter
+from pipeline.export.calibration import calibration_sequences
+from pipeline.export.fp8 import FP8_MAX, dequantize, quantize
+from pipeline.export.reference import ReferenceModel, read_rank_files
+from pipeline.export.run import CalibrationSettings, run_export
+from pipeline.export.trtllm_config import ExportOptions
+from pipeline.export.trtllm_layout import TrtllmMapping
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+
+VOCAB = 512
+CALIB_SEQUENCES, CALIB_LEN = 64, 64
+# Largest |logit difference| against the unquantized model, relative to max |logit|: FP8
+# e4m3 keeps 3 mantissa bits (relative rounding up to 1/16) on weights, activations and KV.
+FP8_LOGIT_TOLERANCE = 0.15
+MIN_TOP1 = 0.95
+
+
+@pytest.fixture(scope="module")
+def corpus_prefix(corpus_texts, tmp_path_factory) -> Path:
+    """The shared corpus tokenized with a 512-token BPE trained on it, as a .bin/.idx."""
+    from tokenizers import Tokenizer
+
+    from pipeline.examples.stdlib_corpus import train_tokenizer
+
+    directory = tmp_path_factory.mktemp("fp8_corpus")
+    tokenizer = Tokenizer.from_file(
+        str(train_tokenizer(corpus_texts, directory / "tok", VOCAB) / "tokenizer.json")
+    )
+    prefix = directory / "corpus_text_document"
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for encoding in tokenizer.encode_batch(corpus_texts):
+            writer.add_document(np.array(encoding.ids, dtype=np.uint16), [len(encoding.ids)])
+        writer.finalize()
+    return prefix
+
+
+def _train(config: ModelConfig, tokens: torch.Tensor, steps: int = 150) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(tokens) - 65, (16,), generator=generator)
+        batch = torch.stack([tokens[s : s + 65] for s in starts.tolist()])
+        logits = model.logits(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        aux = model.moe_aux_loss()
+        (loss if aux is None else loss + aux).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def trained_hf(request, corpus_prefix, tmp_path_factory) -> Path:
+    moe = MoEConfig(num_experts=4, top_k=2) if request.param == "moe" else None
+    config = ModelConfig(
+        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+        ffn_hidden_size=128, max_position_embeddings=256, rope_theta=10000.0, moe=moe,
+    )  # fmt: skip
+    tokens = calibration_sequences(corpus_prefix, 10**9, 1).flatten()  # the whole corpus
+    model = _train(config, tokens)
+    state = {n: t.detach() for n, t in model.state_dict().items()}
+    directory = tmp_path_factory.mktemp(f"fp8_{request.param}") / "hf"
+    return write_hf(InMemorySource(config, state), directory)
+
+
+def test_fp8_export_agrees_with_transformers_on_real_text(trained_hf, corpus_prefix, tmp_path):
+    out = tmp_path / "trt_fp8"
+    options = ExportOptions(
+        dtype="bfloat16", mapping=TrtllmMapping(tp=2), fp8=True, fp8_kv_cache=True
+    )
+    calibration = CalibrationSettings(corpus_prefix, CALIB_SEQUENCES, CALIB_LEN)
+    summary = run_export(trained_hf, out, options, calibration=calibration, quiet=True)
+    assert "held-out tokens" in summary, summary
+
+    held_out = calibration_sequences(
+        corpus_prefix, 16, 128, skip_tokens=CALIB_SEQUENCES * CALIB_LEN
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained_hf, dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(held_out).logits
+    actual = ReferenceModel(out).logits(held_out)
+    # The model predicts text, not one frequent token everywhere (which FP8 could not flip).
+    assert expected.argmax(-1).unique().numel() >= 50
+    top1 = float((actual.argmax(-1) == expected.argmax(-1)).float().mean())
+    relative = float((actual - expected).abs().max() / expected.abs().max())
+    print(f"FP8 vs transformers: top-1 {top1:.2%}, max relative logit difference {relative:.3f}")
+    assert top1 >= MIN_TOP1
+    assert relative < FP8_LOGIT_TOLERANCE
+
+
+def test_fp8_files_are_quantized_as_documented(trained_hf, corpus_prefix, tmp_path):
+    """fp8 weights with dequantization scales amax/448: one per fused tensor (qkv; fc with
+    gate), one per expert for MoE; activation and KV scales from the calibration amax."""
+    out = tmp_path / "trt_fp8"
+    options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
+    calibration = CalibrationSettings(corpus_prefix, 8, CALIB_LEN)
+    run_export(trained_hf, out, options, calibration=calibration, verify="off", quiet=True)
+    (rank,) = read_rank_files(out, 1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained_hf).state_dict()
+    p, t = "model.layers.1", "transformer.layers.1"
+    qkv = [hf[f"{p}.self_attn.{w}_proj.weight"] for w in "qkv"]
+    scale = max(float(w.abs().max()) for w in qkv) / FP8_MAX
+    assert torch.allclose(rank[f"{t}.attention.qkv.weights_scaling_factor"], torch.tensor([scale]))
+    weight = rank[f"{t}.attention.qkv.weight"]
+    assert weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(weight, quantize(torch.cat(qkv), torch.tensor([scale])))
+    assert float(dequantize(weight, torch.tensor([scale])).abs().max()) == pytest.approx(
+        scale * FP8_MAX, rel=1e-6
+    )
+    if f"{t}.mlp.router.weight" in rank:
+        experts = rank[f"{t}.mlp.fc.weights_scaling_factor"]
+        assert experts.shape == (4, 1) and len(set(experts.flatten().tolist())) == 4
+        assert rank[f"{t}.mlp.router.weight"].dtype == torch.float32
+    else:
+        fc, gate = (
+            rank[f"{t}.mlp.fc.weights_scaling_factor"],
+            rank[f"{t}.mlp.gate.weights_scaling_factor"],
+        )
+        both = max(float(hf[f"{p}.mlp.{w}_proj.weight"].abs().max()) for w in ("gate", "up"))
+        assert torch.equal(fc, gate) and float(fc) == pytest.approx(both / FP8_MAX, rel=1e-6)
+    for name in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj"):
+        act = rank[f"{t}.{name}.activation_scaling_factor"]
+        assert act.dtype == torch.float32 and act.shape == (1,) and float(act) > 0
+    assert rank[f"{t}.attention.kv_cache_scaling_factor"].shape == (1,)
+    assert rank["lm_head.weight"].dtype == torch.bfloat16  # excluded by default
