@@ -24,7 +24,7 @@ from pipeline.export.trtllm_writer import write_trtllm
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 250  # not a multiple of 4: tp4 pads lm_head with 2 zero rows
-ARCHS = ["llama3", "llama32_tied", "qwen2", "mixtral"]
+ARCHS = ["llama3", "llama32_tied", "mistral", "qwen2", "mixtral"]
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "tp4": (4, 1), "tp2pp2": (2, 2)}
 TOLERANCE = 1e-4  # fp32 export, relative to max(1, |logits|)
 
@@ -53,6 +53,12 @@ def hf_model(arch: str, seed: int = 0):
             **common, rope_parameters=llama3_rope, tie_word_embeddings=True
         )
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":  # an explicit head_dim: 4 heads of 24 over hidden 64
+        config = transformers.MistralConfig(
+            **common, head_dim=24, rope_parameters={"rope_theta": 1e4}
+        )
+        config.sliding_window = None
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, rope_parameters={"rope_theta": 1e6})
         cls = transformers.Qwen2ForCausalLM
