@@ -1,16 +1,18 @@
-"""Checkpoint conversion: `pipe convert --to hf` of a full-size model against a plain file copy.
+"""Checkpoint conversion and export of a full-size model against a plain file copy.
 
 Writes a randomly initialised pipe checkpoint of a flavor's full shape (default llama3_8b,
 bf16: about 16 GB) with the streaming writer, then in the same run:
 
 1. copies the checkpoint's data files to a new directory (the baseline: the fastest any
    conversion could move these bytes on this disk);
-2. runs `pipe convert CKPT --to hf --verify off` in a child process and reads its peak RSS.
+2. runs `pipe convert CKPT --to hf --verify off` in a child process and reads its peak RSS;
+3. with `--export`, also `pipe export CKPT --trtllm --tp 2 --verify off` the same way.
 
 It prints seconds, GB/s and peak RSS, and the ratios the issue sets as targets: conversion
-throughput within 2x of the copy (copy seconds / convert seconds >= 0.5), peak RSS under 4 GB.
+throughput within 2x of the copy (copy seconds / convert seconds >= 0.5), peak RSS under 4 GB
+(the export is held to the same bar).
 
-    python scripts/bench/convert.py [--flavor llama3_8b] [--workdir DIR] [--keep]
+    python scripts/bench/convert.py [--flavor llama3_8b] [--workdir DIR] [--export] [--keep]
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -80,25 +81,35 @@ def copy_files(source: Path, target: Path) -> None:
     os.sync()
 
 
-def convert_in_child(checkpoint: Path, output: Path) -> tuple[float, float]:
-    """(seconds, peak RSS in GB) of `pipe convert --to hf` in a fresh process."""
-    command = [sys.executable, "-m", "pipeline", "convert", str(checkpoint), "--to", "hf",
-               "-o", str(output), "--verify", "off", "--quiet"]  # fmt: skip
-    start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"pipe convert failed:\n{result.stdout}\n{result.stderr}")
-    print(result.stdout.strip())
+def run_child(what: str, arguments: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in GB) of `python -m pipeline ARGUMENTS` in a fresh process."""
+    with tempfile.TemporaryFile("w+") as output:
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-m", "pipeline", *arguments], cwd=ROOT,
+                                 stdout=output, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage
+        child.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - start
+        output.seek(0)
+        text = output.read().strip()
+    if child.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{text}")
+    print(text)
     os.sync()
-    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return seconds, peak_kb * 1024 / GB
+    return seconds, usage.ru_maxrss * 1024 / GB
+
+
+def report(what: str, seconds: float, peak_gb: float, size: int, copy_s: float) -> None:
+    print(f"{what}: {seconds:.1f} s, {size / seconds / GB:.2f} GB/s, peak RSS {peak_gb:.2f} GB")
+    print(f"  throughput ratio ({what} / copy) = {copy_s / seconds:.2f}  (target >= 0.5)")
+    print(f"  peak RSS = {peak_gb:.2f} GB  (target < 4 GB)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="llama3_8b")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument("--export", action="store_true", help="also time pipe export --trtllm")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
     args = parser.parse_args()
 
@@ -117,14 +128,17 @@ def main() -> None:
 
         copy_s = timed("plain copy (baseline)", lambda: copy_files(iteration_dir, workdir / "copy"))
         shutil.rmtree(workdir / "copy")
-        convert_s, peak_gb = convert_in_child(checkpoint, workdir / "hf")
-        hf_bytes = sum(p.stat().st_size for p in (workdir / "hf").glob("*.safetensors"))
-        print(f"pipe convert --to hf: {convert_s:.1f} s, {size / convert_s / GB:.2f} GB/s, "
-              f"wrote {hf_bytes / GB:.2f} GB, peak RSS {peak_gb:.2f} GB")  # fmt: skip
         print(f"copy: {size / copy_s / GB:.2f} GB/s")
-        ratio = copy_s / convert_s
-        print(f"throughput ratio (convert / copy) = {ratio:.2f}  (target >= 0.5)")
-        print(f"peak RSS = {peak_gb:.2f} GB  (target < 4 GB)")
+        convert = ["convert", str(checkpoint), "--to", "hf", "-o", str(workdir / "hf")]
+        seconds, peak_gb = run_child("pipe convert", convert + ["--verify", "off", "--quiet"])
+        report("pipe convert --to hf", seconds, peak_gb, size, copy_s)
+        shutil.rmtree(workdir / "hf")
+        if args.export:
+            export = ["export", str(checkpoint), "--trtllm", "-o", str(workdir / "trt")]
+            seconds, peak_gb = run_child(
+                "pipe export", export + ["--tp", "2", "--verify", "off", "-q"]
+            )
+            report("pipe export --trtllm --tp 2", seconds, peak_gb, size, copy_s)
     finally:
         if args.keep:
             print(f"kept {workdir}")
