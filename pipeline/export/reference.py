@@ -95,11 +95,13 @@ class _Ranks:
 
     def __init__(self, files: list[dict], ranks: range, options: ExportOptions) -> None:
         self.files = [files[r] for r in ranks]
+        self.ranks = ranks
         self.options = options
 
     def _get(self, file: dict, name: str) -> torch.Tensor:
         if name not in file:
-            raise KeyError(f"{name} is missing from a rank file")
+            rank = self.ranks[next(k for k, f in enumerate(self.files) if f is file)]
+            raise KeyError(f"rank{rank}.safetensors has no {name}")
         return file[name]
 
     def same(self, name: str) -> torch.Tensor:
