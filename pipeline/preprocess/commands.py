@@ -49,6 +49,7 @@ def _user_errors() -> Iterator[None]:
     from pipeline.preprocess.merge import MergeError
     from pipeline.preprocess.readers import InputError
     from pipeline.preprocess.runner import PreprocessError
+    from pipeline.preprocess.shards import ShardError
     from pipeline.preprocess.tokenizer import TokenizerError
 
     try:
@@ -58,6 +59,7 @@ def _user_errors() -> Iterator[None]:
         InputError,
         TokenizerError,
         MergeError,
+        ShardError,
         IndexFormatError,
         FileNotFoundError,
     ) as e:
@@ -135,6 +137,17 @@ def _user_errors() -> Iterator[None]:
     show_default=True,
     help="Seconds between progress lines when stderr is not a terminal.",
 )
+@click.option(
+    "--num-shards",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Split the run into N shards; this process runs --shard-index I and writes "
+    "{prefix}.shard-I-of-N_*. Default: from torchrun (RANK, WORLD_SIZE) or a Slurm array "
+    "(SLURM_ARRAY_TASK_ID, _COUNT, _MIN) when present. Join with `pipe merge --shards PREFIX`.",
+)
+@click.option(
+    "--shard-index", type=click.IntRange(min=0), default=None, help="This shard (0..N-1)."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 def preprocess(
     inputs,
@@ -149,6 +162,8 @@ def preprocess(
     overwrite,
     tokenizer_engine,
     log_interval,
+    num_shards,
+    shard_index,
     quiet,
 ) -> None:
     """Tokenize raw text into Megatron-compatible .bin/.idx token shards.
@@ -160,8 +175,10 @@ def preprocess(
     with _user_errors():
         from pipeline.preprocess.runner import PreprocessConfig, format_summary
         from pipeline.preprocess.runner import preprocess as run
+        from pipeline.preprocess.shards import resolve_shard
         from pipeline.preprocess.tokenizer import load_tokenizer
 
+        shard = resolve_shard(num_shards, shard_index)  # before the tokenizer: fail fast
         tokenizer = load_tokenizer(
             tokenizer_path,
             merge_file=merge_file,
@@ -185,27 +202,57 @@ def preprocess(
             overwrite=overwrite,
             log_interval=log_interval,
             show_progress=not quiet,
+            shard=shard,
         )
         summary = run(config, tokenizer)
         for line in format_summary(summary):
             click.echo(line)
 
 
-@click.command(cls=_ListOptionsCommand)
+class _MergeCommand(_ListOptionsCommand):
+    list_options = ("--input", "-i", "--shards")
+
+
+@click.command(cls=_MergeCommand)
 @click.option(
     "--input",
     "-i",
     "inputs",
     multiple=True,
-    required=True,
     help="Dataset prefix, .bin/.idx path, glob or directory; repeat for several. "
     "Merged in the order given (a directory: sorted names, as Megatron).",
 )
-@click.option("--output-prefix", "-o", required=True, help="Writes {prefix}.bin/.idx.")
+@click.option(
+    "--shards",
+    multiple=True,
+    help="The --output-prefix of a sharded `pipe preprocess` run (or its shard files): checks "
+    "that all N shards finished and agree, then writes {prefix}_{key}_document.bin/.idx and "
+    "{prefix}.json as one machine's run would.",
+)
+@click.option(
+    "--output-prefix",
+    "-o",
+    default=None,
+    help="Writes {prefix}.bin/.idx (with --shards: {prefix}_{key}_document.*; default the "
+    "shards' prefix).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
-def merge(inputs, output_prefix, overwrite) -> None:
-    """Concatenate .bin/.idx datasets of one dtype into one (as Megatron's merge_datasets.py)."""
+def merge(inputs, shards, output_prefix, overwrite) -> None:
+    """Concatenate .bin/.idx datasets of one dtype into one (as Megatron's merge_datasets.py),
+    or join the shards of a sharded `pipe preprocess` run.
+
+    \b
+    pipe merge --input out/a_text_document out/b_text_document -o out/ab_text_document
+    pipe merge --shards out/corpus
+    """
+    if bool(inputs) == bool(shards):
+        raise click.UsageError("give either --input (datasets) or --shards (a sharded run)")
+    if inputs and output_prefix is None:
+        raise click.UsageError("--input needs --output-prefix")
     with _user_errors():
+        if shards:
+            _merge_shards(list(shards), output_prefix, overwrite)
+            return
         from pipeline.preprocess.merge import merge as run
 
         summary = run(list(inputs), output_prefix, overwrite=overwrite)
@@ -214,6 +261,19 @@ def merge(inputs, output_prefix, overwrite) -> None:
             f"({summary.dtype}, {summary.documents:,} documents, "
             f"{summary.sequences:,} sequences, {summary.tokens:,} tokens)"
         )
+
+
+def _merge_shards(shards: list[str], output_prefix: str | None, overwrite: bool) -> None:
+    from pipeline.preprocess.shard_merge import merge_shards
+
+    summary = merge_shards(shards, output_prefix, overwrite=overwrite)
+    click.echo(f"merged {summary.count} shards into {summary.output_prefix}")
+    for out in summary.outputs.values():
+        click.echo(
+            f"wrote {out['prefix']}.bin/.idx ({out['dtype']}, {out['documents']:,} documents, "
+            f"{out['sequences']:,} sequences, {out['tokens']:,} tokens)"
+        )
+    click.echo(f"manifest {summary.manifest}")
 
 
 @click.command()

@@ -16,7 +16,7 @@ from itertools import chain
 
 import numpy as np
 
-from pipeline.preprocess.readers import Batch
+from pipeline.preprocess.readers import Batch, file_line
 from pipeline.preprocess.tokenizer import TextTokenizer
 
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -94,11 +94,10 @@ class DocumentEncoder:
         for offset, record in enumerate(items):
             if record is None:
                 continue
-            line = batch.first_line + offset
             try:
                 documents.append([self._sentences(record, key) for key in self.options.keys])
             except _Bad as e:
-                result.bad_lines.append(BadLine(batch.source, line, str(e)))
+                result.bad_lines.append(BadLine(batch.source, file_line(batch, offset), str(e)))
         return documents
 
     def _parse_line(self, batch: Batch, i: int, raw: bytes, result: EncodedBatch) -> dict | None:
@@ -107,8 +106,8 @@ class DocumentEncoder:
         if not raw.strip():
             result.blank_lines += 1
             return None
-        line = batch.first_line + i
-        if line == 1 and raw.startswith(_UTF8_BOM):
+        at_file_start = batch.start_byte == 0 and batch.first_line + i == 1
+        if at_file_start and raw.startswith(_UTF8_BOM):
             raw = raw[len(_UTF8_BOM) :]
         try:
             record = json.loads(raw.decode("utf-8"))
@@ -120,7 +119,7 @@ class DocumentEncoder:
             if isinstance(record, dict):
                 return record
             problem = f"expected a JSON object, got {_type_name(record)}"
-        result.bad_lines.append(BadLine(batch.source, line, problem))
+        result.bad_lines.append(BadLine(batch.source, file_line(batch, i), problem))
         return None
 
     def _sentences(self, record: dict, key: str) -> list[str]:

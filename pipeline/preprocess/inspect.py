@@ -82,9 +82,18 @@ def format_description(info: dict[str, Any]) -> list[str]:
         lines.append(
             f"  inputs     {len(inputs)} file(s), {sum(i['bytes'] for i in inputs) / 1e6:,.1f} MB"
         )
-        lines += [f"    {i['path']} sha256 {i['sha256'][:16]}..." for i in inputs[:5]]
+        lines += [f"    {i['path']} {_input_hash(i)}" for i in inputs[:5]]
         lines.append(f"  made by    pipe {m.get('tool', {}).get('version')} at {m.get('created')}")
     return lines
+
+
+def _input_hash(entry: dict[str, Any]) -> str:
+    """`sha256 0123...`, or for a file split between shards the number of hashed parts."""
+    if "sha256" in entry:
+        return f"sha256 {entry['sha256'][:16]}..."
+    if "sha256_parts" in entry:
+        return f"sha256 of {len(entry['sha256_parts'])} parts (split between shards)"
+    return "(part of a sharded run: hashes in the shard's ranges)"
 
 
 def decoded_documents(prefix: str, tokenizer: Any, count: int) -> list[str]:

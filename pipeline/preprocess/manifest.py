@@ -15,14 +15,19 @@ from pipeline.data.manifest import MANIFEST_FORMAT
 from pipeline.preprocess.tokenizer import sha256_file
 
 if TYPE_CHECKING:
-    from pipeline.preprocess.readers import InputFile
+    from pipeline.preprocess.readers import InputFile, InputRange
     from pipeline.preprocess.runner import PreprocessConfig, PreprocessSummary
+    from pipeline.preprocess.shards import ShardSpec
     from pipeline.preprocess.tokenizer import TextTokenizer
 
 
-def hash_inputs(inputs: list[InputFile]) -> list[str]:
-    """SHA-256 of each input (a dataset directory hashes its files in name order)."""
-    return [_hash_path(Path(f.path)) for f in inputs]
+def hash_inputs(parts: list[InputRange]) -> list[str]:
+    """SHA-256 of each input part: a whole file (a dataset directory hashes its files in name
+    order), or for a part of a split file the bytes [start, end) it owns."""
+    return [
+        _hash_path(Path(p.file.path)) if p.is_whole else _hash_range(p.file.path, p.start, p.end)
+        for p in parts
+    ]
 
 
 def _hash_path(path: Path) -> str:
@@ -36,30 +41,89 @@ def _hash_path(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _hash_range(path: str, start: int, end: int, block: int = 1 << 22) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        remaining = end - start
+        while remaining > 0 and (chunk := f.read(min(block, remaining))):
+            digest.update(chunk)
+            remaining -= len(chunk)
+    return digest.hexdigest()
+
+
+def flags(config: PreprocessConfig, tokenizer: TextTokenizer) -> dict[str, Any]:
+    """The flags that decide the output bytes (shards to be merged must agree on them)."""
+    return {
+        "json_keys": list(config.json_keys),
+        "append_eod": config.append_eod,
+        "add_special_tokens": tokenizer.add_special_tokens,
+        "skip_bad_lines": config.skip_bad_lines,
+        "level": "document",
+    }
+
+
+def shard_record(
+    shard: ShardSpec, output_prefix: str, inputs: list[InputFile], parts: list[InputRange]
+) -> dict[str, Any]:
+    """A shard's `shard` entry: which shard, of which run, and the input ranges it owns."""
+    position = {id(f): i for i, f in enumerate(inputs)}
+    return {
+        "index": shard.index,
+        "count": shard.count,
+        "source": shard.source,
+        "output_prefix": output_prefix,
+        "ranges": [
+            {"input": position[id(p.file)], "path": p.file.path, "start": p.start, "end": p.end}
+            for p in parts
+        ],
+    }
+
+
+def identity(record: dict[str, Any]) -> dict[str, Any]:
+    """What must match for two runs (or shards) to make the same bytes: tokenizer files (not
+    their paths), flags, the input list and, for a shard, its place and ranges."""
+    tokenizer = dict(record.get("tokenizer") or {})
+    tokenizer["files"] = [(f.get("bytes"), f.get("sha256")) for f in tokenizer.get("files", [])]
+    shard = {k: v for k, v in (record.get("shard") or {}).items() if k != "source"}
+    if "ranges" in shard:
+        shard["ranges"] = [{k: v for k, v in r.items() if k != "sha256"} for r in shard["ranges"]]
+    return {
+        "tokenizer": tokenizer,
+        "flags": record.get("flags"),
+        "inputs": [(i.get("path"), i.get("kind"), i.get("bytes")) for i in record["inputs"]],
+        "shard": shard,
+    }
+
+
 def build(
     config: PreprocessConfig,
     tokenizer: TextTokenizer,
     inputs: list[InputFile],
     hashes: list[str],
     summary: PreprocessSummary,
+    shard: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest record of a finished run."""
-    return {
+    """The manifest record of a finished run. `hashes` are those of the run's parts: for an
+    unsharded run one per input; for a shard one per entry of `shard["ranges"]`."""
+    if shard is None:
+        entries = [
+            {"path": f.path, "kind": f.kind, "bytes": f.size, "sha256": h}
+            for f, h in zip(inputs, hashes)
+        ]
+    else:
+        entries = [{"path": f.path, "kind": f.kind, "bytes": f.size} for f in inputs]
+        shard = {**shard, "ranges": [r | {"sha256": h} for r, h in zip(shard["ranges"], hashes)]}
+    record = {
         "format": MANIFEST_FORMAT,
         "tool": {"name": "pipe", "version": __version__},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "complete": True,
         "tokenizer": tokenizer.fingerprint(),
-        "inputs": [
-            {"path": f.path, "kind": f.kind, "bytes": f.size, "sha256": h}
-            for f, h in zip(inputs, hashes)
-        ],
-        "flags": {
-            "json_keys": list(config.json_keys),
-            "append_eod": config.append_eod,
-            "add_special_tokens": tokenizer.add_special_tokens,
-            "skip_bad_lines": config.skip_bad_lines,
-            "level": "document",
-        },
+        "inputs": entries,
+        "flags": flags(config, tokenizer),
         "outputs": {
             o.key: {
                 "prefix": o.prefix,
@@ -79,6 +143,21 @@ def build(
         },
         "bad_line_examples": [str(b) for b in summary.bad_line_examples],
         "elapsed_seconds": round(summary.elapsed, 3),
+    }
+    if shard is not None:
+        record["shard"] = shard
+    return record
+
+
+def failed(shard: dict[str, Any], error: str) -> dict[str, Any]:
+    """The manifest a failed shard leaves, so that `pipe merge --shards` can say why."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool": {"name": "pipe", "version": __version__},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "complete": False,
+        "error": error,
+        "shard": shard,
     }
 
 

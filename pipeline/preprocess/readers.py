@@ -8,6 +8,7 @@ document. Reading streams in fixed-size chunks, so memory does not grow with the
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import itertools
@@ -22,7 +23,15 @@ from typing import Any, BinaryIO
 import numpy as np
 import zstandard
 
-__all__ = ["Batch", "InputError", "InputFile", "iter_batches", "resolve_inputs"]
+__all__ = [
+    "Batch",
+    "InputError",
+    "InputFile",
+    "InputRange",
+    "file_line",
+    "iter_batches",
+    "resolve_inputs",
+]
 
 # Bytes per read of (decompressed) line data. Large enough that per-chunk Python overhead is
 # nil, small enough to stay in CPU cache while split: measured faster than 4-16 MiB reads.
@@ -63,16 +72,67 @@ class InputFile:
     size: int  # bytes on disk (for a dataset dir: sum of its data files)
 
 
+@dataclass(frozen=True)
+class InputRange:
+    """The part of one input a (sharded) run reads: the lines whose first byte lies in
+    [start, end) of the file on disk. Only plain JSONL can be read in part; other kinds are
+    always whole (start 0, end size)."""
+
+    file: InputFile
+    start: int
+    end: int
+
+    @classmethod
+    def whole(cls, f: InputFile) -> InputRange:
+        return cls(f, 0, f.size)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.end == self.file.size
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
 @dataclass
 class Batch:
     """A run of consecutive documents from one file, the unit of work sent to a worker."""
 
     index: int  # 0, 1, 2, ... over the whole run, in input order
     source: str  # path of the file these items come from (never spans two files)
-    first_line: int  # 1-based line number (row number for tabular inputs) of the first item
+    first_line: int  # 1-based number of the first item counted from start_byte (tabular: row)
     lines: list[bytes] | None  # JSONL kinds: raw lines without the newline; blank line is b""
     records: list[dict] | None  # tabular kinds: rows restricted to the requested keys
     nbytes: int  # on-disk (compressed) bytes consumed for this batch, for progress
+    # Byte offset of the line numbered 1 above: 0 (the file's first line) unless this batch
+    # comes from a range of a split file; `file_line` turns numbers into the file's own.
+    start_byte: int = 0
+
+
+def file_line(batch: Batch, offset: int) -> int:
+    """The 1-based line number in the file of item `offset` of `batch`.
+
+    For a batch from the middle of a split file this counts the newlines before its range
+    once per process (only when asked: i.e. to report a bad line), so a shard's errors name
+    the same file:line as the unsharded run's.
+    """
+    line = batch.first_line + offset
+    return line + _lines_before(batch.source, batch.start_byte) if batch.start_byte else line
+
+
+@functools.lru_cache(maxsize=64)
+def _lines_before(path: str, offset: int) -> int:
+    """Newlines in the first `offset` bytes of a plain file."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            data = f.read(min(offset, _READ_CHUNK))
+            if not data:
+                break
+            count += data.count(b"\n")
+            offset -= len(data)
+    return count
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,38 +241,47 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def iter_batches(
-    inputs: Sequence[InputFile],
+    inputs: Sequence[InputFile | InputRange],
     keys: Sequence[str],
     *,
     batch_bytes: int = 1 << 20,
     max_batch_items: int = 1024,
 ) -> Iterator[Batch]:
-    """Stream the documents of `inputs`, in order, as batches of consecutive items of one file.
+    """Stream the documents of `inputs` (whole files, or ranges of plain JSONL files), in order,
+    as batches of consecutive items of one file.
 
     A batch closes as soon as its items reach `batch_bytes` (uncompressed; a line counts with
     its newline) or `max_batch_items`, so it may exceed `batch_bytes` by its last item. The
     last batch of each file is usually smaller. `keys` selects the columns kept for tabular
     inputs; JSONL lines are passed on raw. A file that yields no items but has bytes on disk
-    (e.g. an empty .gz) gives one empty batch, so that nbytes always sums to the file size.
+    (e.g. an empty .gz) gives one empty batch, so that nbytes always sums to the input size.
     """
     if batch_bytes < 1 or max_batch_items < 1:
         raise ValueError("batch_bytes and max_batch_items must be >= 1")
     counter = itertools.count()
     keys = [keys] if isinstance(keys, str) else list(dict.fromkeys(keys))  # dedup, order kept
-    for inp in inputs:
-        source = _LineSource(inp) if inp.kind in _LINE_KINDS else _TableSource(inp, keys)
-        yield from _file_batches(inp, source, _Grouper(batch_bytes, max_batch_items), counter)
+    for item in inputs:
+        part = item if isinstance(item, InputRange) else InputRange.whole(item)
+        if not part.is_whole and part.file.kind != "jsonl":
+            raise ValueError(f"{part.file.path}: only plain JSONL can be read in part")
+        kind = part.file.kind
+        source = _LineSource(part) if kind in _LINE_KINDS else _TableSource(part.file, keys)
+        yield from _file_batches(part, source, _Grouper(batch_bytes, max_batch_items), counter)
 
 
 def _file_batches(
-    inp: InputFile, source: _LineSource | _TableSource, grouper: _Grouper, counter: Iterator[int]
+    part: InputRange,
+    source: _LineSource | _TableSource,
+    grouper: _Grouper,
+    counter: Iterator[int],
 ) -> Iterator[Batch]:
     """Turn one file's item chunks into Batches, numbering lines and attributing disk bytes.
 
     Each closed group is held back until the next one exists, so that the file's final batch
-    (which gets whatever remains of `inp.size`) is known to be final when it is yielded.
+    (which gets whatever remains of the range's size) is known to be final when it is yielded.
     """
     tabular = isinstance(source, _TableSource)
+    size = part.size
     reported = 0
     next_line = 1
     held: tuple[list[Any], int] | None = None  # (items, estimated disk bytes consumed so far)
@@ -221,11 +290,12 @@ def _file_batches(
         nonlocal reported, next_line
         batch = Batch(
             index=next(counter),
-            source=inp.path,
+            source=part.file.path,
             first_line=next_line,
             lines=None if tabular else items,
             records=items if tabular else None,
             nbytes=nbytes,
+            start_byte=0 if tabular else source.line_start,
         )
         reported += nbytes
         next_line += len(items)
@@ -235,20 +305,20 @@ def _file_batches(
     for chunk_items, cumsizes in source.chunks():
         for items, nbytes_uncompressed in grouper.add(chunk_items, cumsizes):
             if held is not None:
-                yield make(held[0], max(0, min(held[1], inp.size) - reported))
+                yield make(held[0], max(0, min(held[1], size) - reported))
             items_done += len(items)
             bytes_done += nbytes_uncompressed
             held = (items, source.consumed(items_done, bytes_done))
     rest = grouper.flush()
     if rest is not None:
         if held is not None:
-            yield make(held[0], max(0, min(held[1], inp.size) - reported))
-        held = (rest, inp.size)
+            yield make(held[0], max(0, min(held[1], size) - reported))
+        held = (rest, size)
     if held is None:
-        if inp.size > 0:
-            yield make([], inp.size)
+        if size > 0:
+            yield make([], size)
         return
-    yield make(held[0], inp.size - reported)
+    yield make(held[0], size - reported)
 
 
 class _Grouper:
@@ -320,6 +390,49 @@ class _CountingReader:
         """Nothing to do: the caller owns and closes the underlying file."""
 
 
+class _RangeReader:
+    """Reads the lines of a plain file whose first byte lies in [start, end): it starts at the
+    first line start at or after `start` and stops at the end of the line holding byte end - 1
+    (or at end of file). Ranges that meet at a cut thus read every line exactly once."""
+
+    def __init__(self, f: BinaryIO, start: int, end: int) -> None:
+        self._f = f
+        self.line_start = self._align(start)
+        f.seek(self.line_start)
+        self._pos = self.line_start
+        self._end = end
+        self._done = self.line_start >= end
+
+    def _align(self, start: int) -> int:
+        """The first line start at or after `start`: just past the first newline at or after
+        byte start - 1 (or the end of the file when there is none)."""
+        if start == 0:
+            return 0
+        pos = start - 1
+        self._f.seek(pos)
+        while data := self._f.read(_READ_CHUNK):
+            newline = data.find(b"\n")
+            if newline >= 0:
+                return pos + newline + 1
+            pos += len(data)
+        return pos
+
+    def read(self, size: int = -1) -> bytes:
+        if self._done:
+            return b""
+        if self._pos < self._end:  # inside the range
+            data = self._f.read(min(size, self._end - self._pos))
+            self._pos += len(data)
+            self._done = not data or (self._pos == self._end and data.endswith(b"\n"))
+            return data
+        data = self._f.read(size)  # past the range: finish its last line
+        newline = data.find(b"\n")
+        if not data or newline >= 0:
+            self._done = True
+            return data[: newline + 1] if newline >= 0 else data
+        return data
+
+
 class _ZstdFrameTracker:
     """Follows zstd frame and block headers in the compressed stream to tell whether the file
     ends on a frame boundary.
@@ -387,10 +500,13 @@ class _ZstdFrameTracker:
 
 
 class _LineSource:
-    """Streams the lines of a JSONL file (plain, .zst or .gz) in big chunks."""
+    """Streams the lines of a JSONL file (plain, .zst or .gz), or of a range of a plain one, in
+    big chunks."""
 
-    def __init__(self, inp: InputFile) -> None:
-        self.inp = inp
+    def __init__(self, part: InputRange) -> None:
+        self.inp = part.file
+        self.part = part
+        self.line_start = 0  # byte offset of the first line read (set when reading starts)
         self._raw: _CountingReader | None = None
         self._decompressed = 0
 
@@ -403,16 +519,18 @@ class _LineSource:
             raise InputError(f"{path}: cannot open: {e.strerror or e}") from e
         with f:
             tracker = _ZstdFrameTracker() if kind == "jsonl.zst" else None
-            self._raw = raw = _CountingReader(f, tracker.feed if tracker else None)
-            stream: Any
+            base: Any = f
+            if not self.part.is_whole:
+                base = _RangeReader(f, self.part.start, self.part.end)
+                self.line_start = base.line_start
+            self._raw = raw = _CountingReader(base, tracker.feed if tracker else None)
+            stream: Any = raw
             if kind == "jsonl.zst":
                 stream = zstandard.ZstdDecompressor().stream_reader(
                     raw, read_size=_ZST_READ_SIZE, read_across_frames=True, closefd=False
                 )
             elif kind == "jsonl.gz":
                 stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[arg-type]
-            else:
-                stream = raw
             for lines, has_cr in _split_lines(self._read_chunks(stream)):
                 sizes = np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))
                 if has_cr:

@@ -21,12 +21,28 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.data.indexed import IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+import numpy as np
+
+from pipeline.data.indexed import (
+    IndexedDatasetWriter,
+    bin_path,
+    dataset_exists,
+    idx_path,
+    optimal_dtype,
+)
 from pipeline.data.manifest import manifest_path
+from pipeline.data.manifest import read as read_manifest
 from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
 from pipeline.preprocess.progress import Progress
-from pipeline.preprocess.readers import iter_batches, resolve_inputs
+from pipeline.preprocess.readers import (
+    InputError,
+    InputFile,
+    InputRange,
+    iter_batches,
+    resolve_inputs,
+)
+from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
 from pipeline.preprocess.tokenizer import TextTokenizer
 
 MAX_REPORTED_BAD_LINES = 10
@@ -50,6 +66,7 @@ class PreprocessConfig:
     batch_bytes: int = 1 << 20
     log_interval: float = 10.0
     show_progress: bool = True
+    shard: ShardSpec | None = None  # None: the whole input; see pipeline.preprocess.shards
 
 
 @dataclass
@@ -73,6 +90,8 @@ class PreprocessSummary:
     text_bytes: int = 0
     elapsed: float = 0.0
     manifest: str = ""
+    shard_note: str = ""  # "shard 3 of 7 (from ...): ..." for a sharded run
+    already_complete: bool = False  # a sharded re-run that found its shard finished
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -81,25 +100,61 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 
 def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> PreprocessSummary:
-    """Run the whole job and return its counts; raises PreprocessError on bad input."""
+    """Run the whole job (or, with `config.shard`, one shard of it) and return its counts;
+    raises PreprocessError on bad input. A shard whose manifest says it is complete with the
+    same tokenizer, flags, inputs and ranges is not run again."""
     inputs = resolve_inputs(config.inputs)
+    shard = config.shard
+    if shard is None:
+        parts, prefix = [InputRange.whole(f) for f in inputs], config.output_prefix
+    else:
+        parts = plan_shards(inputs, shard.count)[shard.index]
+        prefix = shard_prefix(config.output_prefix, shard.index, shard.count)
     dtype = optimal_dtype(tokenizer.vocab_size)
-    outputs = [
-        KeyOutput(key, output_prefix_for(config.output_prefix, key), dtype.name)
-        for key in config.json_keys
-    ]
-    manifest_file = manifest_path(config.output_prefix)
-    _refuse_existing([o.prefix for o in outputs], manifest_file, config.overwrite)
+    summary = PreprocessSummary(
+        [KeyOutput(k, output_prefix_for(prefix, k), dtype.name) for k in config.json_keys]
+    )
+    manifest_file = manifest_path(prefix)
+    summary.manifest = str(manifest_file)
+    shard_info = None
+    if shard is None:
+        _refuse_existing([o.prefix for o in summary.outputs], manifest_file, config.overwrite)
+    else:
+        shard_info = manifest_io.shard_record(shard, config.output_prefix, inputs, parts)
+        summary.shard_note = f"{shard} (from {shard.source}): {describe_ranges(parts)}"
+        if _shard_already_complete(config, tokenizer, inputs, shard_info, summary):
+            return summary
+        if config.show_progress:
+            print(summary.shard_note, file=sys.stderr, flush=True)
+    try:
+        _run(config, tokenizer, inputs, parts, dtype, summary, shard_info)
+    except (PreprocessError, InputError) as e:
+        if shard_info is not None:
+            manifest_io.write(manifest_file, manifest_io.failed(shard_info, str(e)))
+        raise
+    return summary
+
+
+def _run(
+    config: PreprocessConfig,
+    tokenizer: TextTokenizer,
+    inputs: list[InputFile],
+    parts: list[InputRange],
+    dtype: np.dtype,
+    summary: PreprocessSummary,
+    shard_info: dict | None,
+) -> None:
+    """Read, encode and write `parts`, then the manifest (last, so that it marks completion)."""
+    outputs = summary.outputs
     options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
     encoder = DocumentEncoder(tokenizer, options)  # validates options before any work starts
-    summary = PreprocessSummary(outputs)
     progress = Progress(
-        sum(f.size for f in inputs), log_interval=config.log_interval, enabled=config.show_progress
+        sum(p.size for p in parts), log_interval=config.log_interval, enabled=config.show_progress
     )
     with ExitStack() as stack, _sigterm_as_exit():
-        input_hashes = _in_background(manifest_io.hash_inputs, inputs)
+        input_hashes = _in_background(manifest_io.hash_inputs, parts)
         writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, dtype)) for o in outputs]
-        batches = iter_batches(inputs, config.json_keys, batch_bytes=config.batch_bytes)
+        batches = iter_batches(parts, config.json_keys, batch_bytes=config.batch_bytes)
         try:
             for result in _encode_in_order(batches, encoder, tokenizer, options, config.workers):
                 _write(result, writers, outputs, summary, config.skip_bad_lines)
@@ -116,10 +171,69 @@ def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> Preprocess
             writer.finalize()
         summary.elapsed = progress.elapsed
         summary.input_bytes, summary.text_bytes = progress.input_bytes, progress.text_bytes
-        record = manifest_io.build(config, tokenizer, inputs, input_hashes.result(), summary)
-        manifest_io.write(manifest_file, record)
-        summary.manifest = str(manifest_file)
-    return summary
+        record = manifest_io.build(
+            config, tokenizer, inputs, input_hashes.result(), summary, shard_info
+        )
+        manifest_io.write(Path(summary.manifest), record)
+
+
+def _shard_already_complete(
+    config: PreprocessConfig,
+    tokenizer: TextTokenizer,
+    inputs: list[InputFile],
+    shard_info: dict,
+    summary: PreprocessSummary,
+) -> bool:
+    """True when this shard's manifest says it finished with the same tokenizer, flags, inputs
+    and ranges, and its outputs are there: the re-run is a no-op (files untouched).
+
+    A manifest left by a failed attempt lets the shard run again; a finished shard made
+    differently is refused unless --overwrite."""
+    manifest_file = Path(summary.manifest)
+    prefixes = [o.prefix for o in summary.outputs]
+    existing = read_manifest(manifest_file)
+    if existing is not None and existing.get("complete") is False:
+        return False  # a failed attempt: run it again, replacing whatever it left
+    if existing is not None and all(dataset_exists(p) for p in prefixes):
+        entries = [{"path": f.path, "kind": f.kind, "bytes": f.size} for f in inputs]
+        expected = manifest_io.identity(
+            {
+                "tokenizer": tokenizer.fingerprint(),
+                "flags": manifest_io.flags(config, tokenizer),
+                "inputs": entries,
+                "shard": shard_info,
+            }
+        )
+        found = manifest_io.identity(existing)
+        if found == expected and not config.overwrite:
+            summary.already_complete = True
+            summary.shard_note = (
+                f"shard {shard_info['index']} of {shard_info['count']} already complete "
+                f"({manifest_file}): nothing to do"
+            )
+            _copy_counts(existing, summary)
+            return True
+        if found != expected and not config.overwrite:
+            differ = ", ".join(k for k in expected if expected[k] != found.get(k))
+            raise PreprocessError(
+                f"{manifest_file}: shard {shard_info['index']} of {shard_info['count']} exists "
+                f"but was made with a different {differ}; pass --overwrite to replace it"
+            )
+    _refuse_existing(prefixes, manifest_file, config.overwrite)
+    return False
+
+
+def _copy_counts(record: dict, summary: PreprocessSummary) -> None:
+    """Fill a skipped shard's summary from its manifest."""
+    for out in summary.outputs:
+        recorded = record.get("outputs", {}).get(out.key, {})
+        out.documents = recorded.get("documents", 0)
+        out.sequences = recorded.get("sequences", 0)
+        out.tokens = recorded.get("tokens", 0)
+    counts = record.get("counts", {})
+    summary.documents = counts.get("documents", 0)
+    summary.text_bytes = counts.get("text_bytes", 0)
+    summary.input_bytes = counts.get("input_bytes", 0)
 
 
 def _write(
@@ -240,7 +354,10 @@ def format_summary(summary: PreprocessSummary) -> list[str]:
     """Human-readable closing lines: one summary line plus bad-line reports and output paths."""
     rate = summary.text_bytes / max(summary.elapsed, 1e-9) / 1e6
     tokens = sum(o.tokens for o in summary.outputs)
-    lines = [
+    if summary.already_complete:
+        return [summary.shard_note]
+    lines = [summary.shard_note] if summary.shard_note else []
+    lines += [
         f"done: {summary.documents:,} documents, {tokens:,} tokens, "
         f"{summary.text_bytes / 1e6:,.1f} MB in {summary.elapsed:.1f}s ({rate:,.1f} MB/s, "
         f"{tokens / max(summary.elapsed, 1e-9):,.0f} tokens/s)"
