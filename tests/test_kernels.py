@@ -155,12 +155,11 @@ def test_flash_attn_backend_refuses_document_masking():
 
 
 def test_fp8_hook_refuses_clearly_and_is_a_no_op_without_a_recipe():
-    from pipeline.core.kernels.fp8 import apply_fp8
+    from pipeline.core.kernels.fp8 import build_fp8
 
-    model = torch.nn.Linear(4, 4)
     cpu = torch.device("cpu")
-    assert apply_fp8(model, None, cpu) is model
+    assert build_fp8(None, cpu) is None
     with pytest.raises(ValueError, match="unknown backend 'fp16'"):
-        apply_fp8(model, "fp16", cpu)
+        build_fp8("fp16", cpu)
     with pytest.raises(ValueError, match="FP8 training needs a CUDA GPU; this run is on cpu"):
-        apply_fp8(model, "torchao:tensorwise", cpu)
+        build_fp8("torchao:tensorwise", cpu)

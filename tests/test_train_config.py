@@ -124,7 +124,7 @@ def test_set_unknown_key_lists_valid_keys():
         ("training.iters=abc", "training.iters expects int, got str 'abc'"),
         ("training.iters=1.5", "training.iters expects int, got float 1.5"),
         ("training.iters=True", "training.iters expects int, got bool True"),
-        ("training.compile=1", "training.compile expects bool, got int 1"),
+        ("training.compile=1", "training.compile expects bool or None, got int 1"),
         ("optimizer.lr=fast", "optimizer.lr expects float, got str 'fast'"),
         ("optimizer.lr=None", "optimizer.lr expects float, got NoneType None"),
         ("scheduler.decay_iters=[1, 2]", "scheduler.decay_iters expects int or None, got list"),

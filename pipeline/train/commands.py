@@ -21,6 +21,8 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from pipeline.core.kernels.fp8 import FP8_BACKENDS, FP8_RECIPES
+
 EXIT_SIGINT = 130  # the shell's convention for "interrupted by Ctrl-C"
 
 
@@ -101,6 +103,10 @@ def _default_run_dir(recipe: str | None) -> str:
 @click.option(
     "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
     help="Processes on this node: N > 1 re-launches under torchrun.",
+)  # fmt: skip
+@click.option(
+    "--fp8", type=click.Choice(list(FP8_BACKENDS + FP8_RECIPES)),
+    help="FP8 training backend (torchao or te), optionally with its scaling (torchao:rowwise).",
 )  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @click.option("--run-dir", metavar="DIR", help="Run directory (default: runs/<recipe or 'run'>).")

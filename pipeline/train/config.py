@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Union
 
+from pipeline.core.kernels.fp8 import LINEAR_FILTERS, normalize_recipe
 from pipeline.core.model.config import ModelConfig, MoEConfig
 
 __all__ = [
@@ -160,8 +161,9 @@ class TrainingSection:
     """Compute dtype: bf16 (fp32 master weights and optimizer state) or fp32."""
     activation_checkpointing: str = "none"
     """Recompute activations in backward: none, full (every block) or selective."""
-    compile: bool = False
-    """torch.compile each transformer block."""
+    compile: bool | None = None
+    """torch.compile each transformer block; unset: on for CUDA runs, off on a CPU (false turns
+    it off on a GPU too)."""
     attention_backend: str = "auto"
     """auto (flash-attn on CUDA when installed and no document masking, else sdpa), sdpa or
     flash_attn."""
@@ -259,10 +261,20 @@ class ParallelSection:
 
 @dataclass
 class Fp8Section:
-    """FP8 training (reserved: the recipe names are fixed by the FP8 work)."""
+    """FP8 training of the block linears (the output layer, routers and small GEMMs keep bf16)."""
+
+    _choices: ClassVar[dict[str, tuple[str, ...]]] = {"linear_filter": LINEAR_FILTERS}
 
     recipe: str | None = None
-    """FP8 scaling recipe (unset: no FP8)."""
+    """backend:scaling, one of torchao:tensorwise, torchao:rowwise, te:delayed, te:current
+    (`--fp8 torchao|te` picks the backend's first); unset: no FP8."""
+    linear_filter: str = "auto"
+    """auto: small GEMMs stay bf16 by torchao's H100-measured size thresholds; all: convert every
+    block linear whose dims are multiples of 16."""
+    fsdp_float8_all_gather: bool = True
+    """torchao:tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes)."""
+    emulate: bool = False
+    """Test-only: run torchao's FP8 numerics with emulated matmuls on a CPU (slow; no speed)."""
 
 
 @dataclass
@@ -540,6 +552,11 @@ def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("training.eval_interval and training.eval_iters must be >= 0")
     if d.seq_length <= 0:
         problems.append(f"data.seq_length must be positive, got {d.seq_length}")
+    if cfg.fp8.recipe is not None:
+        try:
+            normalize_recipe(cfg.fp8.recipe)
+        except ValueError as e:
+            problems.append(str(e))
     if d.num_workers < 0:
         problems.append(f"data.num_workers must be >= 0, got {d.num_workers}")
 

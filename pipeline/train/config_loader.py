@@ -46,6 +46,7 @@ FLAG_TARGETS: dict[str, str] = {
     "cp": "parallel.cp",
     "ep": "parallel.ep",
     "dp": "parallel.dp",
+    "fp8": "fp8.recipe",
 }
 
 

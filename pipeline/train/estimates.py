@@ -228,7 +228,8 @@ def dry_run_report(
         f"schedule     {t.iters:,} iters ({t.iters * tokens_per_step:,} tokens); lr {o.lr:g} "
         f"-> {o.min_lr:g}, warmup {s.warmup_iters}, {s.decay_style} until {cfg.decay_iters:,}",
         f"numerics     {t.dtype} on {t.device}, activation checkpointing "
-        f"{t.activation_checkpointing}, compile {t.compile}, fp8 {cfg.fp8.recipe or 'off'}",
+        f"{t.activation_checkpointing}, compile {'auto' if t.compile is None else t.compile}, "
+        f"fp8 {cfg.fp8.recipe or 'off'}",
         f"parameters   {counts.total:,} total ({_count(counts.total)})",
     ]
     if model.moe is not None:

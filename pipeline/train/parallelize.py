@@ -39,6 +39,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "build_model_parts",
     "build_parallel_dims",
+    "compile_enabled",
     "init_distributed",
     "parallelize",
     "wants_distributed",
@@ -157,12 +158,25 @@ def build_model_parts(
     return parts, indices, num_stages
 
 
+def compile_enabled(setting: bool | None, device_type: str) -> bool:
+    """`training.compile`: True/False as given; unset (None) compiles on CUDA only (on a CPU
+    compiling costs more time than a short run saves, and tests want eager numerics)."""
+    return device_type == "cuda" if setting is None else setting
+
+
 def parallelize(
-    model: Transformer, cfg: TrainConfig, dims: ParallelDims | None = None
+    model: Transformer,
+    cfg: TrainConfig,
+    dims: ParallelDims | None = None,
+    *,
+    device_type: str | None = None,
 ) -> Transformer:
     """Apply the configured layout to a model (or pipeline stage) still on `meta`, in place.
 
-    Without `dims` (one process) any parallel degree > 1 is refused.
+    Without `dims` (one process) any parallel degree > 1 is refused. `device_type` decides the
+    default of `training.compile` (unset: the data-parallel mesh's device, else cpu). FP8
+    conversion (`pipeline.core.kernels.fp8`) happens before this, so tensor parallelism can use
+    torchao's float8 styles and FSDP2 the fp8 all-gather.
     """
     if dims is None:
         p = cfg.parallel
@@ -175,7 +189,9 @@ def parallelize(
     else:
         _apply_model_parallel(model, cfg, dims)
     apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
-    if cfg.training.compile:
+    if device_type is None:
+        device_type = dims.get_mesh("dp_cp").device_type if dims is not None else "cpu"
+    if compile_enabled(cfg.training.compile, device_type):
         for block in model.layers.values():
             block.compile()
     if dims is not None and dims.fsdp_degree > 1:

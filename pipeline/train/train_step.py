@@ -17,7 +17,7 @@ gradient norm and the reported loss those of the whole model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,13 +49,37 @@ class StepResult:
     skipped: bool
 
 
-def autocast_context(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+def autocast_context(
+    device: torch.device, dtype: str, fp8: Any = None
+) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA when asked (weights, grads and optimizer state stay fp32); plain
     fp32 otherwise. CPU runs fp32 even for bf16 configs: CPU bf16 autocast is slow and is not
-    the reference numerics."""
+    the reference numerics. With an FP8 backend (`Fp8Training`) its own context (Transformer
+    Engine's fp8_autocast) is entered inside, afresh on every use."""
     if device.type == "cuda" and dtype == "bf16":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+        base: contextlib.AbstractContextManager = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        base = contextlib.nullcontext()
+    if fp8 is None:
+        return base
+    return _Nested(base, fp8.autocast)
+
+
+class _Nested(contextlib.AbstractContextManager):
+    """`base` and then a fresh `inner()` context on each `with` (reusable, unlike ExitStack)."""
+
+    def __init__(self, base: contextlib.AbstractContextManager, inner: Callable[[], Any]) -> None:
+        self.base, self.inner = base, inner
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.base)
+        stack.enter_context(self.inner())
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
 
 
 def document_ids_from_tokens(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
@@ -98,6 +122,7 @@ def train_step(
     dp_group: Any = None,
     pipeline: Any = None,
     pp_group: Any = None,
+    after_optimizer_step: Callable[[], None] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
@@ -119,6 +144,8 @@ def train_step(
     finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
     if finite:
         optimizer.step()
+        if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
+            after_optimizer_step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss_value, norm_value, int(global_tokens), skipped=not finite)

@@ -45,7 +45,7 @@ from pipeline.checkpoint import (
     model_and_optimizer_state,
 )
 from pipeline.core.kernels.attention import resolve_backend
-from pipeline.core.kernels.fp8 import apply_fp8
+from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.fsdp import copy_full_weights_
@@ -162,7 +162,7 @@ class Trainer:
         self.valid_loader = self._build_loader(1, "valid")
         self._valid_iterator: Any = None
         self.metrics = self._build_logging(console)
-        self.autocast = autocast_context(self.device, cfg.training.dtype)
+        self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
@@ -204,9 +204,15 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.model_config)
         try:
-            model = apply_fp8(model, self.cfg.fp8.recipe, self.device)
+            self.fp8 = self._build_fp8()
+            if self.fp8 is not None:  # before any parallelism (float8 TP styles, fp8 all-gather)
+                model = self.fp8.convert(model)
+                log.info("%s", self.fp8.describe())
             parts, stage_indices, num_stages = build_model_parts(model, self.cfg, self.dims)
-            parts = [parallelize(part, self.cfg, self.dims) for part in parts]
+            parts = [
+                parallelize(part, self.cfg, self.dims, device_type=self.device.type)
+                for part in parts
+            ]
         except (ValueError, NotImplementedError) as e:  # a layout or recipe we cannot build
             raise ConfigError(str(e)) from e
         model = StageUnion(parts) if num_stages > 1 else parts[0]
@@ -225,6 +231,27 @@ class Trainer:
         if self.device.type == "cpu" and self.cfg.training.dtype == "bf16":
             log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
         return model
+
+    def _build_fp8(self) -> Fp8Training | None:
+        """The run's FP8 backend (None without `fp8.recipe`), told the layout it must fit."""
+        f, p = self.cfg.fp8, self.cfg.parallel
+        dims = self.dims
+        fsdp = dims is not None and dims.fsdp_degree > 1 and p.dp_mode == "fsdp"
+        amax_group = dims.get_mesh("dp_cp").get_group() if dims is not None else None
+        return build_fp8(
+            f.recipe,
+            self.device,
+            emulate=f.emulate,
+            linear_filter=f.linear_filter,
+            fsdp=fsdp,
+            fsdp_float8_all_gather=f.fsdp_float8_all_gather,
+            tp=p.tp,
+            amax_group=amax_group,
+        )
+
+    def _after_optimizer_step(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.after_optimizer_step(model_parts(self.model))
 
     def _init_weights(self, model: torch.nn.Module) -> None:
         """`init_weights` on each part, except for a parallel model on a CPU: there every rank
@@ -426,6 +453,7 @@ class Trainer:
                         clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
                         dp_group=self.layout.token_group, pipeline=self.pipeline,
                         pp_group=self.layout.pp_group,
+                        after_optimizer_step=self._after_optimizer_step,
                     )  # fmt: skip
                     window.add(step, tokens_per_step, time.perf_counter() - start)
                     self._record_step(step, result)

@@ -114,10 +114,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 
 
-def _init_linear(linear: nn.Linear, std: float) -> None:
+def _init_linear(linear: nn.Module, std: float) -> None:
+    """normal(0, std) weight, zero bias. Duck-typed: FP8 backends may have replaced the
+    `nn.Linear` (Transformer Engine's `Linear` keeps an empty or no `bias` when bias-free)."""
     nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
+    bias = getattr(linear, "bias", None)
+    if bias is not None and bias.numel():
+        nn.init.zeros_(bias)
 
 
 class Attention(nn.Module):

@@ -122,17 +122,19 @@ def _block_plan(
     """The plan for one `TransformerBlock`: attention and the MLP (dense or MoE)."""
     stream = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor),
+        name: _styles(block, name)[0]() for name in ("attention.wq", "attention.wk", "attention.wv")
     }
+    plan["attention.wo"] = _styles(block, "attention.wo")[1](
+        output_layouts=stream, use_local_output=not keep_dtensor
+    )
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
     # One DTensor input shared by q, k and v (and w1, w3), so backward reduces their input
-    # gradients once; under SP this is also where the sequence is all-gathered.
-    plan["attention"] = PrepareModuleInput(
+    # gradients once; under SP this is also where the sequence is all-gathered (in fp8 when all
+    # three are tensorwise fp8 linears: the cast happens before the gather).
+    prepare = _styles(block, "attention.wq", "attention.wk", "attention.wv")[2]
+    plan["attention"] = prepare(
         input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
     )
     if hasattr(block, "moe"):
@@ -140,15 +142,25 @@ def _block_plan(
             # Replicated experts see the whole sequence; the output is re-sharded for the stream.
             plan["moe"] = _gather_then_reshard(stream)
         return plan
-    plan["feed_forward"] = PrepareModuleInput(
-        input_layouts=(stream,), desired_input_layouts=(Replicate(),)
-    )
-    plan["feed_forward.w1"] = ColwiseParallel()
-    plan["feed_forward.w3"] = ColwiseParallel()
-    plan["feed_forward.w2"] = RowwiseParallel(
+    prepare = _styles(block, "feed_forward.w1", "feed_forward.w3")[2]
+    plan["feed_forward"] = prepare(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+    plan["feed_forward.w1"] = _styles(block, "feed_forward.w1")[0]()
+    plan["feed_forward.w3"] = _styles(block, "feed_forward.w3")[0]()
+    plan["feed_forward.w2"] = _styles(block, "feed_forward.w2")[1](
         output_layouts=stream, use_local_output=not keep_dtensor
     )
     return plan
+
+
+def _styles(block: nn.Module, *names: str) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) style classes for the linears `names` of `block`:
+    torchao's float8 styles when all of them are tensorwise float8 linears (FP8 training), else
+    the plain DTensor ones. Float8 styles cast a linear's input to fp8 before the communication
+    and its output gradient to fp8 before the backward one."""
+    from pipeline.core.kernels.fp8_torchao import float8_tp_styles
+
+    styles = float8_tp_styles(block.get_submodule(name) for name in names)
+    return styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
 
 
 def _gather_then_reshard(stream: Shard) -> ParallelStyle:

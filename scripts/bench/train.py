@@ -1,0 +1,168 @@
+"""Training throughput of a recipe with FP8 against the same recipe in bf16, one invocation.
+
+Each run (FP8 first, then bf16) builds the recipe's model through the trainer (parallelize,
+compile, FP8 conversion: exactly what `pipe train` runs) in its own child process, so peak
+memory and compile caches are its own, then times `--warmup` untimed + `--steps` timed optimizer
+steps on mock data (the trainer's loader). Printed per run:
+
+- tokens/s: global batch x sequence length x timed steps / timed seconds;
+- model TFLOP/s: tokens/s x Megatron-LM's training FLOPs per token with causal attention
+  (`flops_per_token`: 12·L·H²·[(1 + G/A + S/2H)·(A·D/H) + 1.5·K·F/H + V/(2·L·H)], i.e. forward
+  + both backward GEMMs of every projection, QK^T and AV halved for the causal mask, the output
+  layer; FP8 runs are credited the same FLOPs as bf16);
+- MFU: model TFLOP/s / the detected GPU's dense bf16 peak (`pipeline.train.perf`; n/a on a CPU
+  or an unlisted GPU);
+- peak memory: CUDA max allocated, or on a CPU the process's peak RSS;
+
+and then the FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layouts: not yet).
+
+    python scripts/bench/train.py --recipe llama3_8b --fp8 torchao [--warmup 5] [--steps 20]
+        [--set model.num_layers=8 ...] [--device cpu]
+
+`--device cpu` is a smoke run: it adds `fp8.emulate=true` and `fp8.linear_filter=all` (torchao's
+emulated FP8 on every aligned linear), so it checks the path, not FP8 speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def _measure(args: argparse.Namespace) -> dict:
+    """Child: build one run and time it; returns the figures as a dict."""
+    import torch
+
+    from pipeline.core.model.flavors import flops_per_token
+    from pipeline.train.config_loader import resolve_config
+    from pipeline.train.perf import memory_gib, peak_tflops
+    from pipeline.train.train_step import train_step
+    from pipeline.train.trainer import Trainer
+
+    iters = args.warmup + args.steps
+    sets = [
+        "training.dtype=bf16",  # both runs compute in bf16 (FP8 GEMMs on top); --set may change
+        *args.sets,
+        "data.mock=true",
+        f"training.iters={iters}",
+        "scheduler.warmup_iters=0",  # the learning rate does not change the step's cost
+        f"scheduler.decay_iters={iters}",
+        "scheduler.decay_style=constant",
+        "training.eval_interval=0",
+        f"training.device={args.device}",
+        f"logging.run_dir={args.run_dir}",
+    ]
+    if args.fp8:
+        sets.append(f"fp8.recipe={args.fp8}")
+        if args.device == "cpu":
+            sets += ["fp8.emulate=true", "fp8.linear_filter=all"]
+    cfg = resolve_config(args.recipe, sets)
+    trainer = Trainer(cfg, console=False)
+    device = trainer.device
+    batches = iter(trainer.train_loader)
+
+    def step() -> None:
+        train_step(
+            trainer.model, trainer.optimizer, trainer.scheduler,
+            trainer.next_global_batch(batches), clip_grad=cfg.optimizer.clip_grad,
+            autocast=trainer.autocast, after_optimizer_step=trainer._after_optimizer_step,
+        )  # fmt: skip
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = cfg.training.global_batch_size * cfg.data.seq_length * args.steps
+    tflops = flops_per_token(trainer.model_config, cfg.data.seq_length) * tokens / seconds / 1e12
+    peak = peak_tflops(device)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "fp8": trainer.fp8.describe() if trainer.fp8 is not None else "off",
+        "tokens_per_s": tokens / seconds,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "peak_gib": memory_gib(device),
+        "step_s": seconds / args.steps,
+    }
+
+
+def _run_child(argv: list[str], fp8: str | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pipe_bench_") as run_dir:
+        command = [sys.executable, __file__, *argv, "--child", "--run-dir", run_dir]
+        if fp8:
+            command += ["--child-fp8", fp8]
+        done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"benchmark run ({fp8 or 'bf16'}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _line(name: str, r: dict) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    return (
+        f"{name:5s} {r['tokens_per_s']:12,.0f} tokens/s  {r['tflops']:8.3f} model TFLOP/s  "
+        f"MFU {mfu:>6s}  peak mem {r['peak_gib']:.2f} GiB  ({r['step_s'] * 1e3:.0f} ms/step)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default="tiny", help="shipped recipe name or .toml")
+    parser.add_argument("--fp8", default="torchao", help="torchao[:rowwise] or te[:current]")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-fp8", help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        args.fp8 = args.child_fp8
+        print(json.dumps(_measure(args)))
+        return
+
+    argv = sys.argv[1:]
+    flag = "--fp8"
+    if flag in argv:  # the parent's --fp8 goes to the FP8 child only
+        i = argv.index(flag)
+        del argv[i : i + 2]
+    argv = [a for a in argv if not a.startswith("--fp8=")]
+    fp8 = _run_child(argv, args.fp8)
+    bf16 = _run_child(argv, None)
+    print(
+        f"recipe {args.recipe} on {fp8['device']}: {args.warmup} warm-up + {args.steps} timed "
+        f"steps, mock data; {' '.join(args.sets) or 'no overrides'}"
+    )
+    if args.device == "cpu":
+        print("CPU smoke run: emulated FP8 (fp8.emulate, linear_filter=all): not FP8 speed")
+    print("model FLOPs: Megatron's causal count (flops_per_token), the same for FP8 and bf16")
+    print(f"fp8: {fp8['fp8']}")
+    print(_line("fp8", fp8))
+    print(_line("bf16", bf16))
+    print(f"fp8/bf16 tokens/s ratio: {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
