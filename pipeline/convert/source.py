@@ -71,10 +71,12 @@ class InMemorySource:
 
 @dataclass
 class CastSource:
-    """`source` with every floating-point tensor converted to `dtype` as it is read."""
+    """`source` with every floating-point tensor converted to `dtype` as it is read, except
+    those whose names end with one of `keep` (e.g. a router an export keeps in fp32)."""
 
     source: TensorSource
     dtype: torch.dtype
+    keep: tuple[str, ...] = ()
 
     @property
     def model_config(self) -> ModelConfig:
@@ -84,12 +86,15 @@ class CastSource:
     def metadata(self) -> dict[str, Any]:
         return self.source.metadata
 
+    def _casts(self, name: str, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point and not name.endswith(self.keep)
+
     def tensors(self) -> dict[str, TensorInfo]:
         return {
-            name: TensorInfo(info.shape, self.dtype) if info.dtype.is_floating_point else info
+            name: TensorInfo(info.shape, self.dtype) if self._casts(name, info.dtype) else info
             for name, info in self.source.tensors().items()
         }
 
     def read(self, name: str) -> torch.Tensor:
         tensor = self.source.read(name)
-        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+        return tensor.to(self.dtype) if self._casts(name, tensor.dtype) else tensor

@@ -13,32 +13,26 @@ import torch
 __all__ = [
     "FP8_MAX",
     "dequantize",
-    "expert_scales",
     "fake_quantize",
     "fp8_scale",
     "quantize",
-    "scale_from_amax",
+    "scales_from_amax",
 ]
 
 FP8_MAX = 448.0
 _TINY = 1e-12  # an all-zero tensor still gets a usable (non-zero) scale
 
 
+def scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 dequantization scales amax / 448, elementwise (a calibrated amax `[1]`, or per
+    expert `[E]`)."""
+    return (amax.float() / FP8_MAX).clamp(min=_TINY)
+
+
 def fp8_scale(*tensors: torch.Tensor) -> torch.Tensor:
     """The fp32 `[1]` scale covering all `tensors`: max |value| / 448."""
     amax = torch.stack([t.detach().abs().amax().float() for t in tensors]).amax()
-    return (amax / FP8_MAX).clamp(min=_TINY).reshape(1)
-
-
-def expert_scales(amax: torch.Tensor) -> torch.Tensor:
-    """`[E, 1]` fp32 scales from per-expert absolute maxima `[E]` (MoE weights carry one
-    scale per expert)."""
-    return (amax.float() / FP8_MAX).clamp(min=_TINY).reshape(-1, 1)
-
-
-def scale_from_amax(amax: float) -> torch.Tensor:
-    """The fp32 `[1]` scale for a calibrated absolute maximum."""
-    return torch.tensor([max(amax / FP8_MAX, _TINY)], dtype=torch.float32)
+    return scales_from_amax(amax).reshape(1)
 
 
 def quantize(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -35,17 +35,23 @@ __all__ = ["ReferenceModel", "read_rank_files"]
 
 @dataclass
 class Linear:
-    """y = fq(x) @ weight.T + bias, where fq rounds x through fp8 when `input_scale` is set."""
+    """y = fq(x) @ weight.T + bias, where fq rounds x through fp8 when `input_scale` is set.
+    Linears that share an input (q, k, v; fc, gate) round it once: `quantize_input`, then
+    `project` each."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None:
-            x = fake_quantize(x, self.input_scale)
-        y = x @ self.weight.t()
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_scale is None else fake_quantize(x, self.input_scale)
+
+    def project(self, x_quantized: torch.Tensor) -> torch.Tensor:
+        y = x_quantized @ self.weight.t()
         return y if self.bias is None else y + self.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(self.quantize_input(x))
 
 
 @dataclass
@@ -216,7 +222,8 @@ class ReferenceModel:
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, seq, -1, d).transpose(1, 2)
 
-        q, k, v = heads(layer.q(x)), heads(layer.k(x)), heads(layer.v(x))
+        x = layer.q.quantize_input(x)  # one input scale covers the fused qkv
+        q, k, v = (heads(linear.project(x)) for linear in (layer.q, layer.k, layer.v))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if layer.kv_scale is not None:
             k, v = fake_quantize(k, layer.kv_scale), fake_quantize(v, layer.kv_scale)
@@ -231,16 +238,22 @@ class ReferenceModel:
         probs = torch.softmax(flat @ layer.router.t(), dim=-1)
         weights, chosen = probs.topk(self.config.moe.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
+        inputs = Linear(e.w1, None, e.fc_scale).quantize_input(flat)  # one scale, every expert
         out = torch.zeros_like(flat)
         for expert in range(e.w1.shape[0]):
             token, slot = (chosen == expert).nonzero(as_tuple=True)
             if not len(token):
                 continue
-            h = Linear(e.w1[expert], None, e.fc_scale)(flat[token])
-            u = Linear(e.w3[expert], None, e.fc_scale)(flat[token])
+            h = inputs[token] @ e.w1[expert].t()
+            u = inputs[token] @ e.w3[expert].t()
             y = Linear(e.w2[expert], None, e.proj_scale)(F.silu(h) * u)
             out.index_add_(0, token, y * weights[token, slot, None])
         return out.view_as(x)
+
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        """TRT-LLM's gated MLP: proj(silu(fc(x)) * gate(x)), fc and gate sharing one input."""
+        x = layer.fc.quantize_input(x)
+        return layer.proj(F.silu(layer.fc.project(x)) * layer.gate.project(x))
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -252,8 +265,5 @@ class ReferenceModel:
         for layer in self.layers:
             h = h + self._attention(layer, self._norm(h, layer.input_norm), rope)
             x = self._norm(h, layer.post_norm)
-            if layer.experts is not None:
-                h = h + self._moe(layer, x)
-            else:
-                h = h + layer.proj(F.silu(layer.fc(x)) * layer.gate(x))
+            h = h + (self._moe(layer, x) if layer.experts is not None else self._mlp(layer, x))
         return self.lm_head(self._norm(h, self.final_norm))

@@ -7,8 +7,9 @@ Verification runs the reference forward (`reference.py`) on the written director
 model on the source, on the same tokens:
 
 - bf16/fp16/fp32 exports are compared with our model on the source weights rounded to the
-  export dtype (the router kept in fp32, as exported), computed in fp32: any difference beyond
-  rounding of the arithmetic is a layout mistake, so the bar is `LOGIT_TOLERANCE`.
+  export dtype (`CastSource`; the router kept in fp32, as exported), computed in fp32: any
+  difference beyond rounding of the arithmetic is a layout mistake, so the bar is
+  `LOGIT_TOLERANCE`.
 - FP8 exports are compared with our model on the unrounded source: the figures are the largest
   logit difference and how often the top-1 next token agrees; on real text (`--calib-data`,
   held-out sequences) at least `MIN_FP8_TOP1` agreement is required.
@@ -33,7 +34,7 @@ from pipeline.convert.run import (
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.convert.source import TensorInfo, TensorSource
+    from pipeline.convert.source import TensorSource
     from pipeline.export.trtllm_config import ExportOptions
 
 __all__ = ["CalibrationSettings", "ExportError", "run_export", "verify_export"]
@@ -55,32 +56,6 @@ class CalibrationSettings:
     size: int = 256
     seq_len: int = 512
     batch_size: int = 8
-
-
-@dataclass
-class _RoundedSource:
-    """`source` as the export stores it: floating tensors rounded to `dtype` (the router kept
-    in fp32), then read back as fp32."""
-
-    source: TensorSource
-    dtype: torch.dtype
-
-    @property
-    def model_config(self):
-        return self.source.model_config
-
-    @property
-    def metadata(self):
-        return self.source.metadata
-
-    def tensors(self) -> dict[str, TensorInfo]:
-        return self.source.tensors()
-
-    def read(self, name: str) -> torch.Tensor:
-        tensor = self.source.read(name)
-        if not tensor.is_floating_point() or name.endswith("moe.router.weight"):
-            return tensor
-        return tensor.to(self.dtype).to(tensor.dtype)
 
 
 def default_dtype(source: TensorSource) -> str:
@@ -112,9 +87,9 @@ def _calibration_tokens(settings: CalibrationSettings, vocab_size: int) -> torch
 
 def _verification_tokens(
     text: Path | None, skip_tokens: int, vocab_size: int
-) -> tuple[torch.Tensor, str]:
+) -> tuple[torch.Tensor, str, bool]:
     """Real text from `text` after its first `skip_tokens` (those calibration saw) when there
-    is some, else random tokens; and a few words saying which."""
+    is some, else random tokens; a few words saying which; whether it is real text."""
     import torch
 
     from pipeline.export.calibration import calibration_sequences
@@ -122,14 +97,14 @@ def _verification_tokens(
     if text is not None:
         try:
             tokens = calibration_sequences(text, 8, VERIFY_TOKENS, skip_tokens=skip_tokens)
-            return tokens, f"{tokens.numel()} held-out tokens of {text}"
+            return tokens, f"{tokens.numel()} held-out tokens of {text}", True
         except ValueError:
             warnings.warn(
                 f"{text} has no text beyond the calibration sequences; verifying on random tokens",
                 stacklevel=2,
             )
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (2, 32), generator=generator), "64 random tokens"
+    return torch.randint(0, vocab_size, (2, 32), generator=generator), "64 random tokens", False
 
 
 def verify_export(
@@ -139,20 +114,29 @@ def verify_export(
     *,
     text: Path | None = None,
     skip_tokens: int = 0,
+    source_model: torch.nn.Module | None = None,
 ) -> str:
     """Check `directory` against `source` (see the module docstring) on real text from the
     dataset prefix `text` after its first `skip_tokens`, or on random tokens; returns what was
-    checked, raises `ExportError` on a mismatch."""
+    checked, raises `ExportError` on a mismatch. `source_model`: our fp32 model of `source`
+    when the caller already built one (FP8 calibration did), so it is not read again."""
     import torch
 
+    from pipeline.convert.source import CastSource
     from pipeline.convert.verify import LOGIT_TOLERANCE, our_model
     from pipeline.export.reference import ReferenceModel
+    from pipeline.export.trtllm_writer import ROUTER_SUFFIX
 
-    tokens, what = _verification_tokens(text, skip_tokens, source.model_config.vocab_size)
-    rounded = _RoundedSource(source, getattr(torch, options.dtype))
-    expected_source = source if options.fp8 else rounded
+    tokens, what, real_text = _verification_tokens(
+        text, skip_tokens, source.model_config.vocab_size
+    )
+    if not options.fp8:  # as stored: rounded to the export dtype, the router kept in fp32
+        dtype = getattr(torch, options.dtype)
+        source_model = our_model(CastSource(source, dtype, keep=(ROUTER_SUFFIX,)))
+    elif source_model is None:
+        source_model = our_model(source)
     with torch.no_grad():
-        expected = our_model(expected_source).logits(tokens)
+        expected = source_model.logits(tokens)
     actual = ReferenceModel(directory).logits(tokens)
     diff = float((actual - expected).abs().max())
     scale = max(1.0, float(expected.abs().max()))
@@ -162,7 +146,6 @@ def verify_export(
         if diff > LOGIT_TOLERANCE * scale:
             raise ExportError(f"the export does not reproduce the source: {figures}")
         return f"reference forward matches the source: {figures}"
-    real_text = "random" not in what
     if real_text and top1 < MIN_FP8_TOP1:
         raise ExportError(f"FP8 export below {MIN_FP8_TOP1:.0%} top-1 agreement: {figures}")
     note = "" if real_text else " (random tokens: pass --calib-data to check on real text)"
@@ -198,10 +181,11 @@ def run_export(
             source = open_source(source_path, fmt, iteration=iteration, allow_pickle=allow_pickle)
             options = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
-            amax, calibrated = None, 0
+            amax, calibrated, model = None, 0, None
             if options.fp8:
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
-                amax = calibrate(our_model(source), tokens, batch_size=calibration.batch_size)
+                model = our_model(source)
+                amax = calibrate(model, tokens, batch_size=calibration.batch_size)
                 calibrated = tokens.numel()  # verification text starts after these
             total = sum(info.nbytes for info in source.tensors().values())
             start = time.perf_counter()
@@ -210,7 +194,7 @@ def run_export(
                     source, output, options, amax=amax, progress=advance, overwrite=overwrite
                 )
             seconds = time.perf_counter() - start
-            verdict = _verify(source, output, options, verify, calibration.data, calibrated)
+            verdict = _verify(source, output, options, verify, calibration.data, calibrated, model)
     except (CheckpointError, VerifyError, ValueError, OSError) as e:
         raise ExportError(str(e)) from e
     m = options.mapping
@@ -239,6 +223,7 @@ def _verify(
     mode: str,
     text: Path | None,
     skip_tokens: int,
+    source_model: torch.nn.Module | None,
 ) -> str:
     from pipeline.convert.verify import fits_in_memory
 
@@ -248,4 +233,6 @@ def _verify(
         if mode == "on":
             raise ExportError("the model does not fit in memory for the reference forward")
         return "not verified (too large for the reference forward in memory)"
-    return verify_export(source, output, options, text=text, skip_tokens=skip_tokens)
+    return verify_export(
+        source, output, options, text=text, skip_tokens=skip_tokens, source_model=source_model
+    )

@@ -11,6 +11,7 @@ and quantized.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from typing import Any
 
 from pipeline.convert.hf_config import choose_architecture, rope_from_hf, rope_scaling_to_hf
@@ -55,8 +56,6 @@ class ExportOptions:
     def excluded(self, module: str) -> bool:
         """Whether `module` (e.g. `lm_head`, `transformer.layers.0.mlp.fc`) stays unquantized:
         `exclude_modules` entries are fnmatch patterns, as TRT-LLM reads them."""
-        from fnmatch import fnmatch
-
         return any(fnmatch(module, pattern) for pattern in self.exclude_modules)
 
 

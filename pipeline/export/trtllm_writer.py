@@ -31,7 +31,7 @@ from pipeline.convert.hf_writer import (
 )
 from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.config import ModelConfig
-from pipeline.export.fp8 import expert_scales, fp8_scale, quantize, scale_from_amax
+from pipeline.export.fp8 import fp8_scale, quantize, scales_from_amax
 from pipeline.export.trtllm_config import ExportOptions, trtllm_config
 from pipeline.export.trtllm_layout import (
     experts_for_rank,
@@ -40,7 +40,9 @@ from pipeline.export.trtllm_layout import (
     split_dim,
 )
 
-__all__ = ["ExportItem", "export_items", "plan_rank_files", "write_trtllm"]
+__all__ = ["ROUTER_SUFFIX", "ExportItem", "export_items", "plan_rank_files", "write_trtllm"]
+
+ROUTER_SUFFIX = "moe.router.weight"  # exported in fp32 whatever the export dtype
 
 RankTensors = dict[int, dict[str, torch.Tensor]]  # world rank -> TRT-LLM name -> tensor
 
@@ -72,14 +74,18 @@ class _Builder:
     def _activation_scale(self, key: str) -> torch.Tensor:
         if key not in self.amax:
             raise ValueError(f"no calibrated activation range for {key!r}")
-        return scale_from_amax(self.amax[key])
+        return scales_from_amax(torch.tensor([self.amax[key]]))
+
+    def quantized(self, prefix: str) -> bool:
+        """Whether the linear `prefix` is exported in fp8 (FP8 on, module not excluded)."""
+        return self.options.fp8 and not self.options.excluded(prefix)
 
     def linear(
         self, prefix: str, weight: torch.Tensor, weight_scale: torch.Tensor | None, amax_key: str
     ) -> dict[str, torch.Tensor]:
         """`{prefix}.weight` in the export dtype, or (FP8, module not excluded) quantized with
         `weight_scale` and both scaling factors."""
-        if not self.options.fp8 or self.options.excluded(prefix):
+        if not self.quantized(prefix):
             return {f"{prefix}.weight": weight.to(self.dtype)}
         scale = weight_scale.reshape(-1, *[1] * (weight.dim() - 1))
         return {
@@ -104,7 +110,7 @@ class _Builder:
 
         def build(t: dict[str, torch.Tensor]) -> RankTensors:
             w = t[source]
-            scale = fp8_scale(w) if self.options.fp8 else None
+            scale = fp8_scale(w) if self.quantized(prefix) else None
             return {
                 r: self.linear(prefix, split_dim(w, len(ranks), k, dim, source), scale, amax_key)
                 for k, r in enumerate(ranks)
@@ -128,7 +134,7 @@ class _Builder:
 
         def build(t: dict[str, torch.Tensor]) -> RankTensors:
             weights = [t[n] for n in names]
-            scale = fp8_scale(*weights) if self.options.fp8 else None
+            scale = fp8_scale(*weights) if self.quantized(f"{prefix}.qkv") else None
             out = {}
             for k, r in enumerate(ranks):
                 out[r] = self.linear(f"{prefix}.qkv", per_rank(weights, k), scale, f"{layer}.qkv")
@@ -148,7 +154,8 @@ class _Builder:
         w1, w3 = (f"layers.{layer}.feed_forward.{w}.weight" for w in ("w1", "w3"))
 
         def build(t: dict[str, torch.Tensor]) -> RankTensors:
-            scale = fp8_scale(t[w1], t[w3]) if self.options.fp8 else None
+            either = self.quantized(f"{prefix}.fc") or self.quantized(f"{prefix}.gate")
+            scale = fp8_scale(t[w1], t[w3]) if either else None
             out = {}
             for k, r in enumerate(ranks):
                 fc = split_dim(t[w1], len(ranks), k, 0, w1)
@@ -166,9 +173,11 @@ class _Builder:
         def build(t: dict[str, torch.Tensor]) -> RankTensors:
             w1, w3, w2 = (t[n] for n in names)
             fc_scale = proj_scale = None
-            if self.options.fp8:
-                fc_scale = expert_scales(torch.maximum(expert_amax(w1), expert_amax(w3)))
-                proj_scale = expert_scales(expert_amax(w2))
+            if self.quantized(f"{prefix}.fc"):
+                fc_amax = torch.maximum(expert_amax(w1), expert_amax(w3))
+                fc_scale = scales_from_amax(fc_amax).reshape(-1, 1)
+            if self.quantized(f"{prefix}.proj"):
+                proj_scale = scales_from_amax(expert_amax(w2)).reshape(-1, 1)
             local = w1.shape[0] // self.mapping.moe_ep
             out = {}
             for k, r in enumerate(ranks):
@@ -209,7 +218,7 @@ class _Builder:
 
         def build(t: dict[str, torch.Tensor]) -> RankTensors:
             w = pad_rows(t[source], len(last))
-            scale = fp8_scale(w) if self.options.fp8 else None
+            scale = fp8_scale(w) if self.quantized("lm_head") else None
             return {
                 r: self.linear("lm_head", split_dim(w, len(last), k, 0, source), scale, "lm_head")
                 for k, r in enumerate(last)
@@ -231,7 +240,7 @@ class _Builder:
         )
         yield self.replicated(f"{ours}.ffn_norm.weight", f"{prefix}.post_layernorm.weight", ranks)
         if self.config.is_moe:
-            router = f"{ours}.moe.router.weight"
+            router = f"{ours}.{ROUTER_SUFFIX}"
             yield self.replicated(router, f"{prefix}.mlp.router.weight", ranks, torch.float32)
             yield self.experts(layer, f"{prefix}.mlp", ranks)
         else:
