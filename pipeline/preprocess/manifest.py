@@ -25,7 +25,9 @@ def hash_inputs(parts: list[InputRange]) -> list[str]:
     """SHA-256 of each input part: a whole file (a dataset directory hashes its files in name
     order), or for a part of a split file the bytes [start, end) it owns."""
     return [
-        _hash_path(Path(p.file.path)) if p.is_whole else _hash_range(p.file.path, p.start, p.end)
+        _hash_path(Path(p.file.path))
+        if p.is_whole
+        else sha256_file(p.file.path, start=p.start, end=p.end)
         for p in parts
     ]
 
@@ -41,19 +43,6 @@ def _hash_path(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _hash_range(path: str, start: int, end: int, block: int = 1 << 22) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        remaining = end - start
-        while remaining > 0 and (chunk := f.read(min(block, remaining))):
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
-
-
 def flags(config: PreprocessConfig, tokenizer: TextTokenizer) -> dict[str, Any]:
     """The flags that decide the output bytes (shards to be merged must agree on them)."""
     return {
@@ -65,20 +54,40 @@ def flags(config: PreprocessConfig, tokenizer: TextTokenizer) -> dict[str, Any]:
     }
 
 
+def header(complete: bool) -> dict[str, Any]:
+    """The fields every manifest starts with: format, tool, creation time, completion."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool": {"name": "pipe", "version": __version__},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "complete": complete,
+    }
+
+
+def input_entries(inputs: list[InputFile]) -> list[dict[str, Any]]:
+    """The manifest's `inputs` list, without hashes."""
+    return [{"path": f.path, "kind": f.kind, "bytes": f.size} for f in inputs]
+
+
+def range_entries(inputs: list[InputFile], parts: list[InputRange]) -> list[dict[str, Any]]:
+    """A shard's `ranges`: for each part, its input's position in `inputs`, path and bytes."""
+    position = {id(f): i for i, f in enumerate(inputs)}
+    return [
+        {"input": position[id(p.file)], "path": p.file.path, "start": p.start, "end": p.end}
+        for p in parts
+    ]
+
+
 def shard_record(
     shard: ShardSpec, output_prefix: str, inputs: list[InputFile], parts: list[InputRange]
 ) -> dict[str, Any]:
     """A shard's `shard` entry: which shard, of which run, and the input ranges it owns."""
-    position = {id(f): i for i, f in enumerate(inputs)}
     return {
         "index": shard.index,
         "count": shard.count,
         "source": shard.source,
         "output_prefix": output_prefix,
-        "ranges": [
-            {"input": position[id(p.file)], "path": p.file.path, "start": p.start, "end": p.end}
-            for p in parts
-        ],
+        "ranges": range_entries(inputs, parts),
     }
 
 
@@ -108,19 +117,13 @@ def build(
 ) -> dict[str, Any]:
     """The manifest record of a finished run. `hashes` are those of the run's parts: for an
     unsharded run one per input; for a shard one per entry of `shard["ranges"]`."""
+    entries = input_entries(inputs)
     if shard is None:
-        entries = [
-            {"path": f.path, "kind": f.kind, "bytes": f.size, "sha256": h}
-            for f, h in zip(inputs, hashes)
-        ]
+        entries = [e | {"sha256": h} for e, h in zip(entries, hashes)]
     else:
-        entries = [{"path": f.path, "kind": f.kind, "bytes": f.size} for f in inputs]
         shard = {**shard, "ranges": [r | {"sha256": h} for r, h in zip(shard["ranges"], hashes)]}
     record = {
-        "format": MANIFEST_FORMAT,
-        "tool": {"name": "pipe", "version": __version__},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "complete": True,
+        **header(complete=True),
         "tokenizer": tokenizer.fingerprint(),
         "inputs": entries,
         "flags": flags(config, tokenizer),
@@ -152,10 +155,7 @@ def build(
 def failed(shard: dict[str, Any], error: str) -> dict[str, Any]:
     """The manifest a failed shard leaves, so that `pipe merge --shards` can say why."""
     return {
-        "format": MANIFEST_FORMAT,
-        "tool": {"name": "pipe", "version": __version__},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "complete": False,
+        **header(complete=False),
         "error": error,
         "shard": shard,
     }

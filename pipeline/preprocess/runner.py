@@ -195,12 +195,11 @@ def _shard_already_complete(
     if existing is not None and existing.get("complete") is False:
         return False  # a failed attempt: run it again, replacing whatever it left
     if existing is not None and all(dataset_exists(p) for p in prefixes):
-        entries = [{"path": f.path, "kind": f.kind, "bytes": f.size} for f in inputs]
         expected = manifest_io.identity(
             {
                 "tokenizer": tokenizer.fingerprint(),
                 "flags": manifest_io.flags(config, tokenizer),
-                "inputs": entries,
+                "inputs": manifest_io.input_entries(inputs),
                 "shard": shard_info,
             }
         )

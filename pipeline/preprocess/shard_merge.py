@@ -11,25 +11,15 @@ missing". The merge concatenates each key's shards in shard order (Megatron's `a
 
 from __future__ import annotations
 
-import datetime
 import glob
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pipeline import __version__
-from pipeline.data.indexed import (
-    IndexedDatasetWriter,
-    bin_path,
-    dataset_exists,
-    idx_path,
-    normalize_prefix,
-    read_index_header,
-)
-from pipeline.data.manifest import MANIFEST_FORMAT, manifest_path
+from pipeline.data.indexed import bin_path, dataset_exists, idx_path, normalize_prefix
+from pipeline.data.manifest import manifest_path
 from pipeline.data.manifest import read as read_manifest
 from pipeline.preprocess import manifest as manifest_io
-from pipeline.preprocess.merge import MergeError
+from pipeline.preprocess.merge import MergeError, merge
 from pipeline.preprocess.readers import InputFile
 from pipeline.preprocess.shards import parse_shard_name, plan_shards, shard_prefix
 
@@ -141,7 +131,6 @@ def _check_agreement(records: list[dict[str, Any]], count: int) -> None:
     first = manifest_io.identity(records[0])
     inputs = [InputFile(i["path"], i["kind"], i["bytes"]) for i in records[0]["inputs"]]
     plan = plan_shards(inputs, count)
-    position = {id(f): i for i, f in enumerate(inputs)}
     for index, record in enumerate(records):
         found = manifest_io.identity(record)
         differ = [k for k in ("tokenizer", "flags", "inputs") if found[k] != first[k]]
@@ -150,30 +139,22 @@ def _check_agreement(records: list[dict[str, Any]], count: int) -> None:
                 f"shard {index} of {count} was made with a different {', '.join(differ)} "
                 "than shard 0; rerun it with the same command"
             )
-        expected = [
-            {"input": position[id(r.file)], "path": r.file.path, "start": r.start, "end": r.end}
-            for r in plan[index]
-        ]
+        expected = manifest_io.range_entries(inputs, plan[index])
         if found["shard"].get("ranges") != expected or found["shard"].get("count") != count:
             raise MergeError(f"shard {index} of {count} covered other input ranges than the plan")
 
 
 def _merge_key(parts: list[str], target: str) -> dict[str, Any]:
-    """Concatenate one key's shard datasets, in shard order, into `target`."""
-    dtype = read_index_header(idx_path(parts[0])).dtype
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
-    with IndexedDatasetWriter(target, dtype) as writer:
-        for part in parts:
-            writer.add_index(part)
-        entry = {
-            "prefix": target,
-            "dtype": dtype.name,
-            "documents": writer.num_documents,
-            "sequences": writer.num_sequences,
-            "tokens": writer.num_tokens,
-        }
-        writer.finalize()
-    return entry
+    """Concatenate one key's shard datasets, in shard order, into `target` (the caller has
+    already refused an existing output)."""
+    merged = merge(parts, target, overwrite=True)
+    return {
+        "prefix": merged.output_prefix,
+        "dtype": merged.dtype,
+        "documents": merged.documents,
+        "sequences": merged.sequences,
+        "tokens": merged.tokens,
+    }
 
 
 def merged_manifest(
@@ -187,10 +168,7 @@ def merged_manifest(
             counts[name] = counts.get(name, 0) + value
     examples = [e for r in records for e in r.get("bad_line_examples", [])]
     return {
-        "format": MANIFEST_FORMAT,
-        "tool": {"name": "pipe", "version": __version__},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "complete": True,
+        **manifest_io.header(complete=True),
         "tokenizer": records[0]["tokenizer"],
         "inputs": _merged_inputs(records),
         "flags": records[0]["flags"],

@@ -107,12 +107,17 @@ class TextTokenizer:
         }
 
 
-def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in blocks."""
+def sha256_file(
+    path: str | os.PathLike, block: int = 1 << 22, *, start: int = 0, end: int | None = None
+) -> str:
+    """Hex SHA-256 of a file, or of its bytes [start, end), read in blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(block):
+        f.seek(start)
+        remaining = float("inf") if end is None else end - start
+        while remaining > 0 and (chunk := f.read(int(min(block, remaining)))):
             digest.update(chunk)
+            remaining -= len(chunk)
     return digest.hexdigest()
 
 
