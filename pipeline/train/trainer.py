@@ -433,6 +433,16 @@ class Trainer:
         reduce_loss_sum(loss_sum, self.layout.token_group, self.layout.pp_group)
         return float(loss_sum) / max(tokens, 1.0)
 
+    def train_one_step(self, iterator: Any) -> StepResult:
+        """One optimizer step on the next global batch of `iterator` (forward, backward, clip,
+        step, FP8 post-step work), without logging or checkpointing; benchmarks time this."""
+        return train_step(
+            self.model, self.optimizer, self.scheduler, self.next_global_batch(iterator),
+            clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
+            dp_group=self.layout.token_group, pipeline=self.pipeline,
+            pp_group=self.layout.pp_group, after_optimizer_step=self._after_optimizer_step,
+        )  # fmt: skip
+
     def train(self) -> TrainResult:
         """Train to `training.iters`; returns how it ended. Raises `NonFiniteStop` (after saving)
         when `max_consecutive_skips` steps in a row had a NaN/Inf loss or gradient norm."""
@@ -447,14 +457,7 @@ class Trainer:
             with StopSignals() as signals:
                 while self.iteration < t.iters:
                     start = time.perf_counter()
-                    step = train_step(
-                        self.model, self.optimizer, self.scheduler,
-                        self.next_global_batch(iterator),
-                        clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
-                        dp_group=self.layout.token_group, pipeline=self.pipeline,
-                        pp_group=self.layout.pp_group,
-                        after_optimizer_step=self._after_optimizer_step,
-                    )  # fmt: skip
+                    step = self.train_one_step(iterator)
                     window.add(step, tokens_per_step, time.perf_counter() - start)
                     self._record_step(step, result)
                     if bar is not None:

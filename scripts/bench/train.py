@@ -44,7 +44,6 @@ def _measure(args: argparse.Namespace) -> dict:
     from pipeline.core.model.flavors import flops_per_token
     from pipeline.train.config_loader import resolve_config
     from pipeline.train.perf import memory_gib, peak_tflops
-    from pipeline.train.train_step import train_step
     from pipeline.train.trainer import Trainer
 
     iters = args.warmup + args.steps
@@ -70,11 +69,7 @@ def _measure(args: argparse.Namespace) -> dict:
     batches = iter(trainer.train_loader)
 
     def step() -> None:
-        train_step(
-            trainer.model, trainer.optimizer, trainer.scheduler,
-            trainer.next_global_batch(batches), clip_grad=cfg.optimizer.clip_grad,
-            autocast=trainer.autocast, after_optimizer_step=trainer._after_optimizer_step,
-        )  # fmt: skip
+        trainer.train_one_step(batches)
 
     def sync() -> None:
         if device.type == "cuda":

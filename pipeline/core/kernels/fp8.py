@@ -17,6 +17,7 @@ converted. This module imports no torch at load time, so the config can use its 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -149,15 +150,12 @@ class Fp8Training:
         """Work due after each optimizer step (torchao: the fp8 all-gather's weight scales)."""
 
     def describe(self) -> str:
-        converted = sum(reason is None for reason in self.decisions.values())
-        kept: dict[str, int] = {}
-        for reason in self.decisions.values():
-            if reason is not None:
-                kept[reason] = kept.get(reason, 0) + 1
+        kept = Counter(r for r in self.decisions.values() if r is not None)
+        converted = len(self.decisions) - sum(kept.values())
         why = ", ".join(f"{n} {r}" for r, n in sorted(kept.items()))
         return (
             f"fp8 {self.recipe}: {converted} linears in fp8, "
-            f"{len(self.decisions) - converted} high precision ({why or 'none'})"
+            f"{sum(kept.values())} high precision ({why or 'none'})"
         )
 
 
