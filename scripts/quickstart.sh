@@ -3,14 +3,16 @@
 # Python standard library's docstrings and a BPE tokenizer trained on it (no network needed),
 # preprocessed, then a tiny Llama-style model trained on it, its checkpoint verified and its
 # curves plotted, the model converted to Hugging Face (a few tokens generated from it with
-# transformers, when installed), and exported to TensorRT-LLM twice (bf16 at tp 2 x pp 2, and FP8
+# transformers), and exported to TensorRT-LLM twice (bf16 at tp 2 x pp 2, and FP8
 # at tp 2 calibrated on the corpus), each export checked by a reference forward against the
 # trained model. QUICKSTART_ITERS=50 makes it quicker.
-# Everything is written under runs/quickstart/ in this checkout.
+# Everything is written under runs/quickstart/ in this checkout. The virtual environment gets the
+# extras used below: plot (matplotlib, for pipe plot) and hf (transformers, to verify the Hugging
+# Face conversion and generate from it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/setup_env.sh
-source "$ROOT/scripts/setup_env.sh"
+source "$ROOT/scripts/setup_env.sh" plot,hf
 RUN="$ROOT/runs/quickstart"
 mkdir -p "$RUN"
 echo "[quickstart] writing everything under $RUN"
@@ -42,20 +44,14 @@ echo "[quickstart] 6/7 pipe convert --to hf"
 rm -rf "$RUN/hf"
 pipe convert "$RUN/train/checkpoints" --to hf --output "$RUN/hf"
 python - "$RUN/hf" <<'PY'
-import importlib.util
 import sys
 
-if importlib.util.find_spec("transformers") is None:
-    print("(transformers is not installed: pip install 'pipe[hf]' to generate from the model)")
-    raise SystemExit(0)
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
+from pipeline.quiet import import_transformers
 
-hf_logging.disable_progress_bar()
-
+transformers = import_transformers()
 directory = sys.argv[1]
-tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{directory}/tokenizer.json")
-model = AutoModelForCausalLM.from_pretrained(directory)
+tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{directory}/tokenizer.json")
+model = transformers.AutoModelForCausalLM.from_pretrained(directory)
 prompt = "Return the"
 ids = tokenizer(prompt, return_tensors="pt").input_ids
 out = model.generate(ids, max_new_tokens=20, do_sample=False)

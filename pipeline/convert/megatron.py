@@ -43,6 +43,7 @@ from pipeline.convert.megatron_files import (
 from pipeline.convert.megatron_layout import fuse_fc1, fuse_qkv, split_fc1, split_qkv
 from pipeline.convert.source import TensorInfo
 from pipeline.core.model.config import ModelConfig, RopeScaling
+from pipeline.quiet import quiet_dcp
 
 __all__ = [
     "MegatronCheckpointError",
@@ -223,8 +224,7 @@ class MegatronSource:
             size[-2 if layer is not None else 0] = rows
         box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(size))
         out = torch.empty(size, dtype=stored.properties.dtype)
-        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with quiet_dcp():  # "assuming ... a single process": yes, on purpose
             planner = _box_planner({key: box})
             load({key: out}, storage_reader=self._storage, planner=planner, no_dist=True)
         return out[0] if layer is not None else out

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.quiet import quiet_dcp
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -22,7 +24,6 @@ __all__ = [
     "detect_format",
     "open_source",
     "progress_bar",
-    "quiet_dcp",
     "run_conversion",
 ]
 
@@ -196,7 +197,7 @@ def _verify(
         hf_dir, ours = written, source
     if not _transformers_available():
         if mode == "on":
-            raise ConversionError("--verify on needs transformers: pip install 'pipe[hf]'")
+            raise ConversionError("--verify on needs transformers: pip install 'pipe-llm[hf]'")
         notes.append("logits not compared (transformers is not installed)")
     elif layers is None and not fits_in_memory(ours):
         if mode == "on":
@@ -248,9 +249,3 @@ def progress_bar(total: int, quiet: bool, desc: str = "convert") -> Iterator[Any
             bar.close()
 
 
-@contextmanager
-def quiet_dcp() -> Iterator[None]:
-    """DCP warns that it runs without a process group: expected in a converter."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield

@@ -113,16 +113,16 @@ def compare_hf_logits(
     `LOGIT_TOLERANCE` times the logits' scale (at least 1)."""
     import torch
 
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:  # pragma: no cover - the hf extra is missing
-        raise VerifyError("verifying needs transformers: pip install 'pipe[hf]'") from e
-    from transformers.utils import logging as hf_logging
+    from pipeline.quiet import import_transformers
 
-    hf_logging.disable_progress_bar()  # the summary line says what was compared
+    try:
+        transformers = import_transformers()  # the summary line says what was compared
+    except ImportError as e:  # pragma: no cover - the hf extra is missing
+        raise VerifyError("verifying needs transformers: pip install 'pipe-llm[hf]'") from e
     ours = our_model(source, layers)
     overrides = {"num_hidden_layers": layers} if layers is not None else {}
-    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **overrides).eval()
+    auto_model = transformers.AutoModelForCausalLM
+    theirs = auto_model.from_pretrained(hf_dir, dtype=torch.float32, **overrides).eval()
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, source.model_config.vocab_size, (2, tokens), generator=generator)
     with torch.no_grad():

@@ -28,8 +28,8 @@ from pipeline.convert.run import (
     detect_format,
     open_source,
     progress_bar,
-    quiet_dcp,
 )
+from pipeline.quiet import quiet_dcp
 
 if TYPE_CHECKING:
     import torch

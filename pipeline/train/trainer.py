@@ -50,6 +50,7 @@ from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.preprocess.progress import terminal_bar
+from pipeline.quiet import quiet_dcp
 from pipeline.train import train_data
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
@@ -370,9 +371,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Save the full training state at the current iteration; returns its directory."""
-        with warnings.catch_warnings():
-            # DCP warns that it saves without a process group: expected on a single device.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with quiet_dcp():
             self.checkpoints.save(self.iteration, self._state(), self._metadata())
             self.checkpoints.wait()  # a resumable point must exist before we go on or exit
         path = self.checkpoints.save_dir / f"iter_{self.iteration:07d}"
@@ -398,8 +397,7 @@ class Trainer:
             log.info("finetuning from the weights in %s (iteration 0)", c.load)
             return
         state = self._state()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with quiet_dcp():
             meta = self.checkpoints.load(state, iteration)
         load_model_and_optimizer_state(self.model, self.optimizer, state)
         self.iteration = int(meta["iteration"])

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pipeline.core.kernels.fp8 import Fp8Training
+from pipeline.quiet import import_torchao_float8
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,7 +37,7 @@ INSTALL_HINT = "pip install 'pipe-llm[fp8]' (torchao)"
 
 def _import_torchao_float8():
     try:
-        import torchao.float8 as float8
+        float8 = import_torchao_float8()
     except ImportError as e:
         raise ValueError(f"FP8 with torchao needs torchao: {INSTALL_HINT}") from e
     return float8

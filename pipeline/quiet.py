@@ -1,0 +1,66 @@
+"""Keep other libraries' warnings, log lines and progress bars out of pipe's output.
+
+pipe's commands print their own one-line summaries; what torch, torchao and transformers say on
+import or while loading (optional C++ kernels that do not load on this machine, deprecations
+meant for library authors, per-file progress bars) is not actionable for a pipe user. Each heavy
+optional library is imported through a function here, which sets the filters first: a library
+logs most of this while it is being imported, so setting them afterwards is too late.
+
+This module imports nothing heavy itself, so any package of pipe may use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+# Loggers whose warnings are addressed to library developers, not to pipe's users:
+# torchao reports each optional kernel library that does not load for this torch/GPU, and torch's
+# pytree warns that torchao registers its enums in a deprecated way.
+_LIBRARY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_library_logs() -> None:
+    """Raise the level of the library loggers above to ERROR (idempotent; call before import)."""
+    for name in _LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def import_transformers() -> ModuleType:
+    """`transformers`, imported with its logs at error level and its progress bars off.
+
+    Raises ImportError when it is not installed; callers turn that into their install hint.
+    transformers imports torchao when present, hence the library loggers first.
+    """
+    quiet_library_logs()
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return transformers
+
+
+def import_torchao_float8() -> ModuleType:
+    """`torchao.float8`, imported without torchao's kernel-loading log lines.
+
+    Raises ImportError when torchao is not installed.
+    """
+    quiet_library_logs()
+    import torchao.float8
+
+    return torchao.float8
+
+
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """Inside: torch.distributed.checkpoint's warning that it runs without a process group.
+
+    A converter or a single-device run saves and loads without one on purpose.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
