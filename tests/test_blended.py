@@ -245,7 +245,7 @@ def test_sizes_per_dataset(megatron):
 
 
 def reference_loop(weights, size, limits=None):
-    """The schedule of megatron_data.md §4.4 as a plain loop: the second oracle."""
+    """Megatron's greedy blending schedule as a plain loop: the second oracle."""
     counts = [0] * len(weights)
     live = list(range(len(weights)))
     picks, numbers = [], []

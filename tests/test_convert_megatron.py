@@ -140,7 +140,7 @@ def _megatron_layout(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _stub_cuda() -> None:
-    """megatron-core 0.16.1 saves on CPU once these two CUDA calls are harmless (formats.md §7)."""
+    """megatron-core 0.16.1 saves on CPU once these two CUDA calls are harmless."""
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_device = lambda: "cpu"
 

@@ -1,7 +1,8 @@
 """Golden listing of every tensor (name, shape, safetensors dtype) in every rank file of two
 fixed tiny exports, read from the files' own headers. The listing in tests/golden/ was reviewed
-against formats.md §5.3 (names, splits, stage-local numbering, first/last stage ownership) and
-§5.6 (FP8 scale tensors). Regenerate with PIPE_UPDATE_GOLDEN=1 and review the diff."""
+against docs/formats.md, "TensorRT-LLM export" (names, splits, stage-local numbering,
+first/last stage ownership, FP8 scale tensors). Regenerate with PIPE_UPDATE_GOLDEN=1 and review
+the diff."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""TensorRT-LLM rank layout (formats.md §5.3-5.5), checked against layouts built by hand here,
-not by the functions' own inverses: q then k then v per rank (never Megatron's group
+"""TensorRT-LLM rank layout (docs/formats.md, "Rank files"), checked against layouts built by
+hand here, not by the functions' own inverses: q then k then v per rank (never Megatron's group
 interleave), kv heads replicated when fewer than tp, zero padding rows, TRT-LLM's layer split
 and MoE rank numbering, and the fused expert fc as cat(up, gate)."""
 
@@ -78,7 +78,7 @@ def test_kv_heads_replicated_when_fewer_than_tp() -> None:
 
 
 def test_mha_qkv_equals_splitting_the_stacked_tensor() -> None:
-    """formats.md §5.4: with nkv == nq the layout is [3, nq*d, H] split on axis 1."""
+    """With nkv == nq the layout is [3, nq*d, H] split on axis 1."""
     nq, d, tp = 4, 2, 2
     q, k, v = _heads(nq, d, 1), _heads(nq, d, 2), _heads(nq, d, 3)
     stacked = torch.stack([q, k, v])

@@ -108,7 +108,7 @@ def _dp_step(model, optimizer, scheduler, micro_batches, dp_group):
 
 
 def _fsdp_model(tied: bool, mesh, **kwargs) -> Transformer:
-    """Meta build -> apply_fsdp -> to_empty -> init_weights (DESIGN principle 2)."""
+    """Meta build -> apply_fsdp -> to_empty -> init_weights."""
     from pipeline.core.parallel.fsdp import apply_fsdp
 
     with torch.device("meta"):

@@ -4,7 +4,7 @@ The parity tests follow PyTorch's `test_schedule_multiproc.py::test_grad_with_ma
 builds the full reference model from the same seed, runs it on the whole batch, then runs its own
 stages under the schedule and checks the loss and every gradient it holds against the
 reference (fp32, absolute tolerance 1e-5). Schedules run with `scale_grads=False`, because the
-loss is already token-normalised over the whole batch (style anchors §2.4).
+loss is already token-normalised over the whole batch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Megatron's fused weight layouts and their inverses: q/k/v fused group by group under GQA,
-SwiGLU's gate and up fused as `[gate; up]` (formats.md §4.2-4.3). Pure functions, exact inverses
-of each other (tests check it), shared by the reader and any future writer."""
+SwiGLU's gate and up fused as `[gate; up]` (docs/formats.md, "Megatron torch_dist checkpoints").
+Pure functions, exact inverses of each other (tests check it), shared by the reader and any future
+writer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ __all__ = ["fuse_fc1", "fuse_qkv", "split_fc1", "split_qkv"]
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """Megatron's `linear_qkv` from q `[nq*d, ...]`, k and v `[ng*d, ...]` (weights or biases):
-    per query group g the rows `[q heads of g; k head g; v head g]`, groups in order (§4.2)."""
+    per query group g the rows `[q heads of g; k head g; v head g]`, groups in order."""
     rest = q.shape[1:]
     groups = [t.reshape(num_kv_heads, -1, *rest) for t in (q, k, v)]
     return torch.cat(groups, dim=1).reshape(-1, *rest)
@@ -31,7 +32,7 @@ def split_qkv(
 
 
 def fuse_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Megatron's global SwiGLU `linear_fc1`: `[gate; up]` along the output rows (§4.3)."""
+    """Megatron's global SwiGLU `linear_fc1`: `[gate; up]` along the output rows."""
     return torch.cat([gate, up], dim=0)
 
 

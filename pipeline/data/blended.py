@@ -1,9 +1,10 @@
 """Weighted blends of GPT datasets, in megatron-core 0.16.1's exact sample order.
 
 `build_datasets` turns a blend (see `blend_spec`) into the train, valid and test datasets exactly
-as megatron-core's `BlendedMegatronDatasetBuilder` does (spec megatron_data.md §4): each prefix
-becomes a `GPTDataset` sized with Megatron's target/buffer rule, and a `BlendedDataset`
-interleaves them with Megatron's deterministic greedy schedule (`blending_indices`).
+as megatron-core's `BlendedMegatronDatasetBuilder` does (docs/formats.md, "Training samples"):
+each prefix becomes a `GPTDataset` sized with Megatron's target/buffer rule, and a
+`BlendedDataset` interleaves them with Megatron's deterministic greedy schedule
+(`blending_indices`).
 `describe_blend` tells what a run will read from each dataset before running it.
 """
 
@@ -230,7 +231,7 @@ def build_datasets(
     mid_level_dataset_surplus: float = DEFAULT_MID_LEVEL_DATASET_SURPLUS,
 ) -> list[Dataset | None]:
     """The train, valid and test datasets of a blend, as megatron-core's
-    `BlendedMegatronDatasetBuilder(GPTDataset, sizes, ..., config).build()` (spec §4.3).
+    `BlendedMegatronDatasetBuilder(GPTDataset, sizes, ..., config).build()`.
 
     `sizes` are the samples wanted per split (None: no excess sampling). With one blend, the
     splits come from `config.split`; with a `PerSplitBlend`, each split uses the whole of its

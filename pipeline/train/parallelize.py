@@ -1,4 +1,4 @@
-"""The step between building the model on `meta` and materialising it (DESIGN principle 2).
+"""The step between building the model on `meta` and materialising it (see docs/architecture.md).
 
 `build_model_parts` cuts the model into this rank's pipeline stages (one part without pipeline
 parallelism) and `parallelize` applies the layout to each part, in torchtitan's order:

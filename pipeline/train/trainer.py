@@ -1,7 +1,7 @@
 """`Trainer`: builds a run (one device, or any parallel layout over processes) from a
 `TrainConfig` and trains it.
 
-Build order (DESIGN principle 2): process group and meshes (multi-process runs only) -> seed ->
+Build order (docs/architecture.md): process group and meshes (multi-process runs only) -> seed ->
 model on `meta` -> this rank's pipeline stages -> `parallelize` each (TP/SP, EP, CP, activation
 checkpointing, compile, FSDP2) -> `to_empty` -> `init_weights` -> optimizer and scheduler ->
 data -> checkpoint resume -> run directory and metrics. Each piece has its own `_build_*`
@@ -19,7 +19,7 @@ the seed so stages do not repeat each other's draws), which differs from one dev
 
 Resuming restores weights, optimizer, scheduler, RNG states, the iteration and the consumed
 sample counts, and the loaders restart from those counts, so on a CPU a resumed run repeats an
-uninterrupted one bit for bit (DESIGN principle 6).
+uninterrupted one bit for bit.
 """
 
 from __future__ import annotations

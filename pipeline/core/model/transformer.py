@@ -1,7 +1,7 @@
 """The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2 and Mixtral, one definition.
 
 Written as plain single-device PyTorch; tensor, pipeline, data and expert parallelism are applied
-afterwards by `pipeline.core.parallel` (DESIGN principle 2). Build it on the `meta` device,
+afterwards by `pipeline.core.parallel` (docs/architecture.md). Build it on the `meta` device,
 parallelise, `to_empty(device=...)`, then call `init_weights()`:
 
     with torch.device("meta"):

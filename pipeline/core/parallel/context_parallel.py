@@ -11,7 +11,7 @@ whose backward sends each rank the summed gradient of its own K/V shard) and run
 local queries against every key, with a mask built from global positions. This is simple, runs on
 CPU with gloo, and costs one full K/V per rank in memory; a ring (overlapped, O(local) memory)
 variant is not written yet. It is a hand-written collective because torch has no CPU-capable
-context-parallel attention (DESIGN principle 1); `torch.distributed.tensor.experimental`'s
+context-parallel attention; `torch.distributed.tensor.experimental`'s
 `context_parallel` is CUDA-only.
 
 Parameter gradients of a cp rank are partial sums over its tokens: all-reduce them over the cp

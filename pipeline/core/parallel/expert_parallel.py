@@ -4,7 +4,7 @@
 router stays replicated (each rank routes its own tokens); the stacked expert weights `w1`, `w3`,
 `w2` become DTensors sharded on the expert dimension (`Shard(0)`) over the ep mesh, so their
 names and global shapes in a state dict are those of the single-device model and DCP saves and
-re-shards them like any other parameter (DESIGN principle 4). Rank r holds the contiguous experts
+re-shards them like any other parameter. Rank r holds the contiguous experts
 `[r * E/ep, (r + 1) * E/ep)`.
 
 One forward, per rank (the ep ranks are data-parallel for the tokens):
@@ -19,7 +19,7 @@ One forward, per rank (the ep ranks are data-parallel for the tokens):
 
 torch has no autograd-aware all-to-all outside the deprecated `torch.distributed.nn` (and the
 functional collectives' version is not differentiable on every backend), so `_AllToAll` is a
-ten-line autograd Function whose backward is the reverse all-to-all (DESIGN principle 1).
+ten-line autograd Function whose backward is the reverse all-to-all.
 
 Gradients: the router is replicated, so its gradient is this rank's tokens' share and needs the
 usual data-parallel reduction over the ep ranks. An expert shard's gradient already holds the

@@ -4,8 +4,8 @@ that data parallelism needs.
 `apply_fsdp` wraps each transformer block, then the root, with FSDP2's `fully_shard` (or, for
 `mode="replicate"`, with the FSDP2-based `replicate`, i.e. DDP whose parameters are `Replicate()`
 DTensors). It runs on a `meta`-device model; afterwards call `model.to_empty(device=...)` and
-`model.init_weights()` (DESIGN principle 2). The parameters become DTensors whose names and
-global shapes are those of the plain model, so DCP checkpoints re-lay out freely (principle 4).
+`model.init_weights()`. The parameters become DTensors whose names and
+global shapes are those of the plain model, so DCP checkpoints re-lay out freely.
 
 Gradients are **summed** over the data-parallel ranks, not averaged: the train step divides the
 loss by the number of loss tokens in the *global* batch (`global_token_count`), so the sum of

@@ -1,9 +1,9 @@
 """Pipeline parallelism on `torch.distributed.pipelining`: split the model, build the schedule.
 
-The transformer is split by layer ranges (DESIGN principle 2: layers keep their global index, so
+The transformer is split by layer ranges (layers keep their global index, so
 parameter names do not depend on the split). Each rank builds one stage module per (virtual)
 stage it holds, wraps it in a `PipelineStage`, and hands the stages to one of torch's schedules
-(principle 1: no home-made pipeline engine):
+(no home-made pipeline engine):
 
     ranges = stage_layer_ranges(cfg.num_layers, num_stages)
     indices = local_stage_indices(pp_rank, pp_size, "Interleaved1F1B")

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism as a DTensor plan, and the vocabulary-parallel loss.
 
-`apply_tensor_parallel` shards the model in place with `parallelize_module` (DESIGN principle 1):
+`apply_tensor_parallel` shards the model in place with `parallelize_module`:
 q/k/v and the MLP's gate and up projections column-wise (each rank holds whole heads and a slice
 of the MLP width), their output projections row-wise, the embedding and the output layer on the
 vocabulary. Attention itself runs on local tensors: the model views q/k/v with -1 heads, so each
