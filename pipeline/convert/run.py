@@ -247,5 +247,3 @@ def progress_bar(total: int, quiet: bool, desc: str = "convert") -> Iterator[Any
     finally:
         if bar is not None:
             bar.close()
-
-
