@@ -153,8 +153,10 @@ def safe_file_system_reader(
                 items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
                 for item in items:
                     info = self.storage_data[item.storage_index]
-                    data = files.read(name, info.offset, info.length)
-                    _load_item(self, item, info, data, planner, files.directory / name)
+                    path = files.directory / name
+                    # Passed on, not kept: the item's bytes are freed as soon as they are parsed.
+                    _load_item(self, item, info, files.read(name, info.offset, info.length),
+                               planner, path)  # fmt: skip
             if finish_files:
                 for name in sorted({info.relative_path for info in self.storage_data.values()}):
                     files.finish(name)
@@ -175,12 +177,14 @@ def _load_item(reader: Any, item: Any, info: Any, data: bytes, planner: Any, pat
     stream = reader.transforms.transform_load_stream(
         item, info.transform_descriptors or (), io.BytesIO(data)
     )
+    del data  # the stream holds the bytes until they are parsed
     if item.type == LoadItemType.BYTE_IO:
         planner.load_bytes(item, io.BytesIO(stream.read()))
         return
     try:
         seekable = stream if stream.seekable() else io.BytesIO(stream.read())
         tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+        del stream, seekable  # before the target's pages are touched: peak stays at 2 copies
     except Exception as error:  # a corrupt zip or pickle: name the file, not torch's internals
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         raise CheckpointError(

@@ -101,7 +101,8 @@ class PipeCheckpointSource:
         """Per data file, the byte ranges of the model tensors this source offers."""
         ranges: dict[str, list[tuple[int, int]]] = {}
         for index, info in self._dcp_metadata.storage_data.items():
-            if index.fqn[len(MODEL_PREFIX) :] in self._infos:
+            name = index.fqn[len(MODEL_PREFIX) :]
+            if index.fqn.startswith(MODEL_PREFIX) and name in self._infos:
                 ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
         return ranges
 
