@@ -151,9 +151,9 @@ def safe_file_system_reader(
                 per_file.setdefault(name, []).append(item)
             for name, items in per_file.items():
                 items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
+                path = files.directory / name
                 for item in items:
                     info = self.storage_data[item.storage_index]
-                    path = files.directory / name
                     # Passed on, not kept: the item's bytes are freed as soon as they are parsed.
                     _load_item(self, item, info, files.read(name, info.offset, info.length),
                                planner, path)  # fmt: skip

@@ -83,10 +83,6 @@ class VerifiedFiles:
         self._wanted = {name: sorted(ranges) for name, ranges in wanted.items() if ranges}
         self._last = {name: max(o + n for o, n in ranges) for name, ranges in self._wanted.items()}
 
-    @property
-    def verifying(self) -> bool:
-        return self.recorded is not None
-
     def read(self, name: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of file `name`, hashed on the way when owned."""
         kept = self._kept.pop((name, offset, length), None)
