@@ -272,8 +272,10 @@ def test_malicious_dcp_metadata_refused(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     final = save(tmp_path, 1, {"w": {"x": torch.ones(4)}}, {})
     (final / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    with pytest.raises(CheckpointError, match=r"\.metadata: .*SHA-256|\.metadata: \d+ bytes"):
+        load(tmp_path, state={"w": {"x": torch.zeros(4)}})  # refused before unpickling
     with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system|nt.system"):
-        load(tmp_path, state={"w": {"x": torch.zeros(4)}})
+        load(tmp_path, state={"w": {"x": torch.zeros(4)}}, verify_checksums=False)
     assert not (tmp_path / "pwned.txt").exists()
     report = verify(final)
     assert not report.ok

@@ -26,14 +26,25 @@ from pipeline.checkpoint.layout import (
 _CHUNK = 8 << 20
 
 
+def hash_stream(handle: Any, digest: Any, nbytes: int | None = None) -> int:
+    """Feed the next `nbytes` of `handle` (all that is left when None) to `digest`, read in
+    chunks; returns how many bytes there were (fewer than asked at the end of the file)."""
+    done = 0
+    while nbytes is None or done < nbytes:
+        want = _CHUNK if nbytes is None else min(_CHUNK, nbytes - done)
+        block = handle.read(want)
+        if not block:
+            break
+        digest.update(block)
+        done += len(block)
+    return done
+
+
 def file_record(path: str | os.PathLike) -> dict[str, Any]:
     """`{"size": bytes, "sha256": hex}` of one file, read in chunks."""
     digest = hashlib.sha256()
-    size = 0
     with open(path, "rb") as handle:
-        while block := handle.read(_CHUNK):
-            digest.update(block)
-            size += len(block)
+        size = hash_stream(handle, digest)
     return {"size": size, "sha256": digest.hexdigest()}
 
 

@@ -22,13 +22,18 @@ from pipeline.checkpoint.layout import (
     read_tracker,
 )
 from pipeline.checkpoint.rng import restore_rng_state
-from pipeline.checkpoint.safe_reader import load_dcp_metadata, safe_file_system_reader
+from pipeline.checkpoint.safe_reader import (
+    dcp_error,
+    load_dcp_metadata,
+    safe_file_system_reader,
+)
 from pipeline.checkpoint.state import (
     is_stateful,
     merge_json_leaves,
     resolve_stateful,
     split_state,
 )
+from pipeline.checkpoint.verified_files import VerifiedFiles, owner_of
 
 
 def resolve_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = None) -> Path:
@@ -68,6 +73,26 @@ def read_checkpoint_record(directory: str | os.PathLike) -> dict[str, Any]:
     return record
 
 
+def verified_files(
+    target: Path,
+    record: dict[str, Any],
+    verify: bool,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[VerifiedFiles, Any]:
+    """The checkpoint's files read through a `VerifiedFiles` (checking the SHA-256 that
+    `pipe_metadata.json` records while reading, unless not `verify`) and its DCP metadata,
+    read and verified through them. With several ranks each data file is hashed by one rank
+    (`owner_of`); every rank verifies the small `.metadata` it reads itself."""
+    recorded = dict(record.get("files") or {}) if verify else None
+    data_files = [name for name in (recorded or {}) if name.endswith(".distcp")]
+    owners = owner_of(data_files, world_size)
+    files = VerifiedFiles(target, recorded, owned=lambda name: owners.get(name, rank) == rank)
+    metadata = load_dcp_metadata(target / DCP_METADATA, data=files.read_whole(DCP_METADATA))
+    return files, metadata
+
+
 def load(
     load_dir: str | os.PathLike,
     iteration: int | None = None,
@@ -75,7 +100,7 @@ def load(
     *,
     process_group: Any | None = None,
     restore_rng: bool = True,
-    verify_checksums: bool = False,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into `state` in place and return the metadata given to `save`.
 
@@ -83,7 +108,9 @@ def load(
     called with the loaded values) or nested dicts of pre-allocated tensors/DTensors, filled in
     place (use `load_model_and_optimizer_state` afterwards for a model + optimizer). Saved
     non-tensor leaves are put back into the dicts. RNG states are restored for this rank when
-    `restore_rng`. The returned metadata always has `iteration`.
+    `restore_rng`. The returned metadata always has `iteration`. Every file read is checked
+    against the SHA-256 in `pipe_metadata.json` while it is read (each data file hashed by one
+    rank), unless `verify_checksums` is False; a mismatch raises `CheckpointError` naming it.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -92,13 +119,6 @@ def load(
     target = resolve_checkpoint_dir(load_dir, iteration)
     record = read_pipe_metadata(target)
     assert record is not None
-    if verify_checksums:
-        from pipeline.checkpoint.integrity import verify
-
-        report = verify(target)
-        if not report.ok:
-            raise CheckpointError("; ".join(report.problems))
-
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     if state:
@@ -107,16 +127,20 @@ def load(
         if tensors:
             # Read the DCP metadata ourselves first, so an unsafe file is refused with our error
             # rather than wrapped in DCP's rank-failure report.
-            load_dcp_metadata(target / DCP_METADATA)
+            world_size = dist.get_world_size(process_group) if distributed else 1
+            files, dcp_metadata = verified_files(
+                target, record, verify_checksums, rank=rank, world_size=world_size
+            )
+            reader = safe_file_system_reader(target, dcp_metadata, files, finish_files=True)
             try:
                 dcp.load(
                     tensors,
-                    storage_reader=safe_file_system_reader(target),
+                    storage_reader=reader,
                     process_group=process_group,
                     no_dist=not distributed,
                 )
             except CheckpointException as error:
-                raise CheckpointError(f"loading checkpoint {target} failed: {error}") from error
+                raise dcp_error(error, f"loading checkpoint {target}") from None
         merge_json_leaves(resolved, record.get("non_tensor_state") or [])
         for key, value in state.items():
             if is_stateful(value):

@@ -16,7 +16,8 @@ from pipeline.checkpoint.saver import AsyncSave, save
 
 
 class CheckpointManager:
-    """Save to `save_dir` keeping the last `keep_last`; load from `load_dir` (default: same)."""
+    """Save to `save_dir` keeping the last `keep_last`; load from `load_dir` (default: same),
+    checking every file read against its recorded SHA-256 unless not `verify_checksums`."""
 
     def __init__(
         self,
@@ -25,12 +26,14 @@ class CheckpointManager:
         async_save: bool = False,
         load_dir: str | os.PathLike | None = None,
         process_group: Any | None = None,
+        verify_checksums: bool = True,
     ) -> None:
         self.save_dir = Path(save_dir)
         self.load_dir = Path(load_dir) if load_dir is not None else self.save_dir
         self.keep_last = keep_last
         self.async_save = async_save
         self.process_group = process_group
+        self.verify_checksums = verify_checksums
         self._pending: AsyncSave | None = None
 
     def save(self, iteration: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
@@ -63,4 +66,7 @@ class CheckpointManager:
     def load(self, state: dict[str, Any], iteration: int | None = None) -> dict[str, Any]:
         """Load the latest (or the given) checkpoint into `state`; returns its metadata."""
         self.wait()
-        return load(self.load_dir, iteration, state, process_group=self.process_group)
+        return load(
+            self.load_dir, iteration, state, process_group=self.process_group,
+            verify_checksums=self.verify_checksums,
+        )  # fmt: skip

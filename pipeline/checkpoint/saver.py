@@ -36,6 +36,7 @@ from pipeline.checkpoint.layout import (
     write_tracker,
 )
 from pipeline.checkpoint.rng import capture_rng_state
+from pipeline.checkpoint.safe_reader import dcp_error
 from pipeline.checkpoint.state import resolve_stateful, split_state
 
 
@@ -314,6 +315,7 @@ def save(
             no_dist=not distributed,
         )
     except CheckpointException as error:
-        # DCP's exception derives from BaseException; turn it into an ordinary, named error.
-        raise CheckpointError(f"writing checkpoint {temporary} failed: {error}") from error
+        # DCP's exception derives from BaseException; turn it into an ordinary, named error
+        # (a source's own CheckpointError, e.g. a damaged input shard, passes through as is).
+        raise dcp_error(error, f"writing checkpoint {temporary}") from None
     return job.commit()

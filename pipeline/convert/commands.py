@@ -131,6 +131,10 @@ def parse_verify(text: str) -> tuple[str, int | None]:
 )
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
+    help="pipe input: skip checking each file against its recorded SHA-256 while reading.",
+)  # fmt: skip
 def convert(source: Path, output: Path, from_format: str, to_format: str, **options: Any) -> None:
     """Convert SOURCE (a pipe checkpoint, a Hugging Face directory, or a Megatron torch_dist
     checkpoint) to a pipe checkpoint or a Hugging Face model directory."""  # fmt: skip

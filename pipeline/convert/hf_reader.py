@@ -64,7 +64,7 @@ class HFSource:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+        hf_config = _json_object(config_path)
         self.hf_config = hf_config
         self.model_config: ModelConfig = config_from_hf(
             hf_config, ignore_sliding_window=ignore_sliding_window
@@ -92,7 +92,9 @@ class HFSource:
         d = self.directory
         index = d / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = _json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no weight_map object")
             files = [d / f for f in dict.fromkeys(weight_map.values())]
             for f in files:
                 if not f.is_file():
@@ -207,3 +209,14 @@ class HFSource:
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
             return parts[0].clone()
         return torch.stack(parts)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file (config, shard index); a damaged one is a ValueError naming it."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data

@@ -54,12 +54,18 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
 
 
 class PipeCheckpointSource:
-    """The model weights of a `pipe` checkpoint (a save directory or one `iter_*` directory)."""
+    """The model weights of a `pipe` checkpoint (a save directory or one `iter_*` directory).
 
-    def __init__(self, path: str | Path, iteration: int | None = None) -> None:
+    Every file read is checked against the SHA-256 in `pipe_metadata.json` as it is read,
+    unless `verify_checksums` is False: a file is complete once its last model tensor has been
+    read, so a damaged one fails (naming it) before a writer commits its output.
+    """
+
+    def __init__(
+        self, path: str | Path, iteration: int | None = None, *, verify_checksums: bool = True
+    ) -> None:
         from pipeline.checkpoint.layout import DCP_METADATA, CheckpointError, read_pipe_metadata
-        from pipeline.checkpoint.loader import resolve_checkpoint_dir
-        from pipeline.checkpoint.safe_reader import load_dcp_metadata
+        from pipeline.checkpoint.loader import resolve_checkpoint_dir, verified_files
 
         self.directory = resolve_checkpoint_dir(path, iteration)
         record = read_pipe_metadata(self.directory) or {}
@@ -75,8 +81,9 @@ class PipeCheckpointSource:
             **(meta.get("hf") or {}),
         }
         # Parsed once; every read hands it to DCP instead of reading the file again.
-        self._dcp_metadata = load_dcp_metadata(self.directory / DCP_METADATA)
+        self._files, self._dcp_metadata = verified_files(self.directory, record, verify_checksums)
         self._infos = self._read_infos(self._dcp_metadata)
+        self._files.want(self._model_ranges())
 
     def _read_infos(self, dcp_metadata: Any) -> dict[str, TensorInfo]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -90,6 +97,15 @@ class PipeCheckpointSource:
             infos.pop("output.weight", None)
         return dict(sorted(infos.items(), key=lambda kv: _name_order(kv[0])))
 
+    def _model_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """Per data file, the byte ranges of the model tensors this source offers."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for index, info in self._dcp_metadata.storage_data.items():
+            name = index.fqn[len(MODEL_PREFIX) :]
+            if index.fqn.startswith(MODEL_PREFIX) and name in self._infos:
+                ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+        return ranges
+
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
 
@@ -100,12 +116,16 @@ class PipeCheckpointSource:
         """Several full tensors in one DCP read."""
         import torch
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        from pipeline.checkpoint.safe_reader import safe_file_system_reader
+        from pipeline.checkpoint.safe_reader import dcp_error, safe_file_system_reader
 
         out = {n: torch.empty(self._infos[n].shape, dtype=self._infos[n].dtype) for n in names}
-        reader = safe_file_system_reader(self.directory, self._dcp_metadata)
-        dcp.load({"model": out}, storage_reader=reader, no_dist=True)
+        reader = safe_file_system_reader(self.directory, self._dcp_metadata, self._files)
+        try:
+            dcp.load({"model": out}, storage_reader=reader, no_dist=True)
+        except CheckpointException as error:
+            raise dcp_error(error, f"{self.directory}: reading {', '.join(names)}") from None
         return out
 
 

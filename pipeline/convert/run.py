@@ -41,12 +41,14 @@ def open_source(
     iteration: int | None = None,
     allow_pickle: bool = False,
     flavor: str | None = None,
+    verify_checksums: bool = True,
 ) -> TensorSource:
-    """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron)."""
+    """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron); a pipe checkpoint's
+    files are checked against their recorded SHA-256 as read unless not `verify_checksums`."""
     if fmt == "pipe":
         from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
 
-        return PipeCheckpointSource(path, iteration)
+        return PipeCheckpointSource(path, iteration, verify_checksums=verify_checksums)
     if fmt == "hf":
         from pipeline.convert.hf_reader import HFSource
 
@@ -94,6 +96,7 @@ def run_conversion(
     allow_pickle: bool = False,
     overwrite: bool = False,
     quiet: bool = False,
+    verify_checksums: bool = True,
 ) -> str:
     """Convert and verify; returns a one-paragraph summary. Raises `ConversionError`."""
     import torch
@@ -104,8 +107,9 @@ def run_conversion(
 
     try:
         source = open_source(
-            source_path, from_format, iteration=iteration, allow_pickle=allow_pickle, flavor=flavor
-        )
+            source_path, from_format, iteration=iteration, allow_pickle=allow_pickle,
+            flavor=flavor, verify_checksums=verify_checksums,
+        )  # fmt: skip
         target_dtype = dtype or ("bf16" if to_format == "hf" else None)
         if target_dtype is not None:
             source = CastSource(source, getattr(torch, _TORCH_DTYPES[target_dtype]))

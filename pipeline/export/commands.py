@@ -90,6 +90,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 @click.option("--allow-pickle", is_flag=True, help="hf input: accept pickled .bin weights.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
+    help="pipe input: skip checking each file against its recorded SHA-256 while reading.",
+)  # fmt: skip
 def export(source: Path, output: Path, trtllm: bool, **options: Any) -> None:
     """Export SOURCE (a pipe checkpoint, a Hugging Face directory or a Megatron torch_dist
     checkpoint) as a TensorRT-LLM checkpoint."""
@@ -127,6 +131,7 @@ def export(source: Path, output: Path, trtllm: bool, **options: Any) -> None:
             from_format=options["from_format"], calibration=calibration,
             iteration=options["iteration"], allow_pickle=options["allow_pickle"],
             verify=options["verify"], overwrite=options["overwrite"], quiet=options["quiet"],
+            verify_checksums=options["verify_checksums"],
         )  # fmt: skip
     except ExportError as e:
         raise click.ClickException(str(e)) from None

@@ -164,6 +164,7 @@ def run_export(
     verify: str = "auto",
     overwrite: bool = False,
     quiet: bool = False,
+    verify_checksums: bool = True,
 ) -> str:
     """Export and verify; returns a one-paragraph summary. Raises `ExportError`.
 
@@ -178,7 +179,10 @@ def run_export(
     try:
         with quiet_dcp():
             fmt = detect_format(source_path) if from_format == "auto" else from_format
-            source = open_source(source_path, fmt, iteration=iteration, allow_pickle=allow_pickle)
+            source = open_source(
+                source_path, fmt, iteration=iteration, allow_pickle=allow_pickle,
+                verify_checksums=verify_checksums,
+            )  # fmt: skip
             options = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
             amax, calibrated, model = None, 0, None

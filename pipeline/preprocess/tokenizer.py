@@ -164,8 +164,8 @@ def load_tokenizer(
 def _hf_tokenizer(path: Path, add_special_tokens: bool, engine: str) -> TextTokenizer:
     from tokenizers import Tokenizer
 
-    text = path.read_text(encoding="utf-8")
     try:
+        text = path.read_bytes().decode("utf-8")
         reference = Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises bare Exceptions for malformed files
         raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from e
@@ -193,6 +193,7 @@ def _gpt2_tokenizer(vocab: Path, merges: Path, add_special_tokens: bool, engine:
 
     if not merges.is_file():
         raise TokenizerError(f"{merges}: merges file not found (needed beside {vocab})")
+    _check_merges(merges)
     try:
         model = BPE.from_file(str(vocab), str(merges))
     except Exception as e:
@@ -213,6 +214,26 @@ def _gpt2_tokenizer(vocab: Path, merges: Path, add_special_tokens: bool, engine:
     )
     _maybe_use_fast_engine(tok, json.loads(tok._payload), engine)
     return tok
+
+
+def _check_merges(merges: Path) -> None:
+    """Refuse an empty or cut merges file, which the BPE reader would take as a different
+    valid vocabulary: GPT-2's format ends every line, the last included, with a newline."""
+    try:
+        text = merges.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{merges}: not UTF-8 text ({e})") from None
+    pairs = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if not pairs:
+        raise TokenizerError(f"{merges}: no merges in it (empty or truncated file)")
+    if not text.endswith("\n"):
+        raise TokenizerError(
+            f"{merges}: the last line {pairs[-1][:40]!r} has no newline: the file is truncated "
+            "(add the newline if the line is whole)"
+        )
+    bad = next((line for line in pairs if len(line.split()) != 2), None)
+    if bad is not None:
+        raise TokenizerError(f"{merges}: {bad[:40]!r} is not two tokens separated by a space")
 
 
 def _sentencepiece_tokenizer(path: Path, add_special_tokens: bool) -> TextTokenizer:
@@ -243,7 +264,10 @@ def _load_sentencepiece(path: Path) -> Any:
 def _hf_eod(reference: Any, config_file: Path) -> int | None:
     """End-of-document id: tokenizer_config.json's eos_token, else a well-known EOS string."""
     if config_file.is_file():
-        eos = json.loads(config_file.read_text(encoding="utf-8")).get("eos_token")
+        try:
+            eos = json.loads(config_file.read_bytes().decode("utf-8")).get("eos_token")
+        except (UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise TokenizerError(f"{config_file}: not a readable JSON object ({e})") from None
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and reference.token_to_id(eos) is not None:

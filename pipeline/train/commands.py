@@ -109,6 +109,10 @@ def _default_run_dir(recipe: str | None) -> str:
     help="FP8 training backend (torchao or te), optionally with its scaling (torchao:rowwise).",
 )  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
+@click.option(
+    "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
+    help="With --load: skip checking each file against its recorded SHA-256 while reading.",
+)  # fmt: skip
 @click.option("--run-dir", metavar="DIR", help="Run directory (default: runs/<recipe or 'run'>).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved run and its cost; build nothing.")
 @click.option(
@@ -121,6 +125,7 @@ def train(
     recipe: str | None,
     sets: tuple[str, ...],
     finetune: bool,
+    verify_checksums: bool,
     run_dir: str | None,
     dry_run: bool,
     gpu: str | None,
@@ -146,6 +151,8 @@ def train(
         cfg = resolve_config(recipe, sets, given, validate=False)
         if finetune:
             cfg.checkpoint.finetune = True
+        if not verify_checksums:
+            cfg.checkpoint.verify_checksums = False
         if run_dir is not None:
             cfg.set("logging.run_dir", run_dir, source="--run-dir")
         elif cfg.logging.run_dir == LoggingSection().run_dir:

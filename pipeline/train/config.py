@@ -228,6 +228,8 @@ class CheckpointSection:
     """Load weights only: reset iteration, optimizer, scheduler and data position."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
+    verify_checksums: bool = True
+    """Check every checkpoint file read against the SHA-256 its checkpoint records."""
 
 
 @dataclass

@@ -322,6 +322,7 @@ class Trainer:
             async_save=c.async_save,
             load_dir=c.load,
             process_group=self.process_group,
+            verify_checksums=c.verify_checksums,
         )
 
     def _build_logging(self, console: bool) -> MetricsLogger:
@@ -392,7 +393,10 @@ class Trainer:
             return
         if c.finetune:
             state = model_and_optimizer_state(self.model)
-            load(c.load, iteration, state, restore_rng=False, process_group=self.process_group)
+            load(
+                c.load, iteration, state, restore_rng=False, process_group=self.process_group,
+                verify_checksums=c.verify_checksums,
+            )  # fmt: skip
             load_model_and_optimizer_state(self.model, None, state)
             log.info("finetuning from the weights in %s (iteration 0)", c.load)
             return
