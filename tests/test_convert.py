@@ -96,6 +96,20 @@ def test_tied_embeddings_keep_one_tensor_and_finetune(tmp_path: Path) -> None:
     assert model.output.weight is model.tok_embeddings.weight
 
 
+def test_trained_checkpoint_goes_to_hf_in_bf16_by_default(tmp_path: Path) -> None:
+    """A trained checkpoint (fp32 master weights) becomes a bf16 Hugging Face model unless
+    --dtype says otherwise, and the summary says why."""
+    pytest.importorskip("transformers")
+    ckpt = _train(tmp_path / "run")
+    out = _run(str(ckpt), "--to", "hf", "-o", str(tmp_path / "hf"), "--verify", "off")
+    assert "in bfloat16, the default for a trained checkpoint (--dtype to change)" in out
+    config = (tmp_path / "hf" / "config.json").read_text()
+    assert '"torch_dtype": "bfloat16"' in config
+    out = _run(str(ckpt), "--to", "hf", "-o", str(tmp_path / "hf32"), "--dtype", "fp32",
+               "--verify", "off")  # fmt: skip
+    assert "in float32, as --dtype asked;" in out
+
+
 def test_tensor_chunks_follow_torch_chunk_sizes() -> None:
     layout = TargetLayout(tp=4, ep=2)
     # Uneven vocabulary: ceil(10 / 4) = 3 rows per rank, the last rank 1.

@@ -235,24 +235,34 @@ def test_shard_plan_keeps_expert_stacks_whole() -> None:
     assert source.tensors()["norm.weight"] == TensorInfo((config.hidden_size,), torch.float32)
 
 
-def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:
-    """`pipe convert --from hf` then `--to hf`: the files transformers saved come back
-    bit-identical, and each step verifies itself (tensors, and logits against transformers)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, dtype, tmp_path) -> None:
+    """`pipe convert --from hf` then `--to hf` with default flags: the files transformers saved
+    (fp32 or bf16) come back bit-identical in their own dtype, config.json says that dtype, and
+    each step verifies itself (tensors, and logits against transformers)."""
     from click.testing import CliRunner
 
     from pipeline.convert.commands import convert
 
-    directory, _, _ = hf_dir
+    directory, hf, _ = hf_dir
+    if dtype != torch.float32:
+        directory = tmp_path / "hf"
+        hf.to(dtype).save_pretrained(directory, max_shard_size=SHARD_BYTES)
+        hf.float()  # the module-scoped fixture's model stays fp32 for the other tests
     ckpt, back = tmp_path / "ckpt", tmp_path / "back"
     result = CliRunner().invoke(convert, [str(directory), "--from", "hf", "-o", str(ckpt), "-q"])
     assert result.exit_code == 0, result.output
     assert "bit-identical" in result.output and "logits match transformers" in result.output
-    args = [str(ckpt), "--to", "hf", "--dtype", "fp32", "-o", str(back), "--quiet"]
-    result = CliRunner().invoke(convert, args)
+    result = CliRunner().invoke(convert, [str(ckpt), "--to", "hf", "-o", str(back), "--quiet"])
     assert result.exit_code == 0, result.output
-    assert "logits match transformers" in result.output
     original, converted = _disk_tensors(directory), _disk_tensors(back)
     assert original.keys() == converted.keys()
-    for name, tensor in original.items():
-        assert torch.equal(converted[name], tensor), name
+    for tensor_name, tensor in original.items():
+        assert converted[tensor_name].dtype == dtype, tensor_name
+        assert torch.equal(converted[tensor_name], tensor), tensor_name
+    name = str(dtype).removeprefix("torch.")
+    assert f"in {name}, as the Hugging Face weights it came from" in result.output
+    assert "logits match transformers" in result.output
     assert _hf_config_dict(back) == _hf_config_dict(directory)
+    assert transformers.AutoConfig.from_pretrained(back).dtype == dtype
+    assert json.loads((back / "config.json").read_text())["torch_dtype"] == name

@@ -389,7 +389,9 @@ def test_cli_exports_verifies_and_refuses_bad_input(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert "tp 2 x pp 2 = 4 rank files" in result.output
     assert "reference forward matches the source: max |logit difference|" in result.output
-    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    # An fp32 Hugging Face model exports in fp32 unless --dtype says otherwise.
+    assert "float32, as the Hugging Face weights it came from" in result.output
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
 
     again = runner.invoke(cli, ["export", str(hf_dir), "--trtllm", "-o", str(out)])
     assert again.exit_code != 0 and "exists and is not empty" in again.output

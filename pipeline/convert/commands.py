@@ -98,7 +98,8 @@ def parse_verify(text: str) -> tuple[str, int | None]:
     "--dtype",
     type=click.Choice(DTYPES),
     default=None,
-    help="Tensor dtype written (default: bf16 for hf, unchanged for pipe).",
+    help="Tensor dtype written (default for hf: the dtype of weights that came from Hugging "
+    "Face, else bf16; unchanged for pipe).",
 )
 @click.option(
     "--shard-size", default="5GB", show_default=True, help="hf output: largest safetensors file."

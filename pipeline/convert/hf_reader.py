@@ -49,8 +49,9 @@ class HFSource:
     """Weights and config of a Hugging Face Llama / Mistral / Qwen2 / Mixtral directory.
 
     `metadata` holds `source` (the directory), `hf_architecture` (so writing back picks the
-    same architecture), `hf_dtype` (the declared dtype's name, e.g. `bfloat16`, or `None`), and
-    `bos_token_id` / `eos_token_id` when the config has them.
+    same architecture), `hf_dtype` (the declared dtype's name, e.g. `bfloat16`, or the stored
+    embedding's when the config declares none), and `bos_token_id` / `eos_token_id` when the
+    config has them.
     """
 
     def __init__(
@@ -72,7 +73,6 @@ class HFSource:
         self.metadata: dict[str, Any] = {
             "source": str(self.directory),
             "hf_architecture": hf_architecture(hf_config),
-            "hf_dtype": str(dtype_from_hf(hf_config)).removeprefix("torch."),
         }
         for key in ("bos_token_id", "eos_token_id"):
             if hf_config.get(key) is not None:
@@ -85,6 +85,10 @@ class HFSource:
         files = self._weight_files(allow_pickle)
         pieces = self._scan(files)
         self._assemble(pieces)
+        # What the weights are in: the config's declaration, else the stored embedding's.
+        embedding = self._infos.get("tok_embeddings.weight")
+        dtype = dtype_from_hf(hf_config) or (embedding.dtype if embedding else None)
+        self.metadata["hf_dtype"] = str(dtype).removeprefix("torch.") if dtype else None
 
     # -- discovery ---------------------------------------------------------------------------
 

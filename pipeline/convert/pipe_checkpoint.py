@@ -38,7 +38,8 @@ __all__ = [
 ]
 
 MODEL_PREFIX = "model."
-_HF_KEYS = ("hf_architecture", "bos_token_id", "eos_token_id")
+# Recorded so a Hugging Face export writes them back: architecture, dtype, bos/eos ids.
+_HF_KEYS = ("hf_architecture", "hf_dtype", "bos_token_id", "eos_token_id")
 
 
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
@@ -210,7 +211,6 @@ def write_pipe_checkpoint(
         "tokenizer": source.metadata.get("tokenizer"),
         "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": 1, "dp": 1},
         "converted_from": source.metadata.get("source"),
-        # What a Hugging Face export should write back (architecture, bos/eos ids).
         "hf": {k: source.metadata[k] for k in _HF_KEYS if source.metadata.get(k) is not None},
     }
     return Path(save(output, iteration, {}, metadata, save_rng=False, planner=planner))

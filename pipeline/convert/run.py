@@ -99,9 +99,8 @@ def run_conversion(
     verify_checksums: bool = True,
 ) -> str:
     """Convert and verify; returns a one-paragraph summary. Raises `ConversionError`."""
-    import torch
-
     from pipeline.checkpoint.layout import CheckpointError
+    from pipeline.convert.dtype_choice import choose_dtype
     from pipeline.convert.source import CastSource
     from pipeline.convert.verify import VerifyError
 
@@ -110,9 +109,10 @@ def run_conversion(
             source_path, from_format, iteration=iteration, allow_pickle=allow_pickle,
             flavor=flavor, verify_checksums=verify_checksums,
         )  # fmt: skip
-        target_dtype = dtype or ("bf16" if to_format == "hf" else None)
-        if target_dtype is not None:
-            source = CastSource(source, getattr(torch, _TORCH_DTYPES[target_dtype]))
+        written_dtype = None
+        if to_format == "hf" or dtype is not None:
+            written_dtype = choose_dtype(_TORCH_DTYPES.get(dtype), source)
+            source = CastSource(source, written_dtype.dtype)
         total = sum(info.nbytes for info in source.tensors().values())
         start = time.perf_counter()
         with progress_bar(total, quiet) as advance, quiet_dcp():
@@ -125,9 +125,10 @@ def run_conversion(
     except (CheckpointError, VerifyError, ValueError, OSError) as e:
         raise ConversionError(str(e)) from e
     rate = total / max(seconds, 1e-9) / 1e9
+    in_dtype = f" in {written_dtype.describe()}" if written_dtype is not None else ""
     return (
         f"wrote {written} ({len(source.tensors())} tensors, {total / 1e9:.2f} GB in "
-        f"{seconds:.1f} s, {rate:.2f} GB/s); {verdict}"
+        f"{seconds:.1f} s, {rate:.2f} GB/s){in_dtype}; {verdict}"
     )
 
 

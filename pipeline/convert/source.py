@@ -84,7 +84,11 @@ class CastSource:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        return self.source.metadata
+        """The source's, with the Hugging Face dtype (if recorded) now the cast one."""
+        metadata = self.source.metadata
+        if metadata.get("hf_dtype") is None:
+            return metadata
+        return {**metadata, "hf_dtype": str(self.dtype).removeprefix("torch.")}
 
     def _casts(self, name: str, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point and not name.endswith(self.keep)

@@ -45,7 +45,7 @@ DTYPES = ("bfloat16", "float16", "float32")
     "--dtype",
     type=click.Choice(DTYPES),
     default=None,
-    help="Weights and compute dtype (default: a Hugging Face source's half dtype, else bfloat16).",
+    help="Weights and compute dtype (default: the dtype of Hugging Face weights, else bfloat16).",
 )
 @click.option(
     "--use-parallel-embedding",

@@ -58,13 +58,6 @@ class CalibrationSettings:
     batch_size: int = 8
 
 
-def default_dtype(source: TensorSource) -> str:
-    """The export dtype when none is asked for: a Hugging Face source's half precision dtype,
-    else bfloat16 (training checkpoints hold fp32 master weights)."""
-    declared = source.metadata.get("hf_dtype")
-    return declared if declared in ("bfloat16", "float16") else "bfloat16"
-
-
 def _calibration_tokens(settings: CalibrationSettings, vocab_size: int) -> torch.Tensor:
     from pipeline.export.calibration import calibration_sequences
 
@@ -168,8 +161,8 @@ def run_export(
 ) -> str:
     """Export and verify; returns a one-paragraph summary. Raises `ExportError`.
 
-    `options.dtype` None means `default_dtype(source)`; `verify` is auto (when the model fits in
-    memory), on or off.
+    `options.dtype` None means the source's (`dtype_choice.default_dtype`); `verify` is auto
+    (when the model fits in memory), on or off.
     """
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.convert.verify import VerifyError, our_model
@@ -183,7 +176,7 @@ def run_export(
                 source_path, fmt, iteration=iteration, allow_pickle=allow_pickle,
                 verify_checksums=verify_checksums,
             )  # fmt: skip
-            options = _resolved(options, source)
+            options, dtype_note = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
             amax, calibrated, model = None, 0, None
             if options.fp8:
@@ -203,21 +196,26 @@ def run_export(
         raise ExportError(str(e)) from e
     m = options.mapping
     return (
-        f"wrote {output} (TensorRT-LLM, {options.dtype}{', FP8' if options.fp8 else ''}, "
+        f"wrote {output} (TensorRT-LLM, {dtype_note}{', FP8' if options.fp8 else ''}, "
         f"tp {m.tp} x pp {m.pp} = {m.world_size} rank files, in {seconds:.1f} s); {verdict}"
     )
 
 
-def _resolved(options: ExportOptions, source: TensorSource) -> ExportOptions:
-    """`options` with the dtype and architecture the source implies where left unset."""
+def _resolved(options: ExportOptions, source: TensorSource) -> tuple[ExportOptions, str]:
+    """`options` with the dtype and architecture the source implies where left unset, and
+    the dtype with the reason for it (`DtypeChoice.describe`)."""
     import dataclasses
 
-    if options.dtype is None:
-        options = dataclasses.replace(options, dtype=default_dtype(source))
+    from pipeline.convert.dtype_choice import DtypeChoice, choose_dtype
+
+    choice = choose_dtype(options.dtype, source)
+    if options.fp8 and choice.name == "float32" and not choice.requested:
+        choice = DtypeChoice("bfloat16", "the compute dtype of FP8 exports of fp32 weights")
+    options = dataclasses.replace(options, dtype=choice.name)
     if options.architecture is None:
         architecture = source.metadata.get("hf_architecture")
         options = dataclasses.replace(options, architecture=architecture)
-    return options
+    return options, choice.describe()
 
 
 def _verify(

@@ -36,7 +36,7 @@ MOE_RENORMALIZE = 1
 class ExportOptions:
     """What an export writes besides the weights' values."""
 
-    dtype: str | None = "bfloat16"  # None: decided from the source (`run.default_dtype`)
+    dtype: str | None = "bfloat16"  # None: decided from the source (`default_dtype`)
     mapping: TrtllmMapping = field(default_factory=TrtllmMapping)
     use_parallel_embedding: bool = False
     embedding_sharding_dim: int = 0  # 0: split the vocabulary, 1: split the hidden size

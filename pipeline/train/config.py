@@ -53,7 +53,8 @@ class ModelSection:
     """
 
     flavor: str = "tiny"
-    """Name of a model flavor in `pipeline.core.model.flavors` (e.g. llama3_8b, tiny_moe)."""
+    """Name of a model flavor in `pipeline.core.model.flavors` (e.g. llama3_8b, tiny_moe), or
+    `checkpoint`: the model recorded by the checkpoint `checkpoint.load` resumes from."""
     vocab_size: int | None = None
     """Vocabulary size (rows of the embedding and output layers)."""
     hidden_size: int | None = None
@@ -417,7 +418,12 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         """The `ModelConfig` of `model.flavor` with this section's overrides applied."""
-        base = _lookup_flavor(self.model.flavor)
+        from pipeline.train.checkpoint_model import CHECKPOINT_FLAVOR, model_from_checkpoint
+
+        if self.model.flavor == CHECKPOINT_FLAVOR:
+            base = model_from_checkpoint(self.checkpoint.load)
+        else:
+            base = _lookup_flavor(self.model.flavor)
         return apply_model_overrides(base, self.model)
 
     # ---- checks -------------------------------------------------------------------------------
@@ -491,7 +497,10 @@ def _lookup_flavor(name: str) -> ModelConfig:
     from pipeline.core.model.flavors import FLAVORS
 
     if name not in FLAVORS:
-        raise ConfigError(f"unknown model.flavor {name!r}; known flavors: {', '.join(FLAVORS)}")
+        raise ConfigError(
+            f"unknown model.flavor {name!r}; known flavors: {', '.join(FLAVORS)}, "
+            "or checkpoint (the loaded checkpoint's model)"
+        )
     return FLAVORS[name]()
 
 

@@ -71,13 +71,18 @@ def recipe_path(name_or_path: str | Path) -> Path:
     return shipped
 
 
-def load_recipe(name_or_path: str | Path) -> TrainConfig:
-    """Defaults overlaid with a recipe: a shipped name or a TOML file (e.g. a run's config.toml)."""
+def _recipe_tables(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The recipe's file and its parsed tables."""
     path = recipe_path(name_or_path)
     try:
-        tables = load_toml(path)
+        return path, load_toml(path)
     except ValueError as e:  # tomllib.TOMLDecodeError subclasses ValueError
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
+def load_recipe(name_or_path: str | Path) -> TrainConfig:
+    """Defaults overlaid with a recipe: a shipped name or a TOML file (e.g. a run's config.toml)."""
+    path, tables = _recipe_tables(name_or_path)
     cfg = TrainConfig()
     cfg.update(tables, source=str(path))
     return cfg
@@ -155,11 +160,25 @@ def resolve_config(
     world_size: int | None = None,
     validate: bool = True,
 ) -> TrainConfig:
-    """defaults < `recipe` < each of `sets` in order < `flags`, then validated for `world_size`."""
-    cfg = load_recipe(recipe) if recipe is not None else TrainConfig()
+    """defaults < `recipe` < each of `sets` in order < `flags`, then validated for `world_size`.
+
+    When nothing names a model (no recipe or one without a `[model]` table, and no
+    `--set model.flavor`) and `checkpoint.load` holds a checkpoint, the run takes that
+    checkpoint's model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it.
+    """
+    from pipeline.train.checkpoint_model import CHECKPOINT_FLAVOR, checkpoint_to_load
+
+    cfg, tables = TrainConfig(), {}
+    if recipe is not None:
+        path, tables = _recipe_tables(recipe)
+        cfg.update(tables, source=str(path))
+    sets = list(sets)
     for assignment in sets:
         apply_set(cfg, assignment)
     apply_flags(cfg, flags or {})
+    names_model = "model" in tables or any(_assigns(a, "model.flavor") for a in sets)
+    if not names_model and checkpoint_to_load(cfg.checkpoint.load) is not None:
+        cfg.model.flavor = CHECKPOINT_FLAVOR
     if validate:
         cfg.validate(world_size)
     return cfg
@@ -171,3 +190,8 @@ def _accepts_str(tp: Any) -> bool:
 
 def _accepts_none(tp: Any) -> bool:
     return type(None) in getattr(tp, "__args__", ())
+
+
+def _assigns(assignment: str, dotted: str) -> bool:
+    """Whether a `--set` assignment sets `dotted` (e.g. `model.flavor`)."""
+    return assignment.partition("=")[0].strip() == dotted

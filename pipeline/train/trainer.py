@@ -52,6 +52,7 @@ from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.preprocess.progress import terminal_bar
 from pipeline.quiet import quiet_dcp
 from pipeline.train import train_data
+from pipeline.train.checkpoint_model import check_checkpoint_model
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
 from pipeline.train.layout import RunLayout
@@ -149,6 +150,7 @@ class Trainer:
         t = cfg.training
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         seed_everything(cfg.training.seed, deterministic=self.device.type == "cpu")
+        check_checkpoint_model(cfg, load_iteration)  # before anything is built or read
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
