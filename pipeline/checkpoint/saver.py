@@ -43,13 +43,16 @@ from pipeline.checkpoint.layout import (
 from pipeline.checkpoint.rng import capture_rng_state
 from pipeline.checkpoint.state import resolve_stateful, split_state
 
-# DCP warns on every save without a process group, which is what pipe means by no_dist; an
-# asynchronous save warns on DCP's own thread, after any `catch_warnings` of the caller ended.
-warnings.filterwarnings(
-    "ignore",
-    message="torch.distributed is disabled, unavailable or uninitialized, assuming "
-    "the intent is to save in a single process",
-)
+
+def _ignore_no_dist_warning() -> None:
+    """Silence DCP's warning on every save without a process group (what pipe means by
+    no_dist). Process-wide rather than `catch_warnings`, because an asynchronous save warns on
+    its own thread, after the caller's `catch_warnings` block has ended."""
+    warnings.filterwarnings(
+        "ignore",
+        message="torch.distributed is disabled, unavailable or uninitialized, assuming the "
+        "intent is to save in a single process",
+    )
 
 
 def _dist_context(process_group: Any | None) -> tuple[bool, int, int]:
@@ -330,6 +333,7 @@ def save(
     from torch.distributed.checkpoint.api import CheckpointException
 
     started = time.monotonic()
+    _ignore_no_dist_warning()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(save_dir)
