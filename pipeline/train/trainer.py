@@ -368,17 +368,16 @@ class Trainer:
             "layout": self.layout.describe(),
         }
 
-    def save_checkpoint(self, wait: bool = True) -> Path:
+    def save_checkpoint(self) -> Path:
         """Save the full training state at the current iteration; returns its directory.
 
-        With `checkpoint.async_save` and `wait` false, the save returns once the state is
-        staged in memory and the files are written and committed in the background while
-        training goes on (`_collect_background_save` reports it at a later step)."""
+        With `checkpoint.async_save` the call returns once the state is staged in memory and
+        the files are written and committed in the background while training goes on;
+        `_collect_background_save` reports (or waits for) the commit."""
         self._collect_background_save(block=True)  # one background save at a time
         self.checkpoints.save(self.iteration, self._state(), self._metadata())
         path = self.checkpoints.save_dir / f"iter_{self.iteration:07d}"
-        if wait or self.checkpoints.pending is None:
-            self.checkpoints.wait()  # a resumable point must exist before we go on or exit
+        if self.checkpoints.pending is None:
             log.info("saved checkpoint %s", path)
         else:
             log.info("saving checkpoint %s in the background", path)
@@ -506,14 +505,14 @@ class Trainer:
                         break
                     interval = self.cfg.checkpoint.save_interval
                     if interval and self.iteration % interval == 0:
-                        result.checkpoint = self.save_checkpoint(wait=False)
+                        result.checkpoint = self.save_checkpoint()
                         saved_at = self.iteration
                 if result.stop_reason == "finished":
                     if t.eval_interval and evaluated_at != self.iteration:
                         self.run_evaluation()
                     if saved_at != self.iteration:
                         result.checkpoint = self.save_checkpoint()
-                self._collect_background_save(block=True)
+                self._collect_background_save(block=True)  # a resumable point before exiting
         except Exception:
             self._finish_background_save_after_error()
             raise
@@ -550,6 +549,7 @@ class Trainer:
         if not self.guard.should_stop:
             return
         path = self.save_checkpoint()
+        self._collect_background_save(block=True)
         first = self.iteration - self.guard.consecutive + 1
         raise NonFiniteStop(
             f"stopping at iteration {self.iteration}: the last {self.guard.consecutive} steps "
