@@ -58,18 +58,9 @@ class CheckpointManager:
 
     @property
     def pending(self) -> AsyncSave | None:
-        """The background save not yet collected by `poll` or `wait` (None when there is none)."""
+        """The background save `wait` has not collected yet (None when there is none); it
+        commits on its own thread, so `pending.done()` tells without blocking or collectives."""
         return self._pending
-
-    def poll(self) -> AsyncSave | None:
-        """Collect the background save if it has finished, without blocking: returns its handle
-        once committed (raises its error if it failed), None while it runs or when there is none.
-        Needs no other rank: background saves commit on their own thread."""
-        if self._pending is None or not self._pending.done():
-            return None
-        finished = self._pending
-        self.wait()
-        return finished
 
     def wait(self) -> Path | None:
         """Finish the pending background save, if any; returns its directory."""

@@ -222,10 +222,10 @@ class AsyncSave:
     `save` returns it once every tensor is staged (copied to CPU memory), so training may
     change the parameters at once. DCP writes the files on a thread of its own (at a lower CPU
     priority, see `BACKGROUND_NICENESS`), and that thread then commits (checksums,
-    `pipe_metadata.json`, rename, `latest`, rotation). With a
-    process group, all of that thread's collectives (DCP's and the commit's) go over a gloo
-    group reserved for background saves, issued in the same order on every rank, so they never
-    interleave with the training thread's collectives and the commit needs nothing from it.
+    `pipe_metadata.json`, rename, `latest`, rotation). With a process group, all of that
+    thread's collectives (DCP's and the commit's) go over a gloo group reserved for background
+    saves, issued in the same order on every rank, so they never interleave with the training
+    thread's collectives and the commit needs nothing from the training thread of any rank.
     Call `wait()` before the next save and before exiting.
     """
 
