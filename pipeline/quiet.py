@@ -55,6 +55,10 @@ def import_torchao_float8() -> ModuleType:
     return torchao.float8
 
 
+# DCP warns so on every save or load without a process group (a converter, one device).
+_DCP_SINGLE_PROCESS = "torch.distributed is disabled"
+
+
 @contextmanager
 def quiet_dcp() -> Iterator[None]:
     """Inside: torch.distributed.checkpoint's warning that it runs without a process group.
@@ -62,5 +66,11 @@ def quiet_dcp() -> Iterator[None]:
     A converter or a single-device run saves and loads without one on purpose.
     """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=_DCP_SINGLE_PROCESS)
         yield
+
+
+def ignore_dcp_single_process_warning() -> None:
+    """Process-wide form of `quiet_dcp`, for an asynchronous save: it warns on its own thread,
+    after any `catch_warnings` block of the caller has ended."""
+    warnings.filterwarnings("ignore", message=_DCP_SINGLE_PROCESS)

@@ -8,11 +8,14 @@ relative). Only the summation order differs (gradients are summed over the ranks
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.checkpoint import verify
+from pipeline.checkpoint.layout import read_tracker
 from pipeline.train.config_loader import resolve_config
 from pipeline.train.trainer import Trainer
 from tests.distributed import run_distributed
@@ -82,6 +85,42 @@ def test_dp2_equals_single_process_and_resumes_in_one(tmp_path: Path) -> None:
     checkpoint = tmp_path / "dp" / "checkpoints" / "iter_0000002"
     resumed_losses, _ = _single(tmp_path / "resumed", f"checkpoint.load={checkpoint}")
     _assert_losses_close(resumed_losses, {s: single_losses[s] for s in (3, 4)})
+
+
+def _dp_async_worker(rank: int, world_size: int, tmp: Path) -> dict[int, float]:
+    """The dp=2 run saving at every iteration in the background; each commit is held back, so
+    the background thread's collectives run while the next step's collectives do."""
+    from pipeline.checkpoint import saver
+
+    commit = saver._SaveJob.commit
+
+    def slowly(job):
+        time.sleep(0.3)
+        return commit(job)
+
+    saver._SaveJob.commit = slowly
+    sets = _sets(tmp / "dp", f"parallel.dp={world_size}", "checkpoint.async_save=true")
+    trainer = Trainer(resolve_config(None, [*sets, "checkpoint.save_interval=1"]), console=False)
+    result = trainer.train()
+    weights = _full_weights(trainer.model)
+    if rank == 0:
+        torch.save(weights, tmp / "dp_weights.pt")
+    return result.losses
+
+
+@pytest.mark.dist
+def test_dp2_async_saves_commit_and_load_in_one_process(tmp_path: Path) -> None:
+    losses = run_distributed(_dp_async_worker, 2, tmp_path)
+    assert losses[0] == losses[1] and sorted(losses[0]) == list(range(1, ITERS + 1))
+    save_dir = tmp_path / "dp" / "checkpoints"
+    for iteration in range(1, ITERS + 1):
+        assert verify(save_dir / f"iter_{iteration:07d}").ok, iteration
+    assert read_tracker(save_dir) == save_dir / f"iter_{ITERS:07d}"
+    resumed = Trainer(resolve_config(None, _sets(tmp_path / "one", f"checkpoint.load={save_dir}")))
+    assert resumed.iteration == ITERS
+    dp_weights = torch.load(tmp_path / "dp_weights.pt")
+    for name, value in _full_weights(resumed.model).items():
+        assert torch.equal(value, dp_weights[name]), name
 
 
 def test_torchrun_command_drops_nproc() -> None:

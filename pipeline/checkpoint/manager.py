@@ -2,6 +2,7 @@
 
 It holds the save directory and policy, allows one background save at a time (a new save
 first waits for the pending one) and loads from a separate directory when resuming elsewhere.
+With a process group, background saves share one gloo group of their own (made on the first).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from pipeline.checkpoint.layout import CheckpointError, read_tracker
 from pipeline.checkpoint.loader import load
-from pipeline.checkpoint.saver import AsyncSave, save
+from pipeline.checkpoint.saver import AsyncSave, new_background_group, save
 
 
 class CheckpointManager:
@@ -35,10 +36,16 @@ class CheckpointManager:
         self.process_group = process_group
         self.verify_checksums = verify_checksums
         self._pending: AsyncSave | None = None
+        self._background_group: Any | None = None
 
     def save(self, iteration: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
-        """Save (in the background when `async_save`), after finishing any pending save."""
+        """Save (in the background when `async_save`), after finishing any pending save.
+
+        A background save returns once its tensors are staged in memory: the caller may then
+        change them. Every rank of a process group must call this at the same point."""
         self.wait()
+        if self.async_save and self._background_group is None:
+            self._background_group = new_background_group(self.process_group)
         result = save(
             self.save_dir,
             iteration,
@@ -47,9 +54,16 @@ class CheckpointManager:
             keep_last=self.keep_last,
             async_save=self.async_save,
             process_group=self.process_group,
+            background_group=self._background_group,
         )
         if isinstance(result, AsyncSave):
             self._pending = result
+
+    @property
+    def pending(self) -> AsyncSave | None:
+        """The background save `wait` has not collected yet (None when there is none); it
+        commits on its own thread, so `pending.done()` tells without blocking or collectives."""
+        return self._pending
 
     def wait(self) -> Path | None:
         """Finish the pending background save, if any; returns its directory."""

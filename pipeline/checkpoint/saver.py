@@ -13,10 +13,14 @@ every rank writes its own shards into the same directory and rank 0 commits.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import os
 import shutil
+import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ from pipeline.checkpoint.layout import (
 from pipeline.checkpoint.rng import capture_rng_state
 from pipeline.checkpoint.safe_reader import dcp_error
 from pipeline.checkpoint.state import resolve_stateful, split_state
+from pipeline.quiet import ignore_dcp_single_process_warning
 
 
 def _dist_context(process_group: Any | None) -> tuple[bool, int, int]:
@@ -202,43 +207,90 @@ def _dcp_result(future: Any, temporary: Path) -> None:
 
 
 class AsyncSave:
-    """Handle of a checkpoint being written in the background by `dcp.async_save`.
+    """Handle of a checkpoint being written in the background.
 
-    Without a process group the commit runs as soon as DCP's future completes (on DCP's thread);
-    with one it runs in `wait()`, because the commit uses collectives that must be issued from
-    the training thread on every rank. Call `wait()` before the next save and before exiting.
+    `save` returns it once every tensor is staged (copied to CPU memory), so training may
+    change the parameters at once. DCP writes the files on a thread of its own (at a lower CPU
+    priority, see `BACKGROUND_NICENESS`), and that thread then commits (checksums,
+    `pipe_metadata.json`, rename, `latest`, rotation). With a process group, all of that
+    thread's collectives (DCP's and the commit's) go over a gloo group reserved for background
+    saves, issued in the same order on every rank, so they never interleave with the training
+    thread's collectives and the commit needs nothing from the training thread of any rank.
+    Call `wait()` before the next save and before exiting.
     """
 
-    def __init__(self, dcp_future: Any, job: _SaveJob, distributed: bool) -> None:
+    def __init__(self, dcp_future: Any, job: _SaveJob, started: float) -> None:
         self._job = job
-        self._distributed = distributed
-        self._dcp_future = dcp_future
+        self._started = started
+        self.seconds: float | None = None
+        """Seconds from the call of `save` to the commit, once committed."""
         self._committed: concurrent.futures.Future[Path] = concurrent.futures.Future()
-        if not distributed:
-            dcp_future.add_done_callback(self._commit_when_written)
+        dcp_future.add_done_callback(self._commit_when_written)
+
+    @property
+    def directory(self) -> Path:
+        """The final directory the checkpoint gets when committed."""
+        return self._job.save_dir / iteration_dir_name(self._job.iteration)
 
     def _commit_when_written(self, future: Any) -> None:
         try:
             _dcp_result(future, self._job.temporary)
-            self._committed.set_result(self._job.commit())
+            final = self._job.commit()
+            self.seconds = time.monotonic() - self._started
+            self._committed.set_result(final)
         except BaseException as error:  # handed to wait()
             self._committed.set_exception(error)
 
     def done(self) -> bool:
         """True once the checkpoint is committed (or failed); `wait()` will not block."""
-        if self._distributed:
-            return self._dcp_future.done() and self._committed.done()
         return self._committed.done()
 
     def wait(self) -> Path:
         """Block until committed; returns the final directory or raises the save's error."""
-        if self._distributed and not self._committed.done():
-            try:
-                _dcp_result(self._dcp_future, self._job.temporary)
-                self._committed.set_result(self._job.commit())
-            except BaseException as error:
-                self._committed.set_exception(error)
         return self._committed.result()
+
+
+def new_background_group(process_group: Any | None = None) -> Any | None:
+    """A new gloo group over the ranks of `process_group` for background saves (None without
+    a process group). A collective: every rank of the default group must call it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    return dist.new_group(ranks=sorted(ranks), backend="gloo")
+
+
+BACKGROUND_NICENESS = 10
+"""How much the background writer lowers its CPU priority (Linux `nice`), so that on a busy
+machine it takes the cores training leaves idle instead of slowing the steps down."""
+
+
+def _lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority (per-thread on Linux; elsewhere unchanged)."""
+    if sys.platform.startswith("linux"):
+        # A sandbox may refuse setpriority: then the write runs at normal priority.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+
+
+def _start_async_write(tensors: dict[str, Any], writer: Any, group: Any) -> Any:
+    """Stage `tensors` (a CPU copy, taken before returning, so training may then change them)
+    and write the copy with DCP on a low-priority thread; returns that write's future."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # synchronous copy
+    staged = stager.stage(tensors)
+    stager.close()  # forgets its cache of copies; `staged` lives on until written
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="pipe-checkpoint", initializer=_lower_thread_priority
+    )
+    future = pool.submit(
+        dcp.save, staged, storage_writer=writer, process_group=group, no_dist=group is None
+    )
+    pool.shutdown(wait=False)  # the thread ends after this one write
+    return future
 
 
 def save(
@@ -252,6 +304,7 @@ def save(
     process_group: Any | None = None,
     save_rng: bool = True,
     planner: Any | None = None,
+    background_group: Any | None = None,
 ) -> Path | AsyncSave:
     """Write `state` as checkpoint `iteration` under `save_dir` and commit it atomically.
 
@@ -261,12 +314,16 @@ def save(
     model config, parallel layout...) is stored as given and returned by `load`. RNG states
     of every rank are recorded unless `save_rng` is False. `planner` is a DCP save planner
     (e.g. one that streams tensors from elsewhere; synchronous saves only). Returns the
-    committed directory, or an `AsyncSave` handle when `async_save` is true.
+    committed directory, or an `AsyncSave` handle when `async_save` is true; with a process
+    group, such a save runs its collectives on `background_group` (one from
+    `new_background_group`, reused across saves; a new one is made when None).
     """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    started = time.monotonic()
+    ignore_dcp_single_process_warning()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(save_dir)
@@ -295,17 +352,14 @@ def save(
     # DCP's writer keeps every tensor of a file alive until the file is closed; a streaming
     # planner (whose tensors exist one at a time) gets one file per item instead.
     writer = dcp.FileSystemWriter(temporary, sync_files=True, single_file_per_rank=planner is None)
-    job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
     if async_save:
         if planner is not None:
             raise ValueError("a custom planner needs a synchronous save")
-        try:
-            future = dcp.async_save(
-                tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed
-            )
-        except CheckpointException as error:
-            raise CheckpointError(f"writing checkpoint {temporary} failed: {error}") from error
-        return AsyncSave(future, job, distributed)
+        if distributed and background_group is None:
+            background_group = new_background_group(process_group)
+        job = _SaveJob(root, iteration, temporary, record, keep_last, background_group)
+        return AsyncSave(_start_async_write(tensors, writer, background_group), job, started)
+    job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
     try:
         dcp.save(
             tensors,

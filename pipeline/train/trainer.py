@@ -373,13 +373,39 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
-        """Save the full training state at the current iteration; returns its directory."""
-        with quiet_dcp():
-            self.checkpoints.save(self.iteration, self._state(), self._metadata())
-            self.checkpoints.wait()  # a resumable point must exist before we go on or exit
+        """Save the full training state at the current iteration; returns its directory.
+
+        With `checkpoint.async_save` the call returns once the state is staged in memory and
+        the files are written and committed in the background while training goes on;
+        `_collect_background_save` reports (or waits for) the commit."""
+        self._collect_background_save(block=True)  # one background save at a time
+        self.checkpoints.save(self.iteration, self._state(), self._metadata())
         path = self.checkpoints.save_dir / f"iter_{self.iteration:07d}"
-        log.info("saved checkpoint %s", path)
+        if self.checkpoints.pending is None:
+            log.info("saved checkpoint %s", path)
+        else:
+            log.info("saving checkpoint %s in the background", path)
         return path
+
+    def _collect_background_save(self, block: bool = False) -> None:
+        """Report a background save that has committed (with `block`, wait for it first);
+        its failure is raised here."""
+        pending = self.checkpoints.pending
+        if pending is None or not (block or pending.done()):
+            return
+        self.checkpoints.wait()
+        log.info(
+            "saved checkpoint %s (written in the background in %.1f s)",
+            pending.directory, pending.seconds,
+        )  # fmt: skip
+
+    def _finish_background_save_after_error(self) -> None:
+        """On the way out of a failed run: let a background save commit, so the newest
+        resumable point survives; its own failure is logged, not raised over the first."""
+        try:
+            self._collect_background_save(block=True)
+        except Exception as error:  # the run's error is the one to report
+            log.error("the background checkpoint save failed too: %s", error)
 
     def _resume(self, iteration: int | None) -> None:
         """Resume from `checkpoint.load` (everything) or, with `finetune`, take its weights only.
@@ -449,7 +475,9 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Train to `training.iters`; returns how it ended. Raises `NonFiniteStop` (after saving)
-        when `max_consecutive_skips` steps in a row had a NaN/Inf loss or gradient norm."""
+        when `max_consecutive_skips` steps in a row had a NaN/Inf loss or gradient norm.
+        Periodic saves run in the background with `checkpoint.async_save`; the next save, a
+        signal, the end of training and an error all wait for such a save to commit."""
         t = self.cfg.training
         result = TrainResult(self.iteration, "finished")
         window = _Window()
@@ -474,6 +502,7 @@ class Trainer:
                         self.run_evaluation()
                         evaluated_at = self.iteration
                     self._stop_if_diverged()
+                    self._collect_background_save()
                     if signals.received is not None:
                         result.stop_reason = signals.name or "signal"
                         log.warning("%s received: saving and exiting", result.stop_reason)
@@ -489,6 +518,10 @@ class Trainer:
                         self.run_evaluation()
                     if saved_at != self.iteration:
                         result.checkpoint = self.save_checkpoint()
+                self._collect_background_save(block=True)  # a resumable point before exiting
+        except Exception:
+            self._finish_background_save_after_error()
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -522,6 +555,7 @@ class Trainer:
         if not self.guard.should_stop:
             return
         path = self.save_checkpoint()
+        self._collect_background_save(block=True)
         first = self.iteration - self.guard.consecutive + 1
         raise NonFiniteStop(
             f"stopping at iteration {self.iteration}: the last {self.guard.consecutive} steps "
