@@ -108,6 +108,7 @@ class Batch:
     # Byte offset of the line numbered 1 above: 0 (the file's first line) unless this batch
     # comes from a range of a split file; `file_line` turns numbers into the file's own.
     start_byte: int = 0
+    part: int = 0  # position of its file (or range) in the list given to iter_batches
 
 
 def file_line(batch: Batch, offset: int) -> int:
@@ -260,13 +261,16 @@ def iter_batches(
         raise ValueError("batch_bytes and max_batch_items must be >= 1")
     counter = itertools.count()
     keys = [keys] if isinstance(keys, str) else list(dict.fromkeys(keys))  # dedup, order kept
-    for item in inputs:
+    for position, item in enumerate(inputs):
         part = item if isinstance(item, InputRange) else InputRange.whole(item)
         if not part.is_whole and part.file.kind != "jsonl":
             raise ValueError(f"{part.file.path}: only plain JSONL can be read in part")
         kind = part.file.kind
         source = _LineSource(part) if kind in _LINE_KINDS else _TableSource(part.file, keys)
-        yield from _file_batches(part, source, _Grouper(batch_bytes, max_batch_items), counter)
+        grouper = _Grouper(batch_bytes, max_batch_items)
+        for batch in _file_batches(part, source, grouper, counter):
+            batch.part = position
+            yield batch
 
 
 def _file_batches(
