@@ -22,7 +22,6 @@ from pipeline.cli import cli
 from pipeline.data.indexed import IndexedDataset
 
 
-
 @pytest.fixture(autouse=True)
 def private_proof_cache(monkeypatch, tmp_path_factory):
     """Engine proofs are remembered in a test-private cache, not the user's."""

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from pipeline.preprocess.readers import Batch, file_line
 from pipeline.preprocess.tokenizer import TextTokenizer
@@ -136,6 +137,20 @@ class DocumentEncoder:
         if not raw or raw.isspace():
             result.blank_lines += 1
             return None
+        try:
+            record = orjson.loads(raw)  # strict: valid UTF-8, no lone surrogates, no NaN
+        except orjson.JSONDecodeError:
+            return self._parse_line_strictly(batch, i, raw, result)
+        if isinstance(record, dict):
+            return record
+        return self._parse_line_strictly(batch, i, raw, result)  # names what it is instead
+
+    def _parse_line_strictly(
+        self, batch: Batch, i: int, raw: bytes, result: EncodedBatch
+    ) -> dict | None:
+        """The standard library's verdict on a line orjson refused: it accepts a little more
+        (NaN, a BOM at the file start, lone surrogates, which are then refused here) and its
+        messages name the problem."""
         if raw.startswith(_UTF8_BOM) and batch.start_byte == 0 and batch.first_line + i == 1:
             raw = raw[len(_UTF8_BOM) :]
         try:
@@ -145,9 +160,12 @@ class DocumentEncoder:
         except json.JSONDecodeError as e:
             problem = f"malformed JSON: {e.msg} at column {e.colno}"
         else:
-            if isinstance(record, dict):
+            if not isinstance(record, dict):
+                problem = f"expected a JSON object, got {_type_name(record)}"
+            elif surrogate := _surrogate_key(record, self.options.keys):
+                problem = f"key '{surrogate}' holds an unpaired surrogate (not valid Unicode)"
+            else:
                 return record
-            problem = f"expected a JSON object, got {_type_name(record)}"
         result.bad_lines.append(BadLine(batch.source, file_line(batch, i), problem))
         return None
 
@@ -159,9 +177,6 @@ class DocumentEncoder:
         sentences = [value] if isinstance(value, str) else value
         if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
             raise _Bad(f"key '{key}' is {_type_name(value)}, expected a string")
-        for s in sentences:
-            if not s.isascii() and _SURROGATE.search(s):
-                raise _Bad(f"key '{key}' holds an unpaired surrogate (not valid Unicode)")
         return value
 
     # ----------------------------------------------------------------------------- encoding
@@ -211,6 +226,17 @@ def pack_documents(
 
 class _Bad(ValueError):
     """A record-level problem, reported with the record's file and line."""
+
+
+def _surrogate_key(record: dict, keys: tuple[str, ...]) -> str | None:
+    """The first key whose text holds an unpaired surrogate (only the standard library's parser
+    lets one through; orjson and Arrow refuse them)."""
+    for key in keys:
+        value = record.get(key)
+        for s in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+            if isinstance(s, str) and not s.isascii() and _SURROGATE.search(s):
+                return key
+    return None
 
 
 def _type_name(value: object) -> str:

@@ -16,6 +16,10 @@ from typing import Any
 
 import numpy as np
 
+# Batches no larger than this are encoded without gigatoken's batch call (see GigatokenEngine).
+_SMALL_BATCH_TEXTS = 64
+_SMALL_BATCH_CHARS = 1 << 16
+
 
 class EngineUnavailable(RuntimeError):
     """gigatoken cannot represent this tokenizer (not installed, or an unsupported form)."""
@@ -75,7 +79,12 @@ class SentencePieceEngine:
 
 
 class GigatokenEngine:
-    """gigatoken's Rust BPE, plus the fixed ids a post-processor adds around each text."""
+    """gigatoken's Rust BPE, plus the fixed ids a post-processor adds around each text.
+
+    Batches go through gigatoken's parallel batch call. Its result type (an awkward Array)
+    costs a large import, so a small batch (a tiny input, the self-test) is encoded one call
+    per text instead, which gives numpy arrays directly.
+    """
 
     name = "gigatoken"
 
@@ -90,14 +99,27 @@ class GigatokenEngine:
     def encode_packed(
         self, texts: list[str], parallel: bool = True
     ) -> tuple[np.ndarray, np.ndarray]:
-        layout = self.tokenizer.encode_batch(texts, parallel=parallel).layout
-        flat = np.asarray(layout.content.data)
-        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
-        if offsets[0] != 0:  # a sliced layout; never seen, but cheap to honour
-            flat, offsets = flat[offsets[0] : offsets[-1]], offsets - offsets[0]
+        small = len(texts) <= _SMALL_BATCH_TEXTS and sum(map(len, texts)) <= _SMALL_BATCH_CHARS
+        if parallel and not small:
+            flat, offsets = self._encode_batch(texts)
+        else:
+            flat, offsets = self._encode_each(texts)
         if self.prefix or self.suffix:
             return _add_affixes(flat, offsets, self.prefix, self.suffix)
         return flat, offsets
+
+    def _encode_each(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        arrays = [self.tokenizer.encode(t) for t in texts]
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        flat = np.concatenate(arrays) if arrays else np.empty(0, np.uint32)
+        return flat, offsets
+
+    def _encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        layout = self.tokenizer.encode_batch(texts, parallel=True).layout
+        flat = np.asarray(layout.content.data)
+        offsets = np.asarray(layout.offsets.data, dtype=np.int64)
+        return flat[offsets[0] : offsets[-1]], offsets - offsets[0]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(np.asarray(ids, dtype=np.uint32)).decode("utf-8", "replace")
