@@ -27,6 +27,7 @@ def private_proof_cache(monkeypatch, tmp_path_factory):
     """Engine proofs are remembered in a test-private cache, not the user's."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
 
+
 def run_pipe(*args: str, expect_ok: bool = True):
     result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
     if expect_ok:

@@ -133,15 +133,29 @@ def gigatoken_from_json(text: str, post_processor: dict | None) -> GigatokenEngi
     try:
         return GigatokenEngine(gigatoken.Tokenizer.from_json(text), prefix, suffix)
     except (ValueError, RuntimeError, KeyError) as e:
-        raise EngineUnavailable(f"gigatoken cannot load it ({e})") from e
+        raise EngineUnavailable(f"gigatoken cannot load it ({_first_line(e)})") from e
 
 
-def gigatoken_from_sentencepiece(path: Path, prefix: list[int]) -> GigatokenEngine:
+def gigatoken_from_sentencepiece(
+    path: Path, prefix: list[int], control_ids: set[int]
+) -> GigatokenEngine:
+    """gigatoken for a `.model`. gigatoken's conversion matches the control pieces (`<s>`,
+    `</s>`) inside text, where sentencepiece reads them as plain text, so they are dropped from
+    the converted tokenizer's added tokens (the ids stay in its vocabulary)."""
     gigatoken = _import_gigatoken()
     try:
-        return GigatokenEngine(gigatoken.Tokenizer.from_sentencepiece(path), prefix, [])
-    except (ValueError, RuntimeError, KeyError) as e:
-        raise EngineUnavailable(f"gigatoken cannot load it ({e})") from e
+        from gigatoken._load.sentencepiece import sentencepiece_to_tokenizer_json
+
+        spec = json.loads(sentencepiece_to_tokenizer_json(path.read_bytes()))
+        added = spec.get("added_tokens") or []
+        spec["added_tokens"] = [t for t in added if t.get("id") not in control_ids]
+        return GigatokenEngine(gigatoken.Tokenizer.from_json(json.dumps(spec)), prefix, [])
+    except (ImportError, ValueError, RuntimeError, KeyError) as e:
+        raise EngineUnavailable(f"gigatoken cannot load it ({_first_line(e)})") from e
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _import_gigatoken() -> Any:

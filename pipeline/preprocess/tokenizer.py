@@ -238,7 +238,8 @@ def _sentencepiece_tokenizer(path: Path, add_special_tokens: bool) -> _Loaded:
         add_special_tokens=add_special_tokens,
         _reference=_Lazy(lambda: engines.SentencePieceEngine(processor, prefix)),
     )
-    return tok, lambda: engines.gigatoken_from_sentencepiece(path, prefix)
+    controls = {i for i in range(processor.get_piece_size()) if processor.is_control(i)}
+    return tok, lambda: engines.gigatoken_from_sentencepiece(path, prefix, controls)
 
 
 def _hf_eod(added: dict[str, int], config_file: Path) -> int | None:
