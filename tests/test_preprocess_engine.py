@@ -259,3 +259,36 @@ def test_merge_of_hundreds_of_shards_streams_in_bounded_memory(tmp_path, monkeyp
     peak = peak_bytes([str(tmp_path / "parts")], "all")
     # Ten times the index (0.7 MB -> 7 MB) adds almost nothing to the peak (constant buffers).
     assert peak < few + 500_000, f"merge peak grew from {few:,} to {peak:,} bytes"
+
+
+def test_manifest_hashes_jsonl_files_as_they_are_read(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """Whole JSONL files (plain, .zst, .gz) are hashed from the bytes read for encoding, not in a
+    second pass; other inputs are hashed beside the run. All hashes are the files' SHA-256."""
+    import gzip
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from pipeline.preprocess import manifest as manifest_io
+
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in SAMPLE_TEXTS).encode()
+    (tmp_path / "a.jsonl").write_bytes(lines)
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(lines))
+    pq.write_table(pa.Table.from_pylist([{"text": "row"}]), tmp_path / "d.parquet")
+    hashed_apart = []
+    real_hash_inputs = manifest_io.hash_inputs
+
+    def spy(parts):
+        hashed_apart.extend(Path(p.file.path).name for p in parts)
+        return real_hash_inputs(parts)
+
+    monkeypatch.setattr(manifest_io, "hash_inputs", spy)
+    names = ["a.jsonl", "b.jsonl.zst", "c.jsonl.gz", "d.parquet"]
+    run_pipe("preprocess", "-i", *[tmp_path / n for n in names], "--tokenizer",
+             tiny_tokenizer_dir, "-o", tmp_path / "out", "-q")  # fmt: skip
+    assert hashed_apart == ["d.parquet"]
+    recorded = [i["sha256"] for i in json.loads((tmp_path / "out.json").read_text())["inputs"]]
+    assert recorded == [hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in names]

@@ -43,6 +43,7 @@ from pipeline.preprocess.readers import (
     InputRange,
     iter_batches,
     resolve_inputs,
+    streams_hash,
 )
 from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
 from pipeline.preprocess.tokenizer import TextTokenizer
@@ -156,13 +157,19 @@ def _run(
     )
     _set_engine_threads(config.workers)
     with ExitStack() as stack, _sigterm_as_exit():
-        input_hashes = _in_background(manifest_io.hash_inputs, parts)
+        hashes = _InputHashes(parts)
         writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, dtype)) for o in outputs]
         sources = []
         if config.record_sources:
             sources = [stack.enter_context(SourcesWriter(o.prefix)) for o in outputs]
         global_index = manifest_io.input_positions(inputs, parts)
-        batches = iter_batches(parts, config.json_keys, batch_bytes=config.batch_bytes)
+        batches = iter_batches(
+            parts,
+            config.json_keys,
+            batch_bytes=config.batch_bytes,
+            max_batch_items=_MAX_BATCH_ITEMS,
+            on_hashed=hashes.streamed.__setitem__,
+        )
         try:
             for result in _encode_in_order(batches, encoder):
                 _write(result, writers, outputs, summary, config.skip_bad_lines)
@@ -183,9 +190,7 @@ def _run(
             writer.finalize()
         summary.elapsed = progress.elapsed
         summary.input_bytes, summary.text_bytes = progress.input_bytes, progress.text_bytes
-        record = manifest_io.build(
-            config, tokenizer, inputs, input_hashes.result(), summary, shard_info
-        )
+        record = manifest_io.build(config, tokenizer, inputs, hashes.result(), summary, shard_info)
         manifest_io.write(Path(summary.manifest), record)
 
 
@@ -287,6 +292,8 @@ def _refuse_existing(prefixes: list[str], manifest_path: Path, overwrite: bool) 
 # Batches parsed ahead of the one being written: enough to keep the engine busy while the main
 # thread parses and writes, few enough that memory does not depend on the input.
 _LOOKAHEAD = 3
+# Documents per batch at most (batches are mostly cut by config.batch_bytes).
+_MAX_BATCH_ITEMS = 16384
 
 
 def _set_engine_threads(workers: int) -> None:
@@ -314,6 +321,25 @@ def _encode_in_order(batches: Iterable, encoder: DocumentEncoder) -> Iterator[En
             yield encoder.pack(parsed, future.result())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _InputHashes:
+    """SHA-256 of every part, for the manifest, without a second pass where avoidable: whole
+    JSONL files are hashed by the reader as it reads them (`streamed`, filled through
+    iter_batches' on_hashed); other parts (ranges, tabular files) by a background thread."""
+
+    def __init__(self, parts: list[InputRange]) -> None:
+        self.parts = parts
+        self.streamed: dict[int, str] = {}
+        self._others = _in_background(
+            manifest_io.hash_inputs, [p for p in parts if not streams_hash(p)]
+        )
+
+    def result(self) -> list[str]:
+        others = iter(self._others.result())
+        return [
+            self.streamed[i] if streams_hash(p) else next(others) for i, p in enumerate(self.parts)
+        ]
 
 
 def _in_background(fn: Callable, *args) -> Future:
