@@ -301,7 +301,6 @@ def _set_engine_threads(workers: int) -> None:
     first used; a pool already started in this process keeps its size)."""
     os.environ["RAYON_NUM_THREADS"] = str(workers)
     os.environ["RAYON_RS_NUM_CPUS"] = str(workers)  # tokenizers' own name for it
-    os.environ.pop("TOKENIZERS_PARALLELISM", None)
 
 
 def _encode_in_order(batches: Iterable, encoder: DocumentEncoder) -> Iterator[EncodedBatch]:

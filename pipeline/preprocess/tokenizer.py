@@ -160,10 +160,11 @@ class _Lazy:
 def _hf_tokenizer(path: Path, add_special_tokens: bool) -> _Loaded:
     """A tokenizer.json. Its eod and post-processing come from the file's small top-level
     sections, so the `tokenizers` reference is only loaded if the engine proof needs it."""
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
     try:
+        text = raw.decode("utf-8")
         sections = engines.json_sections(text, ("added_tokens", "post_processor"))
-    except ValueError as e:
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
         raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from e
     config_file = path.with_name("tokenizer_config.json")
     added = {t["content"]: t["id"] for t in sections.get("added_tokens") or []}
@@ -185,7 +186,7 @@ def _hf_tokenizer(path: Path, add_special_tokens: bool) -> _Loaded:
         add_special_tokens=add_special_tokens,
         _reference=_Lazy(reference),
     )
-    tok._sha256[path] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    tok._sha256[path] = hashlib.sha256(raw).hexdigest()
     post = sections.get("post_processor") if add_special_tokens else None
     return tok, lambda: engines.gigatoken_from_json(text, post)
 
