@@ -292,3 +292,11 @@ def test_manifest_hashes_jsonl_files_as_they_are_read(tmp_path, tiny_tokenizer_d
     assert hashed_apart == ["d.parquet"]
     recorded = [i["sha256"] for i in json.loads((tmp_path / "out.json").read_text())["inputs"]]
     assert recorded == [hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in names]
+
+
+def test_deeply_nested_line_is_a_bad_line_not_a_traceback(tmp_path, tiny_tokenizer_dir):
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "ok"}\n{"a": ' + b"[" * 100_000 + b"\n")
+    args = ["-i", tmp_path / "in.jsonl", "--tokenizer", tiny_tokenizer_dir, "-o", tmp_path / "o"]
+    result = run_pipe("preprocess", *args, "-q", expect_ok=False)
+    assert result.exit_code == 1
+    assert "in.jsonl:2: malformed JSON: nested too deeply" in result.output

@@ -159,6 +159,8 @@ class DocumentEncoder:
             problem = f"invalid UTF-8 at byte {e.start} of the line"
         except json.JSONDecodeError as e:
             problem = f"malformed JSON: {e.msg} at column {e.colno}"
+        except RecursionError:
+            problem = "malformed JSON: nested too deeply"
         else:
             if not isinstance(record, dict):
                 problem = f"expected a JSON object, got {_type_name(record)}"
