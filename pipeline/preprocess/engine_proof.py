@@ -4,16 +4,16 @@ A self-test encodes the tokenizer's own special and added tokens (alone, inside 
 and the edge cases where BPE engines differ: empty text, whitespace runs, many scripts, emoji,
 control and private-use characters (byte fallback), very long words. Any difference refuses the
 engine. A passed proof is remembered under `$XDG_CACHE_HOME/pipe/engine-proofs/` keyed by the
-tokenizer files' SHA-256, the options, the library versions and this test's version, so a
+tokenizer files' SHA-256, the options, the library installs and this test's version, so a
 second run with the same files skips loading the reference library (about 0.5 s for Llama 3).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ def prove(engine: Any, reference: Callable[[], Any], *, key: str) -> None:
     """Raise EngineMismatch unless `engine` encodes every self-test text as `reference()` does.
 
     `reference` is only called (the reference library only loaded) when no cached proof exists
-    for `key` (the tokenizer's identity) with the installed library versions.
+    for `key` (the tokenizer's identity) with the installed libraries.
     """
     proof = _proof_file(key)
     if proof is not None and proof.is_file():
@@ -89,17 +89,21 @@ def _proof_file(key: str) -> Path | None:
     """Where a passed proof for `key` is remembered (None when caching is off: PIPE_NO_CACHE)."""
     if os.environ.get("PIPE_NO_CACHE"):
         return None
-    versions = [_version(name) for name in ("gigatoken", "tokenizers", "sentencepiece")]
-    digest = hashlib.sha256("\0".join([SELF_TEST_VERSION, key, *versions]).encode()).hexdigest()
+    installs = [_installed(name) for name in ("gigatoken", "tokenizers", "sentencepiece")]
+    digest = hashlib.sha256("\0".join([SELF_TEST_VERSION, key, *installs]).encode()).hexdigest()
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "pipe" / "engine-proofs" / digest
 
 
-def _version(name: str) -> str:
-    try:
-        return f"{name}=={metadata.version(name)}"
-    except metadata.PackageNotFoundError:
+def _installed(name: str) -> str:
+    """Which install of a library this is, without importing it (importlib.metadata alone costs
+    more start-up than the budget allows): its location, size and modification time, which
+    any upgrade or reinstall changes."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
         return f"{name} absent"
+    stat = os.stat(spec.origin)
+    return f"{name} {spec.origin} {stat.st_size} {stat.st_mtime_ns}"
 
 
 def _remember(proof: Path | None) -> None:
