@@ -22,6 +22,12 @@ from pipeline.cli import cli
 from pipeline.data.indexed import IndexedDataset
 
 
+@pytest.fixture(autouse=True)
+def private_proof_cache(monkeypatch, tmp_path_factory):
+    """Engine proofs are remembered in a test-private cache, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
 def run_pipe(*args: str, expect_ok: bool = True):
     result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
     if expect_ok:
@@ -69,13 +75,13 @@ def test_tiny_tokenizer_matches_megatron(tmp_path, tiny_tokenizer_dir, workers):
 
 @pytest.mark.parametrize(
     "name,engine,eod,dtype,count",
-    [("llama3", "tiktoken", 128001, np.int32, 120), ("llama2", "tokenizers", 2, np.uint16, 30)],
+    [("llama3", "gigatoken", 128001, np.int32, 120), ("llama2", "gigatoken", 2, np.uint16, 30)],
 )
 def test_real_tokenizers_on_real_corpus_match_megatron(
     request, tmp_path, corpus_texts, name, engine, eod, dtype, count
 ):
-    """Llama 3 (int32, tiktoken engine) and Llama 2 (uint16, SentencePiece-style BPE, so the
-    tokenizers engine) on real text with --append-eod and 2 workers."""
+    """Llama 3 (int32, byte-level BPE) and Llama 2 (uint16, SentencePiece-style BPE with byte
+    fallback), both on the gigatoken engine, on real text with --append-eod and 2 workers."""
     tokenizer_dir = request.getfixturevalue(f"{name}_dir")
     docs = corpus_texts[:count] + varied_documents()
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
@@ -97,7 +103,7 @@ def test_add_special_tokens_applies_post_processing(tmp_path, llama2_dir, tiny_t
 
 
 def test_fast_engine_with_template_post_processor(tmp_path, llama3_dir):
-    """Llama 3 with a BOS template (as Meta's own files have): the tiktoken engine adds the same
+    """Llama 3 with a BOS template (as Meta's own files have): the gigatoken engine adds the same
     prefix as tokenizers' post-processing."""
     from tokenizers import Tokenizer, processors
 
@@ -109,7 +115,7 @@ def test_fast_engine_with_template_post_processor(tmp_path, llama3_dir):
     tokdir.mkdir()
     tok.save(str(tokdir / "tokenizer.json"))
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in SAMPLE_TEXTS])
-    for engine in ("tiktoken", "tokenizers"):
+    for engine in ("gigatoken", "tokenizers"):
         preprocess(
             src,
             tokdir,
@@ -119,10 +125,10 @@ def test_fast_engine_with_template_post_processor(tmp_path, llama3_dir):
             engine,
             "-q",
         )
-    assert file_bytes(tmp_path / "tiktoken_text_document") == file_bytes(
+    assert file_bytes(tmp_path / "gigatoken_text_document") == file_bytes(
         tmp_path / "tokenizers_text_document"
     )
-    assert IndexedDataset(tmp_path / "tiktoken_text_document")[0][0] == 128000
+    assert IndexedDataset(tmp_path / "gigatoken_text_document")[0][0] == 128000
 
 
 def test_sentencepiece_model(tmp_path):

@@ -36,6 +36,12 @@ def no_launcher_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def private_proof_cache(monkeypatch, tmp_path_factory):
+    """Engine proofs are remembered in a test-private cache, not the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
 def run_pipe(*args, expect_ok: bool = True, env: dict | None = None):
     result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, env=env)
     if expect_ok:

@@ -115,7 +115,7 @@ def _user_errors() -> Iterator[None]:
     type=click.IntRange(min=1),
     default=os.cpu_count() or 1,
     show_default=True,
-    help="Tokenizer processes.",
+    help="Encoding threads.",
 )
 @click.option(
     "--skip-bad-lines",
@@ -125,10 +125,17 @@ def _user_errors() -> Iterator[None]:
 @click.option("--overwrite", is_flag=True, help="Replace existing outputs.")
 @click.option(
     "--tokenizer-engine",
-    type=click.Choice(["auto", "tiktoken", "tokenizers"]),
+    type=click.Choice(["auto", "gigatoken", "tokenizers"]),
     default="auto",
     show_default=True,
-    help="auto: the fast tiktoken engine where provably identical to tokenizers.",
+    help="auto: gigatoken where its self-test at load proves it identical to the reference "
+    "library; tokenizers: the reference only (sentencepiece for a .model).",
+)
+@click.option(
+    "--record-sources",
+    is_flag=True,
+    help="Write {prefix}_{key}_document.sources: each document's input file and line (or "
+    "row), shown by `pipe inspect --show`.",
 )
 @click.option(
     "--log-interval",
@@ -161,6 +168,7 @@ def preprocess(
     skip_bad_lines,
     overwrite,
     tokenizer_engine,
+    record_sources,
     log_interval,
     num_shards,
     shard_index,
@@ -200,6 +208,7 @@ def preprocess(
             workers=workers,
             skip_bad_lines=skip_bad_lines,
             overwrite=overwrite,
+            record_sources=record_sources,
             log_interval=log_interval,
             show_progress=not quiet,
             shard=shard,
@@ -282,7 +291,8 @@ def _merge_shards(shards: list[str], output_prefix: str | None, overwrite: bool)
     "--show",
     type=click.IntRange(min=0),
     default=0,
-    help="Decode and print the first N documents of PREFIX.",
+    help="Decode and print the first N documents of PREFIX (with their input file and line "
+    "when it was preprocessed with --record-sources).",
 )
 @click.option(
     "--tokenizer",
@@ -325,7 +335,12 @@ def inspect(prefix, show, tokenizer_path, data, seq_length, samples, split, as_j
             return
         if prefix is None:
             raise click.UsageError("give a dataset PREFIX, or --data with a blend")
-        from pipeline.preprocess.inspect import decoded_documents, describe, format_description
+        from pipeline.preprocess.inspect import (
+            decoded_documents,
+            describe,
+            document_sources,
+            format_description,
+        )
 
         info = describe(prefix)
         if as_json:
@@ -334,8 +349,10 @@ def inspect(prefix, show, tokenizer_path, data, seq_length, samples, split, as_j
             click.echo("\n".join(format_description(info)))
         if show:
             tokenizer = _tokenizer_for_show(tokenizer_path, info)
+            sources = document_sources(prefix, info, show)
             for i, text in enumerate(decoded_documents(prefix, tokenizer, show)):
-                click.echo(f"--- document {i} ---\n{text}")
+                where = f" (from {sources[i]})" if sources else ""
+                click.echo(f"--- document {i}{where} ---\n{text}")
 
 
 def _inspect_blend(prefix, data, seq_length, samples, split, as_json) -> None:

@@ -1,4 +1,4 @@
-"""Worker side of `pipe preprocess`: parse a batch of input items, validate them, tokenize, and
+"""Encoding side of `pipe preprocess`: parse a batch of input items, validate them, tokenize, and
 pack the result as flat arrays ready to append to the `.bin`/`.idx` writers.
 
 Encoding follows Megatron's `tools/preprocess_data.py` document level: per key, a string value is
@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
+import orjson
 
 from pipeline.preprocess.readers import Batch, file_line
 from pipeline.preprocess.tokenizer import TextTokenizer
@@ -47,7 +47,8 @@ class KeyTokens:
 
 @dataclass
 class EncodedBatch:
-    """What a worker sends back for one `Batch`."""
+    """What the encoder gives back for one `Batch`: tokens per key, counts, bad lines, and each
+    document's line (or row) number in its file."""
 
     index: int
     keys: list[KeyTokens]
@@ -56,6 +57,8 @@ class EncodedBatch:
     text_bytes: int = 0
     input_bytes: int = 0
     bad_lines: list[BadLine] = field(default_factory=list)
+    part: int = 0  # which input part the batch came from
+    lines: np.ndarray | None = None  # int64 per document
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,19 @@ class EncodeOptions:
     dtype: str  # numpy dtype name of the output tokens
 
 
+@dataclass
+class ParsedBatch:
+    """A batch after parsing: per key, every sentence of every document in one flat list, and
+    how many sentences each document has (None: exactly one each, the common case)."""
+
+    result: EncodedBatch
+    texts: list[list[str]]
+    sentence_counts: list[list[int] | None]
+
+
 class DocumentEncoder:
-    """Turns `Batch`es into `EncodedBatch`es; one per worker process."""
+    """Turns `Batch`es into `EncodedBatch`es in three steps, so that the runner can overlap
+    them: `parse` (Python), `encode` (the engine, without the GIL), `pack` (numpy)."""
 
     def __init__(self, tokenizer: TextTokenizer, options: EncodeOptions):
         if options.append_eod and tokenizer.eod is None:
@@ -74,40 +88,70 @@ class DocumentEncoder:
         self.tokenizer = tokenizer
         self.options = options
         self.dtype = np.dtype(options.dtype)
+        self.eod = tokenizer.eod if options.append_eod else None
 
     def __call__(self, batch: Batch) -> EncodedBatch:
-        result = EncodedBatch(index=batch.index, keys=[], input_bytes=batch.nbytes)
-        documents = self._parse(batch, result)  # per document: one list of sentences per key
-        result.documents = len(documents)
-        for k in range(len(self.options.keys)):
-            result.keys.append(self._encode_key([doc[k] for doc in documents]))
-        return result
+        parsed = self.parse(batch)
+        return self.pack(parsed, self.encode(parsed))
 
     # ----------------------------------------------------------------------------- parsing
 
-    def _parse(self, batch: Batch, result: EncodedBatch) -> list[list[list[str]]]:
-        documents = []
+    def parse(self, batch: Batch) -> ParsedBatch:
+        """Validate every item and collect its sentences; bad items are recorded, not raised."""
+        result = EncodedBatch(index=batch.index, keys=[], input_bytes=batch.nbytes)
+        result.part = batch.part
+        keys = self.options.keys
+        texts: list[list[str]] = [[] for _ in keys]
+        counts: list[list[int]] = [[] for _ in keys]
+        single = [True] * len(keys)
+        offsets: list[int] = []
         if batch.lines is not None:
             items = (self._parse_line(batch, i, raw, result) for i, raw in enumerate(batch.lines))
         else:
-            items = (r for r in batch.records or [])
+            items = iter(batch.records or [])
         for offset, record in enumerate(items):
             if record is None:
                 continue
             try:
-                documents.append([self._sentences(record, key) for key in self.options.keys])
+                values = [self._sentences(record, key) for key in keys]
             except _Bad as e:
                 result.bad_lines.append(BadLine(batch.source, file_line(batch, offset), str(e)))
-        return documents
+                continue
+            offsets.append(offset)
+            for k, value in enumerate(values):
+                if isinstance(value, str):
+                    texts[k].append(value)
+                    counts[k].append(1)
+                else:
+                    texts[k].extend(value)
+                    counts[k].append(len(value))
+                    single[k] = False
+        result.documents = len(offsets)
+        first = file_line(batch, 0) if offsets else 0
+        result.lines = np.asarray(offsets, dtype=np.int64) + first
+        return ParsedBatch(result, texts, [None if s else c for s, c in zip(single, counts)])
 
     def _parse_line(self, batch: Batch, i: int, raw: bytes, result: EncodedBatch) -> dict | None:
         """One JSONL line as a dict; None for a blank or bad line (a bad one is recorded)."""
         result.text_bytes += len(raw) + 1
-        if not raw.strip():
+        if not raw or raw.isspace():
             result.blank_lines += 1
             return None
-        at_file_start = batch.start_byte == 0 and batch.first_line + i == 1
-        if at_file_start and raw.startswith(_UTF8_BOM):
+        try:
+            record = orjson.loads(raw)  # strict: valid UTF-8, no lone surrogates, no NaN
+        except orjson.JSONDecodeError:
+            return self._parse_line_strictly(batch, i, raw, result)
+        if isinstance(record, dict):
+            return record
+        return self._parse_line_strictly(batch, i, raw, result)  # names what it is instead
+
+    def _parse_line_strictly(
+        self, batch: Batch, i: int, raw: bytes, result: EncodedBatch
+    ) -> dict | None:
+        """The standard library's verdict on a line orjson refused: it accepts a little more
+        (NaN, a BOM at the file start, lone surrogates, which are then refused here) and its
+        messages name the problem."""
+        if raw.startswith(_UTF8_BOM) and batch.start_byte == 0 and batch.first_line + i == 1:
             raw = raw[len(_UTF8_BOM) :]
         try:
             record = json.loads(raw.decode("utf-8"))
@@ -115,53 +159,86 @@ class DocumentEncoder:
             problem = f"invalid UTF-8 at byte {e.start} of the line"
         except json.JSONDecodeError as e:
             problem = f"malformed JSON: {e.msg} at column {e.colno}"
+        except RecursionError:
+            problem = "malformed JSON: nested too deeply"
         else:
-            if isinstance(record, dict):
+            if not isinstance(record, dict):
+                problem = f"expected a JSON object, got {_type_name(record)}"
+            elif surrogate := _surrogate_key(record, self.options.keys):
+                problem = f"key '{surrogate}' holds an unpaired surrogate (not valid Unicode)"
+            else:
                 return record
-            problem = f"expected a JSON object, got {_type_name(record)}"
         result.bad_lines.append(BadLine(batch.source, file_line(batch, i), problem))
         return None
 
-    def _sentences(self, record: dict, key: str) -> list[str]:
+    def _sentences(self, record: dict, key: str) -> str | list[str]:
+        """The key's value: one string, or a list of strings (sentences)."""
         if key not in record:
             raise _Bad(f"missing key '{key}'")
         value = record[key]
         sentences = [value] if isinstance(value, str) else value
         if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
             raise _Bad(f"key '{key}' is {_type_name(value)}, expected a string")
-        for s in sentences:
-            if not s.isascii() and _SURROGATE.search(s):
-                raise _Bad(f"key '{key}' holds an unpaired surrogate (not valid Unicode)")
-        return sentences
+        return value
 
     # ----------------------------------------------------------------------------- encoding
 
-    def _encode_key(self, documents: list[list[str]]) -> KeyTokens:
-        flat = [s for sentences in documents for s in sentences]
-        ids = self.tokenizer.encode_batch(flat) if flat else []
-        eod = [self.tokenizer.eod] if self.options.append_eod else None
-        pieces: list[list[int]] = []
-        lengths: list[int] = []
-        per_document: list[int] = []
-        position = 0
-        for sentences in documents:
-            kept = [x for x in ids[position : position + len(sentences)] if x]
-            position += len(sentences)
-            pieces.extend(kept)
-            lengths.extend(len(x) for x in kept)
-            if kept and eod:
-                pieces.append(eod)
-                lengths[-1] += 1
-            per_document.append(len(kept))
-        total = sum(lengths)
-        tokens = np.fromiter(chain.from_iterable(pieces), dtype=self.dtype, count=total)
-        return KeyTokens(
-            tokens, np.asarray(lengths, dtype=np.int32), np.asarray(per_document, dtype=np.int32)
-        )
+    def encode(self, parsed: ParsedBatch) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Flat ids and offsets per key (the engine releases the GIL while it works)."""
+        empty = (np.empty(0, np.int64), np.zeros(1, np.int64))
+        return [self.tokenizer.encode_packed(t) if t else empty for t in parsed.texts]
+
+    def pack(
+        self, parsed: ParsedBatch, encoded: list[tuple[np.ndarray, np.ndarray]]
+    ) -> EncodedBatch:
+        """Megatron's document layout per key: empty sentences dropped, EOD appended to the last
+        sentence of every document that has a token."""
+        result = parsed.result
+        for (flat, offsets), counts in zip(encoded, parsed.sentence_counts):
+            result.keys.append(pack_documents(flat, offsets, counts, self.eod, self.dtype))
+        return result
+
+
+def pack_documents(
+    flat: np.ndarray,
+    offsets: np.ndarray,
+    sentence_counts: list[int] | None,
+    eod: int | None,
+    dtype: np.dtype,
+) -> KeyTokens:
+    """Turn encoded sentences (flat ids, offsets) into documents' sequences, vectorized."""
+    lengths = np.diff(offsets)
+    keep = lengths > 0
+    sequence_lengths = lengths[keep].astype(np.int32)
+    if sentence_counts is None:  # one sentence per document
+        per_document = keep.astype(np.int32)
+        document_ends = np.arange(1, len(lengths) + 1)
+    else:
+        counts = np.asarray(sentence_counts, dtype=np.int64)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        per_document = np.bincount(owner[keep], minlength=len(counts)).astype(np.int32)
+        document_ends = np.cumsum(counts)
+    tokens = flat
+    if eod is not None and len(sequence_lengths):
+        nonempty = per_document > 0
+        tokens = np.insert(flat, offsets[document_ends[nonempty]], eod)
+        sequence_lengths[np.cumsum(per_document)[nonempty] - 1] += 1
+    return KeyTokens(tokens.astype(dtype, copy=False), sequence_lengths, per_document)
 
 
 class _Bad(ValueError):
     """A record-level problem, reported with the record's file and line."""
+
+
+def _surrogate_key(record: dict, keys: tuple[str, ...]) -> str | None:
+    """The first key whose text holds an unpaired surrogate (only the standard library's parser
+    lets one through; orjson and Arrow refuse them)."""
+    for key in keys:
+        value = record.get(key)
+        for s in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+            if isinstance(s, str) and not s.isascii() and _SURROGATE.search(s):
+                return key
+    return None
 
 
 def _type_name(value: object) -> str:

@@ -9,6 +9,7 @@ import numpy as np
 
 from pipeline.data import manifest as manifest_io
 from pipeline.data.indexed import IndexedDataset
+from pipeline.data.sources import read_sources
 
 PERCENTILES = (0, 10, 50, 90, 99, 100)
 
@@ -105,3 +106,19 @@ def decoded_documents(prefix: str, tokenizer: Any, count: int) -> list[str]:
             break
         texts.append(tokenizer.decode(tokens.tolist()))
     return texts
+
+
+def document_sources(prefix: str, info: dict[str, Any], count: int) -> list[str]:
+    """`path:LINE` (`path row N` for tabular inputs) of the first `count` documents, from
+    the sources file and the manifest's input list; [] when the dataset has no sources file."""
+    rows = read_sources(IndexedDataset(prefix).prefix)
+    if rows is None:
+        return []
+    inputs = info.get("manifest", {}).get("inputs", [])
+    described = []
+    for input_index, line in rows[:count].tolist():
+        entry = inputs[input_index] if input_index < len(inputs) else {}
+        path = entry.get("path", f"input {input_index}")
+        jsonl = entry.get("kind", "jsonl").startswith("jsonl")
+        described.append(f"{path}:{line}" if jsonl else f"{path} row {line}")
+    return described

@@ -50,6 +50,7 @@ def flags(config: PreprocessConfig, tokenizer: TextTokenizer) -> dict[str, Any]:
         "append_eod": config.append_eod,
         "add_special_tokens": tokenizer.add_special_tokens,
         "skip_bad_lines": config.skip_bad_lines,
+        "record_sources": config.record_sources,
         "level": "document",
     }
 
@@ -69,12 +70,17 @@ def input_entries(inputs: list[InputFile]) -> list[dict[str, Any]]:
     return [{"path": f.path, "kind": f.kind, "bytes": f.size} for f in inputs]
 
 
+def input_positions(inputs: list[InputFile], parts: list[InputRange]) -> list[int]:
+    """For each part, the position of its file in `inputs` (the run's whole input list)."""
+    position = {id(f): i for i, f in enumerate(inputs)}
+    return [position[id(p.file)] for p in parts]
+
+
 def range_entries(inputs: list[InputFile], parts: list[InputRange]) -> list[dict[str, Any]]:
     """A shard's `ranges`: for each part, its input's position in `inputs`, path and bytes."""
-    position = {id(f): i for i, f in enumerate(inputs)}
     return [
-        {"input": position[id(p.file)], "path": p.file.path, "start": p.start, "end": p.end}
-        for p in parts
+        {"input": i, "path": p.file.path, "start": p.start, "end": p.end}
+        for i, p in zip(input_positions(inputs, parts), parts)
     ]
 
 

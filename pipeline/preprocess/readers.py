@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import glob
 import gzip
+import hashlib
 import itertools
 import json
 import os
@@ -108,6 +109,7 @@ class Batch:
     # Byte offset of the line numbered 1 above: 0 (the file's first line) unless this batch
     # comes from a range of a split file; `file_line` turns numbers into the file's own.
     start_byte: int = 0
+    part: int = 0  # position of its file (or range) in the list given to iter_batches
 
 
 def file_line(batch: Batch, offset: int) -> int:
@@ -246,6 +248,7 @@ def iter_batches(
     *,
     batch_bytes: int = 1 << 20,
     max_batch_items: int = 1024,
+    on_hashed: Callable[[int, str], None] | None = None,
 ) -> Iterator[Batch]:
     """Stream the documents of `inputs` (whole files, or ranges of plain JSONL files), in order,
     as batches of consecutive items of one file.
@@ -255,18 +258,35 @@ def iter_batches(
     last batch of each file is usually smaller. `keys` selects the columns kept for tabular
     inputs; JSONL lines are passed on raw. A file that yields no items but has bytes on disk
     (e.g. an empty .gz) gives one empty batch, so that nbytes always sums to the input size.
+
+    With `on_hashed`, each whole JSONL file is hashed (SHA-256) from the bytes read for it,
+    with no second pass, and `on_hashed(position, hexdigest)` is called when it is done.
     """
     if batch_bytes < 1 or max_batch_items < 1:
         raise ValueError("batch_bytes and max_batch_items must be >= 1")
     counter = itertools.count()
     keys = [keys] if isinstance(keys, str) else list(dict.fromkeys(keys))  # dedup, order kept
-    for item in inputs:
+    for position, item in enumerate(inputs):
         part = item if isinstance(item, InputRange) else InputRange.whole(item)
         if not part.is_whole and part.file.kind != "jsonl":
             raise ValueError(f"{part.file.path}: only plain JSONL can be read in part")
-        kind = part.file.kind
-        source = _LineSource(part) if kind in _LINE_KINDS else _TableSource(part.file, keys)
-        yield from _file_batches(part, source, _Grouper(batch_bytes, max_batch_items), counter)
+        hashed = on_hashed is not None and streams_hash(part)
+        source: _LineSource | _TableSource
+        if part.file.kind in _LINE_KINDS:
+            source = _LineSource(part, hashlib.sha256() if hashed else None)
+        else:
+            source = _TableSource(part.file, keys)
+        grouper = _Grouper(batch_bytes, max_batch_items)
+        for batch in _file_batches(part, source, grouper, counter):
+            batch.part = position
+            yield batch
+        if on_hashed is not None and isinstance(source, _LineSource) and source.digest:
+            on_hashed(position, source.digest.hexdigest())
+
+
+def streams_hash(part: InputRange) -> bool:
+    """True when `iter_batches` hashes this part while reading it (a whole JSONL file)."""
+    return part.is_whole and part.file.kind in _LINE_KINDS
 
 
 def _file_batches(
@@ -372,18 +392,18 @@ class _Grouper:
 
 class _CountingReader:
     """Wraps the raw file to count the on-disk bytes read (progress is in compressed bytes)
-    and to let a frame tracker see them."""
+    and to let a frame tracker and a hasher see them."""
 
-    def __init__(self, f: BinaryIO, observe: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, f: BinaryIO, observers: list[Callable[[bytes], Any]]) -> None:
         self._f = f
-        self._observe = observe
+        self._observers = observers
         self.count = 0
 
     def read(self, size: int = -1) -> bytes:
         data = self._f.read(size)
         self.count += len(data)
-        if self._observe is not None:
-            self._observe(data)
+        for observe in self._observers:
+            observe(data)
         return data
 
     def close(self) -> None:
@@ -503,9 +523,10 @@ class _LineSource:
     """Streams the lines of a JSONL file (plain, .zst or .gz), or of a range of a plain one, in
     big chunks."""
 
-    def __init__(self, part: InputRange) -> None:
+    def __init__(self, part: InputRange, digest: Any = None) -> None:
         self.inp = part.file
         self.part = part
+        self.digest = digest  # a hashlib object fed the file's bytes as they are read
         self.line_start = 0  # byte offset of the first line read (set when reading starts)
         self._raw: _CountingReader | None = None
         self._decompressed = 0
@@ -523,7 +544,9 @@ class _LineSource:
             if not self.part.is_whole:
                 base = _RangeReader(f, self.part.start, self.part.end)
                 self.line_start = base.line_start
-            self._raw = raw = _CountingReader(base, tracker.feed if tracker else None)
+            observers = [o.update for o in [self.digest] if o is not None]
+            observers += [tracker.feed] if tracker else []
+            self._raw = raw = _CountingReader(base, observers)
             stream: Any = raw
             if kind == "jsonl.zst":
                 stream = zstandard.ZstdDecompressor().stream_reader(
@@ -536,6 +559,9 @@ class _LineSource:
                 if has_cr:
                     lines = [ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]
                 yield lines, np.cumsum(sizes + 1)
+            if self.digest is not None:
+                while raw.read(_READ_CHUNK):  # bytes a decoder left unread still count
+                    pass
             if tracker is not None and not tracker.complete:
                 raise InputError(f"{path}: corrupt or truncated {kind} file (ends mid-frame)")
 

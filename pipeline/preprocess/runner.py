@@ -1,22 +1,23 @@
-"""`pipe preprocess`: stream inputs through a pool of tokenizer workers into one Megatron indexed
-dataset per JSON key, in input order, with a provenance manifest.
+"""`pipe preprocess`: stream inputs through the tokenizer into one Megatron indexed dataset per
+JSON key, in input order, with a provenance manifest.
 
-The main process only reads and writes; workers parse, validate and tokenize. At most a few
-batches per worker are in flight, so memory stays bounded whatever the input size. Every output is
-written under a temporary name and renamed at the end, so an interrupted run leaves no final-named
-file; SIGTERM is turned into a clean exit so that the temporary files are removed too.
+One process, overlapped: the main thread reads, parses, validates and writes while an encoding
+thread runs the engine, which releases the GIL and spreads each batch over `--workers` threads
+of its own. At most a few batches are in flight, so memory stays bounded whatever the input size.
+Every output is written under a temporary name and renamed at the end, so an interrupted run
+leaves no final-named file; SIGTERM is turned into a clean exit so that the temporary files are
+removed too.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ from pipeline.data.indexed import (
 )
 from pipeline.data.manifest import manifest_path
 from pipeline.data.manifest import read as read_manifest
+from pipeline.data.sources import SourcesWriter
 from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
 from pipeline.preprocess.progress import Progress
@@ -41,6 +43,7 @@ from pipeline.preprocess.readers import (
     InputRange,
     iter_batches,
     resolve_inputs,
+    streams_hash,
 )
 from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
 from pipeline.preprocess.tokenizer import TextTokenizer
@@ -60,10 +63,11 @@ class PreprocessConfig:
     output_prefix: str
     json_keys: tuple[str, ...] = ("text",)
     append_eod: bool = False
-    workers: int = 1
+    workers: int = 1  # encoding threads
     skip_bad_lines: bool = False
     overwrite: bool = False
-    batch_bytes: int = 1 << 20
+    record_sources: bool = False  # write {prefix}.sources beside each .bin/.idx
+    batch_bytes: int = 4 << 20
     log_interval: float = 10.0
     show_progress: bool = True
     shard: ShardSpec | None = None  # None: the whole input; see pipeline.preprocess.shards
@@ -151,13 +155,26 @@ def _run(
     progress = Progress(
         sum(p.size for p in parts), log_interval=config.log_interval, enabled=config.show_progress
     )
+    _set_engine_threads(config.workers)
     with ExitStack() as stack, _sigterm_as_exit():
-        input_hashes = _in_background(manifest_io.hash_inputs, parts)
+        hashes = _InputHashes(parts)
         writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, dtype)) for o in outputs]
-        batches = iter_batches(parts, config.json_keys, batch_bytes=config.batch_bytes)
+        sources = []
+        if config.record_sources:
+            sources = [stack.enter_context(SourcesWriter(o.prefix)) for o in outputs]
+        global_index = manifest_io.input_positions(inputs, parts)
+        batches = iter_batches(
+            parts,
+            config.json_keys,
+            batch_bytes=config.batch_bytes,
+            max_batch_items=_MAX_BATCH_ITEMS,
+            on_hashed=hashes.streamed.__setitem__,
+        )
         try:
-            for result in _encode_in_order(batches, encoder, tokenizer, options, config.workers):
+            for result in _encode_in_order(batches, encoder):
                 _write(result, writers, outputs, summary, config.skip_bad_lines)
+                for writer in sources:
+                    writer.add(global_index[result.part], result.lines)
                 progress.update(
                     documents=result.documents,
                     input_bytes=result.input_bytes,
@@ -166,14 +183,14 @@ def _run(
                 )
         finally:
             progress.close()
+        for writer in sources:
+            writer.finalize()
         for writer, out in zip(writers, outputs):
             out.sequences = writer.num_sequences
             writer.finalize()
         summary.elapsed = progress.elapsed
         summary.input_bytes, summary.text_bytes = progress.input_bytes, progress.text_bytes
-        record = manifest_io.build(
-            config, tokenizer, inputs, input_hashes.result(), summary, shard_info
-        )
+        record = manifest_io.build(config, tokenizer, inputs, hashes.result(), summary, shard_info)
         manifest_io.write(Path(summary.manifest), record)
 
 
@@ -270,55 +287,58 @@ def _refuse_existing(prefixes: list[str], manifest_path: Path, overwrite: bool) 
         raise PreprocessError(f"output exists: {names}; pass --overwrite to replace it")
 
 
-# --------------------------------------------------------------------------------- workers
+# --------------------------------------------------------------------------------- encoding
 
-_worker_encoder: DocumentEncoder | None = None
-
-
-def _init_worker(tokenizer: TextTokenizer, options: EncodeOptions) -> None:
-    global _worker_encoder
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and cleans up
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-    _worker_encoder = DocumentEncoder(tokenizer, options)
+# Batches parsed ahead of the one being written: enough to keep the engine busy while the main
+# thread parses and writes, few enough that memory does not depend on the input.
+_LOOKAHEAD = 3
+# Documents per batch at most (batches are mostly cut by config.batch_bytes).
+_MAX_BATCH_ITEMS = 16384
 
 
-def _encode_in_worker(batch) -> EncodedBatch:
-    assert _worker_encoder is not None
-    return _worker_encoder(batch)
+def _set_engine_threads(workers: int) -> None:
+    """Size the engines' thread pools (gigatoken's and tokenizers' Rust pools read these when
+    first used; a pool already started in this process keeps its size)."""
+    os.environ["RAYON_NUM_THREADS"] = str(workers)
+    os.environ["RAYON_RS_NUM_CPUS"] = str(workers)  # tokenizers' own name for it
 
 
-def _encode_in_order(
-    batches: Iterable,
-    encoder: DocumentEncoder,
-    tokenizer: TextTokenizer,
-    options: EncodeOptions,
-    workers: int,
-) -> Iterator[EncodedBatch]:
-    """Encoded batches in input order; with workers > 1 a process pool with bounded look-ahead
-    (Pool.imap would read the whole input ahead of the workers)."""
-    if workers <= 1:
-        yield from map(encoder, batches)
-        return
-    context = multiprocessing.get_context("spawn")
-    pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer, options))
-    try:
-        yield from _bounded_ordered_map(
-            pool.apply_async, _encode_in_worker, batches, limit=3 * workers
-        )
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
-
-
-def _bounded_ordered_map(submit: Callable, fn: Callable, items: Iterable, limit: int) -> Iterator:
+def _encode_in_order(batches: Iterable, encoder: DocumentEncoder) -> Iterator[EncodedBatch]:
+    """Encoded batches in input order: the main thread parses batch i+1.. while one encoding
+    thread runs the engine on batch i (the engine itself is multi-threaded)."""
     pending: deque = deque()
-    for item in items:
-        pending.append(submit(fn, (item,)))
-        if len(pending) >= limit:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="pipe-encode")
+    try:
+        for batch in batches:
+            parsed = encoder.parse(batch)
+            pending.append((parsed, pool.submit(encoder.encode, parsed)))
+            if len(pending) > _LOOKAHEAD:
+                parsed, future = pending.popleft()
+                yield encoder.pack(parsed, future.result())
+        while pending:
+            parsed, future = pending.popleft()
+            yield encoder.pack(parsed, future.result())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _InputHashes:
+    """SHA-256 of every part, for the manifest, without a second pass where avoidable: whole
+    JSONL files are hashed by the reader as it reads them (`streamed`, filled through
+    iter_batches' on_hashed); other parts (ranges, tabular files) by a background thread."""
+
+    def __init__(self, parts: list[InputRange]) -> None:
+        self.parts = parts
+        self.streamed: dict[int, str] = {}
+        self._others = _in_background(
+            manifest_io.hash_inputs, [p for p in parts if not streams_hash(p)]
+        )
+
+    def result(self) -> list[str]:
+        others = iter(self._others.result())
+        return [
+            self.streamed[i] if streams_hash(p) else next(others) for i, p in enumerate(self.parts)
+        ]
 
 
 def _in_background(fn: Callable, *args) -> Future:
@@ -339,7 +359,7 @@ def _in_background(fn: Callable, *args) -> Future:
 @contextmanager
 def _sigterm_as_exit():
     """Turn SIGTERM into SystemExit so that context managers remove temporary files."""
-    if multiprocessing.current_process().name != "MainProcess":
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -18,6 +18,7 @@ from typing import Any
 from pipeline.data.indexed import bin_path, dataset_exists, idx_path, normalize_prefix
 from pipeline.data.manifest import manifest_path
 from pipeline.data.manifest import read as read_manifest
+from pipeline.data.sources import SourcesWriter, sources_path
 from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.merge import MergeError, merge
 from pipeline.preprocess.readers import InputFile
@@ -51,7 +52,10 @@ def merge_shards(
     summary = ShardMergeSummary(out, count, manifest=str(manifest_path(out)))
     prefixes = [shard_prefix(base, i, count) for i in range(count)]
     for key, target in zip(keys, targets):
-        summary.outputs[key] = _merge_key([f"{p}_{key}_document" for p in prefixes], target)
+        parts = [f"{p}_{key}_document" for p in prefixes]
+        if records[0]["flags"].get("record_sources"):
+            _merge_sources(parts, target)
+        summary.outputs[key] = _merge_key(parts, target)
     manifest_io.write(manifest_path(out), merged_manifest(records, prefixes, summary))
     return summary
 
@@ -155,6 +159,17 @@ def _merge_key(parts: list[str], target: str) -> dict[str, Any]:
         "sequences": merged.sequences,
         "tokens": merged.tokens,
     }
+
+
+def _merge_sources(parts: list[str], target: str) -> None:
+    """Concatenate the shards' sources files (shards number inputs and lines alike)."""
+    missing = [str(sources_path(p)) for p in parts if not sources_path(p).is_file()]
+    if missing:
+        raise MergeError(f"{missing[0]}: missing, though the run recorded sources")
+    with SourcesWriter(target) as writer:
+        for part in parts:
+            writer.add_file(sources_path(part))
+        writer.finalize()
 
 
 def merged_manifest(

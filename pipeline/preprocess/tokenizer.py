@@ -2,11 +2,10 @@
 GPT-2 `vocab.json` + `merges.txt`.
 
 All three give what Megatron's default tokenizers give: the text's own tokens, no special tokens
-added unless asked (`add_special_tokens`, Megatron's `--tokenizer-hf-include-special-tokens`). For
-byte-level BPE vocabularies the tiktoken-based engine in `fast_bpe` is used when it is provably
-identical to `tokenizers`; otherwise `tokenizers` itself runs.
-
-A `TextTokenizer` is cheap to pickle: worker processes receive it and build their engine lazily.
+added unless asked (`add_special_tokens`, Megatron's `--tokenizer-hf-include-special-tokens`).
+Encoding runs on `gigatoken` (a Rust BPE engine) wherever it is proven, by a self-test at load
+(`pipeline.preprocess.engine_proof`), to give the reference library's ids: `tokenizers` for
+`tokenizer.json` and GPT-2 files, `sentencepiece` for a `.model`. Otherwise the reference runs.
 """
 
 from __future__ import annotations
@@ -14,13 +13,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from pipeline.preprocess import engines
+
 # Names tried, in order, for the end-of-document token when no tokenizer_config.json says.
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
-ENGINES = ("auto", "tiktoken", "tokenizers")
+# auto: gigatoken where proven identical; gigatoken: that or fail; tokenizers: the reference
+# library only (sentencepiece for a .model).
+ENGINES = ("auto", "gigatoken", "tokenizers")
 
 
 class TokenizerError(ValueError):
@@ -35,62 +41,30 @@ class TextTokenizer:
     files: list[Path]
     vocab_size: int
     eod: int | None
-    engine: str  # "tiktoken" | "tokenizers" | "sentencepiece"
+    engine: str  # "gigatoken" | "tokenizers" | "sentencepiece"
     add_special_tokens: bool = False
-    engine_note: str = ""  # why the fast engine was not used, when it was not
-    _prefix: list[int] = field(default_factory=list)  # post-processing ids (fast engine only)
-    _suffix: list[int] = field(default_factory=list)
-    _payload: Any = None  # picklable state the engine is built from
-    _impl: Any = field(default=None, repr=False)
-    _decoder: Any = field(default=None, repr=False)
+    engine_note: str = ""  # why gigatoken was not used, when it was not
+    _encoder: Any = field(default=None, repr=False)  # an engines.* object
+    _reference: Any = field(default=None, repr=False)  # builds the reference engine on demand
+    _sha256: dict[Path, str] = field(default_factory=dict, repr=False)
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__, _decoder=None)
-        if self.engine != "tiktoken":  # the FastBPE object itself pickles compactly
-            state["_impl"] = None
-        return state
+    def encode_packed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of all texts back to back, and offsets (len(texts) + 1) into them."""
+        return self._encoder.encode_packed(texts)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text."""
-        impl = self._engine()
-        if self.engine == "tiktoken":
-            ids = impl.encode_batch(texts)
-            if self._prefix or self._suffix:
-                ids = [self._prefix + x + self._suffix for x in ids]
-            return ids
-        if self.engine == "tokenizers":
-            # encode_batch_fast (tokenizers >= 0.21) skips offset tracking: same ids, ~20% faster.
-            encode = getattr(impl, "encode_batch_fast", impl.encode_batch)
-            encodings = encode(texts, add_special_tokens=self.add_special_tokens)
-            return [e.ids for e in encodings]
-        ids = impl.encode(texts)
-        if self.add_special_tokens and impl.bos_id() >= 0:
-            ids = [[impl.bos_id(), *x] for x in ids]
-        return ids
+        """Token ids of each text, as lists."""
+        flat, offsets = self.encode_packed(texts)
+        return [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
 
     def decode(self, ids: list[int]) -> str:
-        """Text of `ids` (special tokens kept visible)."""
-        if self.kind == "sentencepiece":
-            return self._engine().decode(ids)
-        return self._reference().decode(ids, skip_special_tokens=False)
+        """Text of `ids` (special tokens kept visible), by the reference library."""
+        return self._reference().decode(ids)
 
-    def _engine(self) -> Any:
-        if self._impl is None:
-            if self.engine == "sentencepiece":
-                self._impl = _load_sentencepiece(self.files[0])
-            else:
-                self._impl = self._reference()
-        return self._impl
-
-    def _reference(self) -> Any:
-        """The `tokenizers` object (also used for decoding when the fast engine encodes)."""
-        if self.engine == "tokenizers" and self._impl is not None:
-            return self._impl
-        if self._decoder is None:
-            from tokenizers import Tokenizer
-
-            self._decoder = Tokenizer.from_str(self._payload)
-        return self._decoder
+    def file_sha256(self, path: Path) -> str:
+        if path not in self._sha256:
+            self._sha256[path] = sha256_file(path)
+        return self._sha256[path]
 
     def fingerprint(self) -> dict:
         """What identifies this tokenizer in a manifest: files with sizes and SHA-256."""
@@ -101,7 +75,7 @@ class TextTokenizer:
             "eod": self.eod,
             "add_special_tokens": self.add_special_tokens,
             "files": [
-                {"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                {"path": str(p), "bytes": p.stat().st_size, "sha256": self.file_sha256(p)}
                 for p in self.files
             ],
         }
@@ -131,8 +105,9 @@ def load_tokenizer(
     """Load a tokenizer from a directory or a file.
 
     A directory is searched for `tokenizer.json`, then `tokenizer.model`, then `vocab.json` +
-    `merges.txt`. `engine` forces the encoding engine for `tokenizer.json` vocabularies:
-    "tiktoken" fails if the fast engine is not provably identical, "tokenizers" never uses it.
+    `merges.txt`. `engine` picks the encoding engine: "auto" uses gigatoken where its self-test
+    proves it identical to the reference library, "gigatoken" fails where it cannot be used,
+    "tokenizers" runs only the reference library.
     """
     if engine not in ENGINES:
         raise TokenizerError(f"unknown tokenizer engine {engine!r}; choose from {ENGINES}")
@@ -149,43 +124,74 @@ def load_tokenizer(
                 f"{path}: no tokenizer.json, tokenizer.model or vocab.json + merges.txt in it"
             )
     if path.suffix == ".model":
-        return _sentencepiece_tokenizer(path, add_special_tokens)
-    if path.name == "vocab.json" or merge_file is not None:
+        tok, build_gigatoken = _sentencepiece_tokenizer(path, add_special_tokens)
+    elif path.name == "vocab.json" or merge_file is not None:
         merges = Path(merge_file) if merge_file else path.with_name("merges.txt")
-        return _gpt2_tokenizer(path, merges, add_special_tokens, engine)
-    if path.suffix == ".json":
-        return _hf_tokenizer(path, add_special_tokens, engine)
-    raise TokenizerError(
-        f"{path}: not a tokenizer file (expected tokenizer.json, a SentencePiece .model, "
-        "or vocab.json with merges.txt)"
-    )
-
-
-def _hf_tokenizer(path: Path, add_special_tokens: bool, engine: str) -> TextTokenizer:
-    from tokenizers import Tokenizer
-
-    try:
-        text = path.read_bytes().decode("utf-8")
-        reference = Tokenizer.from_str(text)
-    except Exception as e:  # tokenizers raises bare Exceptions for malformed files
-        raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from e
-    config_file = path.with_name("tokenizer_config.json")
-    files = [path] + ([config_file] if config_file.is_file() else [])
-    tok = TextTokenizer(
-        kind="hf",
-        files=files,
-        vocab_size=reference.get_vocab_size(with_added_tokens=True),
-        eod=_hf_eod(reference, config_file),
-        engine="tokenizers",
-        add_special_tokens=add_special_tokens,
-        _payload=text,
-        _impl=reference,
-    )
-    _maybe_use_fast_engine(tok, json.loads(text), engine)
+        tok, build_gigatoken = _gpt2_tokenizer(path, merges, add_special_tokens)
+    elif path.suffix == ".json":
+        tok, build_gigatoken = _hf_tokenizer(path, add_special_tokens)
+    else:
+        raise TokenizerError(
+            f"{path}: not a tokenizer file (expected tokenizer.json, a SentencePiece .model, "
+            "or vocab.json with merges.txt)"
+        )
+    _choose_engine(tok, build_gigatoken, engine)
     return tok
 
 
-def _gpt2_tokenizer(vocab: Path, merges: Path, add_special_tokens: bool, engine: str):
+# --------------------------------------------------------------------------------- loaders
+# Each returns the tokenizer (encoding with its reference library) and how to build gigatoken.
+
+_Loaded = tuple[TextTokenizer, Callable[[], engines.GigatokenEngine]]
+
+
+class _Lazy:
+    """Builds a value once, on first call (the reference engine is only loaded when needed)."""
+
+    def __init__(self, build) -> None:
+        self._build, self._value = build, None
+
+    def __call__(self) -> Any:
+        if self._value is None:
+            self._value = self._build()
+        return self._value
+
+
+def _hf_tokenizer(path: Path, add_special_tokens: bool) -> _Loaded:
+    """A tokenizer.json. Its eod and post-processing come from the file's small top-level
+    sections, so the `tokenizers` reference is only loaded if the engine proof needs it."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+        sections = engines.json_sections(text, ("added_tokens", "post_processor"))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from e
+    config_file = path.with_name("tokenizer_config.json")
+    added = {t["content"]: t["id"] for t in sections.get("added_tokens") or []}
+
+    def reference() -> engines.TokenizersEngine:
+        from tokenizers import Tokenizer
+
+        try:
+            return engines.TokenizersEngine(Tokenizer.from_str(text), add_special_tokens)
+        except Exception as e:  # tokenizers raises bare Exceptions for malformed files
+            raise TokenizerError(f"{path}: not a valid tokenizer.json ({e})") from e
+
+    tok = TextTokenizer(
+        kind="hf",
+        files=[path] + ([config_file] if config_file.is_file() else []),
+        vocab_size=0,  # set with the engine
+        eod=_hf_eod(added, config_file),
+        engine="tokenizers",
+        add_special_tokens=add_special_tokens,
+        _reference=_Lazy(reference),
+    )
+    tok._sha256[path] = hashlib.sha256(raw).hexdigest()
+    post = sections.get("post_processor") if add_special_tokens else None
+    return tok, lambda: engines.gigatoken_from_json(text, post)
+
+
+def _gpt2_tokenizer(vocab: Path, merges: Path, add_special_tokens: bool) -> _Loaded:
     """GPT-2 style files, encoded as Megatron's GPT2BPETokenizer does (byte-level BPE with the
     GPT-2 split regex; `<|endoftext|>` is the end-of-document id, not matched inside text)."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
@@ -201,6 +207,7 @@ def _gpt2_tokenizer(vocab: Path, merges: Path, add_special_tokens: bool, engine:
     reference = Tokenizer(model)
     reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     reference.decoder = decoders.ByteLevel()
+    payload = reference.to_str()
     vocab_map = reference.get_vocab()
     tok = TextTokenizer(
         kind="gpt2",
@@ -209,11 +216,9 @@ def _gpt2_tokenizer(vocab: Path, merges: Path, add_special_tokens: bool, engine:
         eod=vocab_map.get("<|endoftext|>"),
         engine="tokenizers",
         add_special_tokens=add_special_tokens,
-        _payload=reference.to_str(),
-        _impl=reference,
+        _reference=_Lazy(lambda: engines.TokenizersEngine(reference, add_special_tokens)),
     )
-    _maybe_use_fast_engine(tok, json.loads(tok._payload), engine)
-    return tok
+    return tok, lambda: engines.gigatoken_from_json(payload, None)
 
 
 def _check_merges(merges: Path) -> None:
@@ -236,21 +241,7 @@ def _check_merges(merges: Path) -> None:
         raise TokenizerError(f"{merges}: {bad[:40]!r} is not two tokens separated by a space")
 
 
-def _sentencepiece_tokenizer(path: Path, add_special_tokens: bool) -> TextTokenizer:
-    processor = _load_sentencepiece(path)
-    eos = processor.eos_id()
-    return TextTokenizer(
-        kind="sentencepiece",
-        files=[path],
-        vocab_size=processor.get_piece_size(),
-        eod=eos if eos >= 0 else None,
-        engine="sentencepiece",
-        add_special_tokens=add_special_tokens,
-        _impl=processor,
-    )
-
-
-def _load_sentencepiece(path: Path) -> Any:
+def _sentencepiece_tokenizer(path: Path, add_special_tokens: bool) -> _Loaded:
     import sentencepiece
 
     processor = sentencepiece.SentencePieceProcessor()
@@ -258,11 +249,24 @@ def _load_sentencepiece(path: Path) -> Any:
         processor.Load(str(path))
     except (OSError, RuntimeError) as e:
         raise TokenizerError(f"{path}: not a valid SentencePiece model ({e})") from e
-    return processor
+    eos, bos = processor.eos_id(), processor.bos_id()
+    prefix = [bos] if add_special_tokens and bos >= 0 else []
+    tok = TextTokenizer(
+        kind="sentencepiece",
+        files=[path],
+        vocab_size=processor.get_piece_size(),
+        eod=eos if eos >= 0 else None,
+        engine="sentencepiece",
+        add_special_tokens=add_special_tokens,
+        _reference=_Lazy(lambda: engines.SentencePieceEngine(processor, prefix)),
+    )
+    controls = {i for i in range(processor.get_piece_size()) if processor.is_control(i)}
+    return tok, lambda: engines.gigatoken_from_sentencepiece(path, prefix, controls)
 
 
-def _hf_eod(reference: Any, config_file: Path) -> int | None:
-    """End-of-document id: tokenizer_config.json's eos_token, else a well-known EOS string."""
+def _hf_eod(added: dict[str, int], config_file: Path) -> int | None:
+    """End-of-document id: tokenizer_config.json's eos_token, else a well-known EOS string,
+    among the added tokens (where every Hugging Face tokenizer keeps its EOS)."""
     if config_file.is_file():
         try:
             eos = json.loads(config_file.read_bytes().decode("utf-8")).get("eos_token")
@@ -270,58 +274,46 @@ def _hf_eod(reference: Any, config_file: Path) -> int | None:
             raise TokenizerError(f"{config_file}: not a readable JSON object ({e})") from None
         if isinstance(eos, dict):
             eos = eos.get("content")
-        if isinstance(eos, str) and reference.token_to_id(eos) is not None:
-            return reference.token_to_id(eos)
-    for name in _EOS_CANDIDATES:
-        if (token_id := reference.token_to_id(name)) is not None:
-            return token_id
-    return None
+        if isinstance(eos, str) and eos in added:
+            return added[eos]
+    return next((added[name] for name in _EOS_CANDIDATES if name in added), None)
 
 
-def _maybe_use_fast_engine(tok: TextTokenizer, spec: dict, engine: str) -> None:
-    """Switch `tok` to the tiktoken engine when allowed and provably identical."""
+# --------------------------------------------------------------------------------- engines
+
+
+def _choose_engine(
+    tok: TextTokenizer, build_gigatoken: Callable[[], engines.GigatokenEngine], engine: str
+) -> None:
+    """Encode with gigatoken when allowed and proven identical to the reference; otherwise with
+    the reference (with a note saying why), or fail when gigatoken was forced."""
+    from pipeline.preprocess.engine_proof import EngineMismatch, prove
+
     if engine == "tokenizers":
-        tok.engine_note = "tokenizers engine requested"
+        tok.engine_note = "reference engine requested"
+        _use_reference(tok)
         return
-    from pipeline.preprocess.fast_bpe import FastBPE, NotEligible
-
     try:
-        if tok.add_special_tokens:
-            tok._prefix, tok._suffix = _post_processor_affixes(spec.get("post_processor"))
-        fast = FastBPE.from_tokenizer_json(tok._payload)
-    except NotEligible as e:
-        if engine == "tiktoken":
-            raise TokenizerError(f"{tok.files[0]}: the tiktoken engine cannot be used: {e}") from e
-        tok.engine_note = str(e)
+        fast = build_gigatoken()
+        prove(fast, tok._reference, key=_proof_key(tok))
+    except (engines.EngineUnavailable, EngineMismatch) as e:
+        if engine == "gigatoken":
+            raise TokenizerError(f"{tok.files[0]}: the gigatoken engine cannot be used: {e}") from e
+        tok.engine_note = f"gigatoken not used: {e}"
+        _use_reference(tok)
         return
-    tok.engine, tok._impl = "tiktoken", fast
+    tok.engine, tok._encoder = "gigatoken", fast
+    tok.vocab_size = tok.vocab_size or fast.vocab_size
 
 
-def _post_processor_affixes(post: dict | None) -> tuple[list[int], list[int]]:
-    """The ids a `tokenizers` post-processor adds around a single sequence.
+def _use_reference(tok: TextTokenizer) -> None:
+    reference = tok._reference()
+    tok._encoder = reference
+    tok.engine = reference.name
+    tok.vocab_size = tok.vocab_size or reference.vocab_size
 
-    Only forms whose effect is a fixed prefix/suffix are handled; others leave the work to
-    `tokenizers` itself (NotEligible).
-    """
-    from pipeline.preprocess.fast_bpe import NotEligible
 
-    if post is None or post.get("type") == "ByteLevel":
-        return [], []
-    if post.get("type") == "Sequence":
-        prefix, suffix = [], []
-        for step in post.get("processors", []):
-            p, s = _post_processor_affixes(step)
-            prefix, suffix = prefix + p, s + suffix
-        return prefix, suffix
-    if post.get("type") != "TemplateProcessing":
-        raise NotEligible(f"post-processor {post.get('type')} adds tokens in a way not replicated")
-    specials = post.get("special_tokens", {})
-    prefix: list[int] = []
-    suffix: list[int] = []
-    target = prefix
-    for piece in post.get("single", []):
-        if "Sequence" in piece:
-            target = suffix
-        else:
-            target.extend(specials[piece["SpecialToken"]["id"]]["ids"])
-    return prefix, suffix
+def _proof_key(tok: TextTokenizer) -> str:
+    """What a cached proof is valid for: the tokenizer files' contents and the options."""
+    parts = [tok.kind, str(tok.add_special_tokens)] + [tok.file_sha256(p) for p in tok.files]
+    return "\0".join(parts)
