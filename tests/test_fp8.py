@@ -159,7 +159,7 @@ def _train(model, fp8, batches, dp_group=None) -> list[float]:
         loss_sum = loss_sum.detach().clone()
         if dp_group is not None:
             dist.all_reduce(loss_sum, group=dp_group)
-        losses.append(loss_sum.item() / total)
+        losses.append(loss_sum.item() / total.item())
     return losses
 
 

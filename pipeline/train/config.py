@@ -598,9 +598,9 @@ def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
 
 
 def _layout_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
-    """The layout rules (`pipeline.core.parallel.dims.layout_problems`, their one home) for
+    """The layout rules (`pipeline.core.parallel.layout_rules`, their one home) for
     this run's parallel section, model, sequence and batch."""
-    from pipeline.core.parallel.dims import layout_problems
+    from pipeline.core.parallel.layout_rules import layout_problems
 
     problems = []
     try:

@@ -148,6 +148,5 @@ def init_weights(
         init()
         full = {f"{prefix}.{name}": tensor for name, tensor in unit.named_parameters()}
         for part in parts:
-            names = dict(part.named_parameters())
-            copy_full_weights_(part, {k: v for k, v in full.items() if k in names})
+            copy_full_weights_(part, full)
         unit.to_empty(device="meta")  # free it: at most one unit is held in full

@@ -132,8 +132,8 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
-    A non-finite step leaves weights and optimizer state untouched (the fused AdamW kernel
-    skips it on the device: `optimizer` must be fused, see `build_optimizer`) and reports
+    A non-finite step leaves weights and optimizer state untouched (a fused AdamW skips it on
+    the device, see `build_optimizer`; any other optimizer costs a host sync) and reports
     `skipped`; the caller counts it and holds the learning rate back (`MegatronLR.rewind`).
     Every rank divides by the loss tokens of the whole global batch (summed over `dp_group`,
     whose gradients are summed as `apply_fsdp` does) and reports the global loss, so every rank
@@ -148,8 +148,11 @@ def train_step(
     reduce_loss_sum(loss_sum, dp_group, pp_group)
     loss = loss_sum / global_tokens.clamp(min=1.0).to(loss_sum)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
-    optimizer.found_inf = (~finite).float()  # read by the fused kernel: skip when 1
-    optimizer.step()
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).float()  # read by the fused kernel: skip when 1
+        optimizer.step()
+    elif finite.item():  # an optimizer without `found_inf` is told on the host
+        optimizer.step()
     if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
         after_optimizer_step()
     scheduler.step()

@@ -192,8 +192,8 @@ def global_token_count(
 
 @torch.no_grad()
 def copy_full_weights_(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
-    """Fill parameters of a sharded/replicated model from full (unsharded) tensors keyed by
-    parameter name (all of them, or some); each rank keeps its own shard. Every rank of a
+    """Fill the parameters of a sharded/replicated model named in `full_state` (all of them, or
+    some) from full (unsharded) tensors; each rank keeps its own shard. Every rank of a
     parameter's mesh must pass the same tensor for it.
 
     Why: on a CPU mesh DTensor has no RNG tracker (torch supports it only on CUDA-like
@@ -203,10 +203,10 @@ def copy_full_weights_(model: nn.Module, full_state: dict[str, torch.Tensor]) ->
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    params = dict(model.named_parameters())
-    for name, tensor in full_state.items():
-        param = params[name]
-        full = tensor.to(device=param.device, dtype=param.dtype)
+    for name, param in model.named_parameters():
+        if name not in full_state:
+            continue
+        full = full_state[name].to(device=param.device, dtype=param.dtype)
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements)
         param.copy_(full)
