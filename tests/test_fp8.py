@@ -1,5 +1,6 @@
 """FP8 training: recipe names, the linear filter, the refusals, and torchao's float8 numerics on
-a CPU (`fp8.emulate`: real fp8 casts and scales, emulated GEMMs) against fp32, on one device,
+a CPU (`emulate`, `cpu_emulation()`: real fp8 casts and scales, emulated GEMMs) against fp32,
+on one device,
 under tensor parallelism (torchao's float8 TP styles) and under FSDP2 with fp8 all-gather.
 
 Tolerance: fp8 (e4m3 forward, e5m2 gradients) moves the micro model's loss (init std 0.2, so
@@ -28,6 +29,7 @@ from pipeline.core.kernels.fp8 import (
     FP8_RECIPES,
     build_fp8,
     check_fp8_device,
+    cpu_emulation,
     high_precision_reason,
     normalize_recipe,
 )
@@ -80,9 +82,9 @@ def test_filter_decisions(fqn, shape, scaling, linear_filter, expected):
 
 def test_refusals_name_the_fix(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    with pytest.raises(ValueError, match=r"needs a CUDA GPU; this run is on cpu \(fp8.emulate"):
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU; this run is on cpu$"):
         build_fp8("torchao:tensorwise", cpu)
-    with pytest.raises(ValueError, match="fp8.emulate is for torchao recipes"):
+    with pytest.raises(ValueError, match="FP8 emulation is for torchao recipes"):
         check_fp8_device("te:delayed", cpu, emulate=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
@@ -157,7 +159,7 @@ def _train(model, fp8, batches, dp_group=None) -> list[float]:
         loss_sum = loss_sum.detach().clone()
         if dp_group is not None:
             dist.all_reduce(loss_sum, group=dp_group)
-        losses.append(loss_sum.item() / total)
+        losses.append(loss_sum.item() / total.item())
     return losses
 
 
@@ -293,13 +295,14 @@ def test_pipe_train_fp8_flag_trains_on_cpu_emulation(tmp_path):
         "data.mock=true", "data.seq_length=32", "data.num_workers=0", "training.dtype=fp32",
         "training.global_batch_size=4", "training.micro_batch_size=4", "training.eval_interval=0",
         "training.log_interval=1", "scheduler.warmup_iters=0", "checkpoint.save_interval=0",
-        "fp8.emulate=true", "fp8.linear_filter=all",
+        "fp8.linear_filter=all",
     ]  # fmt: skip
     args = ["--fp8", "torchao:rowwise", "--iters", "3", "--device", "cpu"]
     args += ["--run-dir", str(tmp_path / "run")]
     for assignment in sets:
         args += ["--set", assignment]
-    result = CliRunner().invoke(train, args)
+    with cpu_emulation():  # the test hook: torchao's emulated FP8 matmuls on this CPU
+        result = CliRunner().invoke(train, args)
     assert result.exit_code == 0, result.output
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in lines if '"train"' in line]

@@ -119,7 +119,7 @@ def _train_and_probe(recipe: str, sets: list[str]) -> dict:
     """Train ITERS steps, then the gradients of the first global batch again."""
     trainer = Trainer(resolve_config(recipe, sets), console=False)
     result = trainer.train()
-    probe_loss = trainer.compute_gradients(trainer.next_global_batch(iter(trainer.train_loader)))
+    probe_loss = _probe_gradients(trainer)
     grads = _full_gradients(trainer)
     records = _records(Path(trainer.run_dir))
     valid = [r for r in records if r["split"] == "valid"]
@@ -130,16 +130,24 @@ def _train_and_probe(recipe: str, sets: list[str]) -> dict:
         "moe_max_load": train[-1].get("moe_max_load") if train else None,
         "probe": probe_loss,
         "grads": grads,
-        "first_of_stage": trainer.layout.rank == _first_rank_of_stage(trainer),
+        "first_of_stage": trainer.layout.rank == trainer.layout.first_rank_of_stage,
     }
 
 
-def _first_rank_of_stage(trainer: Trainer) -> int:
-    """The lowest global rank holding the same pipeline stage as this one."""
-    dims = trainer.layout.dims
-    if dims is None:
-        return 0
-    return int(dims.world_mesh.mesh[trainer.layout.pp_rank].min())
+def _probe_gradients(trainer: Trainer) -> float:
+    """Forward and backward of the first global batch again, without an optimizer step: the
+    gradients stay in the parameters. Returns the global loss."""
+    from pipeline.train.train_step import forward_backward, reduce_loss_sum
+
+    micro_batches = trainer.next_global_batch(iter(trainer.train_loader))
+    layout = trainer.layout
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss_sum, tokens = forward_backward(
+        trainer.model, micro_batches, autocast=trainer.autocast,
+        dp_group=layout.batch_group, pipeline=trainer.pipeline,
+    )  # fmt: skip
+    reduce_loss_sum(loss_sum, layout.batch_group, layout.pipeline_group)
+    return float(loss_sum) / max(float(tokens), 1.0)
 
 
 def _records(run_dir: Path) -> list[dict]:

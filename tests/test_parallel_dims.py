@@ -24,11 +24,11 @@ def test_dp_is_inferred_from_the_world_size():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"tp": 3, "world_size": 8}, r"world_size 8 is not divisible by tp \* pp \* cp"),
-        ({"tp": 2, "dp": 3, "world_size": 8}, r"1 \* 3 \* 1 \* 2 = 6 != world_size 8"),
+        ({"tp": 3, "world_size": 8}, r"world size 8 is not divisible by tp\*pp\*cp"),
+        ({"tp": 2, "dp": 3, "world_size": 8}, r"tp\*pp\*cp\*dp = 6 does not match world size 8"),
         ({"tp": 0, "world_size": 8}, "tp must be >= 1, got 0"),
         ({"dp": 0, "world_size": 8}, r"dp must be >= 1 or -1 \(inferred\), got 0"),
-        ({"ep": 3, "world_size": 8}, r"ep 3 must divide dp \* cp \* tp = 8 \* 1 \* 1 = 8"),
+        ({"ep": 3, "world_size": 8}, r"parallel.ep \(3\) must divide dp \* cp \(8\)"),
     ],
 )
 def test_bad_degrees_are_rejected(kwargs, message):
@@ -36,8 +36,14 @@ def test_bad_degrees_are_rejected(kwargs, message):
         ParallelDims(**kwargs)
 
 
-def test_ep_borrows_tensor_and_data_parallel_ranks():
-    assert ParallelDims(tp=2, ep=4, world_size=4).ep == 4  # dp 2 * tp 2
+def test_ep_borrows_data_and_context_parallel_ranks_only():
+    assert ParallelDims(cp=2, ep=4, world_size=4).ep == 4  # dp 2 * cp 2
+    # Experts are not split over tensor-parallel ranks (no expert tensor parallelism), and the
+    # layout tests prove ep over dp (x cp) equal to one device, so ep beside tp is refused.
+    with pytest.raises(ValueError, match=r"ep > 1 with tp > 1 .* not supported"):
+        ParallelDims(tp=2, ep=2, world_size=4)
+    with pytest.raises(ValueError, match=r"ep \(4\) must divide dp \* cp \(2\)"):
+        ParallelDims(tp=2, ep=4, world_size=4)
 
 
 def _config(**overrides) -> ModelConfig:
@@ -68,21 +74,21 @@ def test_a_fitting_model_passes():
             {"tp": 16},
             {"num_attention_heads": 8, "num_kv_heads": 8, "hidden_size": 64},
             64,
-            "num_attention_heads 8 is not divisible by tp 16",
+            r"tp \(16\) must divide num_attention_heads \(8\)",
         ),
-        ({"tp": 8}, {}, 64, "num_kv_heads 4 is not divisible by tp 8"),
-        ({"tp": 2}, {"ffn_hidden_size": 129}, 64, "ffn_hidden_size 129 is not divisible by tp 2"),
-        ({"pp": 8}, {}, 64, "num_layers 4 < pp 8"),
-        ({"ep": 2}, {}, 64, r"ep 2 > 1 but the model has no experts"),
+        ({"tp": 8}, {}, 64, r"tp \(8\) must divide num_kv_heads \(4\)"),
+        ({"tp": 2}, {"ffn_hidden_size": 129}, 64, r"tp \(2\) must divide ffn_hidden_size \(129\)"),
+        ({"pp": 8}, {}, 64, r"pp \(8\) x 1 stage\(s\) per rank exceeds the model's 4 layers"),
+        ({"ep": 2}, {}, 64, "ep = 2 needs a MoE model; the model is dense"),
         (
             {"ep": 4},
             {"moe": MoEConfig(num_experts=6, top_k=2)},
             64,
-            "moe.num_experts 6 is not divisible by ep 4",
+            r"ep \(4\) must divide num_experts \(6\)",
         ),
-        ({"cp": 2}, {}, 18, r"seq_length 18 is not divisible by 2 \* cp = 4"),
-        ({"tp": 4}, {}, 18, "seq_length 18 is not divisible by tp 4 = 4"),
-        ({"tp": 2, "cp": 2}, {}, 20, r"seq_length 20 is not divisible by tp 2 \* 2 \* cp 2 = 8"),
+        ({"cp": 2}, {}, 18, r"seq_length \(18\) must be divisible by 2 \* cp = 4"),
+        ({"tp": 4}, {}, 18, r"seq_length \(18\) must be divisible by tp \(4\) = 4"),
+        ({"tp": 2, "cp": 2}, {}, 20, r"\(20\) must be divisible by tp \(2\) \* 2 \* cp \(2\) = 8"),
     ],
 )
 def test_model_mismatches_are_rejected(dims, config, seq, message):
@@ -92,7 +98,7 @@ def test_model_mismatches_are_rejected(dims, config, seq, message):
 
 
 def test_all_mismatches_are_reported_together():
-    with pytest.raises(ValueError, match="num_kv_heads.*; num_layers"):
+    with pytest.raises(ValueError, match="num_kv_heads.*; .*4 layers"):
         ParallelDims(tp=8, pp=8, world_size=64).validate_for_model(_config(), 64)
 
 
@@ -102,7 +108,7 @@ def test_meshes_need_build_mesh_first():
 
 
 def _mesh_shapes(rank, world_size, tmp):
-    dims = ParallelDims(tp=2, ep=2, world_size=world_size)
+    dims = ParallelDims(ep=2, world_size=world_size)
     mesh = dims.build_mesh("cpu")
     out = {
         "names": mesh.mesh_dim_names,
@@ -110,7 +116,7 @@ def _mesh_shapes(rank, world_size, tmp):
         "sizes": {
             n: dims.get_mesh(n).size() for n in ("pp", "dp", "cp", "tp", "dp_cp", "ep", "edp")
         },
-        "tp_rank": dims.get_mesh("tp").get_local_rank(),
+        "dp_rank": dims.dp_rank,
     }
     try:
         dims.get_mesh("nope")
@@ -127,8 +133,8 @@ def test_build_mesh_names_every_dimension(tmp_path):
     results = run_distributed(_mesh_shapes, 2, tmp_path)
     for rank, out in enumerate(results):
         assert out["names"] == ("pp", "dp", "cp", "tp")
-        assert out["shape"] == (1, 1, 1, 2)
-        assert out["sizes"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 2, "dp_cp": 1, "ep": 2, "edp": 1}
-        assert out["tp_rank"] == rank
+        assert out["shape"] == (1, 2, 1, 1)
+        assert out["sizes"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "dp_cp": 2, "ep": 2, "edp": 1}
+        assert out["dp_rank"] == rank
         assert "unknown mesh 'nope'" in out["error"]
         assert out["dp_sizes"] == (2, 2)

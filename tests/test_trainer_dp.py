@@ -48,7 +48,7 @@ def _dp_worker(rank: int, world_size: int, tmp: Path) -> dict[int, float]:
     """Train the dp=2 run in this rank; rank 0 saves its gathered weights beside the run."""
     cfg = resolve_config(None, _sets(tmp / "dp", f"parallel.dp={world_size}"))
     trainer = Trainer(cfg, console=False)
-    assert trainer.dp_size == world_size and trainer.num_micro_batches == 2
+    assert trainer.layout.dp == world_size and trainer.num_micro_batches == 2
     result = trainer.train()
     weights = _full_weights(trainer.model)
     if rank == 0:

@@ -105,7 +105,7 @@ def _register(model: nn.Module, recorder: _AmaxRecorder) -> Iterator:
         yield attention.wo.register_forward_pre_hook(recorder.input_hook(f"{i}.dense"))
         yield attention.wk.register_forward_hook(recorder.rope_key_hook(f"{i}.kv", head_dim))
         yield attention.wv.register_forward_hook(recorder.output_hook(f"{i}.kv"))
-        if hasattr(layer, "moe"):
+        if layer.is_moe:
             yield layer.moe.register_forward_pre_hook(recorder.input_hook(f"{i}.fc"))
             hook = recorder.expert_hidden_hook(f"{i}.proj")
             yield layer.moe.experts.register_forward_pre_hook(hook)

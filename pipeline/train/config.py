@@ -276,8 +276,6 @@ class Fp8Section:
     block linear whose dims are multiples of 16."""
     fsdp_float8_all_gather: bool = True
     """torchao:tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes)."""
-    emulate: bool = False
-    """Test-only: run torchao's FP8 numerics with emulated matmuls on a CPU (slow; no speed)."""
 
 
 @dataclass
@@ -554,7 +552,7 @@ def apply_model_overrides(base: ModelConfig, section: ModelSection) -> ModelConf
 
 def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
     problems: list[str] = []
-    t, d, o, s, p = cfg.training, cfg.data, cfg.optimizer, cfg.scheduler, cfg.parallel
+    t, d, o, s = cfg.training, cfg.data, cfg.optimizer, cfg.scheduler
 
     for name in ("iters", "micro_batch_size", "global_batch_size", "log_interval"):
         if getattr(t, name) <= 0:
@@ -606,102 +604,31 @@ def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
                 f"(0, decay iters - warmup_iters = {decay - s.warmup_iters}]"
             )
 
-    layout_ok = t.micro_batch_size > 0 and d.seq_length > 0
-    for name in ("tp", "pp", "cp", "ep"):
-        if getattr(p, name) < 1:
-            problems.append(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-            layout_ok = False
-    if p.dp == 0 or p.dp < -1:
-        problems.append(f"parallel.dp must be >= 1 or -1 (infer), got {p.dp}")
-        layout_ok = False
-    if not layout_ok:
-        return problems  # the checks below divide by these
-
-    model_parallel = p.tp * p.pp * p.cp
-    if world_size is not None:
-        if p.dp == -1 and world_size % model_parallel:
-            problems.append(
-                f"world size {world_size} is not divisible by tp*pp*cp = {model_parallel}"
-            )
-        elif p.dp != -1 and p.dp * model_parallel != world_size:
-            problems.append(
-                f"tp*pp*cp*dp = {p.dp * model_parallel} does not match world size {world_size}"
-            )
-    dp = cfg.data_parallel_size(world_size)
-    if dp >= 1 and t.global_batch_size % (t.micro_batch_size * dp):
-        problems.append(
-            f"training.global_batch_size ({t.global_batch_size}) must be divisible by "
-            f"micro_batch_size * dp ({t.micro_batch_size} * {dp})"
-        )
-    if p.cp > 1 and d.seq_length % (2 * p.cp):
-        # Load-balanced context parallelism cuts the sequence into 2 * cp chunks.
-        problems.append(f"data.seq_length ({d.seq_length}) must be divisible by 2 * cp ({p.cp})")
-    if p.ep > 1 and world_size is not None and (dp * p.cp) % p.ep:
-        problems.append(f"parallel.ep ({p.ep}) must divide dp * cp ({dp * p.cp})")
-    if p.ep > 1 and p.tp > 1:
-        problems.append(
-            "parallel.ep > 1 with tp > 1 (expert tensor parallelism) is not supported; "
-            "experts are split over the data-parallel ranks only"
-        )
-    problems += _pipeline_problems(p)
-    if p.dp_mode not in ("fsdp", "replicate"):
-        problems.append(f"parallel.dp_mode must be fsdp or replicate, got {p.dp_mode!r}")
-    elif p.dp_mode == "replicate" and (p.cp > 1 or p.tp > 1 or p.ep > 1):
-        problems.append("parallel.dp_mode = replicate works with dp only (tp, cp and ep of 1)")
-    problems += _model_problems(cfg)
+    problems += _layout_problems(cfg, world_size)
     return problems
 
 
-def pipeline_stages_per_rank(p: ParallelSection) -> int:
-    """Stages each pipeline rank holds: 1, or 2 for interleaved and V schedules (pp > 1)."""
-    if p.pp == 1:
-        return 1
-    from pipeline.core.parallel.stage_placement import stages_per_rank
-
-    return stages_per_rank(p.pipeline_schedule)
-
-
-def _pipeline_problems(p: ParallelSection) -> list[str]:
-    """The schedule is one torch knows, and fixed first/last stage sizes need pp > 1."""
-    from pipeline.core.parallel.stage_placement import KNOWN_SCHEDULES
+def _layout_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
+    """The layout rules (`pipeline.core.parallel.layout_rules`, their one home) for
+    this run's parallel section, model, sequence and batch."""
+    from pipeline.core.parallel.layout_rules import layout_problems
 
     problems = []
-    if p.pipeline_schedule.lower() not in KNOWN_SCHEDULES:
-        problems.append(
-            f"parallel.pipeline_schedule {p.pipeline_schedule!r} is not one of "
-            f"{', '.join(sorted(KNOWN_SCHEDULES.values()))}"
-        )
-    fixed = p.first_stage_layers is not None or p.last_stage_layers is not None
-    if fixed and p.pp == 1:
-        problems.append("parallel.first/last_stage_layers need pp > 1")
-    return problems
-
-
-def _model_problems(cfg: TrainConfig) -> list[str]:
-    """Checks that need the resolved model: the flavor exists and the layout fits its shape."""
-    p = cfg.parallel
     try:
-        m = cfg.model_config()
+        model = cfg.model_config()
     except ConfigError as e:
-        return [str(e)]
-    problems = []
-    stages = p.pp * pipeline_stages_per_rank(p)
-    if stages > m.num_layers:
-        problems.append(
-            f"parallel.pp ({p.pp}) x {stages // p.pp} stage(s) per rank exceeds the model's "
-            f"{m.num_layers} layers"
-        )
-    if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp:
-        problems.append(
-            f"parallel.tp ({p.tp}) must divide num_attention_heads ({m.num_attention_heads}) "
-            f"and num_kv_heads ({m.num_kv_heads})"
-        )
-    if p.ep > 1:
-        if m.moe is None:
-            problems.append(f"parallel.ep = {p.ep} needs a MoE model; {cfg.model.flavor} is dense")
-        elif m.moe.num_experts % p.ep:
-            problems.append(f"parallel.ep ({p.ep}) must divide num_experts ({m.moe.num_experts})")
-    return problems
+        problems.append(str(e))
+        model = None
+    t = cfg.training
+    return problems + layout_problems(
+        cfg.parallel,
+        world_size=world_size,
+        model=model,
+        seq_length=cfg.data.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        model_name=cfg.model.flavor,
+    )
 
 
 def _split_problems(split: str) -> list[str]:

@@ -1,89 +1,68 @@
-"""`RunLayout`: where this process sits in the parallel layout of a run, and what follows.
+"""The run's parallel layout, built once: process group, `ParallelDims` and its meshes.
 
-The trainer asks it which samples to load (the data-parallel rank: tensor, pipeline and context
-parallel ranks of one data-parallel replica read the same micro-batches), which part of each
-sequence to keep (context parallelism: two load-balanced chunks per rank), and over which
-groups the step's token counts, losses and gradient norms are summed: the "token" group of the
-ranks that hold different tokens (dp x cp) and the pipeline group (different layers).
+`build_layout` is the trainer's first step. One process gets a layout of degree 1 everywhere
+(no process group, no mesh); a run launched by torchrun (`pipe train --nproc-per-node N`) or
+asking for any parallel degree > 1 initialises the default process group (gloo on CPU, nccl on
+CUDA) and every mesh. The config is validated here, once, against the real world size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from pipeline.core.parallel.context_parallel import shard_sequence
 from pipeline.core.parallel.dims import ParallelDims
 
-__all__ = ["RunLayout"]
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
 
-# Batch fields laid out [batch, seq]: context parallelism keeps this rank's chunks of each.
-SEQUENCE_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
+__all__ = ["build_layout", "init_distributed", "wants_distributed"]
+
+log = logging.getLogger("pipeline.train")
 
 
-@dataclass
-class RunLayout:
-    """This process's coordinates in the layout (all zeros and ones for a single process)."""
+def build_layout(cfg: TrainConfig, device: torch.device) -> tuple[ParallelDims, torch.device]:
+    """(the layout, this rank's device): `cfg` validated for the world size, meshes built."""
+    world_size = 1
+    if wants_distributed(cfg):
+        device = init_distributed(device)
+        world_size = dist.get_world_size()
+    cfg.validate(world_size=world_size)
+    layout = ParallelDims.from_config(cfg.parallel, world_size).build(device.type)
+    if layout.distributed:
+        log.info("parallel layout: %s", layout.describe())
+    return layout, device
 
-    dims: ParallelDims | None = None
-    rank: int = 0
-    dp_rank: int = 0
-    dp_size: int = 1
-    cp_rank: int = 0
-    cp_size: int = 1
-    pp_rank: int = 0
-    token_group: Any = None
-    """dp x cp ranks (different tokens of the global batch); None when there is one."""
-    pp_group: Any = None
-    """Pipeline ranks (different layers); None without pipeline parallelism."""
-    world_group: Any = None
 
-    @classmethod
-    def from_dims(cls, dims: ParallelDims) -> RunLayout:
-        """The layout of this rank in `dims` (its meshes built)."""
-        dp, cp, pp = dims.get_mesh("dp"), dims.get_mesh("cp"), dims.get_mesh("pp")
-        return cls(
-            dims=dims,
-            rank=dist.get_rank(),
-            dp_rank=dp.get_local_rank(),
-            dp_size=dims.dp,
-            cp_rank=cp.get_local_rank(),
-            cp_size=dims.cp,
-            pp_rank=pp.get_local_rank(),
-            token_group=dims.get_mesh("dp_cp").get_group() if dims.fsdp_degree > 1 else None,
-            pp_group=pp.get_group() if dims.pp_enabled else None,
-            world_group=dist.group.WORLD,
+def wants_distributed(cfg: TrainConfig) -> bool:
+    """True when the run is (or must be) multi-process: a process group exists, torchrun
+    launched us with WORLD_SIZE > 1, or a parallel degree is > 1."""
+    if dist.is_available() and dist.is_initialized():
+        return True
+    p = cfg.parallel
+    degrees = (p.tp, p.pp, p.cp, p.ep, p.dp)
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or max(degrees) > 1
+
+
+def init_distributed(device: torch.device) -> torch.device:
+    """Initialise the default process group if needed (gloo on CPU, nccl on CUDA); returns this
+    rank's device (`cuda:LOCAL_RANK` on GPUs). Needs torchrun's RANK / WORLD_SIZE variables
+    when no group exists yet."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        from pipeline.train.config import ConfigError
+
+        raise ConfigError(
+            "parallel training needs one process per rank: launch with "
+            "`pipe train --nproc-per-node N` (torchrun), not a single process"
         )
-
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size if self.dims is not None else 1
-
-    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This context-parallel rank's part of every sequence of a micro-batch (positions stay
-        global, so RoPE and the causal mask see each token's place in the whole sequence)."""
-        if self.cp_size == 1:
-            return batch
-        return {
-            key: shard_sequence(value, self.cp_rank, self.cp_size)
-            if key in SEQUENCE_FIELDS
-            else value
-            for key, value in batch.items()
-        }
-
-    def describe(self) -> dict[str, int]:
-        """The degrees, for checkpoint metadata and logs."""
-        d = self.dims
-        if d is None:
-            return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "world_size": 1}
-        return {
-            "tp": d.tp,
-            "pp": d.pp,
-            "cp": d.cp,
-            "ep": d.ep,
-            "dp": d.dp,
-            "world_size": self.world_size,
-        }
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device

@@ -154,7 +154,7 @@ def router_statistics(model: Any) -> dict[str, float]:
     dense): `moe_max_load`, the busiest expert's share of assignments relative to a perfectly
     balanced router (1.0 is balanced), and `moe_dropped`, the fraction of assignments dropped
     over capacity. Under expert parallelism the counts are those of the whole ep group."""
-    layers = model.moe_layers().values() if hasattr(model, "moe_layers") else ()
+    layers = model.moe_layers().values()
     loads, dropped, total = [], 0.0, 0.0
     for moe in layers:
         counts = moe.tokens_per_expert

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from torch import nn
 
 from pipeline.core.model.moe import MoE
-from pipeline.core.model.transformer import Transformer
+from pipeline.core.model.transformer import Transformer, moe_layers
 
-__all__ = ["StageUnion", "model_parts", "set_moe_aux_loss_scale"]
+__all__ = ["StageUnion", "model_parts"]
 
 
 class StageUnion(nn.Module):
@@ -26,8 +26,8 @@ class StageUnion(nn.Module):
 
     def __init__(self, parts: Sequence[Transformer]) -> None:
         super().__init__()
-        # Not registered as submodules: their parameters would appear under a second name.
-        object.__setattr__(self, "parts", list(parts))
+        # A tuple is not registered as submodules: their parameters would get a second name.
+        self.parts = tuple(parts)
         self.config = parts[0].config
         self.tok_embeddings = next((p.tok_embeddings for p in parts if p.tok_embeddings), None)
         layers = {name: layer for part in parts for name, layer in part.layers.items()}
@@ -38,18 +38,11 @@ class StageUnion(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError("a StageUnion is not run directly; the pipeline schedule runs `parts`")
 
-    # The same lookup as the model's: it only reads `self.layers`.
-    moe_layers = Transformer.moe_layers
+    def moe_layers(self) -> dict[str, MoE]:
+        """The MoE modules of this rank's layers, by global layer index."""
+        return moe_layers(self.layers)
 
 
 def model_parts(model: nn.Module) -> list[nn.Module]:
     """The modules a schedule runs: a `StageUnion`'s stages, or the model itself."""
-    return list(getattr(model, "parts", [model]))
-
-
-def set_moe_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Make every MoE layer attach `scale * aux_loss` to the gradients (see `MoE`); the trainer
-    uses 1 / (micro-batches in the global batch), the weight of one micro-batch's loss."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.aux_loss_scale = scale
+    return list(model.parts) if isinstance(model, StageUnion) else [model]

@@ -61,22 +61,19 @@ def _kind(param: torch.Tensor) -> str:
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW over `param_groups(model)` with `cfg.optimizer`'s hyper-parameters.
 
-    The fused kernel is used when every parameter lives on CUDA; elsewhere the multi-tensor
-    `foreach` kernel, which torch has long supported for DTensor parameters on CPU (our reference
-    path, where resumed runs must match bit for bit).
+    Always the fused kernel (CUDA and CPU, plain and DTensor parameters): it reads the
+    optimizer's `found_inf` tensor on the device and leaves weights, moments and step count
+    untouched when it is 1, so a non-finite step is skipped without waiting for the device
+    (`train_step`).
     """
     o = cfg.optimizer
-    groups = param_groups(model, o.weight_decay)
-    devices = {p.device.type for g in groups for p in g["params"]}
-    fused = devices == {"cuda"}
     return torch.optim.AdamW(
-        groups,
+        param_groups(model, o.weight_decay),
         lr=o.lr,
         betas=(o.beta1, o.beta2),
         eps=o.eps,
         weight_decay=o.weight_decay,
-        fused=fused or None,
-        foreach=None if fused else True,
+        fused=True,
     )
 
 
@@ -97,6 +94,21 @@ class MegatronLR(LambdaLR):
 
         super().__init__(optimizer, lr_lambda=factor)
 
+    def rewind(self, steps: int) -> None:
+        """Take back the last `steps` steps (skipped optimizer steps, learnt at a log step):
+        the learning rate returns to where the applied steps put it."""
+        if steps <= 0:
+            return
+        self._set_step(self.last_epoch - steps)
+
+    def _set_step(self, step: int) -> None:
+        """Stand at `step`: every param group's learning rate is `schedule.lr(step)`."""
+        self.last_epoch = step
+        lrs = [base * self.schedule.factor(step) for base in self.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.pop("schedule", None)
@@ -106,10 +118,7 @@ class MegatronLR(LambdaLR):
         super().load_state_dict(state_dict)
         # The saving layout may have grouped the parameters differently (see `param_groups`).
         self.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
-        lrs = [base * self.schedule.factor(self.last_epoch) for base in self.base_lrs]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self._last_lr = lrs
+        self._set_step(self.last_epoch)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> MegatronLR:

@@ -1,31 +1,30 @@
-"""The step between building the model on `meta` and materialising it (see docs/architecture.md).
+"""The one place that changes a built model: `parallelize` (docs/architecture.md).
 
-`build_model_parts` cuts the model into this rank's pipeline stages (one part without pipeline
-parallelism) and `parallelize` applies the layout to each part, in torchtitan's order:
-tensor (+ sequence) parallel -> expert parallel -> context parallel -> activation
-checkpointing -> compile -> FSDP2 (over dp x cp; experts over the expert-data-parallel ranks).
-Every step keeps parameter names (the checkpoint's names): layers keep their global index,
-checkpointing and compile replace a block's `forward` in place, and TP, EP and FSDP2 turn
-parameters into DTensors of the same global shape.
+A model is built on `meta` from its config and `ModelOptions` (attention kernel, activation
+recomputation, MoE aux-loss weight and micro-batch group: chosen at construction), cut into this
+rank's pipeline stages by `build_model_parts`, and each stage is then changed here, in the open
+and in torchtitan's order:
 
-`init_distributed` and `build_parallel_dims` set up the process group and the device mesh of a
-run launched by torchrun (`pipe train --nproc-per-node N`).
+1. FP8: block linears swapped for the FP8 backend's (before parallelism, so tensor parallelism
+   can use torchao's float8 styles and FSDP2 the fp8 all-gather);
+2. tensor (+ sequence) parallelism: DTensor `ParallelStyle` plans (`tensor_parallel`), and
+   the pipeline stage boundaries' input/output styles;
+3. expert parallelism: each `MoE` swapped for an `ExpertParallelMoE`;
+4. context parallelism: each attention kernel swapped for a `ContextParallelAttention`;
+5. compile: `nn.Module.compile` of each block;
+6. FSDP2 (or replication) over dp x cp; experts over the expert-data-parallel ranks.
+
+Every step keeps parameter names (the checkpoint's names): layers keep their global index, swaps
+keep the swapped module's children, and TP, EP and FSDP2 turn parameters into DTensors of the
+same global shape.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 from pipeline.core.parallel.dims import ParallelDims
 
@@ -35,93 +34,7 @@ if TYPE_CHECKING:
     from pipeline.core.model.transformer import Transformer
     from pipeline.train.config import TrainConfig
 
-__all__ = [
-    "apply_activation_checkpointing",
-    "build_model_parts",
-    "build_parallel_dims",
-    "compile_enabled",
-    "init_distributed",
-    "parallelize",
-    "wants_distributed",
-]
-
-# Selective recomputation keeps the outputs of matmuls and attention (expensive to recompute)
-# and recomputes everything elementwise (norms, activations, RoPE), which is cheap.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
-
-
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
-    """Recompute each block's activations in backward: `full` keeps only block inputs,
-    `selective` also keeps matmul and attention outputs; `none` leaves the model alone."""
-    if mode == "none":
-        return
-    if mode not in ("full", "selective"):
-        raise ValueError(f"unknown activation checkpointing mode {mode!r}")
-    context_fn = None
-    if mode == "selective":
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
-    for block in model.layers.values():
-        inner = block.forward
-
-        def checkpointed(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            extra = {"context_fn": context_fn} if context_fn is not None else {}
-            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
-
-        block.forward = checkpointed
-
-
-def wants_distributed(cfg: TrainConfig) -> bool:
-    """True when the run is (or must be) multi-process: a process group exists, torchrun
-    launched us with WORLD_SIZE > 1, or a parallel degree is > 1."""
-    if dist.is_available() and dist.is_initialized():
-        return True
-    p = cfg.parallel
-    degrees = (p.tp, p.pp, p.cp, p.ep, p.dp)
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or max(degrees) > 1
-
-
-def init_distributed(device: torch.device) -> torch.device:
-    """Initialise the default process group if needed (gloo on CPU, nccl on CUDA); returns this
-    rank's device (`cuda:LOCAL_RANK` on GPUs). Needs torchrun's RANK / WORLD_SIZE variables
-    when no group exists yet."""
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if dist.is_initialized():
-        return device
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError(
-            "parallel training needs one process per rank: launch with "
-            "`pipe train --nproc-per-node N` (torchrun), not a single process"
-        )
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
-
-
-def build_parallel_dims(cfg: TrainConfig, device_type: str) -> ParallelDims:
-    """`ParallelDims` for the initialised world from `cfg.parallel` (dp -1: inferred), checked
-    against the model and sequence, with its meshes built."""
-    p = cfg.parallel
-    dims = ParallelDims(
-        tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, dp=p.dp, world_size=dist.get_world_size()
-    )
-    dims.validate_for_model(
-        cfg.model_config(), cfg.data.seq_length, sequence_parallel=p.sequence_parallel
-    )
-    dims.build_mesh(device_type)
-    return dims
+__all__ = ["build_model_parts", "compile_enabled", "parallelize"]
 
 
 def _fsdp_param_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
@@ -131,12 +44,12 @@ def _fsdp_param_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
 
 
 def build_model_parts(
-    model: Transformer, cfg: TrainConfig, dims: ParallelDims | None
+    build: Callable[[], Transformer], layout: ParallelDims, cfg: TrainConfig
 ) -> tuple[list[Transformer], list[int], int]:
-    """This rank's pipeline stages of `model` (still on `meta`): (parts, stage indices, number
-    of stages). Without pipeline parallelism: ([model], [0], 1)."""
-    if dims is None or not dims.pp_enabled:
-        return [model], [0], 1
+    """This rank's pipeline stages, each cut from a fresh `build()` (a model on `meta`):
+    (parts, stage indices, number of stages). Without pipeline parallelism: ([build()], [0], 1)."""
+    if not layout.pp_enabled:
+        return [build()], [0], 1
     from pipeline.core.parallel.pipeline import (
         local_stage_indices,
         split_model,
@@ -145,16 +58,15 @@ def build_model_parts(
     )
 
     p = cfg.parallel
-    num_stages = dims.pp * stages_per_rank(p.pipeline_schedule)
+    num_stages = layout.pp * stages_per_rank(p.pipeline_schedule)
     ranges = stage_layer_ranges(
-        model.config.num_layers,
+        cfg.model_config().num_layers,
         num_stages,
         first_stage_layers=p.first_stage_layers,
         last_stage_layers=p.last_stage_layers,
     )
-    pp_rank = dims.get_mesh("pp").get_local_rank()
-    indices = local_stage_indices(pp_rank, dims.pp, p.pipeline_schedule)
-    parts = [split_model(copy.deepcopy(model), i, num_stages, ranges) for i in indices]
+    indices = local_stage_indices(layout.pp_rank, layout.pp, p.pipeline_schedule)
+    parts = [split_model(build(), i, num_stages, ranges) for i in indices]
     return parts, indices, num_stages
 
 
@@ -165,58 +77,37 @@ def compile_enabled(setting: bool | None, device_type: str) -> bool:
 
 
 def parallelize(
-    model: Transformer,
-    cfg: TrainConfig,
-    dims: ParallelDims | None = None,
-    *,
-    device_type: str | None = None,
+    model: Transformer, layout: ParallelDims, cfg: TrainConfig, *, fp8: Any = None
 ) -> Transformer:
-    """Apply the configured layout to a model (or pipeline stage) still on `meta`, in place.
-
-    Without `dims` (one process) any parallel degree > 1 is refused. `device_type` decides the
-    default of `training.compile` (unset: the data-parallel mesh's device, else cpu). FP8
-    conversion (`pipeline.core.kernels.fp8`) happens before this, so tensor parallelism can use
-    torchao's float8 styles and FSDP2 the fp8 all-gather.
-    """
-    if dims is None:
-        p = cfg.parallel
-        wanted = {n: getattr(p, n) for n in ("tp", "pp", "cp", "ep", "dp") if getattr(p, n) > 1}
-        if wanted:
-            layout = ", ".join(f"{k}={v}" for k, v in wanted.items())
-            raise NotImplementedError(
-                f"{layout} needs one process per rank (pipe train --nproc-per-node N)"
-            )
-    else:
-        _apply_model_parallel(model, cfg, dims)
-    apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
-    if device_type is None:
-        device_type = dims.get_mesh("dp_cp").device_type if dims is not None else "cpu"
-    if compile_enabled(cfg.training.compile, device_type):
+    """Apply FP8 (`fp8`, an `Fp8Training`, or None) and the layout to a model or pipeline stage
+    still on `meta`, in place and in the order of the module docstring; returns it."""
+    if fp8 is not None:
+        model = fp8.convert(model)
+    _apply_model_parallel(model, cfg, layout)
+    if compile_enabled(cfg.training.compile, layout.device_type):
         for block in model.layers.values():
             block.compile()
-    if dims is not None and dims.fsdp_degree > 1:
-        _apply_data_parallel(model, cfg, dims)
+    if layout.fsdp_degree > 1:
+        _apply_data_parallel(model, cfg, layout)
     return model
 
 
-def _apply_model_parallel(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> None:
+def _apply_model_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelDims) -> None:
     """Tensor (+ sequence), expert and context parallelism, in that order."""
     from pipeline.core.parallel.context_parallel import apply_context_parallel
     from pipeline.core.parallel.expert_parallel import apply_expert_parallel
     from pipeline.core.parallel.tensor_parallel import apply_tensor_parallel
 
     sequence_parallel = cfg.parallel.sequence_parallel
-    if dims.tp_enabled:
-        apply_tensor_parallel(model, dims.get_mesh("tp"), sequence_parallel=sequence_parallel)
-        if dims.pp_enabled and sequence_parallel:
-            _local_stage_boundaries(model, dims.get_mesh("tp"))
-    if dims.ep_enabled:
-        apply_expert_parallel(model, dims.get_mesh("ep"))
-    if dims.cp_enabled:
-        cp_mesh = dims.get_mesh("cp")
-        apply_context_parallel(model, cp_mesh.get_group(), cp_mesh.get_local_rank(), dims.cp)
-        for moe in model.moe_layers().values():
-            moe.token_group = cp_mesh.get_group()
+    if layout.tp_enabled:
+        tp_mesh = layout.get_mesh("tp")
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
+        if layout.pp_enabled and sequence_parallel:
+            _local_stage_boundaries(model, tp_mesh)
+    if layout.ep_enabled:
+        apply_expert_parallel(model, layout.get_mesh("ep"))
+    if layout.cp_enabled:
+        apply_context_parallel(model, layout.context_group, layout.cp_rank, layout.cp)
 
 
 def _local_stage_boundaries(stage: Transformer, tp_mesh: DeviceMesh) -> None:
@@ -243,7 +134,7 @@ def _local_stage_boundaries(stage: Transformer, tp_mesh: DeviceMesh) -> None:
         stage.register_forward_hook(lambda module, args, output: output.clone())
 
 
-def _apply_data_parallel(model: Transformer, cfg: TrainConfig, dims: ParallelDims) -> None:
+def _apply_data_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelDims) -> None:
     """FSDP2 (or replication) over dp x cp. Experts under expert parallelism are already split
     over the ep ranks; they are sharded over the expert-data-parallel ranks (edp) on their own,
     or left out of FSDP when edp is 1 (their gradients are complete after the all-to-all)."""
@@ -252,11 +143,11 @@ def _apply_data_parallel(model: Transformer, cfg: TrainConfig, dims: ParallelDim
     from pipeline.core.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
     p = cfg.parallel
-    mesh = dims.get_mesh("dp_cp")
+    mesh = layout.fsdp_mesh
     param_dtype = _fsdp_param_dtype(cfg, mesh.device_type)
     ignored: set[torch.nn.Parameter] = set()
-    if dims.ep_enabled:
-        edp_mesh = dims.get_mesh("edp")
+    if layout.ep_enabled:
+        edp_mesh = layout.get_mesh("edp")
         for moe in model.moe_layers().values():
             if edp_mesh.size() > 1:
                 policy = mixed_precision_policy(param_dtype, torch.float32)

@@ -141,3 +141,31 @@ def build_loader(
         consumed_samples=consumed_samples,
         num_workers=cfg.data.num_workers,
     )
+
+
+@dataclass
+class RunData:
+    """What a run trains on: the tokenizer's ids, the three split datasets (None when a split
+    is empty) and, with `data.reset_attention_mask`, the end-of-document id that separates
+    documents in attention (else None)."""
+
+    tokenizer: TokenizerInfo
+    datasets: tuple[Any, Any, Any]
+    eod_for_documents: int | None
+
+
+def build_run_data(cfg: TrainConfig, model_config: Any) -> RunData:
+    """The blend, the tokenizer (checked against the model's vocabulary) and the datasets."""
+    vocab = model_config.vocab_size
+    spec = data_spec(cfg, vocab)
+    tokenizer = tokenizer_info(cfg, spec)
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens ({tokenizer.source}) "
+            f"but the model's vocabulary is {vocab}; set model.vocab_size"
+        )
+    datasets = build_split_datasets(cfg, spec, tokenizer)
+    if datasets[0] is None or len(datasets[0]) == 0:
+        raise ConfigError("the training split is empty: check data.split and the blend")
+    eod = tokenizer.eod_id if cfg.data.reset_attention_mask else None
+    return RunData(tokenizer, tuple(datasets), eod)

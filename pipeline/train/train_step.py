@@ -4,7 +4,7 @@ The loss of a step is the sum of the masked token losses of all its micro-batche
 the number of loss tokens in the whole global batch (not a mean of per-micro-batch means), so
 a step gives the same loss and gradients whatever the micro-batch size: 1 x 8 == 8 x 1 up to
 floating-point summation order. MoE auxiliary losses are per forward pass; each MoE layer
-attaches its own gradient with the weight the trainer set (`set_moe_aux_loss_scale`), so they
+attaches its own gradient with the weight the model was built with (`ModelOptions`), so they
 are not added here. The output projection is fused with the loss in chunks (the vocabulary-
 parallel form under tensor parallelism), so full-vocabulary fp32 logits never exist.
 
@@ -12,6 +12,10 @@ Under a parallel layout the same function runs on every rank: `dp_group` is the 
 ranks hold different tokens of the global batch (data x context parallel), `pipeline` runs the
 micro-batches through a pipeline schedule instead of the plain loop, and `pp_group` makes the
 gradient norm and the reported loss those of the whole model.
+
+A step never waits for the device: loss, gradient norm, token count and the skip decision stay
+tensors (`StepResult`), and a non-finite step is skipped by the fused AdamW kernel itself
+(`found_inf`, the mechanism of torch's GradScaler). The trainer reads them on log steps.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did: its loss (CE only, token-normalised), gradient norm, token count."""
+    """What one step did, as 0-dim device tensors (reading one waits for the device): its loss
+    (CE only, token-normalised), gradient norm, loss-token count, and whether it was skipped
+    (a non-finite loss or gradient norm)."""
 
-    loss: float
-    grad_norm: float
-    num_tokens: int
-    skipped: bool
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    num_tokens: torch.Tensor
+    skipped: torch.Tensor
 
 
 def autocast_context(
@@ -126,11 +132,12 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
-    A non-finite step leaves weights, optimizer state and learning rate untouched (gradients
-    are dropped) and reports `skipped`; the caller counts it. Every rank divides by the loss
-    tokens of the whole global batch (summed over `dp_group`, whose gradients are summed as
-    `apply_fsdp` does) and reports the global loss, so every rank takes the same skip decision
-    and any layout equals one device.
+    A non-finite step leaves weights and optimizer state untouched (a fused AdamW skips it on
+    the device, see `build_optimizer`; any other optimizer costs a host sync) and reports
+    `skipped`; the caller counts it and holds the learning rate back (`MegatronLR.rewind`).
+    Every rank divides by the loss tokens of the whole global batch (summed over `dp_group`,
+    whose gradients are summed as `apply_fsdp` does) and reports the global loss, so every rank
+    takes the same skip decision and any layout equals one device.
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, global_tokens = forward_backward(
@@ -139,16 +146,18 @@ def train_step(
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group)
     reduce_loss_sum(loss_sum, dp_group, pp_group)
-    loss_value = (loss_sum / max(global_tokens, 1.0)).item()
-    norm_value = float(grad_norm)
-    finite = torch.isfinite(torch.tensor([loss_value, norm_value])).all().item()
-    if finite:
+    loss = loss_sum / global_tokens.clamp(min=1.0).to(loss_sum)
+    finite = torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).float()  # read by the fused kernel: skip when 1
         optimizer.step()
-        if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
-            after_optimizer_step()
-        scheduler.step()
+    elif finite.item():  # an optimizer without `found_inf` is told on the host
+        optimizer.step()
+    if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
+        after_optimizer_step()
+    scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_value, norm_value, int(global_tokens), skipped=not finite)
+    return StepResult(loss.detach(), grad_norm.detach(), global_tokens, skipped=~finite)
 
 
 def reduce_loss_sum(loss_sum: torch.Tensor, dp_group: Any, pp_group: Any) -> torch.Tensor:
@@ -170,11 +179,12 @@ def forward_backward(
     pipeline: Any = None,
 ) -> tuple[torch.Tensor, float]:
     """Accumulate the gradients of one global batch (this rank's share): returns this rank's
-    loss sum (0 on pipeline stages without the loss) and the global loss-token count."""
+    loss sum (0 on pipeline stages without the loss) and the global loss-token count (a
+    tensor)."""
     autocast = autocast or contextlib.nullcontext()
     local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
     global_tokens = global_token_count(local_tokens, dp_group)
-    denominator = max(global_tokens, 1.0)
+    denominator = global_tokens.clamp(min=1.0).float()
     if pipeline is not None:
         return pipeline.forward_backward(micro_batches, denominator, autocast), global_tokens
     loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)

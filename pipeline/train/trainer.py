@@ -1,21 +1,23 @@
 """`Trainer`: builds a run (one device, or any parallel layout over processes) from a
 `TrainConfig` and trains it.
 
-Build order (docs/architecture.md): process group and meshes (multi-process runs only) -> seed ->
-model on `meta` -> this rank's pipeline stages -> `parallelize` each (TP/SP, EP, CP, activation
-checkpointing, compile, FSDP2) -> `to_empty` -> `init_weights` -> optimizer and scheduler ->
-data -> checkpoint resume -> run directory and metrics. Each piece has its own `_build_*`
-method; `train` is the loop, `train_step` (in `train_step.py`) one step.
+Build order (docs/architecture.md), each step a function returning what it built: the layout
+(`build_layout`: process group, the config validated once for the world size, meshes) -> seed
+-> model options and FP8 backend -> the model (`build_model`: on `meta`, this rank's pipeline
+stages, `parallelize` each, `to_empty`, initialised as one device would) -> optimizer and
+scheduler -> data -> checkpoints and resume -> loaders -> run directory and metrics. `train` is
+the loop, `train_step` (in `train_step.py`) one step.
 
 Parallel runs (launched by torchrun, `pipe train --nproc-per-node N`): each data-parallel rank
 loads its slice of each global batch and each context-parallel rank keeps its chunks of every
-sequence (`RunLayout`); the step divides by the global token count and reports the global loss;
-checkpoints are written by all ranks (DCP, DTensor shards under the single-device names, so
-they load under any other layout) and only rank 0 writes logs and metrics. On a CPU a sharded
-or split model takes its weights from a plain model initialised with the run's seed (DTensor
-has no CPU RNG tracker), so every layout starts from the single-process weights; on CUDA
-`init_weights` runs on the parallel model directly (DTensor's RNG tracker; pipeline ranks offset
-the seed so stages do not repeat each other's draws), which differs from one device's draw.
+sequence (`ParallelDims.shard_batch`); the step divides by the global token count and reports
+the global loss; checkpoints are written by all ranks (DCP, DTensor shards under the
+single-device names, so they load under any other layout) and only rank 0 writes logs and
+metrics.
+
+Between log steps nothing waits for the device: each step's loss, gradient norm and skip flag
+stay tensors and are read together at the next log step, where skipped steps are counted, the
+learning rate is held back for them and the divergence guard is checked.
 
 Resuming restores weights, optimizer, scheduler, RNG states, the iteration and the consumed
 sample counts, and the loaders restart from those counts, so on a CPU a resumed run repeats an
@@ -29,7 +31,6 @@ import logging
 import math
 import random
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,37 +45,25 @@ from pipeline.checkpoint import (
     load_model_and_optimizer_state,
     model_and_optimizer_state,
 )
-from pipeline.core.kernels.attention import resolve_backend
-from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
 from pipeline.core.model.flavors import flops_per_token
-from pipeline.core.model.transformer import Transformer
-from pipeline.core.parallel.fsdp import copy_full_weights_
+from pipeline.core.parallel.dims import ParallelDims
 from pipeline.preprocess.progress import terminal_bar
 from pipeline.quiet import quiet_dcp
 from pipeline.train import train_data
 from pipeline.train.checkpoint_model import check_checkpoint_model
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
-from pipeline.train.layout import RunLayout
+from pipeline.train.layout import build_layout
 from pipeline.train.metrics import MetricsLogger, router_statistics
-from pipeline.train.model_parts import StageUnion, model_parts, set_moe_aux_loss_scale
+from pipeline.train.model_build import build_fp8_backend, build_model, model_options
+from pipeline.train.model_parts import model_parts
 from pipeline.train.optimizer import build_optimizer, build_scheduler
-from pipeline.train.parallelize import (
-    build_model_parts,
-    build_parallel_dims,
-    init_distributed,
-    parallelize,
-    wants_distributed,
-)
 from pipeline.train.perf import memory_gib, peak_tflops
-from pipeline.train.pipeline_step import PipelineRunner
 from pipeline.train.train_step import (
     StepResult,
     autocast_context,
     batch_to_device,
     evaluate,
-    forward_backward,
-    reduce_loss_sum,
     train_step,
 )
 
@@ -102,6 +91,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def micro_batches_per_step(cfg: TrainConfig, layout: ParallelDims) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step (gradient accumulation)."""
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * layout.dp)
+
+
 @dataclass
 class TrainResult:
     """How `Trainer.train` ended."""
@@ -116,19 +111,35 @@ class TrainResult:
 
 @dataclass
 class _Window:
-    """Training statistics since the last log line."""
+    """Training steps since the last log line. Their results stay on the device (`pending`)
+    until `read_pending`, which fills `losses` and `grad_norms` (of the steps not skipped)."""
 
+    pending: list[StepResult] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
 
     def add(self, result: StepResult, tokens: int, seconds: float) -> None:
-        if not result.skipped:
-            self.losses.append(result.loss)
-            self.grad_norms.append(result.grad_norm)
+        self.pending.append(result)
         self.tokens += tokens
         self.seconds += seconds
+
+    def read_pending(self) -> list[tuple[float, float, bool]]:
+        """(loss, grad norm, skipped) of each pending step, read from the device in one go."""
+        if not self.pending:
+            return []
+        rows = torch.stack(
+            [torch.stack([s.loss.double(), s.grad_norm.double().to(s.loss.device),
+                          s.skipped.double()]) for s in self.pending]
+        ).tolist()  # fmt: skip
+        self.pending = []
+        out = [(loss, norm, bool(skipped)) for loss, norm, skipped in rows]
+        for loss, norm, skipped in out:
+            if not skipped:
+                self.losses.append(loss)
+                self.grad_norms.append(norm)
+        return out
 
 
 class Trainer:
@@ -144,21 +155,29 @@ class Trainer:
         console: bool = True,
     ) -> None:
         self.cfg = cfg
-        self.device = resolve_device(cfg.training.device)
-        self.layout = self._build_parallel()
-        self.dims = self.layout.dims
-        t = cfg.training
-        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        self.layout, self.device = build_layout(cfg, resolve_device(cfg.training.device))
+        self.num_micro_batches = micro_batches_per_step(cfg, self.layout)
         seed_everything(cfg.training.seed, deterministic=self.device.type == "cpu")
         check_checkpoint_model(cfg, load_iteration)  # before anything is built or read
-        self.model = self._build_model()
+        self.model_config = cfg.model_config()
+        options = model_options(cfg, self.layout, self.device, self.num_micro_batches)
+        self.fp8 = build_fp8_backend(cfg, self.layout, self.device)
+        built = build_model(
+            cfg, self.model_config, options, self.layout, self.device, self.fp8,
+            self.num_micro_batches,
+        )  # fmt: skip
+        self.model, self.pipeline = built.model, built.pipeline
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
-        self._build_data()
+        data = train_data.build_run_data(cfg, self.model_config)
+        self.tokenizer, self.datasets = data.tokenizer, data.datasets
+        self.eod_for_documents = data.eod_for_documents
         self.iteration = 0
         self.consumed = {"train": 0, "valid": 0}
         self.guard = NonFiniteGuard(max_consecutive_skips)
+        self.diverged_at: int | None = None
         self.run_dir = Path(cfg.logging.run_dir)
+        self.process_group = self.layout.world_group
         self.checkpoints = self._build_checkpointing()
         self._resume(load_iteration)
         self.train_loader = self._build_loader(0, "train")
@@ -175,144 +194,14 @@ class Trainer:
     def rank(self) -> int:
         return self.layout.rank
 
-    @property
-    def dp_rank(self) -> int:
-        return self.layout.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp_size
-
-    def _build_parallel(self) -> RunLayout:
-        """Process group, meshes and this rank's place in them (a trivial layout for one
-        process)."""
-        self.process_group: Any = None
-        if not wants_distributed(self.cfg):
-            return RunLayout()
-        try:
-            self.device = init_distributed(self.device)
-            dims = build_parallel_dims(self.cfg, self.device.type)
-        except (NotImplementedError, RuntimeError, ValueError) as e:
-            raise ConfigError(str(e)) from e
-        self.cfg.validate(world_size=dims.world_size)
-        self.process_group = dist.group.WORLD
-        layout = RunLayout.from_dims(dims)
-        log.info("parallel layout: %s", layout.describe())
-        return layout
-
-    def _build_model(self) -> torch.nn.Module:
-        """This rank's share of the model: built on `meta`, split into pipeline stages,
-        parallelised, materialised on the device and initialised (fp32)."""
-        self.model_config = self.cfg.model_config()
-        with torch.device("meta"):
-            model = Transformer(self.model_config)
-        try:
-            self.fp8 = self._build_fp8()
-            if self.fp8 is not None:  # before any parallelism (float8 TP styles, fp8 all-gather)
-                model = self.fp8.convert(model)
-                log.info("%s", self.fp8.describe())
-            parts, stage_indices, num_stages = build_model_parts(model, self.cfg, self.dims)
-            parts = [
-                parallelize(part, self.cfg, self.dims, device_type=self.device.type)
-                for part in parts
-            ]
-        except (ValueError, NotImplementedError) as e:  # a layout or recipe we cannot build
-            raise ConfigError(str(e)) from e
-        model = StageUnion(parts) if num_stages > 1 else parts[0]
-        self._select_attention(model)
-        for part in parts:
-            part.to_empty(device=self.device)
-        self._init_weights(model)
-        model.train()
-        set_moe_aux_loss_scale(model, 1.0 / (self.num_micro_batches * self.dp_size))
-        self.pipeline = None
-        if num_stages > 1:
-            self.pipeline = PipelineRunner(
-                parts, stage_indices, num_stages, self.cfg.parallel.pipeline_schedule,
-                self.num_micro_batches, self.device, self.layout.pp_group,
-            )  # fmt: skip
-        if self.device.type == "cpu" and self.cfg.training.dtype == "bf16":
-            log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
-        return model
-
-    def _build_fp8(self) -> Fp8Training | None:
-        """The run's FP8 backend (None without `fp8.recipe`), told the layout it must fit."""
-        f, p = self.cfg.fp8, self.cfg.parallel
-        dims = self.dims
-        fsdp = dims is not None and dims.fsdp_degree > 1 and p.dp_mode == "fsdp"
-        amax_group = dims.get_mesh("dp_cp").get_group() if dims is not None else None
-        return build_fp8(
-            f.recipe,
-            self.device,
-            emulate=f.emulate,
-            linear_filter=f.linear_filter,
-            fsdp=fsdp,
-            fsdp_float8_all_gather=f.fsdp_float8_all_gather,
-            tp=p.tp,
-            amax_group=amax_group,
-        )
-
     def _after_optimizer_step(self) -> None:
         if self.fp8 is not None:
             self.fp8.after_optimizer_step(model_parts(self.model))
 
-    def _init_weights(self, model: torch.nn.Module) -> None:
-        """`init_weights` on each part, except for a parallel model on a CPU: there every rank
-        would draw the same shard, so the parameters are filled from a plain model initialised
-        with the seed (the RNG then stands where a single-process run leaves it)."""
-        parts = model_parts(model)
-        if self.dims is None or self.device.type != "cpu":
-            if self.layout.pp_rank:  # stages must not repeat each other's draws
-                torch.manual_seed(self.cfg.training.seed + self.layout.pp_rank)
-            for part in parts:
-                part.init_weights(buffer_device=self.device)
-            return
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-            # Random init of DTensors on a CPU mesh warns; these draws are discarded anyway.
-            warnings.filterwarnings("ignore", message="DTensor random operators")
-            for part in parts:  # buffers; the parameters are replaced
-                part.init_weights(buffer_device=self.device)
-        copy_full_weights_(model, self._plain_initial_weights())
-
-    def _plain_initial_weights(self) -> dict[str, torch.Tensor]:
-        """Parameters of an unsharded model initialised as a single-process run would be."""
-        with torch.device("meta"):
-            plain = Transformer(self.model_config)
-        plain.to_empty(device=self.device)
-        plain.init_weights(buffer_device=self.device)
-        return dict(plain.named_parameters())
-
-    def _select_attention(self, model: torch.nn.Module) -> None:
-        backend = resolve_backend(
-            self.cfg.training.attention_backend,
-            device=self.device,
-            document_masking=self.cfg.data.reset_attention_mask,
-        )
-        for block in model.layers.values():
-            block.attention.backend = backend  # context parallelism overrides the kernel
-        log.info("attention backend: %s", backend)
-
-    def _build_data(self) -> None:
-        """The blend, the tokenizer's ids and the three split datasets."""
-        vocab = self.model_config.vocab_size
-        self.data_spec = train_data.data_spec(self.cfg, vocab)
-        self.tokenizer = train_data.tokenizer_info(self.cfg, self.data_spec)
-        if self.tokenizer.vocab_size > vocab:
-            raise ConfigError(
-                f"the tokenizer has {self.tokenizer.vocab_size} tokens ({self.tokenizer.source}) "
-                f"but the model's vocabulary is {vocab}; set model.vocab_size"
-            )
-        self.datasets = train_data.build_split_datasets(self.cfg, self.data_spec, self.tokenizer)
-        if self.datasets[0] is None or len(self.datasets[0]) == 0:
-            raise ConfigError("the training split is empty: check data.split and the blend")
-        self.eod_for_documents = (
-            self.tokenizer.eod_id if self.cfg.data.reset_attention_mask else None
-        )
-
     def _build_loader(self, split: int, name: str) -> Any:
         """This data-parallel rank's resumable loader of one split (None without data)."""
         return train_data.build_loader(
-            self.datasets[split], self.cfg, self.consumed[name], self.dp_rank, self.dp_size
+            self.datasets[split], self.cfg, self.consumed[name], self.layout.dp_rank, self.layout.dp
         )
 
     def _build_checkpointing(self) -> CheckpointManager:
@@ -451,33 +340,22 @@ class Trainer:
             for _ in range(self.num_micro_batches)
         ]
 
-    def compute_gradients(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
-        """Forward and backward of one global batch (this rank's `next_global_batch`) without
-        an optimizer step: the gradients stay in the parameters, for inspection. Returns the
-        global loss."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, tokens = forward_backward(
-            self.model, micro_batches, autocast=self.autocast,
-            dp_group=self.layout.token_group, pipeline=self.pipeline,
-        )  # fmt: skip
-        reduce_loss_sum(loss_sum, self.layout.token_group, self.layout.pp_group)
-        return float(loss_sum) / max(tokens, 1.0)
-
     def train_one_step(self, iterator: Any) -> StepResult:
         """One optimizer step on the next global batch of `iterator` (forward, backward, clip,
         step, FP8 post-step work), without logging or checkpointing; benchmarks time this."""
         return train_step(
             self.model, self.optimizer, self.scheduler, self.next_global_batch(iterator),
             clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
-            dp_group=self.layout.token_group, pipeline=self.pipeline,
-            pp_group=self.layout.pp_group, after_optimizer_step=self._after_optimizer_step,
+            dp_group=self.layout.batch_group, pipeline=self.pipeline,
+            pp_group=self.layout.pipeline_group, after_optimizer_step=self._after_optimizer_step,
         )  # fmt: skip
 
     def train(self) -> TrainResult:
         """Train to `training.iters`; returns how it ended. Raises `NonFiniteStop` (after saving)
-        when `max_consecutive_skips` steps in a row had a NaN/Inf loss or gradient norm.
-        Periodic saves run in the background with `checkpoint.async_save`; the next save, a
-        signal, the end of training and an error all wait for such a save to commit."""
+        when `max_consecutive_skips` steps in a row had a NaN/Inf loss or gradient norm (seen at
+        the log step that reads them). Periodic saves run in the background with
+        `checkpoint.async_save`; the next save, a signal, the end of training and an error all
+        wait for such a save to commit."""
         t = self.cfg.training
         result = TrainResult(self.iteration, "finished")
         window = _Window()
@@ -491,17 +369,22 @@ class Trainer:
                     start = time.perf_counter()
                     step = self.train_one_step(iterator)
                     window.add(step, tokens_per_step, time.perf_counter() - start)
-                    self._record_step(step, result)
+                    self.iteration += 1
+                    self.consumed["train"] += t.global_batch_size
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix_str(f"loss {step.loss:.4f}", refresh=False)
                     if self.iteration % t.log_interval == 0 or self.iteration == t.iters:
-                        self._log_train(window)
+                        self._account(window, result)
+                        self._log_train(window, bar)
                         window = _Window()
+                        self._stop_if_diverged()
                     if t.eval_interval and self.iteration % t.eval_interval == 0:
                         self.run_evaluation()
                         evaluated_at = self.iteration
-                    self._stop_if_diverged()
+                    interval = self.cfg.checkpoint.save_interval
+                    saving = bool(interval) and self.iteration % interval == 0
+                    if signals.received is not None or saving:
+                        self._account(window, result)  # skip counts and lr into the checkpoint
                     self._collect_background_save()
                     if signals.received is not None:
                         result.stop_reason = signals.name or "signal"
@@ -509,8 +392,7 @@ class Trainer:
                         result.checkpoint = self.save_checkpoint()
                         saved_at = self.iteration
                         break
-                    interval = self.cfg.checkpoint.save_interval
-                    if interval and self.iteration % interval == 0:
+                    if saving:
                         result.checkpoint = self.save_checkpoint()
                         saved_at = self.iteration
                 if result.stop_reason == "finished":
@@ -537,32 +419,39 @@ class Trainer:
         t = self.cfg.training
         return terminal_bar(t.iters, desc="train", initial=self.iteration, unit="it", leave=False)
 
-    def _record_step(self, step: StepResult, result: TrainResult) -> None:
-        """Advance the iteration and sample counts; count and report a skipped step."""
-        self.iteration += 1
-        self.consumed["train"] += self.cfg.training.global_batch_size
-        self.guard.record(not step.skipped)
-        result.losses[self.iteration] = step.loss
-        if step.skipped:
-            log.warning(
-                "iteration %d: non-finite loss %s or grad norm %s: step skipped "
-                "(%d in a row, %d in all)", self.iteration, step.loss, step.grad_norm,
-                self.guard.consecutive, self.guard.total,
-            )  # fmt: skip
+    def _account(self, window: _Window, result: TrainResult) -> None:
+        """Read the window's unread steps from the device (the one host sync of a log step):
+        record each loss, count and report skipped steps and hold the learning rate back for
+        them (the scheduler stepped for every step on the host)."""
+        first = self.iteration - len(window.pending) + 1
+        skipped_now = 0
+        for offset, (loss, norm, skipped) in enumerate(window.read_pending()):
+            iteration = first + offset
+            result.losses[iteration] = loss
+            self.guard.record(not skipped)
+            self.diverged_at = self.diverged_at or (iteration if self.guard.should_stop else None)
+            if skipped:
+                skipped_now += 1
+                log.warning(
+                    "iteration %d: non-finite loss %s or grad norm %s: step skipped "
+                    "(%d in a row, %d in all)", iteration, loss, norm,
+                    self.guard.consecutive, self.guard.total,
+                )  # fmt: skip
+        self.scheduler.rewind(skipped_now)
 
     def _stop_if_diverged(self) -> None:
         """After too many non-finite steps in a row: save, then raise `NonFiniteStop`."""
-        if not self.guard.should_stop:
+        if self.diverged_at is None:
             return
         path = self.save_checkpoint()
         self._collect_background_save(block=True)
-        first = self.iteration - self.guard.consecutive + 1
+        first = self.diverged_at - self.guard.max_consecutive + 1
         raise NonFiniteStop(
-            f"stopping at iteration {self.iteration}: the last {self.guard.consecutive} steps "
-            f"(from iteration {first}) had a NaN/Inf loss or gradient norm; state saved in {path}"
+            f"stopping at iteration {self.iteration}: the {self.guard.max_consecutive} steps "
+            f"from iteration {first} had a NaN/Inf loss or gradient norm; state saved in {path}"
         )
 
-    def _log_train(self, window: _Window) -> None:
+    def _log_train(self, window: _Window, bar: Any) -> None:
         seconds = max(window.seconds, 1e-9)
         tflops = self.flops_per_token * window.tokens / seconds / 1e12
         metrics = {
@@ -579,6 +468,8 @@ class Trainer:
         if self.peak_tflops is not None:
             metrics["mfu"] = tflops / self.peak_tflops
         self.metrics.log(self.iteration, metrics)
+        if bar is not None:
+            bar.set_postfix_str(f"loss {metrics['loss']:.4f}", refresh=False)
 
     def run_evaluation(self) -> float | None:
         """`eval_iters` global batches of the valid split; logs and returns the loss."""
@@ -617,13 +508,14 @@ class Trainer:
         summed over the ranks holding different tokens, loss sums also over pipeline stages
         (only the last one has them)."""
         sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-        if self.layout.token_group is not None or self.layout.pp_group is not None:
+        batch_group, pipeline_group = self.layout.batch_group, self.layout.pipeline_group
+        if batch_group is not None or pipeline_group is not None:
             on_gpu = dist.get_backend() == "nccl"
             sums = sums.to(self.device if on_gpu else "cpu")
-            if self.layout.token_group is not None:
-                dist.all_reduce(sums, group=self.layout.token_group)
-            if self.layout.pp_group is not None:
-                dist.all_reduce(sums[:1], group=self.layout.pp_group)
+            if batch_group is not None:
+                dist.all_reduce(sums, group=batch_group)
+            if pipeline_group is not None:
+                dist.all_reduce(sums[:1], group=pipeline_group)
         return float(sums[0] / sums[1].clamp(min=1.0))
 
 

@@ -5,12 +5,12 @@ one matmul over its group, so no token is dropped unless a capacity factor asks 
 router's auxiliary losses are kept on the module after each forward (`MoE.aux_loss`), and
 per-expert token counts for logging.
 
-The trainer does not add the auxiliary loss to the language-model loss. It sets
-`aux_loss_scale` (1 / micro-batches in the global batch) and each MoE attaches the gradient of
+The trainer does not add the auxiliary loss to the language-model loss. It builds the model
+with `aux_loss_scale` (the weight of one micro-batch's loss) and each MoE attaches the gradient of
 `scale * aux_loss` to its own output (`_AttachAuxLoss`, Megatron's "aux loss auto-scaler"), so
 the router gets its load-balancing gradient wherever the layer runs: on any pipeline stage,
 under any schedule, with activation checkpointing. With context parallelism a micro-batch's
-tokens are split over ranks; `token_group` then makes the router statistics those of the whole
+tokens are split over ranks; `micro_batch_group` then makes the router statistics those of the whole
 micro-batch (each rank adds its tokens' share of the single-device loss).
 """
 
@@ -37,23 +37,32 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn.
-
-        A plain loop over experts: simple and exact on every device. `torch._grouped_mm` would
-        do it in one kernel on recent GPUs; it belongs in a kernel backend tested against this.
-        """
-        # One host sync to learn the group sizes; unavoidable without a grouped kernel.
-        groups = torch.split(x, tokens_per_expert.tolist())
-        outputs = [
-            (F.silu(g @ self.w1[e].t()) * (g @ self.w3[e].t())) @ self.w2[e].t()
-            for e, g in enumerate(groups)
-        ]
-        return torch.cat(outputs) if outputs else x.new_empty(0, self.w2.shape[1])
+        """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn."""
+        return grouped_swiglu(x, tokens_per_expert, self.w1, self.w3, self.w2)
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, mean=0.0, std=std)
         nn.init.normal_(self.w3, mean=0.0, std=std)
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
+
+
+def grouped_swiglu(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU of each group of rows of `x` with its expert's stacked weights (see
+    `GroupedExperts`): rows are grouped by expert, `tokens_per_expert[e]` rows for expert e.
+
+    A plain loop over experts: simple and exact on every device. `torch._grouped_mm` would do it
+    in one kernel on recent GPUs; it belongs in a kernel backend tested against this.
+    """
+    # One host sync to learn the group sizes; unavoidable without a grouped kernel.
+    groups = torch.split(x, tokens_per_expert.tolist())
+    outputs = [(F.silu(g @ w1[e].t()) * (g @ w3[e].t())) @ w2[e].t() for e, g in enumerate(groups)]
+    return torch.cat(outputs) if outputs else x.new_empty(0, w2.shape[1])
 
 
 def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
@@ -95,22 +104,31 @@ class MoE(nn.Module):
     """Router (`router`, a bias-free linear) -> softmax -> top-k (renormalised, as Mixtral does)
     -> experts; outputs are the weighted sum of each token's k expert outputs.
 
+    `aux_loss_scale`: attach the aux-loss gradient with this weight (None: the caller adds
+    `aux_loss` to its loss itself). `micro_batch_group`: the ranks one micro-batch's tokens are
+    split over (context parallelism), None when this rank holds whole micro-batches.
+
     After each forward: `aux_loss` (coefficient-weighted load-balancing + z-loss, or None when
     both coefficients are 0), `tokens_per_expert` (assignments per expert, before dropping) and
     `num_dropped` (assignments over capacity, 0 when dropless).
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, config: MoEConfig) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        config: MoEConfig,
+        *,
+        aux_loss_scale: float | None = None,
+        micro_batch_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size)
+        self.aux_loss_scale = aux_loss_scale
+        self.micro_batch_group = micro_batch_group
         self.aux_loss: torch.Tensor | None = None
-        # Set by the trainer: attach the aux-loss gradient with this weight (None: the caller
-        # adds `aux_loss` to its loss itself).
-        self.aux_loss_scale: float | None = None
-        # Context parallelism: the group over which one micro-batch's tokens are split.
-        self.token_group: dist.ProcessGroup | None = None
         self.tokens_per_expert: torch.Tensor | None = None
         self.num_dropped: torch.Tensor | None = None
 
@@ -167,11 +185,11 @@ class MoE(nn.Module):
         self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
     ) -> torch.Tensor | None:
         """Coefficient-weighted load-balancing + z-loss of this forward's tokens (with
-        `token_group`: this rank's share of the loss over the whole group's tokens)."""
+        `micro_batch_group`: this rank's share of the loss over the whole group's tokens)."""
         c = self.config
         if c.aux_loss_coeff <= 0 and c.z_loss_coeff <= 0:
             return None
-        if self.token_group is None:
+        if self.micro_batch_group is None:
             terms = []
             if c.aux_loss_coeff > 0:
                 terms.append(c.aux_loss_coeff * load_balancing_loss(probs, topk_idx))
@@ -184,11 +202,11 @@ class MoE(nn.Module):
         self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
     ) -> torch.Tensor:
         """The single-device formulas with the expert counts and token count summed over
-        `token_group`: the ranks' results add up to the loss of the whole micro-batch."""
+        `micro_batch_group`: the ranks' results add up to the loss of the whole micro-batch."""
         c = self.config
         counts = torch.bincount(topk_idx.reshape(-1), minlength=c.num_experts).float()
         stats = torch.cat([counts, counts.new_full((1,), float(probs.shape[0]))])
-        dist.all_reduce(stats, group=self.token_group)
+        dist.all_reduce(stats, group=self.micro_batch_group)
         counts, tokens = stats[:-1], stats[-1]
         loss = probs.new_zeros(())
         if c.aux_loss_coeff > 0:

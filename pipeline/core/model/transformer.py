@@ -1,11 +1,13 @@
 """The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2 and Mixtral, one definition.
 
 Written as plain single-device PyTorch; tensor, pipeline, data and expert parallelism are applied
-afterwards by `pipeline.core.parallel` (docs/architecture.md). Build it on the `meta` device,
+afterwards by `pipeline.train.parallelize` (docs/architecture.md). What a run chooses about the
+model itself (the attention kernel, activation recomputation, how MoE layers weigh their
+auxiliary loss) is given to the constructor as `ModelOptions`. Build it on the `meta` device,
 parallelise, `to_empty(device=...)`, then call `init_weights()`:
 
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, ModelOptions(attention_backend="sdpa"))
     model.to_empty(device="cuda")
     model.init_weights()
 
@@ -17,8 +19,11 @@ stage that keeps layers 8-15 still calls them `layers.8` ... `layers.15`; a stag
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,32 @@ from torch import nn
 from pipeline.core.kernels.attention import attention
 from pipeline.core.model.config import ModelConfig, RopeScaling
 from pipeline.core.model.moe import MoE
+from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What a run chooses about a model beyond its shape (`ModelConfig`), fixed at construction.
+
+    attention_backend: the attention kernel ("sdpa" or "flash_attn"; see
+    `pipeline.core.kernels.attention`). activation_checkpointing: recompute each block's
+    activations in backward ("none", "full" or "selective"). moe_aux_loss_scale: each MoE layer
+    attaches the gradient of `scale * aux_loss` to its output (None: the caller adds the aux loss
+    itself). moe_micro_batch_group: the process group one micro-batch's tokens are split over
+    (context parallelism), so router statistics are those of the whole micro-batch.
+    """
+
+    attention_backend: str = "sdpa"
+    activation_checkpointing: str = "none"
+    moe_aux_loss_scale: float | None = None
+    moe_micro_batch_group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in RECOMPUTE_MODES:
+            raise ValueError(
+                f"unknown activation checkpointing mode {self.activation_checkpointing!r}; "
+                f"choose one of {', '.join(RECOMPUTE_MODES)}"
+            )
 
 
 class RMSNorm(nn.Module):
@@ -123,10 +154,30 @@ def _init_linear(linear: nn.Module, std: float) -> None:
         nn.init.zeros_(bias)
 
 
+class AttentionKernel(nn.Module):
+    """softmax(q k^T / sqrt(d)) v, causal, within documents: the single-device kernel `backend`.
+
+    A module (without parameters) so that a parallel layout swaps it in the open: context
+    parallelism puts its own kernel at `Attention.kernel` (`pipeline.core.parallel.
+    context_parallel`)."""
+
+    def __init__(self, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.backend = backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        return attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}"
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped-query kv heads, RoPE and optional q/k/v bias (Qwen2)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: str = "sdpa") -> None:
         super().__init__()
         self.head_dim = config.head_dim
         q_dim = config.num_attention_heads * config.head_dim
@@ -135,9 +186,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
-        self.backend = "sdpa"  # set by the trainer (training.attention_backend)
-        # A replacement kernel with `attention`'s signature (context parallelism sets one).
-        self.attention_fn: Callable[..., torch.Tensor] | None = None
+        self.kernel = AttentionKernel(backend)
 
     def forward(
         self,
@@ -151,10 +200,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.attention_fn is not None:
-            out = self.attention_fn(q, k, v, causal=True, document_ids=document_ids)
-        else:
-            out = attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
+        out = self.kernel(q, k, v, document_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -182,23 +228,44 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)) (dense or MoE)."""
+    """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)).
 
-    def __init__(self, config: ModelConfig) -> None:
+    `is_moe` says which MLP it has: `moe` (a `MoE`) or `feed_forward` (a dense SwiGLU); `mlp`
+    is whichever it is. With `options.activation_checkpointing` the block recomputes its
+    activations in backward (`pipeline.core.model.recompute`)."""
+
+    def __init__(self, config: ModelConfig, options: ModelOptions | None = None) -> None:
         super().__init__()
+        options = options or ModelOptions()
+        self.is_moe = config.moe is not None
+        self.recompute = options.activation_checkpointing
         self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, options.attention_backend)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         if config.moe is None:
             self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
         else:
-            self.moe = MoE(config.hidden_size, config.expert_ffn_hidden_size, config.moe)
+            self.moe = MoE(
+                config.hidden_size,
+                config.expert_ffn_hidden_size,
+                config.moe,
+                aux_loss_scale=options.moe_aux_loss_scale,
+                micro_batch_group=options.moe_micro_batch_group,
+            )
 
     @property
     def mlp(self) -> nn.Module:
-        return self.moe if hasattr(self, "moe") else self.feed_forward
+        return self.moe if self.is_moe else self.feed_forward
 
     def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return recompute(self.recompute, self._forward, x, rope, document_ids)
+
+    def _forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -227,15 +294,16 @@ class Transformer(nn.Module):
     plain projection for evaluation and tests.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, options: ModelOptions | None = None) -> None:
         super().__init__()
         self.config = config
+        self.options = options or ModelOptions()
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size
         )
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(config) for i in range(config.num_layers)}
+            {str(i): TransformerBlock(config, self.options) for i in range(config.num_layers)}
         )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -289,26 +357,38 @@ class Transformer(nn.Module):
         with `use_scaled_init` the block output projections (`wo`, `w2`, expert `w2`) use
         std / sqrt(2 * num_layers) so the residual stream's variance does not grow with depth;
         norms one, biases zero. Also rebuilds the RoPE buffer (not stored in checkpoints)."""
+        self.tie_weights()
+        self.rope.init_weights(buffer_device)
+        for _, _, init in self.init_units():
+            init()
+
+    def init_units(self) -> Iterator[tuple[str, nn.Module, Callable[[], None]]]:
+        """(name, module, its initialisation) of each unit holding parameters, in the order
+        `init_weights` draws them: replaying them one by one reproduces its random draws."""
         c = self.config
         std = c.init_method_std
         out_std = std / math.sqrt(2 * c.num_layers) if c.use_scaled_init else std
-        self.tie_weights()
-        self.rope.init_weights(buffer_device)
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers.values():
-            layer.init_weights(std, out_std)
+            embeddings = self.tok_embeddings  # its weight is looked up when called
+            yield "tok_embeddings", embeddings, lambda: nn.init.normal_(embeddings.weight, std=std)
+        for i, layer in self.layers.items():
+            yield f"layers.{i}", layer, functools.partial(layer.init_weights, std, out_std)
         if self.norm is not None:
-            self.norm.init_weights()
+            yield "norm", self.norm, self.norm.init_weights
         if self.output is not None and not c.tie_word_embeddings:
-            _init_linear(self.output, std)
+            yield "output", self.output, functools.partial(_init_linear, self.output, std)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules of the layers this model (or pipeline stage) holds, by layer index."""
-        return {i: layer.moe for i, layer in self.layers.items() if hasattr(layer, "moe")}
+        return moe_layers(self.layers)
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum over layers of the load-balancing and z-losses of the last forward (already
         multiplied by their coefficients), to be added to the training loss; None if dense."""
         losses = [moe.aux_loss for moe in self.moe_layers().values() if moe.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
+
+
+def moe_layers(layers: Mapping[str, TransformerBlock]) -> dict[str, MoE]:
+    """The MoE modules of `layers` (blocks by global layer index), by layer index."""
+    return {i: layer.moe for i, layer in layers.items() if layer.is_moe}

@@ -20,7 +20,6 @@ group (in Megatron, over data x context parallel ranks together) before the opti
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -167,20 +166,35 @@ def context_parallel_attention(
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
 
 
+class ContextParallelAttention(nn.Module):
+    """The attention kernel of a context-parallel model (`context_parallel_attention` over
+    `cp_group`); `apply_context_parallel` puts one at each `Attention.kernel`."""
+
+    def __init__(self, cp_group: dist.ProcessGroup | None, cp_rank: int, cp_size: int) -> None:
+        super().__init__()
+        self.cp_group, self.cp_rank, self.cp_size = cp_group, cp_rank, cp_size
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        return context_parallel_attention(
+            q, k, v, self.cp_group, self.cp_rank, self.cp_size, document_ids=document_ids
+        )
+
+    def extra_repr(self) -> str:
+        return f"cp_rank={self.cp_rank}, cp_size={self.cp_size}"
+
+
 def apply_context_parallel(
     model: nn.Module, cp_group: dist.ProcessGroup | None, cp_rank: int, cp_size: int
 ) -> nn.Module:
-    """Make every `Attention` in `model` attend over the whole cp-sharded context; in place.
+    """Make every `Attention` in `model` attend over the whole cp-sharded context, in place, by
+    swapping its kernel for a `ContextParallelAttention`.
 
     The model's inputs must then be this rank's shards (`shard_sequence`) with global
-    `position_ids` (`cp_position_ids`). Each attention module's kernel hook (`attention_fn`)
-    is set, and a `cp_size` attribute records the degree for inspection.
+    `position_ids` (`cp_position_ids`).
     """
-    kernel = functools.partial(
-        context_parallel_attention, cp_group=cp_group, cp_rank=cp_rank, cp_size=cp_size
-    )
     for module in model.modules():
         if isinstance(module, Attention):
-            module.attention_fn = kernel
-            module.cp_size = cp_size
+            module.kernel = ContextParallelAttention(cp_group, cp_rank, cp_size)
     return model

@@ -1,6 +1,7 @@
 """Expert parallelism: each rank of an ep group holds E/ep experts and tokens travel to them.
 
-`apply_expert_parallel` turns every `MoE` of a model into an `ExpertParallelMoE` in place. The
+`apply_expert_parallel` swaps every `MoE` of a model for an `ExpertParallelMoE` built from it
+(the same router, the experts re-wrapped as `ShardedGroupedExperts`). The
 router stays replicated (each rank routes its own tokens); the stacked expert weights `w1`, `w3`,
 `w2` become DTensors sharded on the expert dimension (`Shard(0)`) over the ep mesh, so their
 names and global shapes in a state dict are those of the single-device model and DCP saves and
@@ -31,8 +32,6 @@ the same experts (the "edp" mesh).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,7 +39,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from pipeline.core.model.moe import GroupedExperts, MoE
+from pipeline.core.model.moe import GroupedExperts, MoE, grouped_swiglu
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -85,7 +84,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelMoE(MoE):
-    """A `MoE` whose experts are spread over an ep group; built by `apply_expert_parallel`.
+    """`moe` with its experts spread over an ep group: this rank keeps experts
+    `[ep_rank * E/ep, (ep_rank + 1) * E/ep)` of `moe`'s (full or meta) expert weights as the
+    local shards of `Shard(0)` DTensors over `mesh`, and shares `moe`'s router and options, so
+    parameter names are those of `moe`.
 
     Statistics after each forward, for logging:
       `tokens_per_expert`  [E] assignments per expert summed over the ep group, before dropping
@@ -94,11 +96,21 @@ class ExpertParallelMoE(MoE):
       the single-device `MoE` reports for them)
     """
 
-    ep_group: ProcessGroup
-    ep_rank: int
-    ep_size: int
-    local_tokens_per_expert: torch.Tensor | None
-    local_num_dropped: torch.Tensor | None
+    def __init__(self, moe: MoE, mesh: DeviceMesh) -> None:
+        num_experts, ffn, hidden = moe.experts.w1.shape
+        with torch.device("meta"):  # the router and experts below replace these
+            super().__init__(
+                hidden, ffn, moe.config,
+                aux_loss_scale=moe.aux_loss_scale, micro_batch_group=moe.micro_batch_group,
+            )  # fmt: skip
+        self.ep_group = mesh.get_group()
+        self.ep_rank, self.ep_size = mesh.get_local_rank(), mesh.size()
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not divide over ep {self.ep_size}")
+        self.local_tokens_per_expert: torch.Tensor | None = None
+        self.local_num_dropped: torch.Tensor | None = None
+        self.router = moe.router
+        self.experts = ShardedGroupedExperts(moe.experts, mesh, *self.expert_range)
 
     @property
     def num_local_experts(self) -> int:
@@ -182,24 +194,26 @@ class ExpertParallelMoE(MoE):
 
 
 class ShardedGroupedExperts(GroupedExperts):
-    """`GroupedExperts` whose weights are DTensors sharded over ep: runs this rank's experts."""
+    """The weights of `experts` as DTensors sharded on the expert dimension over `mesh`, this
+    rank's shard being experts [start, stop) of the current (full) tensors (meta works too);
+    runs this rank's experts."""
+
+    def __init__(self, experts: GroupedExperts, mesh: DeviceMesh, start: int, stop: int) -> None:
+        num_experts, ffn, hidden = experts.w1.shape
+        with torch.device("meta"):  # the parameters below replace these
+            super().__init__(num_experts, hidden, ffn)
+        for name in EXPERT_WEIGHTS:
+            full = getattr(experts, name)
+            local = full.detach()[start:stop].clone()
+            dtensor = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
+            setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        weights = {n: _local(getattr(self, n)) for n in EXPERT_WEIGHTS}
         # The single-device kernel on the local shards: one definition of the expert maths.
-        return GroupedExperts.forward(SimpleNamespace(**weights), x, tokens_per_expert)
-
-
-def _shard_experts(experts: GroupedExperts, mesh: DeviceMesh, start: int, stop: int) -> None:
-    """Replace w1/w3/w2 by DTensors sharded on dim 0 over `mesh`, keeping experts [start, stop)
-    of the current (full) tensors as the local shard. Works on the meta device too."""
-    for name in EXPERT_WEIGHTS:
-        full = getattr(experts, name)
-        local = full.detach()[start:stop].clone()
-        dtensor = DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
-        )
-        setattr(experts, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+        weights = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
+        return grouped_swiglu(x, tokens_per_expert, *weights)
 
 
 def apply_expert_parallel(
@@ -208,38 +222,39 @@ def apply_expert_parallel(
     ep_rank: int | None = None,
     ep_size: int | None = None,
 ) -> nn.Module:
-    """Spread the experts of every `MoE` in `model` over `ep_group`, in place; returns `model`.
+    """Swap every `MoE` in `model` (or `model` itself, when it is one) for an
+    `ExpertParallelMoE` over `ep_group`; returns the model (or the new MoE).
 
     `ep_group` is a 1-D DeviceMesh (e.g. `ParallelDims.get_mesh("ep")`, preferred: the expert
     DTensors then live on a sub-mesh of the expert mesh) or a ProcessGroup (a 1-D mesh is built
     over it). `ep_rank` / `ep_size` default to this rank's place in the group and are checked
-    against it. Each MoE keeps experts `[ep_rank * E/ep, (ep_rank + 1) * E/ep)` as the local
-    shard of `Shard(0)` DTensors, so call it on a model holding the full expert weights (or on
-    the meta device, before materialising).
+    against it. Call it on a model holding the full expert weights (or on the meta device,
+    before materialising).
     """
-    if isinstance(ep_group, DeviceMesh):
-        if ep_group.ndim != 1:
-            raise ValueError(f"ep mesh must be 1-D, got {ep_group.ndim}-D")
-        mesh, group = ep_group, ep_group.get_group()
-    else:
-        group = ep_group
-        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        mesh = DeviceMesh.from_group(group, device_type)
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mesh = _ep_mesh(ep_group)
+    rank, size = mesh.get_local_rank(), mesh.size()
     if (ep_rank is not None and ep_rank != rank) or (ep_size is not None and ep_size != size):
         raise ValueError(
             f"ep_rank/ep_size {ep_rank}/{ep_size} do not match the group's {rank}/{size}"
         )
-    for name, module in model.named_modules():
-        if not isinstance(module, MoE) or isinstance(module, ExpertParallelMoE):
-            continue
-        num_experts = module.config.num_experts
-        if num_experts % size:
-            raise ValueError(f"{name}: {num_experts} experts do not divide over ep {size}")
-        module.__class__ = ExpertParallelMoE  # same attributes, so the same parameter names
-        module.ep_group, module.ep_rank, module.ep_size = group, rank, size
-        module.local_tokens_per_expert = module.local_num_dropped = None
-        start, stop = module.expert_range
-        _shard_experts(module.experts, mesh, start, stop)
-        module.experts.__class__ = ShardedGroupedExperts
+    if isinstance(model, MoE):
+        return model if isinstance(model, ExpertParallelMoE) else ExpertParallelMoE(model, mesh)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoE) and not isinstance(module, ExpertParallelMoE):
+            parent_name, _, child = name.rpartition(".")
+            try:
+                swapped = ExpertParallelMoE(module, mesh)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            setattr(model.get_submodule(parent_name), child, swapped)
     return model
+
+
+def _ep_mesh(ep_group: ProcessGroup | DeviceMesh) -> DeviceMesh:
+    """`ep_group` as a 1-D DeviceMesh."""
+    if isinstance(ep_group, DeviceMesh):
+        if ep_group.ndim != 1:
+            raise ValueError(f"ep mesh must be 1-D, got {ep_group.ndim}-D")
+        return ep_group
+    device_type = "cuda" if dist.get_backend(ep_group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(ep_group, device_type)

@@ -170,8 +170,9 @@ def _replicate(model: nn.Module, dp_mesh: DeviceMesh, policy: object) -> None:
 
 def global_token_count(
     local_count: torch.Tensor | float | int, dp_group: dist.ProcessGroup | None
-) -> float:
-    """Loss tokens in the whole global batch: the sum of every data-parallel rank's count.
+) -> torch.Tensor:
+    """Loss tokens in the whole global batch: the sum of every data-parallel rank's count, as a
+    0-dim float64 tensor on the count's device (no host sync).
 
     Each rank divides its loss sum by this number; summed gradients (see `apply_fsdp`) then
     equal the single-process gradient of the global batch. With `dp_group` None or no process
@@ -182,17 +183,18 @@ def global_token_count(
     else:
         count = torch.tensor(float(local_count), dtype=torch.float64)
     if dp_group is None or not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
-        return float(count)
+        return count
     if dist.get_backend(dp_group) == "nccl":
         count = count.cuda()
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dp_group)
-    return float(count)
+    return count
 
 
 @torch.no_grad()
 def copy_full_weights_(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
-    """Fill a sharded/replicated model from full (unsharded) tensors keyed by parameter name;
-    each rank keeps its own shard. Every rank must pass the same `full_state`.
+    """Fill the parameters of a sharded/replicated model named in `full_state` (all of them, or
+    some) from full (unsharded) tensors; each rank keeps its own shard. Every rank of a
+    parameter's mesh must pass the same tensor for it.
 
     Why: on a CPU mesh DTensor has no RNG tracker (torch supports it only on CUDA-like
     devices), so `init_weights()` after `to_empty` draws every rank's shard from the same
@@ -202,6 +204,8 @@ def copy_full_weights_(model: nn.Module, full_state: dict[str, torch.Tensor]) ->
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, param in model.named_parameters():
+        if name not in full_state:
+            continue
         full = full_state[name].to(device=param.device, dtype=param.dtype)
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements)

@@ -137,7 +137,7 @@ def _block_plan(
     plan["attention"] = prepare(
         input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
     )
-    if hasattr(block, "moe"):
+    if block.is_moe:
         if sequence_parallel:
             # Replicated experts see the whole sequence; the output is re-sharded for the stream.
             plan["moe"] = _gather_then_reshard(stream)

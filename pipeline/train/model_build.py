@@ -1,0 +1,152 @@
+"""Build this rank's model for a run: options from the config, FP8 backend, stages, parallelism,
+materialisation and initialisation; each a function returning what it built.
+
+On a CPU with a multi-process layout DTensor has no RNG tracker (every rank would draw the same
+shard), so `init_weights` replays the single-process initialisation one unit (embedding, block,
+norm, output) at a time on a plain module and copies each rank's shard from it: every layout
+starts from one device's weights, the RNG ends where one device leaves it, and at most one
+block is ever held in full. On CUDA `init_weights` runs on the parallel model directly (DTensor's
+RNG tracker; pipeline ranks offset the seed so stages do not repeat each other's draws).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pipeline.core.kernels.attention import resolve_backend
+from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
+from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.transformer import ModelOptions, Transformer
+from pipeline.core.parallel.dims import ParallelDims
+from pipeline.core.parallel.fsdp import copy_full_weights_
+from pipeline.train.config import ConfigError
+from pipeline.train.model_parts import StageUnion
+from pipeline.train.parallelize import build_model_parts, parallelize
+from pipeline.train.pipeline_step import PipelineRunner
+
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
+
+__all__ = ["BuiltModel", "build_fp8_backend", "build_model", "init_weights", "model_options"]
+
+log = logging.getLogger("pipeline.train")
+
+
+@dataclass
+class BuiltModel:
+    """This rank's model: `model` (a `Transformer`, or a `StageUnion` of its stages) for the
+    optimizer and checkpoints, `parts` for schedules, `pipeline` (None without pp)."""
+
+    model: nn.Module
+    parts: list[Transformer]
+    pipeline: PipelineRunner | None
+
+
+def model_options(
+    cfg: TrainConfig, layout: ParallelDims, device: torch.device, num_micro_batches: int
+) -> ModelOptions:
+    """What the run chooses about the model: attention kernel, recomputation, and the MoE
+    aux-loss weight (one micro-batch's share of the global batch) and micro-batch group."""
+    backend = resolve_backend(
+        cfg.training.attention_backend,
+        device=device,
+        document_masking=cfg.data.reset_attention_mask,
+    )
+    log.info("attention backend: %s", backend)
+    return ModelOptions(
+        attention_backend=backend,
+        activation_checkpointing=cfg.training.activation_checkpointing,
+        moe_aux_loss_scale=1.0 / (num_micro_batches * layout.dp),
+        moe_micro_batch_group=layout.context_group,
+    )
+
+
+def build_fp8_backend(
+    cfg: TrainConfig, layout: ParallelDims, device: torch.device
+) -> Fp8Training | None:
+    """The run's FP8 backend (None without `fp8.recipe`), told the layout it must fit."""
+    f, p = cfg.fp8, cfg.parallel
+    try:
+        return build_fp8(
+            f.recipe,
+            device,
+            linear_filter=f.linear_filter,
+            fsdp=layout.fsdp_degree > 1 and p.dp_mode == "fsdp",
+            fsdp_float8_all_gather=f.fsdp_float8_all_gather,
+            tp=p.tp,
+            amax_group=layout.batch_group,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def build_model(
+    cfg: TrainConfig,
+    config: ModelConfig,
+    options: ModelOptions,
+    layout: ParallelDims,
+    device: torch.device,
+    fp8: Fp8Training | None,
+    num_micro_batches: int,
+) -> BuiltModel:
+    """Built on `meta`, split into this rank's pipeline stages, parallelised, materialised on
+    `device` and initialised (fp32)."""
+
+    def build() -> Transformer:
+        with torch.device("meta"):
+            return Transformer(config, options)
+
+    try:
+        parts, stage_indices, num_stages = build_model_parts(build, layout, cfg)
+        parts = [parallelize(part, layout, cfg, fp8=fp8) for part in parts]
+    except (ValueError, NotImplementedError) as e:  # a layout or recipe we cannot build
+        raise ConfigError(str(e)) from e
+    if fp8 is not None:
+        log.info("%s", fp8.describe())
+    for part in parts:
+        part.to_empty(device=device)
+    init_weights(parts, config, layout, device, cfg.training.seed)
+    model = StageUnion(parts) if num_stages > 1 else parts[0]
+    model.train()
+    pipeline = None
+    if num_stages > 1:
+        pipeline = PipelineRunner(
+            parts, stage_indices, num_stages, cfg.parallel.pipeline_schedule,
+            num_micro_batches, device, layout.pipeline_group,
+        )  # fmt: skip
+    if device.type == "cpu" and cfg.training.dtype == "bf16":
+        log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
+    return BuiltModel(model, parts, pipeline)
+
+
+def init_weights(
+    parts: list[Transformer],
+    config: ModelConfig,
+    layout: ParallelDims,
+    device: torch.device,
+    seed: int,
+) -> None:
+    """Initialise materialised `parts` as the module docstring says."""
+    if not (layout.distributed and device.type == "cpu"):
+        if layout.pp_rank:  # stages must not repeat each other's draws
+            torch.manual_seed(seed + layout.pp_rank)
+        for part in parts:
+            part.init_weights(buffer_device=device)
+        return
+    for part in parts:
+        part.tie_weights()
+        part.rope.init_weights(device)
+    with torch.device("meta"):
+        plain = Transformer(config)
+    for prefix, unit, init in plain.init_units():
+        unit.to_empty(device=device)
+        init()
+        full = {f"{prefix}.{name}": tensor for name, tensor in unit.named_parameters()}
+        for part in parts:
+            copy_full_weights_(part, full)
+        unit.to_empty(device="meta")  # free it: at most one unit is held in full
