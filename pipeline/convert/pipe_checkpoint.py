@@ -27,12 +27,10 @@ from pipeline.convert.source import TensorInfo, TensorSource
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.core.model.config import ModelConfig
 
 __all__ = [
     "PipeCheckpointSource",
     "TargetLayout",
-    "model_config_from_dict",
     "tensor_chunks",
     "write_pipe_checkpoint",
 ]
@@ -40,18 +38,6 @@ __all__ = [
 MODEL_PREFIX = "model."
 # Recorded so a Hugging Face export writes them back: architecture, dtype, bos/eos ids.
 _HF_KEYS = ("hf_architecture", "hf_dtype", "bos_token_id", "eos_token_id")
-
-
-def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
-    """A `ModelConfig` from `dataclasses.asdict` output (as checkpoints store it)."""
-    from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
-
-    values = dict(values)
-    if values.get("moe") is not None:
-        values["moe"] = MoEConfig(**values["moe"])
-    if values.get("rope_scaling") is not None:
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-    return ModelConfig(**values)
 
 
 class PipeCheckpointSource:
@@ -67,6 +53,7 @@ class PipeCheckpointSource:
     ) -> None:
         from pipeline.checkpoint.layout import DCP_METADATA, CheckpointError, read_pipe_metadata
         from pipeline.checkpoint.loader import resolve_checkpoint_dir, verified_files
+        from pipeline.core.model.config import model_config_from_dict
 
         self.directory = resolve_checkpoint_dir(path, iteration)
         record = read_pipe_metadata(self.directory) or {}

@@ -65,7 +65,7 @@ def checkpoint_to_load(
 def _recorded_model(directory: Path) -> ModelConfig:
     """The model config `directory`'s `pipe_metadata.json` records."""
     from pipeline.checkpoint.layout import PIPE_METADATA, read_pipe_metadata
-    from pipeline.convert.pipe_checkpoint import model_config_from_dict
+    from pipeline.core.model.config import model_config_from_dict
 
     record = read_pipe_metadata(directory) or {}
     recorded = (record.get("metadata") or {}).get("model")

@@ -6,6 +6,7 @@ mixture of experts. Field names follow Megatron's arguments (`hidden_size`, `num
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -79,3 +80,13 @@ class ModelConfig:
         if self.moe is None or self.moe.ffn_hidden_size is None:
             return self.ffn_hidden_size
         return self.moe.ffn_hidden_size
+
+
+def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
+    """A `ModelConfig` from `dataclasses.asdict` output (as checkpoints record it)."""
+    values = dict(values)
+    if values.get("moe") is not None:
+        values["moe"] = MoEConfig(**values["moe"])
+    if values.get("rope_scaling") is not None:
+        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+    return ModelConfig(**values)
