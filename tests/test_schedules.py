@@ -188,7 +188,8 @@ def test_build_optimizer_on_cpu():
     cfg = resolve_config("tiny")
     opt = build_optimizer(Toy(), cfg)
     assert isinstance(opt, torch.optim.AdamW)
-    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+    # fused on every device: it honours `found_inf`, so a skipped step needs no host sync
+    assert opt.defaults["fused"] is True
     assert opt.defaults["betas"] == (0.9, 0.95)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
