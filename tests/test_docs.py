@@ -79,9 +79,10 @@ def test_cited_docs_and_sections_exist() -> None:
 
 # docs/architecture.md, "Rules": a package imports only from lower layers.
 LAYERS = {
-    "quiet": 0,
+    "common": 0,
     "data": 1,
     "checkpoint": 1,
+    "tokenizer": 1,
     "preprocess": 2,
     "examples": 2,
     "core": 3,
@@ -89,30 +90,110 @@ LAYERS = {
     "convert": 4,
     "export": 5,
 }
+# Above every layer: the command group and the package's own entry points.
+ENTRY_POINTS = {"cli", "__main__", "__init__"}
+# Modules that turn a command line into a run: only the same package's commands import them.
+COMMAND_MODULES = {"commands", "run", "plot_command"}
 
 
-def _pipeline_imports(path: Path) -> set[str]:
-    """Top-level pipeline packages imported anywhere in `path`, lazy imports included."""
+def _imported_modules(path: Path) -> set[str]:
+    """Dotted names of pipeline modules imported anywhere in `path`, lazy imports included."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
+            names = [node.module] + [
+                f"{node.module}.{alias.name}" for alias in node.names if alias.name[0] != "_"
+            ]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
             continue
-        found.update(n.split(".")[1] for n in names if n.startswith("pipeline."))
+        found.update(n for n in names if n.startswith("pipeline."))
     return found
 
 
-def test_packages_import_only_lower_layers() -> None:
+def _pipeline_imports(path: Path) -> set[str]:
+    """Top-level pipeline packages imported anywhere in `path`, lazy imports included."""
+    return {name.split(".")[1] for name in _imported_modules(path)}
+
+
+def _package_of(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def _packages_without_a_layer(root: Path) -> list[str]:
+    """Top-level packages and modules under `root` that the layer table does not place."""
+    names = {_package_of(path, root) for path in root.rglob("*.py")}
+    return sorted(names - set(LAYERS) - ENTRY_POINTS)
+
+
+def _layer_violations(root: Path) -> list[str]:
     wrong = []
-    for path in sorted((ROOT / "pipeline").rglob("*.py")):
-        parts = path.relative_to(ROOT / "pipeline").parts
-        package = parts[0] if len(parts) > 1 else path.stem
-        if package not in LAYERS:  # cli.py, __main__.py, __init__.py sit above everything
+    for path in sorted(root.rglob("*.py")):
+        package = _package_of(path, root)
+        if package not in LAYERS:
             continue
         for target in _pipeline_imports(path) - {package}:
             if LAYERS.get(target, len(LAYERS)) >= LAYERS[package]:
-                wrong.append(f"{path.relative_to(ROOT)} ({package}) imports pipeline.{target}")
+                where = path.relative_to(root.parent)
+                wrong.append(f"{where} ({package}) imports pipeline.{target}")
+    return wrong
+
+
+def _command_module_imports(root: Path) -> list[str]:
+    """Imports of another package's command module (`pipeline.convert.run` from export...)."""
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        package = _package_of(path, root)
+        if package in ENTRY_POINTS:
+            continue
+        for name in _imported_modules(path):
+            parts = name.split(".")
+            if len(parts) == 3 and parts[2] in COMMAND_MODULES and parts[1] != package:
+                wrong.append(f"{path.relative_to(root.parent)} imports {name}")
+    return wrong
+
+
+def test_packages_import_only_lower_layers() -> None:
+    wrong = _layer_violations(ROOT / "pipeline")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_has_a_layer() -> None:
+    """A new package must be placed in the table above (and in docs/architecture.md)."""
+    unplaced = _packages_without_a_layer(ROOT / "pipeline")
+    assert not unplaced, f"packages missing from LAYERS and docs/architecture.md: {unplaced}"
+
+
+def test_no_package_imports_another_packages_command_module() -> None:
+    wrong = _command_module_imports(ROOT / "pipeline")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_checks_catch_an_unplaced_package_and_a_wrong_import(tmp_path: Path) -> None:
+    """The rules above fail on a tree that breaks them (so they are not vacuous)."""
+    root = tmp_path / "pipeline"
+    (root / "newpkg").mkdir(parents=True)
+    (root / "newpkg" / "__init__.py").write_text("")
+    (root / "data").mkdir()
+    (root / "data" / "x.py").write_text("from pipeline.train.config import TrainConfig\n")
+    (root / "export").mkdir()
+    (root / "export" / "y.py").write_text("from pipeline.convert.run import open_source\n")
+    assert _packages_without_a_layer(root) == ["newpkg"]
+    assert _layer_violations(root) == ["pipeline/data/x.py (data) imports pipeline.train"]
+    assert _command_module_imports(root) == ["pipeline/export/y.py imports pipeline.convert.run"]
+
+
+def test_architecture_doc_lists_every_package_in_layer_order() -> None:
+    """docs/architecture.md's import-order list names each package of the table, layer by layer
+    (the packages of a layer are the names before its parenthesis)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rules = text[text.index("**Import order.**") :]
+    layers = re.findall(r"^\s+(\d+)\. (.+)$", rules, flags=re.MULTILINE)
+    documented = {
+        name: int(number) - 1
+        for number, line in layers
+        for name in re.findall(r"`(\w+)`", line.split("(")[0])
+    }
+    assert documented == LAYERS

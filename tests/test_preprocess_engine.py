@@ -19,7 +19,7 @@ from pipeline.cli import cli
 from pipeline.data.indexed import IndexedDatasetWriter
 from pipeline.data.sources import read_sources
 from pipeline.preprocess.encode import pack_documents
-from pipeline.preprocess.tokenizer import TokenizerError, load_tokenizer
+from pipeline.tokenizer.tokenizer import TokenizerError, load_tokenizer
 
 
 @pytest.fixture(autouse=True)

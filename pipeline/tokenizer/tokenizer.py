@@ -1,10 +1,10 @@
-"""Tokenizer adapters for preprocessing: Hugging Face `tokenizer.json`, SentencePiece `.model`,
-GPT-2 `vocab.json` + `merges.txt`.
+"""Tokenizer adapters for every command that tokenizes: Hugging Face `tokenizer.json`,
+SentencePiece `.model`, GPT-2 `vocab.json` + `merges.txt`.
 
 All three give what Megatron's default tokenizers give: the text's own tokens, no special tokens
 added unless asked (`add_special_tokens`, Megatron's `--tokenizer-hf-include-special-tokens`).
 Encoding runs on `gigatoken` (a Rust BPE engine) wherever it is proven, by a self-test at load
-(`pipeline.preprocess.engine_proof`), to give the reference library's ids: `tokenizers` for
+(`pipeline.tokenizer.engine_proof`), to give the reference library's ids: `tokenizers` for
 `tokenizer.json` and GPT-2 files, `sentencepiece` for a `.model`. Otherwise the reference runs.
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.preprocess import engines
+from pipeline.common.hashing import sha256_file
+from pipeline.tokenizer import engines
 
 # Names tried, in order, for the end-of-document token when no tokenizer_config.json says.
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
@@ -79,20 +80,6 @@ class TextTokenizer:
                 for p in self.files
             ],
         }
-
-
-def sha256_file(
-    path: str | os.PathLike, block: int = 1 << 22, *, start: int = 0, end: int | None = None
-) -> str:
-    """Hex SHA-256 of a file, or of its bytes [start, end), read in blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        remaining = float("inf") if end is None else end - start
-        while remaining > 0 and (chunk := f.read(int(min(block, remaining)))):
-            digest.update(chunk)
-            remaining -= len(chunk)
-    return digest.hexdigest()
 
 
 def load_tokenizer(
@@ -287,7 +274,7 @@ def _choose_engine(
 ) -> None:
     """Encode with gigatoken when allowed and proven identical to the reference; otherwise with
     the reference (with a note saying why), or fail when gigatoken was forced."""
-    from pipeline.preprocess.engine_proof import EngineMismatch, prove
+    from pipeline.tokenizer.engine_proof import EngineMismatch, prove
 
     if engine == "tokenizers":
         tok.engine_note = "reference engine requested"

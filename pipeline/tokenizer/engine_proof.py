@@ -10,12 +10,15 @@ second run with the same files skips loading the reference library (about 0.5 s 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pipeline.common.atomic import write_text
 
 # Bump when the texts below change: proofs made with other texts are then not reused.
 SELF_TEST_VERSION = "1"
@@ -110,8 +113,5 @@ def _remember(proof: Path | None) -> None:
     """Record a passed proof; a cache that cannot be written only costs the next run time."""
     if proof is None:
         return
-    try:
-        proof.parent.mkdir(parents=True, exist_ok=True)
-        proof.write_text("passed\n")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        write_text(proof, "passed\n")
