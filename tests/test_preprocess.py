@@ -354,7 +354,7 @@ def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir
     )
     deadline = time.time() + 60
     while time.time() < deadline and not any(
-        p.name.startswith("c_text_document.bin.tmp") for p in out_dir.iterdir()
+        p.name.startswith(".c_text_document.bin.tmp-") for p in out_dir.iterdir()
     ):
         time.sleep(0.05)
     time.sleep(0.5)
