@@ -46,7 +46,7 @@ pipe convert "$RUN/train/checkpoints" --to hf --output "$RUN/hf"
 python - "$RUN/hf" <<'PY'
 import sys
 
-from pipeline.quiet import import_transformers
+from pipeline.common.quiet import import_transformers
 
 transformers = import_transformers()
 directory = sys.argv[1]

@@ -1,6 +1,6 @@
 """Sharded checkpoints on torch.distributed.checkpoint with atomic commit and integrity checks.
 
-Modules: `layout` (names, tracker, durable writes), `saver` (save + atomic commit + rotation),
+Modules: `layout` (names, tracker), `saver` (save + atomic commit + rotation),
 `loader` (resolve + in-place load), `integrity` (verify), `safe_reader` (pickle-free DCP
 metadata), `state` (tensor/JSON split, model + optimizer helpers), `rng`, `manager`, `commands`
 (CLI). None of them imports torch at import time, so the CLI's help stays fast.

@@ -7,7 +7,6 @@ files equals the set DCP's own `.metadata` refers to (each item's byte range ins
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,30 +21,13 @@ from pipeline.checkpoint.layout import (
     read_pipe_metadata,
     read_tracker,
 )
-
-_CHUNK = 8 << 20
-
-
-def hash_stream(handle: Any, digest: Any, nbytes: int | None = None) -> int:
-    """Feed the next `nbytes` of `handle` (all that is left when None) to `digest`, read in
-    chunks; returns how many bytes there were (fewer than asked at the end of the file)."""
-    done = 0
-    while nbytes is None or done < nbytes:
-        want = _CHUNK if nbytes is None else min(_CHUNK, nbytes - done)
-        block = handle.read(want)
-        if not block:
-            break
-        digest.update(block)
-        done += len(block)
-    return done
+from pipeline.common.hashing import sha256_file_and_size
 
 
 def file_record(path: str | os.PathLike) -> dict[str, Any]:
     """`{"size": bytes, "sha256": hex}` of one file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        size = hash_stream(handle, digest)
-    return {"size": size, "sha256": digest.hexdigest()}
+    sha256, size = sha256_file_and_size(path)
+    return {"size": size, "sha256": sha256}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""On-disk layout of a checkpoint directory, and the small durable-write helpers it needs.
+"""On-disk layout of a checkpoint directory: names, the `latest` tracker, metadata reads.
 
 A save directory looks like::
 
@@ -17,6 +17,8 @@ import re
 import uuid
 from pathlib import Path
 from typing import Any
+
+from pipeline.common.atomic import write_text
 
 TRACKER = "latest"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -105,33 +107,6 @@ def read_tracker(save_dir: str | os.PathLike) -> Path | None:
     return None
 
 
-def fsync_path(path: str | os.PathLike) -> None:
-    """Flush a file or directory to stable storage (directories: their entries, i.e. renames)."""
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if Path(path).is_dir() else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return  # some filesystems refuse to open directories; nothing more we can do there
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` so that readers see either the old content or the new, never a mix."""
-    target = Path(path)
-    temporary = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:12]}")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, target)
-    fsync_path(target.parent)
-
-
 def write_tracker(save_dir: str | os.PathLike, dir_name: str) -> None:
     """Point `latest` at a committed iteration directory (temporary file + rename)."""
-    write_file_atomic(Path(save_dir) / TRACKER, dir_name + "\n")
+    write_text(Path(save_dir) / TRACKER, dir_name + "\n")

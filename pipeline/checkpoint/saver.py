@@ -33,7 +33,6 @@ from pipeline.checkpoint.layout import (
     PIPE_METADATA,
     CheckpointError,
     committed_iterations,
-    fsync_path,
     iteration_dir_name,
     read_tracker,
     temporary_dir_name,
@@ -42,7 +41,8 @@ from pipeline.checkpoint.layout import (
 from pipeline.checkpoint.rng import capture_rng_state
 from pipeline.checkpoint.safe_reader import dcp_error
 from pipeline.checkpoint.state import resolve_stateful, split_state
-from pipeline.quiet import ignore_dcp_single_process_warning
+from pipeline.common.atomic import fsync_path, write_json
+from pipeline.common.quiet import ignore_dcp_single_process_warning
 
 
 def _dist_context(process_group: Any | None) -> tuple[bool, int, int]:
@@ -89,12 +89,7 @@ def _own_file_records(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
 
 def _write_pipe_metadata(directory: Path, record: dict[str, Any]) -> None:
     """Write the completion record last; its presence with `complete: true` marks the commit."""
-    path = directory / PIPE_METADATA
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=1, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_json(directory / PIPE_METADATA, record, indent=1, sort_keys=True)
 
 
 def _move_into_place(temporary: Path, final: Path) -> None:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint.integrity import hash_stream
 from pipeline.checkpoint.layout import PIPE_METADATA, CheckpointError
+from pipeline.common.hashing import hash_stream
 
 SKIP_HINT = "pass --no-verify-checksums to read it anyway"
 _SHARD_NAME = re.compile(r"^__(\d+)_(\d+)\.distcp$")

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
 from pipeline.convert.hf_config import (
     config_from_hf,
     dtype_from_hf,
     hf_architecture,
 )
-from pipeline.convert.hf_writer import SAFETENSORS_DTYPES
 from pipeline.convert.source import TensorInfo
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name

@@ -13,48 +13,27 @@ an `output.weight` the source may list anyway is skipped.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pipeline.common.atomic import staged_directory, write_json
+from pipeline.common.safetensors_io import (
+    SAFETENSORS_DTYPES,
+    require_little_endian,
+    tensor_bytes,
+    write_safetensors_header,
+)
 from pipeline.convert.hf_config import config_to_hf, generation_config
 from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.hf_names import pipe_to_hf_names
 
-__all__ = [
-    "SAFETENSORS_DTYPES",
-    "TOKENIZER_FILES",
-    "HFShard",
-    "plan_hf_shards",
-    "staged_directory",
-    "tensor_bytes",
-    "write_hf",
-    "write_json",
-    "write_safetensors_header",
-]
+__all__ = ["TOKENIZER_FILES", "HFShard", "plan_hf_shards", "write_hf"]
 
-SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -149,35 +128,6 @@ def plan_hf_shards(
     return shards
 
 
-def write_safetensors_header(f, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
-    """Write the safetensors header for tensors laid out back to back in `entries` order.
-
-    Format: 8-byte little-endian header length, then the JSON header, padded with spaces to a
-    multiple of 8 bytes (as the safetensors library does). Returns the data size in bytes.
-    """
-    header: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape in entries:
-        end = offset + TensorInfo(shape, dtype).nbytes
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    f.write(len(raw).to_bytes(8, "little"))
-    f.write(raw)
-    return offset
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a tensor (bf16 and fp8 included, which numpy lacks)."""
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
 def _write_shard(
     path: Path, shard: HFShard, source: TensorSource, step: Callable[[int], None]
 ) -> None:
@@ -221,11 +171,6 @@ def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
         )
 
 
-def write_json(path: Path, obj: dict) -> None:
-    """`obj` as indented JSON with a final newline."""
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-
-
 def write_hf(
     source: TensorSource,
     output_dir: str | os.PathLike,
@@ -252,6 +197,7 @@ def write_hf(
         if progress is not None:
             progress(done)
 
+    require_little_endian()
     with staged_directory(output_dir, overwrite=overwrite) as tmp:
         weight_map: dict[str, str] = {}
         for k, shard in enumerate(shards, start=1):
@@ -284,37 +230,3 @@ def write_hf(
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
     return Path(output_dir)
-
-
-@contextmanager
-def staged_directory(output_dir: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
-    """A fresh directory beside `output_dir` to build an output in; renamed to `output_dir`
-    when the block completes, removed when it raises, so a crash never leaves a half-written
-    output under the final name. An existing non-empty `output_dir` is refused unless
-    `overwrite` (it is then replaced only at the last step). Safetensors data is little-endian,
-    so big-endian hosts are refused."""
-    if sys.byteorder != "little":
-        raise RuntimeError("safetensors data is little-endian; this host is big-endian")
-    out = Path(output_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()  # not mkdtemp: that would leave the final directory mode 0700
-    try:
-        yield tmp
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`, replacing whatever was there only at the last step."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)

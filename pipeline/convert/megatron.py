@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from pipeline.checkpoint.safe_reader import safe_file_system_reader
+from pipeline.common.quiet import quiet_dcp
 from pipeline.convert.megatron_files import (
     MegatronCheckpointError,
     check_torch_dist,
@@ -43,7 +44,6 @@ from pipeline.convert.megatron_files import (
 from pipeline.convert.megatron_layout import fuse_fc1, fuse_qkv, split_fc1, split_qkv
 from pipeline.convert.source import TensorInfo
 from pipeline.core.model.config import ModelConfig, RopeScaling
-from pipeline.quiet import quiet_dcp
 
 __all__ = [
     "MegatronCheckpointError",

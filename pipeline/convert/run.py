@@ -8,73 +8,19 @@ from __future__ import annotations
 
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.quiet import quiet_dcp
+from pipeline.common.progress import byte_progress
+from pipeline.common.quiet import quiet_dcp
+from pipeline.convert.formats import ConversionError, open_source
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from pipeline.convert.source import TensorSource
 
-__all__ = [
-    "ConversionError",
-    "detect_format",
-    "open_source",
-    "progress_bar",
-    "run_conversion",
-]
+__all__ = ["ConversionError", "recorded_tokenizer_dir", "run_conversion"]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-class ConversionError(RuntimeError):
-    """A conversion that cannot be done or did not verify; the message says why."""
-
-
-def open_source(
-    path: Path,
-    fmt: str,
-    *,
-    iteration: int | None = None,
-    allow_pickle: bool = False,
-    flavor: str | None = None,
-    verify_checksums: bool = True,
-) -> TensorSource:
-    """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron); a pipe checkpoint's
-    files are checked against their recorded SHA-256 as read unless not `verify_checksums`."""
-    if fmt == "pipe":
-        from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
-
-        return PipeCheckpointSource(path, iteration, verify_checksums=verify_checksums)
-    if fmt == "hf":
-        from pipeline.convert.hf_reader import HFSource
-
-        return HFSource(path, allow_pickle=allow_pickle)
-    if fmt == "megatron":
-        from pipeline.convert.megatron import MegatronSource
-
-        config = None
-        if flavor is not None:
-            from pipeline.core.model.flavors import get_flavor
-
-            config = get_flavor(flavor)
-        return MegatronSource(path, model_config=config)
-    raise ConversionError(f"unknown source format {fmt!r}")
-
-
-def detect_format(path: Path) -> str:
-    """`hf` for a directory with a `config.json`, `megatron` for a Megatron save directory or
-    iteration (its tracker, or `common.pt` beside `metadata.json`), `pipe` otherwise."""
-    from pipeline.checkpoint.layout import MEGATRON_TRACKER
-
-    if (path / "config.json").is_file():
-        return "hf"
-    if (path / MEGATRON_TRACKER).is_file() or (path / "common.pt").is_file():
-        return "megatron"
-    return "pipe"
 
 
 def run_conversion(
@@ -115,7 +61,7 @@ def run_conversion(
             source = CastSource(source, written_dtype.dtype)
         total = sum(info.nbytes for info in source.tensors().values())
         start = time.perf_counter()
-        with progress_bar(total, quiet) as advance, quiet_dcp():
+        with byte_progress(total, quiet, "convert") as advance, quiet_dcp():
             written = _write(source, output, to_format, (tp, pp, ep), shard_bytes,
                              tokenizer_dir, advance, overwrite)  # fmt: skip
         seconds = time.perf_counter() - start
@@ -224,7 +170,7 @@ def _transformers_available() -> bool:
 def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
     """The directory of the tokenizer a checkpoint recorded, if its files are still there and
     unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
-    from pipeline.preprocess.tokenizer import sha256_file
+    from pipeline.common.hashing import sha256_file
 
     files = ((tokenizer or {}).get("fingerprint") or {}).get("files") or []
     if not files:
@@ -239,16 +185,3 @@ def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
             )
             return None
     return Path(files[0]["path"]).parent
-
-
-@contextmanager
-def progress_bar(total: int, quiet: bool, desc: str = "convert") -> Iterator[Any]:
-    """A byte-weighted progress bar on a terminal; yields its `advance(bytes)` function."""
-    from pipeline.preprocess.progress import terminal_bar
-
-    bar = None if quiet else terminal_bar(total, desc=desc, unit="B", unit_scale=True)
-    try:
-        yield (bar.update if bar is not None else None)
-    finally:
-        if bar is not None:
-            bar.close()

@@ -113,7 +113,7 @@ def compare_hf_logits(
     `LOGIT_TOLERANCE` times the logits' scale (at least 1)."""
     import torch
 
-    from pipeline.quiet import import_transformers
+    from pipeline.common.quiet import import_transformers
 
     try:
         transformers = import_transformers()  # the summary line says what was compared

@@ -36,10 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.common.atomic import TEMPORARY_MARK, atomic_file, temporary_owner
+
 logger = logging.getLogger(__name__)
 
 DESCRIPTION_AFFIX = "description.txt"
-_TMP_MARK = ".tmp-"
 _MAX_POLL_S = 2.0
 
 
@@ -187,24 +188,10 @@ class IndexCache:
         # Un-commit first, so a reader never pairs an old description with new arrays.
         self.description_path.unlink(missing_ok=True)
         for name, array in arrays.items():
-            with self._temporary(self.array_path(name)) as (tmp, f):
+            with atomic_file(self.array_path(name)) as f:
                 np.save(f, array, allow_pickle=False)
-        with self._temporary(self.description_path) as (tmp, f):
+        with atomic_file(self.description_path) as f:
             f.write(description.encode("utf-8"))
-        _fsync_directory(self.directory)
-
-    @contextlib.contextmanager
-    def _temporary(self, final: Path) -> Iterator[tuple[Path, object]]:
-        """Open a hidden temporary beside `final`; on success flush, fsync and rename it."""
-        tmp = final.with_name(f".{final.name}{_TMP_MARK}{_host()}-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                yield tmp, f
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
 
     def _make_directory(self) -> None:
         try:
@@ -285,10 +272,9 @@ class IndexCache:
 
     def _remove_dead_temporaries(self) -> None:
         """Delete temporary files left by builders that crashed mid-write."""
-        for tmp in self.directory.glob(f".{self.base}-*{_TMP_MARK}*"):
-            owner = tmp.name.rsplit(_TMP_MARK, 1)[1]
-            host, _, pid = owner.rpartition("-")
-            holder = json.dumps({"host": host, "pid": int(pid) if pid.isdigit() else -1})
+        for tmp in self.directory.glob(f".{self.base}-*{TEMPORARY_MARK}*"):
+            host, pid = temporary_owner(tmp) or ("", -1)
+            holder = json.dumps({"host": host, "pid": pid})
             if _stale_reason(holder, tmp, self.stale_lock_s) is not None:
                 tmp.unlink(missing_ok=True)
 
@@ -329,16 +315,6 @@ def _read_text(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the renames durable (best effort: not every platform can open a directory)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def state_without_mapped(state: dict, index_files: Mapping[str, Path] | None) -> dict:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.common.atomic import commit, temporary_path
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 # magic (9) + version (8) + dtype code (1) + sequence count (8) + document-index length (8)
@@ -259,9 +261,8 @@ class IndexedDatasetWriter:
         final_bin = bin_path(self.prefix)
         directory = final_bin.parent
         directory.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp-{os.getpid()}"
-        self._tmp_bin = final_bin.with_name(final_bin.name + tag)
-        self._tmp_idx = idx_path(self.prefix).with_name(idx_path(self.prefix).name + tag)
+        self._tmp_bin = temporary_path(final_bin)
+        self._tmp_idx = temporary_path(idx_path(self.prefix))
         self._bin = open(self._tmp_bin, "wb")
         self._lengths = _Spool(np.int32, directory)
         self._document_ends = _Spool(np.int64, directory)
@@ -340,10 +341,8 @@ class IndexedDatasetWriter:
             f.write(np.zeros(1, np.int64).data)
             for chunk in self._document_ends.chunks():
                 f.write(chunk.data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(self._tmp_idx, idx_path(self.prefix))
+        commit(self._tmp_bin, bin_path(self.prefix))
+        commit(self._tmp_idx, idx_path(self.prefix))
         self._release()
 
     def abort(self) -> None:

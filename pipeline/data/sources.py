@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.common.atomic import commit, temporary_path
+
 MAGIC = b"PIPESRC1"
 _ROW = np.dtype([("input", "<i8"), ("line", "<i8")])
 
@@ -29,7 +31,7 @@ class SourcesWriter:
 
     def __init__(self, prefix: str | os.PathLike) -> None:
         self.path = sources_path(prefix)
-        self._tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self._tmp = temporary_path(self.path)
         self._file = open(self._tmp, "wb")
         self._file.write(MAGIC)
         self.count = 0
@@ -52,7 +54,7 @@ class SourcesWriter:
 
     def finalize(self) -> None:
         self._file.close()
-        os.replace(self._tmp, self.path)
+        commit(self._tmp, self.path)
 
     def abort(self) -> None:
         self._file.close()

@@ -17,6 +17,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline.common.atomic import atomic_file, atomic_path, write_json
+
 # Llama 3's pre-tokenizer split: contractions, letters, 1-3 digits, punctuation, whitespace.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -59,12 +61,9 @@ def _documented(node: ast.AST, prefix: str) -> Iterator[tuple[str, ast.AST]]:
 
 def build_corpus(output: str | os.PathLike, max_documents: int | None = None) -> int:
     """Write the corpus as JSONL ({"id", "text"}); returns the number of documents."""
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     root = Path(sysconfig.get_paths()["stdlib"])
     count = 0
-    tmp = output.with_name(output.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(output, "w", encoding="utf-8") as f:
         for path in stdlib_sources():
             text = module_text(path)
             if not text:
@@ -74,7 +73,6 @@ def build_corpus(output: str | os.PathLike, max_documents: int | None = None) ->
             count += 1
             if max_documents is not None and count >= max_documents:
                 break
-    os.replace(tmp, output)
     return count
 
 
@@ -107,10 +105,10 @@ def train_tokenizer(
     )
     tokenizer.train_from_iterator(texts, trainer)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(output_dir / "tokenizer.json"))
+    with atomic_path(output_dir / "tokenizer.json") as temporary:
+        tokenizer.save(str(temporary))
     config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
-    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json(output_dir / "tokenizer_config.json", config)
     return output_dir
 
 

@@ -23,13 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.convert.run import (
-    ConversionError,
-    detect_format,
-    open_source,
-    progress_bar,
-)
-from pipeline.quiet import quiet_dcp
+from pipeline.common.progress import byte_progress
+from pipeline.common.quiet import quiet_dcp
+from pipeline.convert.formats import ConversionError, detect_format, open_source
 
 if TYPE_CHECKING:
     import torch
@@ -186,7 +182,7 @@ def run_export(
                 calibrated = tokens.numel()  # verification text starts after these
             total = sum(info.nbytes for info in source.tensors().values())
             start = time.perf_counter()
-            with progress_bar(total, quiet, desc="export") as advance:
+            with byte_progress(total, quiet, "export") as advance:
                 write_trtllm(
                     source, output, options, amax=amax, progress=advance, overwrite=overwrite
                 )

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.convert.hf_writer import (
-    staged_directory,
+from pipeline.common.atomic import staged_directory, write_json
+from pipeline.common.safetensors_io import (
+    require_little_endian,
     tensor_bytes,
-    write_json,
     write_safetensors_header,
 )
 from pipeline.convert.source import TensorInfo, TensorSource
@@ -354,6 +354,7 @@ def write_trtllm(
     config = source.model_config
     items = export_items(config, options, amax)
     plans = plan_rank_files(source, items, options.mapping.world_size)
+    require_little_endian()
     with staged_directory(output_dir, overwrite=overwrite) as tmp:
         files = [_RankFile(tmp / f"rank{r}.safetensors", plan) for r, plan in enumerate(plans)]
         try:

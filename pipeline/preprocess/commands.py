@@ -50,7 +50,7 @@ def _user_errors() -> Iterator[None]:
     from pipeline.preprocess.readers import InputError
     from pipeline.preprocess.runner import PreprocessError
     from pipeline.preprocess.shards import ShardError
-    from pipeline.preprocess.tokenizer import TokenizerError
+    from pipeline.tokenizer.tokenizer import TokenizerError
 
     try:
         yield
@@ -184,7 +184,7 @@ def preprocess(
         from pipeline.preprocess.runner import PreprocessConfig, format_summary
         from pipeline.preprocess.runner import preprocess as run
         from pipeline.preprocess.shards import resolve_shard
-        from pipeline.preprocess.tokenizer import load_tokenizer
+        from pipeline.tokenizer.tokenizer import load_tokenizer
 
         shard = resolve_shard(num_shards, shard_index)  # before the tokenizer: fail fast
         tokenizer = load_tokenizer(
@@ -379,7 +379,7 @@ def _inspect_blend(prefix, data, seq_length, samples, split, as_json) -> None:
 
 
 def _tokenizer_for_show(path: str | None, info: dict):
-    from pipeline.preprocess.tokenizer import load_tokenizer
+    from pipeline.tokenizer.tokenizer import load_tokenizer
 
     if path is None:
         files = info.get("manifest", {}).get("tokenizer", {}).get("files", [])

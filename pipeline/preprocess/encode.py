@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from pipeline.preprocess.readers import Batch, file_line
-from pipeline.preprocess.tokenizer import TextTokenizer
+from pipeline.tokenizer.tokenizer import TextTokenizer
 
 _UTF8_BOM = b"\xef\xbb\xbf"
 _SURROGATE = re.compile("[\ud800-\udfff]")

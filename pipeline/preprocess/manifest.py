@@ -5,20 +5,19 @@ Reading it is `pipeline.data.manifest` (re-exported here)."""
 from __future__ import annotations
 
 import datetime
-import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import __version__
+from pipeline.common.atomic import write_json
+from pipeline.common.hashing import sha256_file
 from pipeline.data.manifest import MANIFEST_FORMAT
-from pipeline.preprocess.tokenizer import sha256_file
 
 if TYPE_CHECKING:
     from pipeline.preprocess.readers import InputFile, InputRange
     from pipeline.preprocess.runner import PreprocessConfig, PreprocessSummary
     from pipeline.preprocess.shards import ShardSpec
-    from pipeline.preprocess.tokenizer import TextTokenizer
+    from pipeline.tokenizer.tokenizer import TextTokenizer
 
 
 def hash_inputs(parts: list[InputRange]) -> list[str]:
@@ -169,6 +168,4 @@ def failed(shard: dict[str, Any], error: str) -> dict[str, Any]:
 
 def write(path: Path, record: dict[str, Any]) -> None:
     """Write atomically: a temporary file, then a rename."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json(path, record)

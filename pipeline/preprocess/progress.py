@@ -3,24 +3,11 @@ lines otherwise (they read cleanly in CI and Slurm logs)."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from typing import TextIO
 
-
-def terminal_bar(total: int | None, *, desc: str, stream: TextIO | None = None, **options):
-    """A tqdm bar on `stream` (stderr by default) when it is a terminal, else None (logs and CI
-    get plain lines instead)."""
-    stream = stream or sys.stderr
-    if not stream.isatty():
-        return None
-    from tqdm import tqdm
-
-    size = shutil.get_terminal_size((100, 24))
-    # A pty that reports a 0x0 size would otherwise hide the bar entirely.
-    return tqdm(total=total, desc=desc, file=stream, ncols=size.columns, nrows=size.lines,
-                **options)  # fmt: skip
+from pipeline.common.progress import terminal_bar
 
 
 class Progress:

@@ -46,7 +46,7 @@ from pipeline.preprocess.readers import (
     streams_hash,
 )
 from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
-from pipeline.preprocess.tokenizer import TextTokenizer
+from pipeline.tokenizer.tokenizer import TextTokenizer
 
 MAX_REPORTED_BAD_LINES = 10
 

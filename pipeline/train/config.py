@@ -18,7 +18,6 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Union
 
 from pipeline.core.kernels.fp8 import LINEAR_FILTERS, normalize_recipe
@@ -390,11 +389,9 @@ class TrainConfig:
 
     def save_toml(self, path: str | os.PathLike[str]) -> None:
         """Write `to_toml()` to `path` atomically (a temporary file, then a rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.to_toml(), encoding="utf-8")
-        os.replace(tmp, path)
+        from pipeline.common.atomic import write_text
+
+        write_text(path, self.to_toml())
 
     # ---- derived values -----------------------------------------------------------------------
 

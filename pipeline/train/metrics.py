@@ -266,9 +266,11 @@ def _wandb_run(run_dir: Path, project: str, config: dict | None):
         import wandb
     except ImportError:
         raise MetricsError(f"W&B logging needs wandb: {TRACK_HINT}") from None
+    from pipeline.common.atomic import write_text
+
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
-    id_file.write_text(run_id + "\n")
+    write_text(id_file, run_id + "\n")
     return wandb.init(
         project=project,
         name=run_dir.name,

@@ -8,12 +8,11 @@ object-oriented API on the Agg canvas: no pyplot, no global backend switch, no d
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.common.atomic import atomic_path
 from pipeline.train.metrics import MetricsError, read_metrics
 
 if TYPE_CHECKING:
@@ -112,16 +111,9 @@ def _draw_panel(ax, title: str, key: str, splits: tuple[str, ...], runs, colours
 
 def _save_atomically(figure: Figure, target: Path) -> None:
     """Save `figure` to `target` through a temporary file in the same folder and a rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     fmt = target.suffix.lstrip(".").lower() or "png"
-    handle, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        figure.savefig(temp, format=fmt, dpi=100)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    with atomic_path(target) as temporary:
+        figure.savefig(temporary, format=fmt, dpi=100)
 
 
 def _run_names(run_dirs: list[str | Path]) -> list[str]:

@@ -74,7 +74,7 @@ def tokenizer_info(cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData) -> 
     if tok.get("eod") is not None and tok.get("vocab_size") is not None:
         return TokenizerInfo(int(tok["eod"]), int(tok["vocab_size"]), f"manifest:{path}", tok)
     if cfg.data.tokenizer is not None:
-        from pipeline.preprocess.tokenizer import load_tokenizer
+        from pipeline.tokenizer.tokenizer import load_tokenizer
 
         loaded = load_tokenizer(cfg.data.tokenizer)
         if loaded.eod is None:

@@ -45,10 +45,10 @@ from pipeline.checkpoint import (
     load_model_and_optimizer_state,
     model_and_optimizer_state,
 )
+from pipeline.common.progress import terminal_bar
+from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.parallel.dims import ParallelDims
-from pipeline.preprocess.progress import terminal_bar
-from pipeline.quiet import quiet_dcp
 from pipeline.train import train_data
 from pipeline.train.checkpoint_model import check_checkpoint_model
 from pipeline.train.config import ConfigError, TrainConfig

@@ -48,7 +48,7 @@ _GIGATOKEN = (
     "print(time.perf_counter() - t, int(ids.layout.offsets.data[-1]))"
 )
 _LOAD = (
-    "import sys, time; from pipeline.preprocess.tokenizer import load_tokenizer; "
+    "import sys, time; from pipeline.tokenizer.tokenizer import load_tokenizer; "
     "t = time.perf_counter(); load_tokenizer(sys.argv[1]); print(time.perf_counter() - t)"
 )
 

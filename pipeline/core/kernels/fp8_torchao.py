@@ -24,8 +24,8 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from pipeline.common.quiet import import_torchao_float8
 from pipeline.core.kernels.fp8 import Fp8Training
-from pipeline.quiet import import_torchao_float8
 
 if TYPE_CHECKING:
     from torch import nn

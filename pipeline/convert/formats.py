@@ -1,0 +1,62 @@
+"""Which format a weights path holds, and the `TensorSource` that reads it.
+
+Both `pipe convert` and `pipe export` open their input here: a pipe checkpoint, a Hugging Face
+directory or a Megatron `torch_dist` save, each read lazily, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.convert.source import TensorSource
+
+__all__ = ["ConversionError", "detect_format", "open_source"]
+
+
+class ConversionError(RuntimeError):
+    """A conversion that cannot be done or did not verify; the message says why."""
+
+
+def open_source(
+    path: Path,
+    fmt: str,
+    *,
+    iteration: int | None = None,
+    allow_pickle: bool = False,
+    flavor: str | None = None,
+    verify_checksums: bool = True,
+) -> TensorSource:
+    """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron); a pipe checkpoint's
+    files are checked against their recorded SHA-256 as read unless not `verify_checksums`."""
+    if fmt == "pipe":
+        from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+
+        return PipeCheckpointSource(path, iteration, verify_checksums=verify_checksums)
+    if fmt == "hf":
+        from pipeline.convert.hf_reader import HFSource
+
+        return HFSource(path, allow_pickle=allow_pickle)
+    if fmt == "megatron":
+        from pipeline.convert.megatron import MegatronSource
+
+        config = None
+        if flavor is not None:
+            from pipeline.core.model.flavors import get_flavor
+
+            config = get_flavor(flavor)
+        return MegatronSource(path, model_config=config)
+    raise ConversionError(f"unknown source format {fmt!r}")
+
+
+def detect_format(path: Path) -> str:
+    """`hf` for a directory with a `config.json`, `megatron` for a Megatron save directory or
+    iteration (its tracker, or `common.pt` beside `metadata.json`), `pipe` otherwise."""
+    from pipeline.checkpoint.layout import MEGATRON_TRACKER
+
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / MEGATRON_TRACKER).is_file() or (path / "common.pt").is_file():
+        return "megatron"
+    return "pipe"

@@ -1,0 +1,345 @@
+"""Builders shared by the tests, in one place: paths to ../shared/data, sample texts and JSONL
+files, the megatron-core oracle writer, tiny models (ours and Hugging Face's), the micro training
+run's settings, and helpers that run pipe (in-process or in a fresh interpreter).
+
+Fixtures stay in conftest.py; everything here is a plain function or constant, imported as
+`from tests.builders import ...`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def shared_file(relative: str) -> Path:
+    """A file under ../shared/data, or skip the test when the folder is absent (a user's clone)."""
+    path = SHARED_DATA / relative
+    if not path.exists():
+        pytest.skip(f"{path} not found (../shared/data sits beside the checkout in CI only)")
+    return path
+
+
+SAMPLE_TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x ** 2  # squares\n\n\n",
+    "日本語のテキストと中文文本，还有한국어.",
+    "emoji 👩‍👩‍👧‍👦 and 🎉🎉 plus café naïve",
+    "   leading and trailing spaces   \t\t\n\r\n",
+    "numbers 1234567890 3.14159 1e-10",
+    "",
+    "DON'T stop; we're here, they'll go",
+]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+@contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Import megatron-core modules inside this block without its warnings (no TE or Apex on a
+    CPU), or skip the test when megatron-core is not installed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        except ImportError:
+            pytest.skip("megatron-core is not installed (pip install --no-deps megatron-core)")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def megatron_builder():
+    """megatron-core's IndexedDatasetBuilder/IndexedDataset, or skip when not installed."""
+    with quiet_megatron():
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    return IndexedDatasetBuilder, IndexedDataset
+
+
+def megatron_preprocess(documents: list, encode, eod: int | None, dtype, prefix: Path) -> str:
+    """What Megatron's preprocess_data.py writes (document level) for `documents`, each a string
+    or a list of sentences: empty sentences dropped, EOD appended to the last sentence of a
+    non-empty document when `eod` is given, one `add_document` per document."""
+    builder_cls, _ = megatron_builder()
+    builder = builder_cls(f"{prefix}.bin", dtype=dtype)
+    for doc in documents:
+        sentences = [doc] if isinstance(doc, str) else doc
+        ids = [encode(s) for s in sentences]
+        ids = [x for x in ids if x]
+        if ids and eod is not None:
+            ids[-1] = ids[-1] + [eod]
+        flat = [t for x in ids for t in x]
+        builder.add_document(flat, [len(x) for x in ids])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def file_bytes(prefix: str | os.PathLike) -> tuple[bytes, bytes]:
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def micro_model_config(**overrides):
+    """The micro dense model the parallel tests compare against one device: 2 layers, hidden 32,
+    4 heads over 2 kv heads, ffn 64, vocab 128 (fp32-sized for gloo on 2 cores)."""
+    from pipeline.core.model.config import ModelConfig
+
+    fields = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+    )
+    return ModelConfig(**(fields | overrides))
+
+
+# ---- tiny models: ours, and Hugging Face's as the numerics oracle -----------------------------
+
+VOCAB, HIDDEN, LAYERS, FFN, SEQ = 96, 64, 2, 96, 16  # the `hf_case` models
+EXPORT_VOCAB = 250  # not a multiple of 4: tp4 pads lm_head with 2 zero rows
+SHARD_BYTES = 40_000  # tiny models are ~100-500 KB: several shards each
+
+
+def build_model(config):
+    """meta build -> to_empty -> init_weights, the order the trainer uses."""
+    import torch
+
+    from pipeline.core.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
+def perturbed(model):
+    """`model` with every weight moved off its init (norms not all ones, biases not all zeros),
+    so a mapping mistake shows in the logits."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def hf_case(name: str):
+    """(HF model class, HF config, our config) for a tiny model of the named architecture."""
+    transformers = pytest.importorskip("transformers")
+
+    from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+    )
+    ours = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_layers=LAYERS,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=128,
+        norm_eps=1e-5,
+    )
+    if name.startswith("llama"):
+        tied = name == "llama_tied"
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+        rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        rope["original_max_position_embeddings"] = 8
+        hf = transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=tied)
+        scaling = RopeScaling(factor=8.0, original_max_position_embeddings=8)
+        cfg = ModelConfig(
+            **ours, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=tied
+        )
+        return transformers.LlamaForCausalLM, hf, cfg
+    if name == "mistral":
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        hf = transformers.MistralConfig(**common, head_dim=24, rope_parameters=rope)
+        hf.sliding_window = None
+        return transformers.MistralForCausalLM, hf, ModelConfig(**ours, head_dim=24, rope_theta=1e4)
+    if name == "qwen2":
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        hf = transformers.Qwen2Config(**common, rope_parameters=rope)
+        return transformers.Qwen2ForCausalLM, hf, ModelConfig(**ours, qkv_bias=True, rope_theta=1e6)
+    assert name == "mixtral"
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    hf = transformers.MixtralConfig(
+        **common, num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope
+    )
+    hf.sliding_window = None
+    moe = MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.0)
+    return transformers.MixtralForCausalLM, hf, ModelConfig(**ours, moe=moe, rope_theta=1e6)
+
+
+def save_hf(name: str, directory: Path) -> tuple[Path, object]:
+    """A perturbed tiny HF model of architecture `name`, saved by transformers in shards."""
+    import torch
+
+    hf_cls, hf_config, _ = hf_case(name)
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = perturbed(hf_cls(hf_config).eval())
+    hf.save_pretrained(directory, max_shard_size=SHARD_BYTES)
+    return directory, hf
+
+
+def export_hf_model(arch: str, seed: int = 0):
+    """A tiny HF model for the export tests: 3 layers (pp2 splits 2 + 1), 4 query heads over 2
+    kv heads (fewer than tp4), weights perturbed so norms and biases are not their init values."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=EXPORT_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+    )
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    llama3_rope |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama3_rope["original_max_position_embeddings"] = 16
+    if arch == "llama3":
+        config = transformers.LlamaConfig(**common, rope_parameters=llama3_rope)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "llama32_tied":
+        config = transformers.LlamaConfig(
+            **common, rope_parameters=llama3_rope, tie_word_embeddings=True
+        )
+        cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":  # an explicit head_dim: 4 heads of 24 over hidden 64
+        config = transformers.MistralConfig(
+            **common, head_dim=24, rope_parameters={"rope_theta": 1e4}
+        )
+        config.sliding_window = None
+        cls = transformers.MistralForCausalLM
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, rope_parameters={"rope_theta": 1e6})
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        config.sliding_window = None
+        cls = transformers.MixtralForCausalLM
+    torch.manual_seed(seed)
+    return perturbed(cls(config).eval())
+
+
+# ---- the micro training run -----------------------------------------------------------------
+
+MICRO_MODEL = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_attention_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.vocab_size=128",
+]
+
+
+def micro_sets(run_dir: Path, *extra: str, iters: int = 8, mbs: int = 2) -> list[str]:
+    """`--set` assignments for a micro model on mock data, seq 32, gbs 8, CPU, fp32."""
+    return [
+        *MICRO_MODEL,
+        "data.mock=true",
+        "data.seq_length=32",
+        "data.num_workers=0",
+        f"training.iters={iters}",
+        f"training.micro_batch_size={mbs}",
+        "training.global_batch_size=8",
+        "training.eval_interval=4",
+        "training.eval_iters=2",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "scheduler.warmup_iters=1",
+        "checkpoint.save_interval=4",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def records(run_dir: Path, split: str = "train") -> dict[int, dict]:
+    """metrics.jsonl records of one split by step (the last one wins after a resume)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    out = {}
+    for line in lines:
+        record = json.loads(line)
+        if record["split"] == split:
+            out[record["step"]] = record
+    return out
+
+
+def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs,
+    )  # fmt: skip
+
+
+def nan_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
+    """Make the loss NaN on the given micro-batch calls (all of them when None)."""
+    import pipeline.train.train_step as ts
+
+    original = ts.micro_batch_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch):
+        calls["n"] += 1
+        loss_sum, tokens = original(model, batch)
+        if bad_calls is None or calls["n"] in bad_calls:
+            loss_sum = loss_sum * float("nan")
+        return loss_sum, tokens
+
+    monkeypatch.setattr(ts, "micro_batch_loss", poisoned)
+
+
+# ---- running pipe ---------------------------------------------------------------------------
+
+
+def run_pipe(*args, expect_ok: bool = True, env: dict | None = None):
+    """`pipe ARGS` in-process (click's runner); asserts success unless not `expect_ok`."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, env=env)
+    if expect_ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for torchrun's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,92 @@
+"""Golden listing of every tensor (name, shape, safetensors dtype) in every rank file of two
+fixed tiny exports, read from the files' own headers. The listing in tests/export/golden/ was
+reviewed against docs/formats.md, "TensorRT-LLM export" (names, splits, stage-local numbering,
+first/last stage ownership, FP8 scale tensors). Regenerate with PIPE_UPDATE_GOLDEN=1 and review
+the diff."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from pipeline.convert.source import InMemorySource
+from pipeline.core.model.config import ModelConfig, MoEConfig
+from pipeline.core.model.transformer import Transformer
+from pipeline.export.trtllm_config import ExportOptions
+from pipeline.export.trtllm_layout import TrtllmMapping
+from pipeline.export.trtllm_writer import write_trtllm
+
+GOLDEN = Path(__file__).parent / "golden" / "trtllm_rank_files.txt"
+
+
+def _source(config: ModelConfig) -> InMemorySource:
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights()
+    state = {n: t for n, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        del state["output.weight"]
+    return InMemorySource(config, state)
+
+
+def _header(path: Path) -> dict:
+    """The safetensors JSON header, parsed by hand (not through our writer or safetensors)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _listing(directory: Path, title: str) -> list[str]:
+    config = json.loads((directory / "config.json").read_text())
+    lines = [f"# {title}"]
+    for rank in range(config["mapping"]["world_size"]):
+        header = _header(directory / f"rank{rank}.safetensors")
+        for name in sorted(header):
+            entry = header[name]
+            shape = "x".join(str(s) for s in entry["shape"])
+            lines.append(f"rank{rank} {name} {shape} {entry['dtype']}")
+    return lines
+
+
+def _exports(tmp_path: Path) -> list[str]:
+    dense = ModelConfig(
+        vocab_size=250, hidden_size=64, num_layers=3, num_attention_heads=4, num_kv_heads=2,
+        ffn_hidden_size=96, qkv_bias=True,
+    )  # fmt: skip
+    out = write_trtllm(
+        _source(dense),
+        tmp_path / "dense",
+        ExportOptions(dtype="bfloat16", mapping=TrtllmMapping(tp=2, pp=2)),
+    )
+    lines = _listing(
+        out, "Qwen2-style (qkv bias), 3 layers, 4 q / 2 kv heads, vocab 250, bf16, tp2 pp2"
+    )
+    moe = ModelConfig(
+        vocab_size=250, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=1,
+        ffn_hidden_size=96, tie_word_embeddings=True, moe=MoEConfig(num_experts=4, top_k=2),
+    )  # fmt: skip
+    amax = {f"{i}.{k}": 1.0 for i in range(2) for k in ("qkv", "dense", "fc", "proj", "kv")}
+    options = ExportOptions(
+        dtype="bfloat16",
+        mapping=TrtllmMapping(tp=2, pp=1, moe_ep=2),
+        fp8=True,
+        fp8_kv_cache=True,
+    )
+    out = write_trtllm(_source(moe), tmp_path / "moe", options, amax=amax)
+    title = "Mixtral-style, tied, 2 layers, 4 q / 1 kv head, 4 experts, FP8 + FP8 KV, tp2 moe_ep2"
+    return lines + _listing(out, title)
+
+
+def test_rank_file_listing_matches_golden(tmp_path) -> None:
+    lines = _exports(tmp_path)
+    text = "\n".join(lines) + "\n"
+    if os.environ.get("PIPE_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "rank files changed; PIPE_UPDATE_GOLDEN=1 and review"

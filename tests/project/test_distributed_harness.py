@@ -1,0 +1,29 @@
+"""The multi-process harness itself: every rank runs, collectives work, failures surface."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_distributed
+
+
+def _all_reduce(rank, world_size, tmp):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fails_on_rank_one(rank, world_size, tmp):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+@pytest.mark.dist
+def test_harness_runs_every_rank_and_reports_failures(tmp_path):
+    assert run_distributed(_all_reduce, 2, tmp_path / "a") == [3.0, 3.0]
+    with pytest.raises(AssertionError, match="(?s)rank 1 failed.*boom on rank 1"):
+        run_distributed(_fails_on_rank_one, 2, tmp_path / "b")
