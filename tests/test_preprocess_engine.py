@@ -177,7 +177,7 @@ def test_gigatoken_workers_each_encode_a_batch_of_their_own(
     pool_used = []
     real_encode_batch = engines.GigatokenEngine._encode_batch
 
-    def encode_batch(self, texts, parallel):
+    def encode_batch(self, texts, parallel=True):
         pool_used.append(parallel)
         if len(pool_used) <= 2:
             both_encoding.wait()  # passes only while two batches are being encoded at once
