@@ -183,10 +183,13 @@ class DocumentEncoder:
 
     # ----------------------------------------------------------------------------- encoding
 
-    def encode(self, parsed: ParsedBatch) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Flat ids and offsets per key (the engine releases the GIL while it works)."""
+    def encode(
+        self, parsed: ParsedBatch, parallel: bool = True
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Flat ids and offsets per key (the engine releases the GIL while it works; see
+        TextTokenizer.encode_packed for `parallel`)."""
         empty = (np.empty(0, np.int64), np.zeros(1, np.int64))
-        return [self.tokenizer.encode_packed(t) if t else empty for t in parsed.texts]
+        return [self.tokenizer.encode_packed(t, parallel) if t else empty for t in parsed.texts]
 
     def pack(
         self, parsed: ParsedBatch, encoded: list[tuple[np.ndarray, np.ndarray]]

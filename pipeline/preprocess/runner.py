@@ -1,9 +1,11 @@
 """`pipe preprocess`: stream inputs through the tokenizer into one Megatron indexed dataset per
 JSON key, in input order, with a provenance manifest.
 
-One process, overlapped: the main thread reads, parses, validates and writes while an encoding
-thread runs the engine, which releases the GIL and spreads each batch over `--workers` threads
-of its own. At most a few batches are in flight, so memory stays bounded whatever the input size.
+One process, overlapped: the main thread reads, parses, validates and writes while encoding
+threads run the engine, which releases the GIL. With gigatoken each of `--workers` threads
+encodes a batch of its own; another engine gets one thread and spreads each batch over
+`--workers` threads of its own. At most a few batches are in flight, so memory stays bounded
+whatever the input size.
 Every output is written under a temporary name and renamed at the end, so an interrupted run
 leaves no final-named file; SIGTERM is turned into a clean exit so that the temporary files are
 removed too.
@@ -152,9 +154,8 @@ def _run(
     outputs = summary.outputs
     options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
     encoder = DocumentEncoder(tokenizer, options)  # validates options before any work starts
-    progress = Progress(
-        sum(p.size for p in parts), log_interval=config.log_interval, enabled=config.show_progress
-    )
+    total_bytes = sum(p.size for p in parts)
+    progress = Progress(total_bytes, log_interval=config.log_interval, enabled=config.show_progress)
     _set_engine_threads(config.workers)
     with ExitStack() as stack, _sigterm_as_exit():
         hashes = _InputHashes(parts)
@@ -171,7 +172,10 @@ def _run(
             on_hashed=hashes.streamed.__setitem__,
         )
         try:
-            for result in _encode_in_order(batches, encoder):
+            # An input of one batch gets one thread: a small batch then avoids gigatoken's
+            # batch call and the import it costs on first use (see GigatokenEngine).
+            threads = config.workers if total_bytes > config.batch_bytes else 1
+            for result in _encode_in_order(batches, encoder, threads):
                 _write(result, writers, outputs, summary, config.skip_bad_lines)
                 for writer in sources:
                     writer.add(global_index[result.part], result.lines)
@@ -289,8 +293,9 @@ def _refuse_existing(prefixes: list[str], manifest_path: Path, overwrite: bool) 
 
 # --------------------------------------------------------------------------------- encoding
 
-# Batches parsed ahead of the one being written: enough to keep the engine busy while the main
-# thread parses and writes, few enough that memory does not depend on the input.
+# Batches parsed ahead of the one being written, beyond one per encoding thread: enough to keep
+# the engine busy while the main thread parses and writes, few enough that memory does not
+# depend on the input.
 _LOOKAHEAD = 3
 # Documents per batch at most (batches are mostly cut by config.batch_bytes).
 _MAX_BATCH_ITEMS = 16384
@@ -303,16 +308,25 @@ def _set_engine_threads(workers: int) -> None:
     os.environ["RAYON_RS_NUM_CPUS"] = str(workers)  # tokenizers' own name for it
 
 
-def _encode_in_order(batches: Iterable, encoder: DocumentEncoder) -> Iterator[EncodedBatch]:
-    """Encoded batches in input order: the main thread parses batch i+1.. while one encoding
-    thread runs the engine on batch i (the engine itself is multi-threaded)."""
+def _encode_in_order(
+    batches: Iterable, encoder: DocumentEncoder, workers: int
+) -> Iterator[EncodedBatch]:
+    """Encoded batches in input order: the main thread parses the next batches while encoding
+    threads run the engine on earlier ones.
+
+    An engine that encodes on the calling thread (gigatoken) gets `workers` threads (more than
+    one), each on a batch of its own: no thread waits for another's batch to finish, as the
+    threads of one engine pool spreading each batch do. Otherwise one thread runs the engine,
+    which spreads each batch over its own pool."""
+    serial = encoder.tokenizer.serial_batches and workers > 1
+    threads = workers if serial else 1
     pending: deque = deque()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="pipe-encode")
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="pipe-encode")
     try:
         for batch in batches:
             parsed = encoder.parse(batch)
-            pending.append((parsed, pool.submit(encoder.encode, parsed)))
-            if len(pending) > _LOOKAHEAD:
+            pending.append((parsed, pool.submit(encoder.encode, parsed, not serial)))
+            if len(pending) > _LOOKAHEAD + threads - 1:
                 parsed, future = pending.popleft()
                 yield encoder.pack(parsed, future.result())
         while pending:

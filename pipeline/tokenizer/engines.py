@@ -1,10 +1,12 @@
 """Encoding engines behind `TextTokenizer`: gigatoken (fast), and the reference libraries
 (`tokenizers`, `sentencepiece`) it must agree with.
 
-Every engine has the same small interface: `name`, `vocab_size`, `encode_packed(texts)` giving
-all ids back to back plus offsets (no Python list per document on the fast path), `encode(text)`
-for one text, and `decode(ids)`. Engines release the GIL while encoding a batch, so the runner
-overlaps encoding with reading and parsing in one process.
+Every engine has the same small interface: `name`, `vocab_size`, `encode_packed(texts, parallel)`
+giving all ids back to back plus offsets (no Python list per document on the fast path),
+`encode(text)` for one text, and `decode(ids)`. Engines release the GIL while encoding a batch, so
+the runner overlaps encoding with reading and parsing in one process. `serial_batches` says
+whether `parallel=False` encodes on the calling thread alone; the runner then has each of its
+workers encode its own batch, instead of spreading every batch over the engine's thread pool.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class TokenizersEngine:
     """The Hugging Face `tokenizers` reference (also the fallback engine)."""
 
     name = "tokenizers"
+    serial_batches = False  # a batch always runs on tokenizers' own thread pool
 
     def __init__(self, tokenizer: Any, add_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
@@ -38,7 +41,9 @@ class TokenizersEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
 
-    def encode_packed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_packed(
+        self, texts: list[str], parallel: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
         # encode_batch_fast (tokenizers >= 0.21) skips offset tracking: same ids, ~20% faster.
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         ids = [e.ids for e in encode(texts, add_special_tokens=self.add_special_tokens)]
@@ -56,6 +61,7 @@ class SentencePieceEngine:
     """The `sentencepiece` reference for `.model` files (Megatron's SentencePieceTokenizer)."""
 
     name = "sentencepiece"
+    serial_batches = False
 
     def __init__(self, processor: Any, prefix: list[int]) -> None:
         self.processor = processor
@@ -65,7 +71,9 @@ class SentencePieceEngine:
     def encode(self, text: str) -> list[int]:
         return self.prefix + self.processor.encode(text)
 
-    def encode_packed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_packed(
+        self, texts: list[str], parallel: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
         return _pack([self.prefix + x for x in self.processor.encode(texts)])
 
     def decode(self, ids: list[int]) -> str:
@@ -81,12 +89,16 @@ class SentencePieceEngine:
 class GigatokenEngine:
     """gigatoken's Rust BPE, plus the fixed ids a post-processor adds around each text.
 
-    Batches go through gigatoken's parallel batch call. Its result type (an awkward Array)
-    costs a large import, so a small batch (a tiny input, the self-test) is encoded one call
-    per text instead, which gives numpy arrays directly.
+    Batches go through gigatoken's batch call: on its thread pool (`parallel`), or on the
+    calling thread alone, which lets several threads encode a batch each with no pool barrier
+    between batches. The batch call costs a large import on first use (its result type, an
+    awkward Array), so a small batch on the pool path (a tiny input) is encoded one call per
+    text instead. Never with `parallel=False`: gigatoken refuses a one-text call while another
+    thread is inside a batch call ("Already borrowed").
     """
 
     name = "gigatoken"
+    serial_batches = True
 
     def __init__(self, tokenizer: Any, prefix: list[int], suffix: list[int]) -> None:
         self.tokenizer = tokenizer
@@ -100,10 +112,10 @@ class GigatokenEngine:
         self, texts: list[str], parallel: bool = True
     ) -> tuple[np.ndarray, np.ndarray]:
         small = len(texts) <= _SMALL_BATCH_TEXTS and sum(map(len, texts)) <= _SMALL_BATCH_CHARS
-        if parallel and not small:
-            flat, offsets = self._encode_batch(texts)
-        else:
+        if parallel and small:
             flat, offsets = self._encode_each(texts)
+        else:
+            flat, offsets = self._encode_batch(texts, parallel)
         if self.prefix or self.suffix:
             return _add_affixes(flat, offsets, self.prefix, self.suffix)
         return flat, offsets
@@ -115,8 +127,8 @@ class GigatokenEngine:
         flat = np.concatenate(arrays) if arrays else np.empty(0, np.uint32)
         return flat, offsets
 
-    def _encode_batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        layout = self.tokenizer.encode_batch(texts, parallel=True).layout
+    def _encode_batch(self, texts: list[str], parallel: bool) -> tuple[np.ndarray, np.ndarray]:
+        layout = self.tokenizer.encode_batch(texts, parallel=parallel).layout
         flat = np.asarray(layout.content.data)
         offsets = np.asarray(layout.offsets.data, dtype=np.int64)
         return flat[offsets[0] : offsets[-1]], offsets - offsets[0]

@@ -49,9 +49,17 @@ class TextTokenizer:
     _reference: Any = field(default=None, repr=False)  # builds the reference engine on demand
     _sha256: dict[Path, str] = field(default_factory=dict, repr=False)
 
-    def encode_packed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids of all texts back to back, and offsets (len(texts) + 1) into them."""
-        return self._encoder.encode_packed(texts)
+    def encode_packed(
+        self, texts: list[str], parallel: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of all texts back to back, and offsets (len(texts) + 1) into them;
+        `parallel=False` keeps an engine with `serial_batches` on the calling thread."""
+        return self._encoder.encode_packed(texts, parallel)
+
+    @property
+    def serial_batches(self) -> bool:
+        """Whether batches encode on the calling thread (so threads can encode side by side)."""
+        return self._encoder.serial_batches
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, as lists."""

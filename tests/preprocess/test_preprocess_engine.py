@@ -146,6 +146,46 @@ def test_gpt2_files_run_on_gigatoken(tmp_path):
     assert load_tokenizer(tmp_path / "vocab.json").engine == "gigatoken"
 
 
+def test_gigatoken_workers_each_encode_a_batch_of_their_own(
+    tmp_path, tiny_tokenizer_dir, monkeypatch
+):
+    """With gigatoken, `workers` threads encode different batches at the same time, each on its
+    own thread (never gigatoken's pool, whose per-batch barrier idles cores), and the output is
+    byte for byte that of one worker."""
+    import threading
+
+    from pipeline.preprocess import engines
+    from pipeline.preprocess.runner import PreprocessConfig, preprocess
+
+    records = [{"text": f"document {i}: value={i * 7} " + "abc " * (i % 40)} for i in range(600)]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    assert tok.engine == "gigatoken"
+
+    def run(name: str, workers: int) -> tuple[bytes, bytes]:
+        prefix = tmp_path / name
+        config = PreprocessConfig(
+            [str(src)], str(prefix), workers=workers, batch_bytes=16384, show_progress=False
+        )
+        preprocess(config, tok)
+        return file_bytes(f"{prefix}_text_document")
+
+    one_worker = run("one", 1)
+    both_encoding = threading.Barrier(2, timeout=20)
+    pool_used = []
+    real_encode_batch = engines.GigatokenEngine._encode_batch
+
+    def encode_batch(self, texts, parallel=True):
+        pool_used.append(parallel)
+        if len(pool_used) <= 2:
+            both_encoding.wait()  # passes only while two batches are being encoded at once
+        return real_encode_batch(self, texts, parallel)
+
+    monkeypatch.setattr(engines.GigatokenEngine, "_encode_batch", encode_batch)
+    assert run("two", 2) == one_worker
+    assert len(pool_used) >= 3 and not any(pool_used)
+
+
 @pytest.mark.parametrize("eod", [None, 7])
 @pytest.mark.parametrize("one_sentence_each", [True, False])
 def test_pack_documents_follows_megatron(eod, one_sentence_each):
