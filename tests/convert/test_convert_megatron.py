@@ -462,8 +462,12 @@ def _refused(tmp_path, match: str, *, extra=None, drop=(), **config_changes) -> 
 def test_refuses_moe_unknown_weights_and_mismatched_config(tmp_path) -> None:
     router = {"decoder.layers.mlp.router.weight": torch.zeros(LAYERS, 4, HIDDEN)}
     _refused(tmp_path / "a", "mixture-of-experts", extra=router)
-    qk_norm = {"decoder.layers.self_attention.q_layernorm.weight": torch.zeros(LAYERS, 16)}
-    _refused(tmp_path / "b", "unsupported Megatron weights", extra=qk_norm)
+    # LayerNorm (not RMSNorm) biases: q_layernorm was the example here before Qwen3's q/k norms
+    # became supported (tests/test_qwen3_megatron.py).
+    norm_bias = {
+        "decoder.layers.self_attention.linear_qkv.layer_norm_bias": torch.zeros(LAYERS, HIDDEN)
+    }
+    _refused(tmp_path / "b", "unsupported Megatron weights", extra=norm_bias)
     _refused(tmp_path / "c", "ffn_hidden_size=128 but the checkpoint has 96", ffn_hidden_size=128)
     _refused(tmp_path / "d", "exceeds the checkpoint's 256", vocab_size=300)
     _refused(

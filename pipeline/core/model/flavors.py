@@ -121,21 +121,20 @@ def tiny_moe() -> ModelConfig:
 
 
 def tiny_qwen3() -> ModelConfig:
-    """CPU-sized Qwen3: q/k norms, head_dim 64 (not hidden / heads = 32), tied embeddings."""
+    """CPU-sized Qwen3: q/k norms, head_dim 64 (not hidden / heads = 32). Untied, as Qwen3-8B
+    (the small Qwen3s tie theirs; tied embeddings do not split over pipeline stages)."""
     config = tiny()
     config.head_dim = 64
     config.qk_norm = True
     config.norm_eps = 1e-6
     config.rope_theta = 1e6
-    config.tie_word_embeddings = True
     return config
 
 
 def tiny_qwen3_moe() -> ModelConfig:
     """CPU-sized Qwen3-MoE: 8 small experts (width 64), top-2 renormalised, in every layer but
-    the first (HF `mlp_only_layers=[0]`), which keeps a dense MLP; untied."""
+    the first (HF `mlp_only_layers=[0]`), which keeps a dense MLP."""
     config = tiny_qwen3()
-    config.tie_word_embeddings = False
     config.moe = MoEConfig(
         num_experts=8, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-3, dense_layers=[0]
     )
