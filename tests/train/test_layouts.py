@@ -89,6 +89,7 @@ QWEN3_ROWS = {
     2: [
         ("tiny_qwen3", "tp2", DENSE_AND_MOE[2]["tp2"]),
         ("tiny_qwen3_moe", "ep2", MOE_ONLY[2]["ep2"]),
+        ("tiny_qwen3_moe", "cp2", DENSE_AND_MOE[2]["cp2"]),
     ],
     4: [
         ("tiny_qwen3", "tp2_pp2", DENSE_AND_MOE[4]["tp2_pp2"]),
