@@ -195,9 +195,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     ffn size, K the router's top-k (1 when dense), V vocab. With dense and MoE layers mixed
     (Qwen3-MoE's `mlp_only_layers`), the MLP term is the mean over layers of each one's F * K.
     12 = 3 (forward, weight grad, input grad) * 2 (multiply-add) * 2 (projections come in
-    pairs). The S/H term is the two attention
-    matmuls QK^T and AV, halved because a causal mask skips half of them (Megatron's
-    causal-FLOPs accounting). Router matmuls and elementwise work are not counted.
+    pairs). The S/H term is the two attention matmuls QK^T and AV, halved because a causal mask
+    skips half of them (Megatron's causal-FLOPs accounting). Router matmuls and elementwise
+    work are not counted.
     """
     c = config
     h, layers = c.hidden_size, c.num_layers
