@@ -20,14 +20,13 @@ from pipeline.core.model.flavors import get_flavor, num_parameters
 from pipeline.core.model.hf_names import from_hf_state_dict
 from pipeline.core.model.moe import load_balancing_loss
 from pipeline.core.model.transformer import Transformer
-from tests.test_convert_hf import _disk_tensors, _hf_config_dict, _load_ours
-from tests.test_model import SEQ, VOCAB, build
+from tests.builders import SEQ, SHARD_BYTES, VOCAB, disk_tensors, hf_config_dict, load_from_source
+from tests.builders import build_model as build
 
 transformers = pytest.importorskip("transformers")
 
 HIDDEN, HEAD_DIM, FFN, MOE_FFN = 64, 24, 96, 32  # head_dim 24: q width 96 != hidden 64
 CASES = ["qwen3_untied", "qwen3_tied", "qwen3_moe", "qwen3_moe_sparse_step"]
-SHARD_BYTES = 40_000
 
 
 def _case(name: str) -> tuple[type, object, ModelConfig]:
@@ -196,16 +195,16 @@ def test_hf_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_pa
         source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
     )
     out = write_hf(memory, tmp_path / "out", max_shard_bytes=SHARD_BYTES)
-    original, written = _disk_tensors(path), _disk_tensors(out)
+    original, written = disk_tensors(path), disk_tensors(out)
     assert sorted(original) == sorted(written)
     for tensor_name, tensor in original.items():
         assert torch.equal(written[tensor_name], tensor), tensor_name
-    assert _hf_config_dict(out) == _hf_config_dict(path)
+    assert hf_config_dict(out) == hf_config_dict(path)
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
-        assert (_load_ours(source).logits(tokens) - expected).abs().max() < 1e-4
+        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(
             out, attn_implementation="eager"
         ).eval()
@@ -227,11 +226,11 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:
     result = CliRunner().invoke(convert, [str(ckpt), "--to", "hf", "-o", str(back), "-q"])
     assert result.exit_code == 0, result.output
     assert "logits match transformers" in result.output
-    original, converted = _disk_tensors(directory), _disk_tensors(back)
+    original, converted = disk_tensors(directory), disk_tensors(back)
     assert original.keys() == converted.keys()
     for tensor_name, tensor in original.items():
         assert torch.equal(converted[tensor_name], tensor), tensor_name
-    assert _hf_config_dict(back) == _hf_config_dict(directory)
+    assert hf_config_dict(back) == hf_config_dict(directory)
 
 
 def test_our_qwen3_moe_writes_hub_keys(tmp_path) -> None:
@@ -245,7 +244,7 @@ def test_our_qwen3_moe_writes_hub_keys(tmp_path) -> None:
     assert hf["architectures"] == ["Qwen3MoeForCausalLM"]
     assert (hf["num_experts"], hf["moe_intermediate_size"], hf["mlp_only_layers"]) == (8, 64, [0])
     assert (hf["intermediate_size"], hf["head_dim"], hf["norm_topk_prob"]) == (352, 64, True)
-    names = _disk_tensors(out)
+    names = disk_tensors(out)
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
     assert "model.layers.0.mlp.gate_proj.weight" in names  # the dense first layer
     assert "model.layers.0.self_attn.q_norm.weight" in names
