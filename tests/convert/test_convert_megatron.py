@@ -465,7 +465,7 @@ def test_refuses_moe_unknown_weights_and_mismatched_config(tmp_path) -> None:
     router = {"decoder.layers.mlp.router.weight": torch.zeros(LAYERS, 4, HIDDEN)}
     _refused(tmp_path / "a", "mixture-of-experts", extra=router)
     # LayerNorm (not RMSNorm) biases: q_layernorm was the example here before Qwen3's q/k norms
-    # became supported (tests/test_qwen3_megatron.py).
+    # became supported (the Qwen3 tests at the end of this file).
     norm_bias = {
         "decoder.layers.self_attention.linear_qkv.layer_norm_bias": torch.zeros(LAYERS, HIDDEN)
     }
