@@ -209,6 +209,38 @@ def save_hf(name: str, directory: Path) -> tuple[Path, object]:
     return directory, hf
 
 
+def disk_tensors(directory: Path) -> dict:
+    """Every tensor of the safetensors files in `directory`, by name (copies)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                out[name] = f.get_tensor(name).clone()
+    return out
+
+
+def load_from_source(source):
+    """Our model from a `TensorSource`; a tied source lists only the embedding, so tie it here."""
+    model = build_model(source.model_config)
+    state = {name: source.read(name) for name in source.tensors()}
+    if source.model_config.tie_word_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def hf_config_dict(directory: Path) -> dict:
+    """transformers' view of `directory`'s config.json, without the fields that name the
+    writer (version, path, dtype)."""
+    transformers = pytest.importorskip("transformers")
+    d = transformers.AutoConfig.from_pretrained(directory).to_dict()
+    for key in ("transformers_version", "_name_or_path", "dtype"):
+        d.pop(key, None)
+    return d
+
+
 def export_hf_model(arch: str, seed: int = 0):
     """A tiny HF model for the export tests: 3 layers (pp2 splits 2 + 1), 4 query heads over 2
     kv heads (fewer than tp4), weights perturbed so norms and biases are not their init values."""

@@ -1,4 +1,5 @@
-"""Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Mixtral).
+"""Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
+Mixtral, Qwen3-MoE).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
@@ -34,8 +35,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
+_OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -89,7 +95,7 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def _check_sliding_window(hf: dict[str, Any], arch: str, ignore: bool) -> None:
     """Our attention is full causal: a window shorter than the context changes the model."""
     window = hf.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+    if arch in _OPTIONAL_WINDOW and not hf.get("use_sliding_window", False):
         window = None
     if window is None or window >= hf.get("max_position_embeddings", 0):
         return
@@ -122,20 +128,16 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     _check_sliding_window(hf, arch, ignore_sliding_window)
     theta, scaling = rope_from_hf(hf)
     heads = hf["num_attention_heads"]
-    moe = None
-    if arch == "MixtralForCausalLM":
-        moe = MoEConfig(
-            num_experts=hf["num_local_experts"],
-            top_k=hf["num_experts_per_tok"],
-            aux_loss_coeff=float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_coeff)),
-        )
+    head_dim = hf.get("head_dim")
+    if head_dim is None and arch == "Qwen3ForCausalLM":
+        head_dim = 128  # Qwen3Config's default (Qwen3-MoE's is hidden_size / heads)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim"),
+        head_dim=head_dim,
         ffn_hidden_size=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
@@ -143,18 +145,52 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
-        moe=moe,
+        qk_norm=arch in _QWEN3,
+        moe=_moe_from_hf(hf, arch),
         init_method_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
+    """Mixtral: experts in every layer; Qwen3-MoE: in the layers `decoder_sparse_step` and
+    `mlp_only_layers` say, of width `moe_intermediate_size`, top-k renormalised only with
+    `norm_topk_prob`. The aux-loss coefficient is carried over as is (see the README)."""
+    aux = float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_coeff))
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], aux_loss_coeff=aux
+        )
+    if arch != "Qwen3MoeForCausalLM":
+        return None
+    num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    if not num_experts:
+        return None  # transformers builds every layer dense then
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=hf.get("num_experts_per_tok", 8),
+        ffn_hidden_size=hf.get("moe_intermediate_size", 768),
+        aux_loss_coeff=aux,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        layer_step=hf.get("decoder_sparse_step", 1),
+        dense_layers=list(hf.get("mlp_only_layers") or []),
     )
 
 
 def choose_architecture(config: ModelConfig, preferred: str | None = None) -> str:
     """The HF architecture that represents `config` exactly: `preferred` (e.g. the one a model
-    was read from) when it can, else Mixtral for MoE, Qwen2 for q/k/v biases, Mistral for an
-    explicit head_dim, Llama otherwise."""
+    was read from) when it can, else Qwen3 / Qwen3-MoE for q/k norms, Mixtral for MoE, Qwen2
+    for q/k/v biases, Mistral for an explicit head_dim, Llama otherwise."""
     default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
-    if config.is_moe:
+    if config.qk_norm:
+        _refuse(config.qkv_bias, "q/k norms with q/k/v biases have no supported HF architecture")
+        candidates = ["Qwen3MoeForCausalLM" if config.is_moe else "Qwen3ForCausalLM"]
+    elif config.is_moe:
         _refuse(config.qkv_bias, "MoE with q/k/v biases has no supported HF architecture")
+        moe = config.moe
+        _refuse(
+            not (config.every_layer_moe and moe.norm_topk_prob),
+            "a MoE without q/k norms must be Mixtral-shaped (every layer MoE, top-k renormalised)",
+        )
         candidates = ["MixtralForCausalLM"]
     elif config.qkv_bias:
         _refuse(not default_head_dim, "Qwen2 with head_dim != hidden_size / heads")
@@ -196,7 +232,7 @@ def config_to_hf(
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
-        "intermediate_size": config.expert_ffn_hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_kv_heads,
@@ -211,30 +247,52 @@ def config_to_hf(
         "torch_dtype": _hf_dtype_name(dtype),
     }
     default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
-    # Llama and Mistral configs always carry head_dim; Mixtral's only when it is not the
-    # default; Qwen2 has no such key (choose_architecture refused a non-default one).
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM") or not default_head_dim:
+    # Llama, Mistral and Qwen3 configs always carry head_dim; Mixtral's only when it is not
+    # the default; Qwen2 has no such key (choose_architecture refused a non-default one).
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM", *_QWEN3) or not default_head_dim:
         hf["head_dim"] = config.head_dim
     if arch == "LlamaForCausalLM":
         hf |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         hf["sliding_window"] = None
-    if arch == "Qwen2ForCausalLM":
+    if arch in _OPTIONAL_WINDOW:
         hf |= {"use_sliding_window": False, "sliding_window": None}
-    if config.moe is not None:
-        # Every layer is MoE, so the experts' size is the only FFN size.
-        hf |= {
-            "num_local_experts": config.moe.num_experts,
-            "num_experts_per_tok": config.moe.top_k,
-            "router_aux_loss_coef": config.moe.aux_loss_coeff,
-            "output_router_logits": False,
-        }
+    if arch in _QWEN3:
+        hf["attention_bias"] = False
+    # Qwen3's max_window_layers only matters with a sliding window (refused), so it is left
+    # to transformers' default.
+    hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
         hf["eos_token_id"] = eos_token_id
     return dict(sorted(hf.items()))
+
+
+def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
+    """The MoE keys of `arch` for `config.moe` (none for a dense model)."""
+    moe = config.moe
+    if moe is None:
+        return {}
+    common = {
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "output_router_logits": False,
+    }
+    if arch == "MixtralForCausalLM":
+        # Every layer is MoE, so the experts' size is the only FFN size.
+        return common | {
+            "num_local_experts": moe.num_experts,
+            "intermediate_size": config.expert_ffn_hidden_size,
+        }
+    return common | {
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": config.expert_ffn_hidden_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "decoder_sparse_step": moe.layer_step,
+        "mlp_only_layers": list(moe.dense_layers),
+    }
 
 
 def rope_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:

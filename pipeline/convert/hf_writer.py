@@ -28,7 +28,7 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
-from pipeline.convert.hf_config import config_to_hf, generation_config
+from pipeline.convert.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.hf_names import pipe_to_hf_names
 
@@ -84,6 +84,7 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[_Piece
     if not cfg.tie_word_embeddings and "output.weight" not in infos:
         raise ValueError("source has no output.weight and tie_word_embeddings is false")
     num_experts = cfg.moe.num_experts if cfg.moe is not None else None
+    architecture = choose_architecture(cfg, source.metadata.get("hf_architecture"))
     groups = []
     for name, info in infos.items():
         if name == "output.weight" and cfg.tie_word_embeddings:
@@ -91,7 +92,7 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[_Piece
         out = _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
-        hf_names = pipe_to_hf_names(name, num_experts)
+        hf_names = pipe_to_hf_names(name, num_experts, architecture)
         if len(hf_names) == 1:
             groups.append([_Piece(hf_names[0], name, None, info.shape, out)])
         elif info.shape[0] != len(hf_names):

@@ -15,7 +15,9 @@ gate/up keeps the last layer's fused parts, so each fused tensor is read once.
 Handled keys (TE names; the local spec saves its norms under the same keys):
 `embedding.word_embeddings.weight`, `decoder.layers.self_attention.linear_qkv.layer_norm_weight`
 (or `decoder.layers.input_layernorm.weight`), `…linear_qkv.weight` and `.bias`,
-`…self_attention.linear_proj.weight`, `decoder.layers.mlp.linear_fc1.layer_norm_weight`
+`…self_attention.linear_proj.weight`, `…self_attention.q_layernorm.weight` and
+`…k_layernorm.weight` (Qwen3's per-head norms, `--qk-layernorm`),
+`decoder.layers.mlp.linear_fc1.layer_norm_weight`
 (or `decoder.layers.pre_mlp_layernorm.weight`), `…mlp.linear_fc1.weight` (or the
 `_w`/`_v` pair of singleton-shard checkpoints), `…mlp.linear_fc2.weight`,
 `decoder.final_layernorm.weight`, `output_layer.weight`. Layer keys may also carry the global
@@ -68,7 +70,8 @@ _PROJ, _FC1, _FC2 = (
     "mlp.linear_fc1.weight",
     "mlp.linear_fc2.weight",
 )
-_KNOWN_SUFFIXES = {*_INPUT_NORM, *_MLP_NORM, _QKV_W, _QKV_B, _PROJ, _FC1, _FC2}
+_Q_NORM, _K_NORM = "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"
+_KNOWN_SUFFIXES = {*_INPUT_NORM, *_MLP_NORM, _QKV_W, _QKV_B, _PROJ, _FC1, _FC2, _Q_NORM, _K_NORM}
 _KNOWN_SUFFIXES |= {f"{_FC1}_w", f"{_FC1}_v"}
 _GLOBAL_KEYS = {
     "embedding.word_embeddings.weight",
@@ -287,6 +290,7 @@ class MegatronSource:
         ffn = self._shape_of(_FC2)[-1]
         tied = "output_layer.weight" not in self._stored
         qkv_bias = self._layer_key((_QKV_B,), 0) is not None
+        qk_norm = self._layer_key((_Q_NORM,), 0) is not None
         heads = args.get("num_attention_heads")
         kv_heads = args.get("num_query_groups") if args.get("group_query_attention") else heads
         if given is not None:
@@ -322,6 +326,7 @@ class MegatronSource:
             ffn_hidden_size=ffn,
             tie_word_embeddings=tied,
             qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
         )
         if given is not None:
             self._check_given(given, shapes)
@@ -397,6 +402,9 @@ class MegatronSource:
                 if bias is not None:
                     mine[f"attention.w{proj}.bias"] = _Slot(bias.key, bias.layer, f"qkv:{index}")
             mine["attention.wo.weight"] = self._required((_PROJ,), i)
+            if cfg.qk_norm:
+                mine["attention.q_norm.weight"] = self._required((_Q_NORM,), i)
+                mine["attention.k_norm.weight"] = self._required((_K_NORM,), i)
             mine["ffn_norm.weight"] = self._required(_MLP_NORM, i)
             if fc1 is not None:
                 mine["feed_forward.w1.weight"] = _Slot(fc1.key, fc1.layer, "fc1:0")

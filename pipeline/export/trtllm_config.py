@@ -75,6 +75,11 @@ def _quantization(options: ExportOptions, moe: bool) -> dict[str, Any]:
 def trtllm_config(config: ModelConfig, options: ExportOptions) -> dict[str, Any]:
     """The config.json dict of an export of `config` with `options`."""
     architecture = choose_architecture(config, options.architecture)
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        raise ValueError(
+            f"TensorRT-LLM export of {architecture} (per-head q/k norms) is not supported yet; "
+            "export Llama, Mistral, Qwen2 or Mixtral models, or convert to Hugging Face instead"
+        )
     out: dict[str, Any] = {
         "architecture": architecture,
         "dtype": options.dtype,

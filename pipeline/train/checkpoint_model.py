@@ -100,10 +100,14 @@ def _shapes(config: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_attention_heads,
         "num_kv_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "ffn_hidden_size": config.expert_ffn_hidden_size,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "moe_ffn_hidden_size": config.expert_ffn_hidden_size if config.moe is not None else None,
         "num_experts": config.moe.num_experts if config.moe is not None else 0,
+        "moe_layer_step": config.moe.layer_step if config.moe is not None else None,
+        "moe_dense_layers": config.moe.dense_layers if config.moe is not None else None,
         "tie_word_embeddings": config.tie_word_embeddings,
         "qkv_bias": config.qkv_bias,
+        "qk_norm": config.qk_norm,
     }
 
 
@@ -115,6 +119,7 @@ def _numerics(config: ModelConfig) -> dict[str, Any]:
         "rope_scaling": config.rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         "moe_top_k": config.moe.top_k if config.moe is not None else None,
+        "moe_norm_topk_prob": config.moe.norm_topk_prob if config.moe is not None else None,
     }
 
 

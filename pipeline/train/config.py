@@ -78,6 +78,8 @@ class ModelSection:
     """Share the input embedding with the output layer."""
     qkv_bias: bool | None = None
     """Add biases to the query/key/value projections (Qwen2)."""
+    qk_norm: bool | None = None
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
     init_method_std: float | None = None
     """Standard deviation of the normal weight initialisation."""
     use_scaled_init: bool | None = None
@@ -94,6 +96,12 @@ class ModelSection:
     """Weight of the router z-loss."""
     moe_capacity_factor: float | None = None
     """Expert capacity factor (tokens over capacity are dropped); unset keeps the flavor's."""
+    moe_norm_topk_prob: bool | None = None
+    """Renormalise the k chosen router probabilities to sum to 1 (Mixtral; Qwen3-MoE option)."""
+    moe_layer_step: int | None = None
+    """Layer i is MoE when (i + 1) is a multiple of this (HF `decoder_sparse_step`)."""
+    moe_dense_layers: list[int] | None = None
+    """Layers kept dense in a MoE model (HF `mlp_only_layers`), 0-based."""
 
 
 @dataclass
@@ -309,6 +317,9 @@ _MOE_OVERRIDES = {
     "moe_aux_loss_coeff": "aux_loss_coeff",
     "moe_z_loss_coeff": "z_loss_coeff",
     "moe_capacity_factor": "capacity_factor",
+    "moe_norm_topk_prob": "norm_topk_prob",
+    "moe_layer_step": "layer_step",
+    "moe_dense_layers": "dense_layers",
 }
 
 

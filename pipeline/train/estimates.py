@@ -108,8 +108,9 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     if model.moe is None:
         return ParamCounts(total=total, active=total, expert=0, embedding=embedding)
     per_expert = 3 * h * model.expert_ffn_hidden_size
-    expert = model.num_layers * model.moe.num_experts * per_expert
-    inactive = model.num_layers * (model.moe.num_experts - model.moe.top_k) * per_expert
+    moe_layers = model.num_moe_layers  # Qwen3-MoE may keep some layers dense
+    expert = moe_layers * model.moe.num_experts * per_expert
+    inactive = moe_layers * (model.moe.num_experts - model.moe.top_k) * per_expert
     return ParamCounts(total=total, active=total - inactive, expert=expert, embedding=embedding)
 
 
@@ -129,10 +130,11 @@ def estimate_memory(
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
-    if model.moe is None:
-        mlp = 3 * model.ffn_hidden_size
-    else:
-        mlp = model.moe.top_k * (h + 3 * model.expert_ffn_hidden_size) + model.moe.num_experts
+    mlp = 3 * model.ffn_hidden_size
+    if model.moe is not None:  # the mean over layers, dense and MoE
+        moe_mlp = model.moe.top_k * (h + 3 * model.expert_ffn_hidden_size) + model.moe.num_experts
+        moe_share = model.num_moe_layers / model.num_layers
+        mlp = moe_share * moe_mlp + (1 - moe_share) * mlp
     per_token_layer = (4 * h + 2 * q + 2 * kv + mlp) / p.tp
     tokens = cfg.training.micro_batch_size * cfg.data.seq_length / p.cp
     layers_local = math.ceil(model.num_layers / p.pp)
@@ -214,11 +216,16 @@ def dry_run_report(
 
     moe = ""
     if model.moe is not None:
-        moe = f", MoE {model.moe.num_experts} experts top-{model.moe.top_k}"
+        moe = (
+            f", MoE {model.moe.num_experts} experts top-{model.moe.top_k} (ffn "
+            f"{model.expert_ffn_hidden_size}) in {model.num_moe_layers}/{model.num_layers} layers"
+        )
+    attention = f"head_dim {model.head_dim}" + (", q/k norm" if model.qk_norm else "")
     data = "mock (synthetic tokens)" if d.mock else (d.blend or d.train_blend or "-")
     lines = [
         f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
-        f"heads {model.num_attention_heads}/{model.num_kv_heads} kv, ffn {model.ffn_hidden_size}, "
+        f"heads {model.num_attention_heads}/{model.num_kv_heads} kv, {attention}, "
+        f"ffn {model.ffn_hidden_size}, "
         f"vocab {model.vocab_size}{moe}",
         f"data         {data}; seq {d.seq_length}, split {d.split}",
         f"layout       tp {p.tp} pp {p.pp} cp {p.cp} ep {p.ep} dp {dp}{dp_note} "

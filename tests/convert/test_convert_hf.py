@@ -9,15 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from pipeline.convert.hf_config import config_from_hf, config_to_hf
 from pipeline.convert.hf_reader import HFSource
 from pipeline.convert.hf_writer import plan_hf_shards, write_hf
 from pipeline.convert.source import InMemorySource, TensorInfo
-from pipeline.core.model.transformer import Transformer
-from tests.builders import SEQ, SHARD_BYTES, VOCAB, hf_case, save_hf
-from tests.builders import build_model as build
+from tests.builders import (
+    SEQ,
+    SHARD_BYTES,
+    VOCAB,
+    disk_tensors,
+    hf_case,
+    hf_config_dict,
+    load_from_source,
+    save_hf,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,32 +37,6 @@ def hf_dir(request, tmp_path_factory) -> tuple[Path, object, str]:
     return path, hf, request.param
 
 
-def _disk_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                out[name] = f.get_tensor(name).clone()
-    return out
-
-
-def _load_ours(source: HFSource) -> Transformer:
-    """Our model from a source; a tied source lists only the embedding, so tie it here."""
-    model = build(source.model_config)
-    state = {name: source.read(name) for name in source.tensors()}
-    if source.model_config.tie_word_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model.load_state_dict(state, strict=True)
-    return model
-
-
-def _hf_config_dict(directory: Path) -> dict:
-    d = transformers.AutoConfig.from_pretrained(directory).to_dict()
-    for key in ("transformers_version", "_name_or_path", "dtype"):
-        d.pop(key, None)
-    return d
-
-
 def test_round_trip_is_bit_identical(hf_dir, tmp_path) -> None:
     """HF -> our source (in memory) -> HF: same tensor names, dtypes and bytes; same config."""
     path, _, name = hf_dir
@@ -67,13 +47,13 @@ def test_round_trip_is_bit_identical(hf_dir, tmp_path) -> None:
     )
     out = write_hf(memory, tmp_path / "out", max_shard_bytes=SHARD_BYTES)
 
-    original, written = _disk_tensors(path), _disk_tensors(out)
+    original, written = disk_tensors(path), disk_tensors(out)
     assert sorted(original) == sorted(written)
     for tensor_name, tensor in original.items():
         assert written[tensor_name].dtype == tensor.dtype, tensor_name
         assert torch.equal(written[tensor_name], tensor), tensor_name
     assert ("lm_head.weight" in written) == (name != "llama_tied")
-    assert _hf_config_dict(out) == _hf_config_dict(path)
+    assert hf_config_dict(out) == hf_config_dict(path)
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(written)
@@ -89,7 +69,7 @@ def test_logits_match_transformers(hf_dir, tmp_path) -> None:
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
-        assert (_load_ours(source).logits(tokens) - expected).abs().max() < 1e-4
+        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
 
         out = write_hf(source, tmp_path / "out", max_shard_bytes=SHARD_BYTES)
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -144,7 +124,7 @@ def test_single_file_dtype_progress_and_tokenizer(tmp_path) -> None:
     assert seen == sorted(seen) and seen[-1] == data_size
     total = sum(s.nbytes for s in plan_hf_shards(source, dtype=torch.bfloat16))
     assert total == data_size
-    written = _disk_tensors(out)
+    written = disk_tensors(out)
     embed = written["model.embed_tokens.weight"]
     assert embed.dtype == torch.bfloat16
     assert torch.equal(embed, state["tok_embeddings.weight"].to(torch.bfloat16))
@@ -242,7 +222,7 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, dtype, tmp_path) -> No
     assert "bit-identical" in result.output and "logits match transformers" in result.output
     result = CliRunner().invoke(convert, [str(ckpt), "--to", "hf", "-o", str(back), "--quiet"])
     assert result.exit_code == 0, result.output
-    original, converted = _disk_tensors(directory), _disk_tensors(back)
+    original, converted = disk_tensors(directory), disk_tensors(back)
     assert original.keys() == converted.keys()
     for tensor_name, tensor in original.items():
         assert converted[tensor_name].dtype == dtype, tensor_name
@@ -250,6 +230,6 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, dtype, tmp_path) -> No
     name = str(dtype).removeprefix("torch.")
     assert f"in {name}, as the Hugging Face weights it came from" in result.output
     assert "logits match transformers" in result.output
-    assert _hf_config_dict(back) == _hf_config_dict(directory)
+    assert hf_config_dict(back) == hf_config_dict(directory)
     assert transformers.AutoConfig.from_pretrained(back).dtype == dtype
     assert json.loads((back / "config.json").read_text())["torch_dtype"] == name

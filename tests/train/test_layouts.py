@@ -1,8 +1,10 @@
 """Every parallel layout of `pipe train` equals one device (gloo, fp32, CPU).
 
-For the `tiny` and `tiny_moe` recipes (shrunk to a micro model on mock data, so 8 gloo processes
-fit on 2 cores), each layout trains ITERS steps through the real `Trainer` and then computes
-the gradients of one more global batch. Against the single-process run of the same recipe:
+For the `tiny` and `tiny_moe` recipes, and a few rows of `tiny_qwen3` (per-head q/k norms,
+head_dim != hidden / heads) and `tiny_qwen3_moe` (a dense first layer, then MoE), all shrunk
+to a micro model on mock data so 8 gloo processes fit on 2 cores, each layout trains ITERS
+steps through the real `Trainer` and then computes the gradients of one more global batch.
+Against the single-process run of the same recipe:
 
 * the loss of every step and the validation loss agree to REL (relative);
 * every parameter's gradient (gathered to a full tensor, each from the rank of its stage)
@@ -14,7 +16,11 @@ world size run one after another in one spawn, since each spawn costs seconds of
 
 Checkpoints: the tp2 x pp2 x dp2 run of `tiny` saves at iteration ITERS; it is loaded under
 dp4 (4 processes) and under one process, and the next losses equal those of an uninterrupted
-run. The ep2 run of `tiny_moe` resumes in one process (experts gathered) the same way.
+run. The ep2 runs of `tiny_moe` and `tiny_qwen3_moe`, and the tp2 x pp2 run of `tiny_qwen3`,
+resume in one process (experts and shards gathered) the same way.
+
+Qwen3-MoE's rows use ep2 and ep2 x dp2: expert parallelism combined with tensor parallelism
+(ep2 x tp2) is refused by the layout rules.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ MICRO = [
     "model.max_position_embeddings=32",
 ]
 MOE = ["model.num_experts=4", "model.moe_top_k=2"]
+MOE_RECIPES = ("tiny_moe", "tiny_qwen3_moe")
+# Qwen3's explicit head_dim, kept different from hidden_size / heads (8).
+QWEN3 = ["model.head_dim=16"]
 
 DENSE_AND_MOE = {
     2: {
@@ -76,13 +85,25 @@ MOE_ONLY = {
     2: {"ep2": ["parallel.ep=2"]},  # the two data-parallel ranks hold two experts each
     4: {"ep2_dp2": ["parallel.ep=2"]},  # experts over 2 ranks, each half sharded over 2
 }
+QWEN3_ROWS = {
+    2: [
+        ("tiny_qwen3", "tp2", DENSE_AND_MOE[2]["tp2"]),
+        ("tiny_qwen3_moe", "ep2", MOE_ONLY[2]["ep2"]),
+        ("tiny_qwen3_moe", "cp2", DENSE_AND_MOE[2]["cp2"]),
+    ],
+    4: [
+        ("tiny_qwen3", "tp2_pp2", DENSE_AND_MOE[4]["tp2_pp2"]),
+        ("tiny_qwen3_moe", "ep2_dp2", MOE_ONLY[4]["ep2_dp2"]),
+    ],
+}
 
 
 def _sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
     """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU."""
     return [
         *MICRO,
-        *(MOE if recipe == "tiny_moe" else []),
+        *(MOE if recipe in MOE_RECIPES else []),
+        *(QWEN3 if recipe.startswith("tiny_qwen3") else []),
         "data.mock=true",
         "data.seq_length=32",
         "data.num_workers=0",
@@ -175,7 +196,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The single-process run of each recipe."""
     tmp = tmp_path_factory.mktemp("single")
     out = {}
-    for recipe in ("tiny", "tiny_moe"):
+    for recipe in ("tiny", "tiny_moe", "tiny_qwen3", "tiny_qwen3_moe"):
         result = _train_and_probe(recipe, _sets(recipe, tmp / recipe))
         result.pop("first_of_stage")
         result["checkpoints"] = tmp / recipe / "checkpoints"
@@ -187,7 +208,7 @@ def _layouts(world_size: int) -> list[tuple[str, str, list[str]]]:
     both = [(r, n, s) for r in ("tiny", "tiny_moe") for n, s in DENSE_AND_MOE[world_size].items()]
     dense = [("tiny", n, s) for n, s in DENSE_ONLY.get(world_size, {}).items()]
     moe = [("tiny_moe", n, s) for n, s in MOE_ONLY.get(world_size, {}).items()]
-    return both + dense + moe
+    return both + dense + moe + QWEN3_ROWS.get(world_size, [])
 
 
 def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict]) -> list[str]:
@@ -206,8 +227,8 @@ def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict])
             if result["valid"] is not None:  # only rank 0 writes metrics
                 assert result["valid"] == pytest.approx(ref["valid"], rel=REL), key
                 # Router statistics are logged for MoE runs (the load of the last micro-batch).
-                assert (result["moe_max_load"] is not None) == (recipe == "tiny_moe"), key
-                if recipe == "tiny_moe":
+                assert (result["moe_max_load"] is not None) == (recipe in MOE_RECIPES), key
+                if recipe in MOE_RECIPES:
                     assert result["moe_max_load"] >= 1.0, key
             for param, grad in result.get("grads", {}).items():
                 assert param not in grads, f"{key}: {param} reported by two stages"
@@ -230,13 +251,21 @@ def test_layouts_equal_one_device(tmp_path: Path, reference: dict, world_size: i
     assert len(checked) == len(layouts)
     if world_size == 4:
         _assert_tp2_pp2_exports_the_single_device_model(tmp_path, reference)
+        _assert_resumes_in_one_process(tmp_path, "tiny_qwen3", "tp2_pp2")
     if world_size == 2:
         # Experts move too: the ep2 checkpoint resumes in one process, where every expert is
         # local, and continues as the uninterrupted run does.
-        checkpoint = tmp_path / "tiny_moe_ep2" / "checkpoints" / f"iter_{ITERS:07d}"
-        resumed = _resumed_losses(tmp_path / "moe_resumed", checkpoint, recipe="tiny_moe")
-        uninterrupted = _resumed_losses(tmp_path / "moe_uninterrupted", None, recipe="tiny_moe")
-        _assert_continues(resumed, uninterrupted, "ep2 -> ep1")
+        for recipe in MOE_RECIPES:
+            _assert_resumes_in_one_process(tmp_path, recipe, "ep2")
+
+
+def _assert_resumes_in_one_process(tmp_path: Path, recipe: str, layout: str) -> None:
+    """The `recipe` run under `layout` resumes in one process and continues as the
+    uninterrupted single-process run does."""
+    checkpoint = tmp_path / f"{recipe}_{layout}" / "checkpoints" / f"iter_{ITERS:07d}"
+    resumed = _resumed_losses(tmp_path / f"{recipe}_resumed", checkpoint, recipe=recipe)
+    uninterrupted = _resumed_losses(tmp_path / f"{recipe}_uninterrupted", None, recipe=recipe)
+    _assert_continues(resumed, uninterrupted, f"{recipe}: {layout} -> one process")
 
 
 def _assert_tp2_pp2_exports_the_single_device_model(tmp_path: Path, reference: dict) -> None:

@@ -21,9 +21,27 @@ from pipeline.train.config_loader import (
 from pipeline.train.estimates import dry_run_report, estimate_memory, parameter_counts
 from pipeline.train.toml_io import dumps, loads
 
-RECIPES = ["llama3_2_1b", "llama3_70b", "llama3_8b", "mixtral_8x7b", "tiny", "tiny_moe"]
+RECIPES = [
+    "llama3_2_1b",
+    "llama3_70b",
+    "llama3_8b",
+    "mixtral_8x7b",
+    "qwen3_30b_a3b",
+    "qwen3_8b",
+    "tiny",
+    "tiny_moe",
+    "tiny_qwen3",
+    "tiny_qwen3_moe",
+]
 # World sizes the big recipes were written for (the node counts of their sources).
-WORLD_SIZES = {"llama3_8b": 8, "llama3_70b": 32, "llama3_2_1b": 8, "mixtral_8x7b": 64}
+WORLD_SIZES = {
+    "llama3_8b": 8,
+    "llama3_70b": 32,
+    "llama3_2_1b": 8,
+    "mixtral_8x7b": 64,
+    "qwen3_8b": 8,
+    "qwen3_30b_a3b": 16,
+}
 
 
 # ---- precedence ----------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""Model configuration: one dataclass covers Llama 3 / 3.1 / 3.2, Mistral, Qwen2 and Mixtral-style
-mixture of experts. Field names follow Megatron's arguments (`hidden_size`, `num_query_groups` is
-`num_kv_heads` here), so recipes read naturally to its users.
+"""Model configuration: one dataclass covers Llama 3 / 3.1 / 3.2, Mistral, Qwen2, Qwen3 and
+mixtures of experts in every layer (Mixtral) or in some (Qwen3-MoE). Field names follow
+Megatron's arguments (`hidden_size`, `num_query_groups` is `num_kv_heads` here), so recipes read
+naturally to its users.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -21,7 +22,9 @@ class RopeScaling:
 
 @dataclass
 class MoEConfig:
-    """Mixture of experts in every layer (Mixtral style): a top-k softmax router over experts."""
+    """Mixture of experts: a top-k softmax router over experts, in every layer (Mixtral) or in
+    the layers `layer_step` and `dense_layers` select (Qwen3-MoE); the other layers keep the
+    dense SwiGLU MLP of width `ModelConfig.ffn_hidden_size`."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -29,6 +32,13 @@ class MoEConfig:
     aux_loss_coeff: float = 0.01  # load-balancing loss (Switch/Megatron formulation)
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     capacity_factor: float | None = None  # None: dropless; else tokens over capacity are dropped
+    # Divide the k chosen probabilities by their sum (Mixtral; Qwen3-MoE's `norm_topk_prob`);
+    # False weighs each expert by its plain softmax probability.
+    norm_topk_prob: bool = True
+    # Layer i is MoE when (i + 1) % layer_step == 0 (HF `decoder_sparse_step`) ...
+    layer_step: int = 1
+    # ... and it is not listed here (HF `mlp_only_layers`; DeepSeek's first dense layers).
+    dense_layers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +58,7 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
     moe: MoEConfig | None = None
     init_method_std: float = 0.02
     # Megatron's scaled init: output projections of each block use std / sqrt(2 * num_layers).
@@ -68,12 +79,38 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
-        if self.moe is not None and self.moe.top_k > self.moe.num_experts:
-            raise ValueError(f"moe.top_k {self.moe.top_k} > moe.num_experts {self.moe.num_experts}")
+        if self.moe is not None:
+            self._check_moe(self.moe)
+
+    def _check_moe(self, moe: MoEConfig) -> None:
+        if moe.top_k > moe.num_experts:
+            raise ValueError(f"moe.top_k {moe.top_k} > moe.num_experts {moe.num_experts}")
+        if moe.layer_step < 1:
+            raise ValueError(f"moe.layer_step must be >= 1, got {moe.layer_step}")
+        outside = [i for i in moe.dense_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"moe.dense_layers {outside} are not layers of {self.num_layers}")
 
     @property
     def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts (see `mlp_kind` for which)."""
         return self.moe is not None
+
+    def mlp_kind(self, layer: int) -> str:
+        """The MLP of layer `layer` (0-based): "moe" or "dense"."""
+        moe = self.moe
+        if moe is None or layer in moe.dense_layers or (layer + 1) % moe.layer_step:
+            return "dense"
+        return "moe"
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.mlp_kind(i) == "moe" for i in range(self.num_layers))
+
+    @property
+    def every_layer_moe(self) -> bool:
+        """All layers are MoE (Mixtral's shape), so no dense MLP width is used."""
+        return self.num_moe_layers == self.num_layers
 
     @property
     def expert_ffn_hidden_size(self) -> int:

@@ -63,6 +63,44 @@ def mixtral_8x7b() -> ModelConfig:
     )
 
 
+def qwen3_8b() -> ModelConfig:
+    """Qwen3-8B (Qwen/Qwen3-8B-Base config.json): q/k norms, head_dim 128, untied."""
+    return ModelConfig(
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=36,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=12288,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        qk_norm=True,
+    )
+
+
+def qwen3_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B-Base config.json): 128 experts of width 768, top-8
+    renormalised, in every layer; head_dim 128 (twice hidden / heads)."""
+    return ModelConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        moe=MoEConfig(
+            num_experts=128, top_k=8, ffn_hidden_size=768, aux_loss_coeff=1e-3, norm_topk_prob=True
+        ),
+    )
+
+
 def tiny() -> ModelConfig:
     """CPU-sized Llama for tests and the quickstart (vocab fits the quickstart tokenizer)."""
     return ModelConfig(
@@ -82,13 +120,38 @@ def tiny_moe() -> ModelConfig:
     return config
 
 
+def tiny_qwen3() -> ModelConfig:
+    """CPU-sized Qwen3: q/k norms, head_dim 64 (not hidden / heads = 32). Untied, as Qwen3-8B
+    (the small Qwen3s tie theirs; tied embeddings do not split over pipeline stages)."""
+    config = tiny()
+    config.head_dim = 64
+    config.qk_norm = True
+    config.norm_eps = 1e-6
+    config.rope_theta = 1e6
+    return config
+
+
+def tiny_qwen3_moe() -> ModelConfig:
+    """CPU-sized Qwen3-MoE: 8 small experts (width 64), top-2 renormalised, in every layer but
+    the first (HF `mlp_only_layers=[0]`), which keeps a dense MLP."""
+    config = tiny_qwen3()
+    config.moe = MoEConfig(
+        num_experts=8, top_k=2, ffn_hidden_size=64, aux_loss_coeff=1e-3, dense_layers=[0]
+    )
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
     "llama3_2_1b": llama3_2_1b,
     "mixtral_8x7b": mixtral_8x7b,
+    "qwen3_8b": qwen3_8b,
+    "qwen3_30b_a3b": qwen3_30b_a3b,
     "tiny": tiny,
     "tiny_moe": tiny_moe,
+    "tiny_qwen3": tiny_qwen3,
+    "tiny_qwen3_moe": tiny_qwen3_moe,
 }
 
 
@@ -108,13 +171,15 @@ def num_parameters(config: ModelConfig) -> int:
     attn = h * q_dim + 2 * h * kv_dim + q_dim * h
     if c.qkv_bias:
         attn += q_dim + 2 * kv_dim
-    if c.moe is None:
-        mlp = 3 * h * c.ffn_hidden_size
-    else:
-        mlp = c.moe.num_experts * 3 * h * c.expert_ffn_hidden_size + h * c.moe.num_experts
-    per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+    if c.qk_norm:
+        attn += 2 * c.head_dim
+    dense_mlp = 3 * h * c.ffn_hidden_size
+    moe_mlp = 0 if c.moe is None else c.moe.num_experts * (3 * h * c.expert_ffn_hidden_size + h)
+    moe_layers = c.num_moe_layers
+    mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
+    per_layer = attn + 2 * h  # two RMSNorm weights
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * per_layer + h
+    return embeddings + c.num_layers * per_layer + mlp + h
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -127,16 +192,20 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
                          + V / (2 * L * H) ]                        output projection
 
     with L layers, H hidden, A query heads, G kv heads, D head_dim, S = seq_len, F the (expert)
-    ffn size, K the router's top-k (1 when dense), V vocab. 12 = 3 (forward, weight grad, input
-    grad) * 2 (multiply-add) * 2 (projections come in pairs). The S/H term is the two attention
-    matmuls QK^T and AV, halved because a causal mask skips half of them (Megatron's
-    causal-FLOPs accounting). Router matmuls and elementwise work are not counted.
+    ffn size, K the router's top-k (1 when dense), V vocab. With dense and MoE layers mixed
+    (Qwen3-MoE's `mlp_only_layers`), the MLP term is the mean over layers of each one's F * K.
+    12 = 3 (forward, weight grad, input grad) * 2 (multiply-add) * 2 (projections come in
+    pairs). The S/H term is the two attention matmuls QK^T and AV, halved because a causal mask
+    skips half of them (Megatron's causal-FLOPs accounting). Router matmuls and elementwise
+    work are not counted.
     """
     c = config
     h, layers = c.hidden_size, c.num_layers
-    top_k = 1 if c.moe is None else c.moe.top_k
     q_ratio = c.num_attention_heads * c.head_dim / h
     attn = (1 + c.num_kv_heads / c.num_attention_heads + seq_len / h / 2) * q_ratio
-    mlp = c.expert_ffn_hidden_size / h * top_k * 1.5
+    moe_width = 0 if c.moe is None else c.expert_ffn_hidden_size * c.moe.top_k
+    moe_layers = c.num_moe_layers
+    mean_width = (moe_layers * moe_width + (layers - moe_layers) * c.ffn_hidden_size) / layers
+    mlp = mean_width / h * 1.5
     logit = c.vocab_size / (2 * layers * h)
     return 12 * layers * h * h * (attn + mlp + logit)

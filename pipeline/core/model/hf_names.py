@@ -1,8 +1,9 @@
-"""Hugging Face (Llama / Mistral / Qwen2 / Mixtral) parameter names <-> ours.
+"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE) parameter names <-> ours.
 
-Two HF spellings exist for Mixtral: the on-disk one (`block_sparse_moe.gate`, one
-`experts.{e}.w1/w2/w3` tensor per expert, all transformers versions) and the in-memory one of
-transformers >= 5 modules (`mlp.gate`, fused 3-D `mlp.experts.gate_up_proj` / `down_proj`).
+Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per expert (Mixtral:
+`block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen3-MoE: `mlp.gate`,
+`mlp.experts.{e}.gate_proj/up_proj/down_proj`; all transformers versions) and the in-memory one
+of transformers >= 5 modules (`mlp.gate`, fused 3-D `mlp.experts.gate_up_proj` / `down_proj`).
 Files (`pipeline.convert`) use the on-disk names; the parity tests use the in-memory ones.
 """
 
@@ -24,6 +25,8 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.self_attn.k_proj.{p}", "layers.{i}.attention.wk.{p}"),
     ("model.layers.{i}.self_attn.v_proj.{p}", "layers.{i}.attention.wv.{p}"),
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attention.q_norm.weight"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attention.k_norm.weight"),
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
@@ -41,13 +44,24 @@ def _regex(template: str) -> re.Pattern[str]:
 
 _HF_TO_PIPE = [(_regex(hf), ours) for hf, ours in _NAME_PAIRS]
 _PIPE_TO_HF = [(_regex(ours), hf) for hf, ours in _NAME_PAIRS]
-# HF Mixtral (transformers >= 5) fuses gate and up in memory: gate_up_proj [E, 2 * ffn, hidden].
+# transformers >= 5 fuses gate and up in memory: gate_up_proj [E, 2 * ffn, hidden].
 _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 # On disk, each expert's matrices are separate tensors; ours stack them as [E, ...].
+# Per architecture: (module holding router and experts, expert tensor name of our w1, w3, w2).
+_EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
+    "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+    "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+}
 _DISK_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight"
+    r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"
 )
+_OURS_BY_SPELLING = {
+    (module, theirs): ours
+    for module, names in _EXPERT_SPELLINGS.values()
+    for ours, theirs in names.items()
+}
 _PIPE_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
+_PIPE_ROUTER = re.compile(r"layers\.(\d+)\.moe\.router\.weight")
 
 
 def hf_to_pipe_name(hf_name: str) -> str:
@@ -60,24 +74,35 @@ def hf_to_pipe_name(hf_name: str) -> str:
 
 
 def hf_expert_piece(hf_name: str) -> tuple[str, int] | None:
-    """(our stacked expert name, expert index) for an on-disk Mixtral expert tensor, else None."""
+    """(our stacked expert name, expert index) for an on-disk Mixtral or Qwen3-MoE expert
+    tensor, else None."""
     m = _DISK_EXPERT.fullmatch(hf_name)
     if m is None:
         return None
-    layer, expert, w = m.groups()
-    return f"layers.{layer}.moe.experts.{w}", int(expert)
+    layer, module, expert, theirs = m.groups()
+    ours = _OURS_BY_SPELLING.get((module, theirs))
+    if ours is None:
+        return None
+    return f"layers.{layer}.moe.experts.{ours}", int(expert)
 
 
-def pipe_to_hf_names(name: str, num_experts: int | None = None) -> list[str]:
+def pipe_to_hf_names(
+    name: str, num_experts: int | None = None, architecture: str = "MixtralForCausalLM"
+) -> list[str]:
     """The on-disk Hugging Face names for our parameter `name`: one name, or for a stacked
-    expert tensor (`layers.N.moe.experts.w1`) one name per expert, in expert order."""
+    expert tensor (`layers.N.moe.experts.w1`) one name per expert, in expert order. MoE
+    tensors are spelled as `architecture` (Mixtral or Qwen3-MoE) spells them."""
+    module, names = _EXPERT_SPELLINGS.get(architecture, _EXPERT_SPELLINGS["MixtralForCausalLM"])
     m = _PIPE_EXPERTS.fullmatch(name)
     if m:
         if num_experts is None:
             raise ValueError(f"{name} is an expert stack; num_experts is required")
         layer, w = m.groups()
-        prefix = f"model.layers.{layer}.block_sparse_moe.experts"
-        return [f"{prefix}.{e}.{w}.weight" for e in range(num_experts)]
+        prefix = f"model.layers.{layer}.{module}.experts"
+        return [f"{prefix}.{e}.{names[w]}.weight" for e in range(num_experts)]
+    m = _PIPE_ROUTER.fullmatch(name)
+    if m:
+        return [f"model.layers.{m.group(1)}.{module}.gate.weight"]
     for pattern, template in _PIPE_TO_HF:
         m = pattern.fullmatch(name)
         if m:

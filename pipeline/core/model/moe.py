@@ -1,4 +1,4 @@
-"""Mixture of experts (Mixtral style): a top-k softmax router over SwiGLU experts.
+"""Mixture of experts (Mixtral, Qwen3-MoE): a top-k softmax router over SwiGLU experts.
 
 Tokens are grouped by expert (a stable sort of the (token, k) assignments) and each expert runs
 one matmul over its group, so no token is dropped unless a capacity factor asks for it. The
@@ -101,8 +101,9 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Router (`router`, a bias-free linear) -> softmax -> top-k (renormalised, as Mixtral does)
-    -> experts; outputs are the weighted sum of each token's k expert outputs.
+    """Router (`router`, a bias-free linear) -> softmax -> top-k (renormalised when
+    `config.norm_topk_prob`, as Mixtral does) -> experts; outputs are the weighted sum of each
+    token's k expert outputs.
 
     `aux_loss_scale`: attach the aux-loss gradient with this weight (None: the caller adds
     `aux_loss` to its loss itself). `micro_batch_group`: the ranks one micro-batch's tokens are
@@ -145,7 +146,8 @@ class MoE(nn.Module):
         logits = self.router(x)
         probs = torch.softmax(logits.float(), dim=-1)
         topk_probs, topk_idx = probs.topk(self.config.top_k, dim=-1)
-        topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
+        if self.config.norm_topk_prob:
+            topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
         self.aux_loss = self._aux_loss(logits, probs, topk_idx)
 
         out = self._dispatch_and_combine(x, topk_idx, topk_probs.to(x.dtype))

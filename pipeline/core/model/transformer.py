@@ -1,4 +1,5 @@
-"""The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2 and Mixtral, one definition.
+"""The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2, Qwen3, Mixtral and
+Qwen3-MoE, one definition.
 
 Written as plain single-device PyTorch; tensor, pipeline, data and expert parallelism are applied
 afterwards by `pipeline.train.parallelize` (docs/architecture.md). What a run chooses about the
@@ -175,17 +176,28 @@ class AttentionKernel(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped-query kv heads, RoPE and optional q/k/v bias (Qwen2)."""
+    """Multi-head attention with grouped-query kv heads, RoPE, optional q/k/v bias (Qwen2) and
+    optional per-head q/k RMSNorm before RoPE (Qwen3: `q_norm`, `k_norm` over head_dim, one
+    weight shared by all heads, so tensor parallelism replicates them).
+
+    `kind` names the attention family for code that treats families differently (tensor
+    parallel plans, converters); "gqa" is this one."""
+
+    kind = "gqa"
 
     def __init__(self, config: ModelConfig, backend: str = "sdpa") -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        self.qk_norm = config.qk_norm
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.kernel = AttentionKernel(backend)
 
     def forward(
@@ -196,10 +208,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
         out = self.kernel(q, k, v, document_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -207,6 +221,9 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             _init_linear(linear, std)
         _init_linear(self.wo, out_std)
+        if self.qk_norm:
+            self.q_norm.init_weights()
+            self.k_norm.init_weights()
 
 
 class FeedForward(nn.Module):
@@ -230,19 +247,22 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)).
 
-    `is_moe` says which MLP it has: `moe` (a `MoE`) or `feed_forward` (a dense SwiGLU); `mlp`
-    is whichever it is. With `options.activation_checkpointing` the block recomputes its
-    activations in backward (`pipeline.core.model.recompute`)."""
+    The block says what it is: `attention.kind`, and `mlp_kind` ("moe": `moe`, a `MoE`;
+    "dense": `feed_forward`, a dense SwiGLU), chosen per layer by `config.mlp_kind(layer)`;
+    `mlp` is whichever it has. With `options.activation_checkpointing` the block recomputes
+    its activations in backward (`pipeline.core.model.recompute`)."""
 
-    def __init__(self, config: ModelConfig, options: ModelOptions | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, options: ModelOptions | None = None, layer: int = 0
+    ) -> None:
         super().__init__()
         options = options or ModelOptions()
-        self.is_moe = config.moe is not None
+        self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
         self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.attention = Attention(config, options.attention_backend)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        if config.moe is None:
+        if self.mlp_kind == "dense":
             self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
         else:
             self.moe = MoE(
@@ -252,6 +272,10 @@ class TransformerBlock(nn.Module):
                 aux_loss_scale=options.moe_aux_loss_scale,
                 micro_batch_group=options.moe_micro_batch_group,
             )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.mlp_kind == "moe"
 
     @property
     def mlp(self) -> nn.Module:
@@ -303,7 +327,7 @@ class Transformer(nn.Module):
         )
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(config, self.options) for i in range(config.num_layers)}
+            {str(i): TransformerBlock(config, self.options, i) for i in range(config.num_layers)}
         )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -3,9 +3,10 @@
 `apply_tensor_parallel` shards the model in place with `parallelize_module`:
 q/k/v and the MLP's gate and up projections column-wise (each rank holds whole heads and a slice
 of the MLP width), their output projections row-wise, the embedding and the output layer on the
-vocabulary. Attention itself runs on local tensors: the model views q/k/v with -1 heads, so each
-rank attends over its own heads without knowing it is sharded (and CPU SDPA, which has no DTensor
-rule, still works).
+vocabulary. Per-head q/k norms (Qwen3) act on head_dim, so their weights are replicated and
+their gradients summed over tp. Attention itself runs on local tensors: the model views q/k/v
+with -1 heads, so each rank attends over its own heads without knowing it is sharded (and CPU
+SDPA, which has no DTensor rule, still works).
 
 With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
 DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
@@ -130,6 +131,12 @@ def _block_plan(
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
+    if block.attention.qk_norm:
+        # Per-head norms (Qwen3) see this rank's heads `[batch, seq, heads, head_dim]`: the
+        # weight is replicated, the input wrapped as sharded on the heads, so the weight's
+        # gradient (a partial sum over this rank's heads) is all-reduced over tp.
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     # One DTensor input shared by q, k and v (and w1, w3), so backward reduces their input
     # gradients once; under SP this is also where the sequence is all-gathered (in fp8 when all
     # three are tensorwise fp8 linears: the cast happens before the gather).
