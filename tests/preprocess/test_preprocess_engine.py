@@ -154,8 +154,8 @@ def test_gigatoken_workers_each_encode_a_batch_of_their_own(
     byte for byte that of one worker."""
     import threading
 
-    from pipeline.tokenizer import engines
     from pipeline.preprocess.runner import PreprocessConfig, preprocess
+    from pipeline.tokenizer import engines
 
     records = [{"text": f"document {i}: value={i * 7} " + "abc " * (i % 40)} for i in range(600)]
     src = write_jsonl(tmp_path / "in.jsonl", records)
