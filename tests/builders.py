@@ -375,3 +375,103 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# The layout tests' micro run: every parallel layout of it is compared with one device
+# (tests/train/test_layouts.py; tests/train/test_gpu_defaults_on_cpu.py under compile and bf16).
+LAYOUT_ITERS = 3
+LAYOUT_RESUMED_ITERS = 5
+LAYOUT_MICRO = [
+    "model.num_layers=4",  # pp2 with two virtual stages per rank needs 4 layers
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.vocab_size=128",
+    "model.max_position_embeddings=32",
+]
+LAYOUT_MOE = ["model.num_experts=4", "model.moe_top_k=2"]
+LAYOUT_MOE_RECIPES = ("tiny_moe", "tiny_qwen3_moe")
+# Qwen3's explicit head_dim, kept different from hidden_size / heads (8).
+LAYOUT_QWEN3 = ["model.head_dim=16"]
+
+
+def layout_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
+    """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU."""
+    return [
+        *LAYOUT_MICRO,
+        *(LAYOUT_MOE if recipe in LAYOUT_MOE_RECIPES else []),
+        *(LAYOUT_QWEN3 if recipe.startswith("tiny_qwen3") else []),
+        "data.mock=true",
+        "data.seq_length=32",
+        "data.num_workers=0",
+        f"training.iters={LAYOUT_ITERS}",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=8",
+        f"training.eval_interval={LAYOUT_ITERS}",
+        "training.eval_iters=1",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "scheduler.warmup_iters=1",
+        f"scheduler.decay_iters={LAYOUT_RESUMED_ITERS}",  # the same schedule for runs of any length
+        f"checkpoint.save_interval={LAYOUT_ITERS}",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def _full_gradients(trainer) -> dict:
+    """Every parameter's gradient on this rank as a full tensor (DTensors gathered: every rank
+    of a stage must call this, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = {}
+    for name, param in trainer.model.named_parameters():
+        grad = param.grad
+        assert grad is not None, f"{name} has no gradient"
+        grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).clone()
+    return grads
+
+
+def train_and_probe(recipe: str, sets: list[str]) -> dict:
+    """Train as `sets` say, then take the gradients of the first global batch again."""
+    from pipeline.train.config_loader import resolve_config
+    from pipeline.train.trainer import Trainer
+
+    trainer = Trainer(resolve_config(recipe, sets), console=False)
+    result = trainer.train()
+    probe_loss = _probe_gradients(trainer)
+    grads = _full_gradients(trainer)
+    records = _metric_lines(Path(trainer.run_dir))
+    valid = [r for r in records if r["split"] == "valid"]
+    train = [r for r in records if r["split"] == "train"]
+    return {
+        "losses": result.losses,
+        "valid": valid[-1]["loss"] if valid else None,
+        "moe_max_load": train[-1].get("moe_max_load") if train else None,
+        "probe": probe_loss,
+        "grads": grads,
+        "first_of_stage": trainer.layout.rank == trainer.layout.first_rank_of_stage,
+    }
+
+
+def _probe_gradients(trainer) -> float:
+    """Forward and backward of the first global batch again, without an optimizer step: the
+    gradients stay in the parameters. Returns the global loss."""
+    from pipeline.train.train_step import forward_backward, reduce_loss_sum
+
+    micro_batches = trainer.next_global_batch(iter(trainer.train_loader))
+    layout = trainer.layout
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss_sum, tokens = forward_backward(
+        trainer.model, micro_batches, autocast=trainer.autocast,
+        dp_group=layout.batch_group, pipeline=trainer.pipeline,
+    )  # fmt: skip
+    reduce_loss_sum(loss_sum, layout.batch_group, layout.pipeline_group)
+    return float(loss_sum) / max(float(tokens), 1.0)
+
+
+def _metric_lines(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -119,8 +119,8 @@ def build_model(
             parts, stage_indices, num_stages, cfg.parallel.pipeline_schedule,
             num_micro_batches, device, layout.pipeline_group,
         )  # fmt: skip
-    if device.type == "cpu" and cfg.training.dtype == "bf16":
-        log.info("training.dtype = bf16 runs in fp32 on a CPU (autocast is for CUDA only)")
+    if device.type == "cpu" and cfg.training.dtype == "bf16" and layout.rank == 0:
+        log.warning("training.dtype = bf16 on a CPU: real bf16 compute, slower than fp32 here")
     return BuiltModel(model, parts, pipeline)
 
 

@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["build_model_parts", "compile_enabled", "parallelize"]
 
 
-def _fsdp_param_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
-    """Compute dtype of the gathered parameters: bf16 only for bf16 runs on CUDA."""
-    bf16 = device_type == "cuda" and cfg.training.dtype == "bf16"
-    return torch.bfloat16 if bf16 else torch.float32
+def _fsdp_param_dtype(cfg: TrainConfig) -> torch.dtype:
+    """Compute dtype of the gathered parameters: bf16 for bf16 runs (on any device; gradients
+    are still reduced in fp32), else fp32."""
+    return torch.bfloat16 if cfg.training.dtype == "bf16" else torch.float32
 
 
 def build_model_parts(
@@ -144,7 +144,7 @@ def _apply_data_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelD
 
     p = cfg.parallel
     mesh = layout.fsdp_mesh
-    param_dtype = _fsdp_param_dtype(cfg, mesh.device_type)
+    param_dtype = _fsdp_param_dtype(cfg)
     ignored: set[torch.nn.Parameter] = set()
     if layout.ep_enabled:
         edp_mesh = layout.get_mesh("edp")

@@ -58,12 +58,11 @@ class StepResult:
 def autocast_context(
     device: torch.device, dtype: str, fp8: Any = None
 ) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA when asked (weights, grads and optimizer state stay fp32); plain
-    fp32 otherwise. CPU runs fp32 even for bf16 configs: CPU bf16 autocast is slow and is not
-    the reference numerics. With an FP8 backend (`Fp8Training`) its own context (Transformer
-    Engine's fp8_autocast) is entered inside, afresh on every use."""
-    if device.type == "cuda" and dtype == "bf16":
-        base: contextlib.AbstractContextManager = torch.autocast("cuda", dtype=torch.bfloat16)
+    """bf16 autocast on `device` (CUDA or CPU) when `dtype` is bf16 (weights, grads and
+    optimizer state stay fp32); plain fp32 otherwise. With an FP8 backend (`Fp8Training`) its
+    own context (Transformer Engine's fp8_autocast) is entered inside, afresh on every use."""
+    if dtype == "bf16":
+        base: contextlib.AbstractContextManager = torch.autocast(device.type, torch.bfloat16)
     else:
         base = contextlib.nullcontext()
     if fp8 is None:

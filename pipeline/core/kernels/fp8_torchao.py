@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.common.quiet import import_torchao_float8
 from pipeline.core.kernels.fp8 import Fp8Training
+from pipeline.core.kernels.fp8_gloo import gather_cpu_float8_as_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,6 +52,7 @@ class TorchaoFloat8(Fp8Training):
     ) -> None:
         super().__init__(recipe, linear_filter)
         self.float8 = _import_torchao_float8()  # fail at build time, not mid-run
+        gather_cpu_float8_as_bytes()  # gloo (CPU) has no float8 collectives
         self.emulate = emulate
         # torchao's fp8 all-gather supports tensorwise scaling only.
         self.fsdp_float8_all_gather = fsdp_float8_all_gather and self.scaling == "tensorwise"

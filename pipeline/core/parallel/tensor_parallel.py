@@ -73,7 +73,7 @@ def apply_tensor_parallel(
     keep_dtensor = sequence_parallel
 
     top: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(
+        "tok_embeddings": _SettledRowwiseParallel(
             input_layouts=Replicate(), output_layouts=stream, use_local_output=not keep_dtensor
         ),
         "output": ColwiseParallel(
@@ -168,6 +168,27 @@ def _styles(block: nn.Module, *names: str) -> tuple[type, type, type]:
 
     styles = float8_tp_styles(block.get_submodule(name) for name in names)
     return styles or (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+
+
+class _SettledRowwiseParallel(RowwiseParallel):
+    """`RowwiseParallel` whose output collective has completed when the module returns.
+
+    torch's styles redistribute outputs with `async_op=True`: the result holds an
+    `AsyncCollectiveTensor` (a pending collective), bare or inside a DTensor, that settles on
+    first use. For the embedding, that first use is the first compiled block, and torch 2.13
+    mishandles such inputs at a compiled region's boundary: a bare one is unwrapped before
+    tracing without its `requires_grad`, so the embedding's gradient is dropped or its
+    backward receives a plain tensor (pytorch/pytorch#191113, a regression of #179849); one
+    inside a DTensor is traced as a nested subclass that the guards do not tell apart from a
+    plain local tensor, so a later call fails (`no attribute 'elem'`; see #180614). Waiting
+    here costs nothing: the next block needs the result at once.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
 
 
 def _gather_then_reshard(stream: Shard) -> ParallelStyle:
