@@ -283,6 +283,9 @@ class Fp8Section:
     block linear whose dims are multiples of 16."""
     fsdp_float8_all_gather: bool = True
     """torchao:tensorwise under FSDP2: all-gather the weights in fp8 (half the bytes)."""
+    emulate: bool = False
+    """torchao only, on a CPU: real fp8 casts and scales with emulated matmuls, to learn or check
+    FP8 training without a GPU. Slow: its speed says nothing about FP8 on a GPU."""
 
 
 @dataclass

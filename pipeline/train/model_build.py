@@ -75,6 +75,7 @@ def build_fp8_backend(
         return build_fp8(
             f.recipe,
             device,
+            emulate=f.emulate,
             linear_filter=f.linear_filter,
             fsdp=layout.fsdp_degree > 1 and p.dp_mode == "fsdp",
             fsdp_float8_all_gather=f.fsdp_float8_all_gather,

@@ -19,7 +19,7 @@ and then the FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layouts
     python scripts/bench/train.py --recipe llama3_8b --fp8 torchao [--warmup 5] [--steps 20]
         [--set model.num_layers=8 ...] [--device cpu]
 
-`--device cpu` is a smoke run: it builds under `fp8.cpu_emulation()` with
+`--device cpu` is a smoke run: it sets `fp8.emulate=true` and
 `fp8.linear_filter=all` (torchao's emulated FP8 on every aligned linear), so it checks the path,
 not FP8 speed.
 """
@@ -27,7 +27,6 @@ not FP8 speed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 import sys
@@ -43,7 +42,6 @@ def _measure(args: argparse.Namespace) -> dict:
     """Child: build one run and time it; returns the figures as a dict."""
     import torch
 
-    from pipeline.core.kernels.fp8 import cpu_emulation
     from pipeline.core.model.flavors import flops_per_token
     from pipeline.train.config_loader import resolve_config
     from pipeline.train.perf import memory_gib, peak_tflops
@@ -65,11 +63,9 @@ def _measure(args: argparse.Namespace) -> dict:
     if args.fp8:
         sets.append(f"fp8.recipe={args.fp8}")
         if args.device == "cpu":
-            sets.append("fp8.linear_filter=all")
+            sets += ["fp8.linear_filter=all", "fp8.emulate=true"]
     cfg = resolve_config(args.recipe, sets)
-    emulate = args.fp8 and args.device == "cpu"
-    with cpu_emulation() if emulate else contextlib.nullcontext():
-        trainer = Trainer(cfg, console=False)
+    trainer = Trainer(cfg, console=False)
     device = trainer.device
     batches = iter(trainer.train_loader)
 
@@ -156,7 +152,7 @@ def main() -> None:
         f"steps, mock data; {' '.join(args.sets) or 'no overrides'}"
     )
     if args.device == "cpu":
-        print("CPU smoke run: emulated FP8 (cpu_emulation, linear_filter=all): not FP8 speed")
+        print("CPU smoke run: emulated FP8 (fp8.emulate, linear_filter=all): not FP8 speed")
     print("model FLOPs: Megatron's causal count (flops_per_token), the same for FP8 and bf16")
     print(f"fp8: {fp8['fp8']}")
     print(_line("fp8", fp8))

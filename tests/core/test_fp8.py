@@ -1,5 +1,5 @@
 """FP8 training: recipe names, the linear filter, the refusals, and torchao's float8 numerics on
-a CPU (`emulate`, `cpu_emulation()`: real fp8 casts and scales, emulated GEMMs) against fp32,
+a CPU (`emulate`, `fp8.emulate = true`: real fp8 casts and scales, emulated GEMMs) against fp32,
 on one device,
 under tensor parallelism (torchao's float8 TP styles) and under FSDP2 with fp8 all-gather.
 
@@ -27,7 +27,6 @@ from pipeline.core.kernels.fp8 import (
     FP8_RECIPES,
     build_fp8,
     check_fp8_device,
-    cpu_emulation,
     high_precision_reason,
     normalize_recipe,
 )
@@ -82,7 +81,7 @@ def test_filter_decisions(fqn, shape, scaling, linear_filter, expected):
 
 def test_refusals_name_the_fix(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    with pytest.raises(ValueError, match=r"needs a CUDA GPU; this run is on cpu$"):
+    with pytest.raises(ValueError, match=r"needs a CUDA GPU; this run is on cpu \(fp8.emulate=true"):
         build_fp8("torchao:tensorwise", cpu)
     with pytest.raises(ValueError, match="FP8 emulation is for torchao recipes"):
         check_fp8_device("te:delayed", cpu, emulate=True)
@@ -295,14 +294,13 @@ def test_pipe_train_fp8_flag_trains_on_cpu_emulation(tmp_path):
         "data.mock=true", "data.seq_length=32", "data.num_workers=0", "training.dtype=fp32",
         "training.global_batch_size=4", "training.micro_batch_size=4", "training.eval_interval=0",
         "training.log_interval=1", "scheduler.warmup_iters=0", "checkpoint.save_interval=0",
-        "fp8.linear_filter=all",
+        "fp8.linear_filter=all", "fp8.emulate=true",
     ]  # fmt: skip
     args = ["--fp8", "torchao:rowwise", "--iters", "3", "--device", "cpu"]
     args += ["--run-dir", str(tmp_path / "run")]
     for assignment in sets:
         args += ["--set", assignment]
-    with cpu_emulation():  # the test hook: torchao's emulated FP8 matmuls on this CPU
-        result = CliRunner().invoke(train, args)
+    result = CliRunner().invoke(train, args)
     assert result.exit_code == 0, result.output
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in lines if '"train"' in line]

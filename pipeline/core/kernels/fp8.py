@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -61,24 +61,9 @@ def normalize_recipe(recipe: str) -> str:
     return f"{backend}:{scaling}"
 
 
-_CPU_EMULATION = False
-
-
-@contextlib.contextmanager
-def cpu_emulation() -> Iterator[None]:
-    """Test and smoke-benchmark hook: while entered, `build_fp8` on a CPU runs torchao's FP8
-    numerics with emulated matmuls (real fp8 casts and scales; slow, so never for real runs)."""
-    global _CPU_EMULATION
-    before, _CPU_EMULATION = _CPU_EMULATION, True
-    try:
-        yield
-    finally:
-        _CPU_EMULATION = before
-
-
 def check_fp8_device(recipe: str, device: torch.device, *, emulate: bool = False) -> None:
-    """Refuse FP8 where it cannot run: not on CUDA (unless `emulate`, torchao only, for tests)
-    or on a GPU without FP8 tensor cores (compute capability below 8.9, i.e. pre-Ada/Hopper)."""
+    """Refuse FP8 where it cannot run: not on CUDA (unless `emulate`: torchao only, emulated
+    matmuls on a CPU) or on a GPU without FP8 tensor cores (compute capability below 8.9)."""
     import torch
 
     if emulate:
@@ -87,7 +72,8 @@ def check_fp8_device(recipe: str, device: torch.device, *, emulate: bool = False
         return
     if device.type != "cuda":
         raise ValueError(
-            f"fp8.recipe {recipe!r}: FP8 training needs a CUDA GPU; this run is on {device.type}"
+            f"fp8.recipe {recipe!r}: FP8 training needs a CUDA GPU; this run is on {device.type} "
+            "(fp8.emulate=true emulates torchao's FP8 on a CPU, slowly)"
         )
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
@@ -177,7 +163,7 @@ def build_fp8(
     recipe: str | None,
     device: torch.device,
     *,
-    emulate: bool | None = None,
+    emulate: bool = False,
     linear_filter: str = "auto",
     fsdp: bool = False,
     fsdp_float8_all_gather: bool = True,
@@ -195,7 +181,6 @@ def build_fp8(
     if recipe is None:
         return None
     recipe = normalize_recipe(recipe)
-    emulate = _CPU_EMULATION if emulate is None else emulate
     check_fp8_device(recipe, device, emulate=emulate)
     if recipe.startswith("torchao:"):
         from pipeline.core.kernels.fp8_torchao import TorchaoFloat8
