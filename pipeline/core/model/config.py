@@ -60,9 +60,14 @@ class MLAConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture of experts: a top-k softmax router over experts, in every layer (Mixtral) or in
-    the layers `layer_step` and `dense_layers` select (Qwen3-MoE); the other layers keep the
-    dense SwiGLU MLP of width `ModelConfig.ffn_hidden_size`."""
+    """Mixture of experts: a top-k router over experts, in every layer (Mixtral) or in the
+    layers `layer_step` and `dense_layers` select (Qwen3-MoE, DeepSeek's first dense layers); the
+    other layers keep the dense SwiGLU MLP of width `ModelConfig.ffn_hidden_size`.
+
+    DeepSeekMoE adds shared experts, sigmoid scores, grouped top-k, a routed scaling factor and
+    the auxiliary-loss-free balancing bias (`expert_bias`): added to the scores to choose
+    experts (never to weigh them), and moved by `expert_bias_update_rate` after each optimizer
+    step towards an even load (`pipeline.train.expert_bias`)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -77,6 +82,16 @@ class MoEConfig:
     layer_step: int = 1
     # ... and it is not listed here (HF `mlp_only_layers`; DeepSeek's first dense layers).
     dense_layers: list[int] = field(default_factory=list)
+    score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    # Grouped top-k (DeepSeek's n_group / topk_group): experts come in `num_groups` groups, a
+    # group scores the sum of its two best experts, and only the best `topk_groups` groups are
+    # chosen from.
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    num_shared_experts: int = 0  # one SwiGLU of this many experts' width sees every token
+    expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    expert_bias_update_rate: float = 1e-3
 
 
 @dataclass
@@ -126,13 +141,20 @@ class ModelConfig:
             raise ValueError(f"moe.top_k {moe.top_k} > moe.num_experts {moe.num_experts}")
         if moe.layer_step < 1:
             raise ValueError(f"moe.layer_step must be >= 1, got {moe.layer_step}")
+        if moe.score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.score_function {moe.score_function!r}: softmax or sigmoid")
+        if moe.num_experts % moe.num_groups or not 1 <= moe.topk_groups <= moe.num_groups:
+            raise ValueError(
+                f"moe.num_groups {moe.num_groups} must divide num_experts {moe.num_experts} and "
+                f"be at least moe.topk_groups {moe.topk_groups} (>= 1)"
+            )
         outside = [i for i in moe.dense_layers if not 0 <= i < self.num_layers]
         if outside:
             raise ValueError(f"moe.dense_layers {outside} are not layers of {self.num_layers}")
 
     @property
     def attention_kind(self) -> str:
-        """"mla" (multi-head latent attention) or "gqa" (grouped-query attention)."""
+        """ "mla" (multi-head latent attention) or "gqa" (grouped-query attention)."""
         return "gqa" if self.mla is None else "mla"
 
     @property

@@ -40,6 +40,19 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.moe.router.weight"),
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.weight"),
     ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.moe.experts.w2"),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    (
+        "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+        "layers.{i}.moe.shared_experts.w1.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+        "layers.{i}.moe.shared_experts.w3.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.down_proj.weight",
+        "layers.{i}.moe.shared_experts.w2.weight",
+    ),
 ]
 
 
@@ -58,6 +71,7 @@ _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.core.kernels.attention import attention
 from pipeline.core.model.config import ModelConfig, RopeScaling, YarnScaling
+from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
 from pipeline.core.model.rope_scaling import (
@@ -160,15 +160,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 
 
-def _init_linear(linear: nn.Module, std: float) -> None:
-    """normal(0, std) weight, zero bias. Duck-typed: FP8 backends may have replaced the
-    `nn.Linear` (Transformer Engine's `Linear` keeps an empty or no `bias` when bias-free)."""
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    bias = getattr(linear, "bias", None)
-    if bias is not None and bias.numel():
-        nn.init.zeros_(bias)
-
-
 class AttentionKernel(nn.Module):
     """softmax(q k^T / sqrt(d)) v, causal, within documents: the single-device kernel `backend`.
 
@@ -233,8 +224,8 @@ class Attention(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            _init_linear(linear, std)
-        _init_linear(self.wo, out_std)
+            init_linear(linear, std)
+        init_linear(self.wo, out_std)
         if self.qk_norm:
             self.q_norm.init_weights()
             self.k_norm.init_weights()
@@ -312,33 +303,15 @@ class LatentAttention(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         if self.mla.q_lora_rank is None:
-            _init_linear(self.wq, std)
+            init_linear(self.wq, std)
         else:
-            _init_linear(self.wq_a, std)
+            init_linear(self.wq_a, std)
             self.q_a_norm.init_weights()
-            _init_linear(self.wq_b, std)
-        _init_linear(self.wkv_a, std)
+            init_linear(self.wq_b, std)
+        init_linear(self.wkv_a, std)
         self.kv_a_norm.init_weights()
-        _init_linear(self.wkv_b, std)
-        _init_linear(self.wo, out_std)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        _init_linear(self.w1, std)
-        _init_linear(self.w3, std)
-        _init_linear(self.w2, out_std)
+        init_linear(self.wkv_b, std)
+        init_linear(self.wo, out_std)
 
 
 class TransformerBlock(nn.Module):
@@ -499,7 +472,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             yield "norm", self.norm, self.norm.init_weights
         if self.output is not None and not c.tie_word_embeddings:
-            yield "output", self.output, functools.partial(_init_linear, self.output, std)
+            yield "output", self.output, functools.partial(init_linear, self.output, std)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules of the layers this model (or pipeline stage) holds, by layer index."""
