@@ -103,10 +103,11 @@ def qwen3_30b_a3b() -> ModelConfig:
 
 def _deepseek_moe(**fields) -> MoEConfig:
     """DeepSeekMoE routing: sigmoid scores, renormalised top-k, the balancing bias, one shared
-    expert; the batch-wise balance loss at DeepSeek-V3's weight of its sequence-wise one."""
+    expert; the balance loss at the weight of DeepSeek-V3's config.json (`aux_loss_alpha`),
+    computed over the micro-batch rather than per sequence."""
     values = dict(
         score_function="sigmoid", norm_topk_prob=True, expert_bias=True, num_shared_experts=1,
-        aux_loss_coeff=1e-4,
+        aux_loss_coeff=1e-3,
     )  # fmt: skip
     return MoEConfig(**(values | fields))
 
