@@ -272,6 +272,9 @@ class LatentAttention(nn.Module):
             mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
         )
         self.wo = nn.Linear(heads * mla.v_head_dim, h, bias=False)
+        # A hook point: every head uses the one RoPE key, so under tensor parallelism (heads
+        # split) its gradient is summed over the ranks here.
+        self.rope_key = nn.Identity()
         self.q_scale = yarn_softmax_factor(config.rope_scaling)
         self.kernel = AttentionKernel(backend)
 
@@ -290,7 +293,7 @@ class LatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_a_norm(latent))
         kv = kv.view(batch, seq, -1, mla.qk_nope_head_dim + mla.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        k_rope = k_rope.unsqueeze(1)  # [batch, 1, seq, rope]: one key for all heads
+        k_rope = self.rope_key(k_rope.unsqueeze(1))  # [batch, 1, seq, rope]: one for all heads
         if mla.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q = torch.cat((q_nope, apply_rope(q_rope, *rope)), dim=-1)
