@@ -1,11 +1,11 @@
 """Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE).
+Mixtral, Qwen3-MoE, DeepSeek-V3).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
 and older transformers read, and which transformers 5 still loads. Anything our model cannot
-represent exactly (o_proj or MLP biases, another activation, linear/yarn RoPE scaling, a sliding
-window shorter than the context) is refused rather than silently dropped.
+represent exactly (o_proj or MLP biases, another activation, linear RoPE scaling, YaRN outside
+DeepSeek-V3, a sliding window shorter than the context) is refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
+from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -38,10 +38,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_DEEPSEEK = "DeepseekV3ForCausalLM"
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -65,7 +67,7 @@ def hf_architecture(hf: dict[str, Any]) -> str:
     )
 
 
-def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | YarnScaling | None]:
     """rope_theta and scaling from either spelling (5.x `rope_parameters` or 4.x keys)."""
     params = hf.get("rope_parameters")
     if params:
@@ -77,8 +79,10 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return float(theta), None
+    if kind == "yarn":
+        return float(theta), _yarn_from_hf(scaling, hf)
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, llama3")
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, llama3, yarn")
     defaults = RopeScaling()
     return float(theta), RopeScaling(
         factor=float(scaling.get("factor", defaults.factor)),
@@ -89,6 +93,23 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
                 "original_max_position_embeddings", defaults.original_max_position_embeddings
             )
         ),
+    )
+
+
+def _yarn_from_hf(scaling: dict[str, Any], hf: dict[str, Any]) -> YarnScaling:
+    """YaRN as transformers reads it: a missing `mscale` or `mscale_all_dim` is 0 (off), a
+    missing `factor` is max_position_embeddings / original_max_position_embeddings."""
+    _refuse(scaling.get("attention_factor") is not None, "yarn attention_factor")
+    _refuse(scaling.get("truncate", True) is False, "yarn truncate=false")
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or hf["max_position_embeddings"] / original
+    return YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        mscale=float(scaling.get("mscale") or 0.0),
+        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
     )
 
 
@@ -127,16 +148,19 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
     _check_sliding_window(hf, arch, ignore_sliding_window)
     theta, scaling = rope_from_hf(hf)
+    _refuse(isinstance(scaling, YarnScaling) and arch != _DEEPSEEK, f"yarn RoPE in {arch}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if head_dim is None and arch == "Qwen3ForCausalLM":
         head_dim = 128  # Qwen3Config's default (Qwen3-MoE's is hidden_size / heads)
+    if arch == _DEEPSEEK:
+        head_dim = None  # transformers writes qk_rope_head_dim there; latent attention's own
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_kv_heads=heads if arch == _DEEPSEEK else hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         ffn_hidden_size=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -146,7 +170,8 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
         qk_norm=arch in _QWEN3,
-        moe=_moe_from_hf(hf, arch),
+        moe=_deepseek_moe_from_hf(hf) if arch == _DEEPSEEK else _moe_from_hf(hf, arch),
+        mla=_mla_from_hf(hf) if arch == _DEEPSEEK else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )
 
@@ -176,12 +201,53 @@ def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
     )
 
 
+def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
+    return MLAConfig(
+        kv_lora_rank=hf["kv_lora_rank"],
+        q_lora_rank=hf.get("q_lora_rank"),
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
+    """DeepSeekMoE: the first `first_k_dense_replace` layers dense, then sigmoid-scored routed
+    experts chosen with the correction bias (`topk_method` noaux_tc) plus shared experts. The
+    hub configs' `aux_loss_alpha` becomes our (batch-wise) balance-loss coefficient."""
+    _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than sigmoid")
+    _refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", "topk_method other than noaux_tc")
+    _refuse(hf.get("moe_layer_freq", 1) != 1, "moe_layer_freq != 1")
+    _refuse(not hf.get("n_shared_experts"), "DeepSeek-V3 without shared experts")
+    dense = hf.get("first_k_dense_replace", 3)
+    if dense >= hf["num_hidden_layers"]:
+        return None  # every layer dense
+    return MoEConfig(
+        num_experts=hf["n_routed_experts"],
+        top_k=hf["num_experts_per_tok"],
+        ffn_hidden_size=hf["moe_intermediate_size"],
+        aux_loss_coeff=float(hf.get("aux_loss_alpha", 0.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dense_layers=list(range(dense)),
+        score_function="sigmoid",
+        num_groups=hf.get("n_group") or 1,
+        topk_groups=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        num_shared_experts=hf["n_shared_experts"],
+        expert_bias=True,
+    )
+
+
 def choose_architecture(config: ModelConfig, preferred: str | None = None) -> str:
     """The HF architecture that represents `config` exactly: `preferred` (e.g. the one a model
     was read from) when it can, else Qwen3 / Qwen3-MoE for q/k norms, Mixtral for MoE, Qwen2
     for q/k/v biases, Mistral for an explicit head_dim, Llama otherwise."""
     default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
-    if config.qk_norm:
+    if config.mla is not None:
+        _check_deepseek(config)
+        candidates = [_DEEPSEEK]
+    elif config.qk_norm:
         _refuse(config.qkv_bias, "q/k norms with q/k/v biases have no supported HF architecture")
         candidates = ["Qwen3MoeForCausalLM" if config.is_moe else "Qwen3ForCausalLM"]
     elif config.is_moe:
@@ -200,6 +266,22 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
         if not default_head_dim:
             candidates.reverse()
     return preferred if preferred in candidates else candidates[0]
+
+
+def _check_deepseek(config: ModelConfig) -> None:
+    """Refuse latent-attention models DeepseekV3ForCausalLM cannot hold exactly."""
+    _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
+    moe = config.moe
+    if moe is None:
+        return
+    _refuse(
+        moe.dense_layers != list(range(len(moe.dense_layers))) or moe.layer_step != 1,
+        "DeepSeek-V3 keeps dense exactly its first layers (first_k_dense_replace)",
+    )
+    _refuse(
+        moe.score_function != "sigmoid" or not moe.expert_bias or not moe.num_shared_experts,
+        "DeepSeek-V3 routes with sigmoid scores, the correction bias and shared experts",
+    )
 
 
 def _hf_dtype_name(dtype: torch.dtype) -> str:
@@ -261,7 +343,10 @@ def config_to_hf(
         hf["attention_bias"] = False
     # Qwen3's max_window_layers only matters with a sliding window (refused), so it is left
     # to transformers' default.
-    hf |= _moe_to_hf(config, arch)
+    if arch == _DEEPSEEK:
+        hf |= _deepseek_to_hf(config)
+    else:
+        hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
@@ -295,10 +380,53 @@ def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
     }
 
 
-def rope_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:
-    """The 4.x `rope_scaling` dict for Llama 3.1-style scaling (None without scaling)."""
+def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """DeepseekV3ForCausalLM's latent-attention and MoE keys (a dense model: every layer in
+    first_k_dense_replace, with transformers' default expert shapes)."""
+    mla, moe = config.mla, config.moe
+    out: dict[str, Any] = {
+        "kv_lora_rank": mla.kv_lora_rank,
+        "q_lora_rank": mla.q_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rope_interleave": mla.rope_interleave,
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+        "first_k_dense_replace": config.num_layers,
+    }
+    if moe is None:
+        return out
+    return out | {
+        "first_k_dense_replace": len(moe.dense_layers),
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": config.expert_ffn_hidden_size,
+        "n_shared_experts": moe.num_shared_experts,
+        "n_group": moe.num_groups,
+        "topk_group": moe.topk_groups,
+        "routed_scaling_factor": moe.routed_scaling_factor,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "aux_loss_alpha": moe.aux_loss_coeff,
+    }
+
+
+def rope_scaling_to_hf(scaling: RopeScaling | YarnScaling | None) -> dict[str, Any] | None:
+    """The 4.x `rope_scaling` dict for Llama 3.1-style or YaRN scaling (None without)."""
     if scaling is None:
         return None
+    if isinstance(scaling, YarnScaling):
+        return {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+        }
     return {
         "rope_type": "llama3",
         "factor": scaling.factor,

@@ -89,7 +89,9 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[_Piece
     for name, info in infos.items():
         if name == "output.weight" and cfg.tie_word_embeddings:
             continue
-        out = _out_dtype(info, dtype)
+        # DeepSeek's correction bias stays fp32, as transformers keeps it (a bf16 step of 1e-3
+        # would vanish next to biases of order 1).
+        out = info.dtype if name.endswith(".moe.expert_bias") else _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
         hf_names = pipe_to_hf_names(name, num_experts, architecture)

@@ -197,6 +197,20 @@ def _fit_suggestions(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
     return tips
 
 
+def _attention_description(model: ModelConfig) -> str:
+    """`32/8 kv, head_dim 128[, q/k norm]`, or latent attention's ranks and head widths."""
+    heads = model.num_attention_heads
+    mla = model.mla
+    if mla is None:
+        norm = ", q/k norm" if model.qk_norm else ""
+        return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{norm}"
+    q = "q full rank" if mla.q_lora_rank is None else f"q rank {mla.q_lora_rank}"
+    return (
+        f"{heads} latent (kv rank {mla.kv_lora_rank}, {q}, qk {mla.qk_nope_head_dim}"
+        f"+{mla.qk_rope_head_dim} rope, v {mla.v_head_dim})"
+    )
+
+
 def dry_run_report(
     cfg: TrainConfig, world_size: int | None = None, gpu: str | None = None
 ) -> list[str]:
@@ -220,11 +234,11 @@ def dry_run_report(
             f", MoE {model.moe.num_experts} experts top-{model.moe.top_k} (ffn "
             f"{model.expert_ffn_hidden_size}) in {model.num_moe_layers}/{model.num_layers} layers"
         )
-    attention = f"head_dim {model.head_dim}" + (", q/k norm" if model.qk_norm else "")
+    attention = _attention_description(model)
     data = "mock (synthetic tokens)" if d.mock else (d.blend or d.train_blend or "-")
     lines = [
         f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
-        f"heads {model.num_attention_heads}/{model.num_kv_heads} kv, {attention}, "
+        f"heads {attention}, "
         f"ffn {model.ffn_hidden_size}, "
         f"vocab {model.vocab_size}{moe}",
         f"data         {data}; seq {d.seq_length}, split {d.split}",

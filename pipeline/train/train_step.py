@@ -31,6 +31,7 @@ import torch.distributed as dist
 from pipeline.core.parallel.fsdp import global_token_count
 from pipeline.core.parallel.grad_norm import clip_grad_norm_
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
+from pipeline.train.expert_bias import update_expert_biases
 
 __all__ = [
     "StepResult",
@@ -152,11 +153,22 @@ def train_step(
         optimizer.step()
     elif finite.item():  # an optimizer without `found_inf` is told on the host
         optimizer.step()
+    _balance_experts(model, finite)
     if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
         after_optimizer_step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss.detach(), grad_norm.detach(), global_tokens, skipped=~finite)
+
+
+def _balance_experts(model: Any, finite: torch.Tensor) -> None:
+    """DeepSeek-V3's expert-bias update after the step (`pipeline.train.expert_bias`), unless
+    the step was skipped; the loads are summed over every rank of the run."""
+    config = getattr(model, "config", None)
+    if config is None or config.moe is None or not config.moe.expert_bias:
+        return
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    update_expert_biases(config, model.moe_layers(), world, apply=finite)
 
 
 def reduce_loss_sum(loss_sum: torch.Tensor, dp_group: Any, pp_group: Any) -> torch.Tensor:

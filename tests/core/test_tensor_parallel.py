@@ -28,13 +28,29 @@ def test_padded_vocab_size():
 
 
 def _config(variant: str):
-    from pipeline.core.model.config import MoEConfig
+    """A micro model; "mla*" use latent attention (with and without the q low-rank projection),
+    "mla_moe" with DeepSeekMoE (shared expert, grouped sigmoid routing, a non-zero bias)."""
+    from pipeline.core.model.config import MLAConfig, MoEConfig
 
+    moe = MoEConfig(num_experts=4, top_k=2) if variant == "moe" else None
+    if variant == "mla_moe":
+        moe = MoEConfig(
+            num_experts=4, top_k=2, score_function="sigmoid", num_groups=2, topk_groups=1,
+            num_shared_experts=1, expert_bias=True, routed_scaling_factor=2.0,
+        )  # fmt: skip
+    mla = None
+    if variant.startswith("mla"):
+        q_lora = None if variant == "mla_no_q_lora" else 24
+        mla = MLAConfig(
+            kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=6,
+        )  # fmt: skip
     return micro_model_config(
         vocab_size=127 if variant == "uneven_vocab" else 128,
         init_method_std=0.2,
         tie_word_embeddings=variant == "tied",
-        moe=MoEConfig(num_experts=4, top_k=2) if variant == "moe" else None,
+        moe=moe,
+        mla=mla,
     )
 
 
@@ -61,6 +77,9 @@ def _compare(rank, world_size, tmp, variants):
             torch.manual_seed(0)
             ref = Transformer(_config(variant))
             ref.init_weights()
+            for moe in ref.moe_layers().values():
+                if moe.config.expert_bias:
+                    moe.expert_bias.copy_(torch.randn(moe.config.num_experts) * 0.1)
             model = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=sp)
             vocab = ref.config.vocab_size
             docs = torch.tensor([[0] * 3 + [1] * 5, [0] * 8])
@@ -97,16 +116,22 @@ def _compare(rank, world_size, tmp, variants):
                 "placements_ok": placements_ok,
                 "n_params": len(ref_params),
                 "tp_params": sum(1 for _ in model.parameters()),
-                "sharded": isinstance(model.layers["0"].attention.wq.weight, DTensor),
+                "sharded": isinstance(_head_split_weight(model.layers["0"].attention), DTensor),
             }
     return results
 
 
+def _head_split_weight(attention):
+    return attention.wkv_b.weight if attention.kind == "mla" else attention.wq.weight
+
+
 @pytest.mark.dist
 def test_tensor_parallel_matches_single_process(tmp_path):
-    """Dense, tied embeddings, MoE (experts replicated) and a vocabulary of 127 (uneven shards),
-    each with sequence parallelism on and off, over two accumulated micro-batches."""
-    variants = ("dense", "tied", "moe", "uneven_vocab")
+    """Dense, tied embeddings, MoE (experts replicated), a vocabulary of 127 (uneven shards) and
+    latent attention (heads split, down projections and the RoPE key replicated; with and
+    without q_lora_rank; with DeepSeekMoE), each with sequence parallelism on and off, over two
+    accumulated micro-batches."""
+    variants = ("dense", "tied", "moe", "uneven_vocab", "mla", "mla_no_q_lora", "mla_moe")
     results = run_distributed(_compare, 2, tmp_path, variants)
     for per_rank in results:
         assert len(per_rank) == 2 * len(variants)

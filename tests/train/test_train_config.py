@@ -22,13 +22,16 @@ from pipeline.train.estimates import dry_run_report, estimate_memory, parameter_
 from pipeline.train.toml_io import dumps, loads
 
 RECIPES = [
+    "deepseek_v3",
     "llama3_2_1b",
     "llama3_70b",
     "llama3_8b",
     "mixtral_8x7b",
+    "moonlight_16b_a3b",
     "qwen3_30b_a3b",
     "qwen3_8b",
     "tiny",
+    "tiny_deepseek_v3",
     "tiny_moe",
     "tiny_qwen3",
     "tiny_qwen3_moe",
@@ -41,6 +44,8 @@ WORLD_SIZES = {
     "mixtral_8x7b": 64,
     "qwen3_8b": 8,
     "qwen3_30b_a3b": 16,
+    "deepseek_v3": 1024,
+    "moonlight_16b_a3b": 8,
 }
 
 
@@ -237,7 +242,8 @@ def test_llama3_8b_recipe_follows_megatron_example():
 
 
 def test_unknown_recipe_lists_shipped_ones():
-    with pytest.raises(ConfigError, match="unknown recipe 'llama9'; shipped recipes: llama3_2_1b"):
+    shipped = "unknown recipe 'llama9'; shipped recipes: deepseek_v3, llama3_2_1b"
+    with pytest.raises(ConfigError, match=shipped):
         load_recipe("llama9")
 
 

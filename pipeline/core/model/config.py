@@ -1,5 +1,6 @@
-"""Model configuration: one dataclass covers Llama 3 / 3.1 / 3.2, Mistral, Qwen2, Qwen3 and
-mixtures of experts in every layer (Mixtral) or in some (Qwen3-MoE). Field names follow
+"""Model configuration: one dataclass covers Llama 3 / 3.1 / 3.2, Mistral, Qwen2, Qwen3,
+mixtures of experts in every layer (Mixtral) or in some (Qwen3-MoE), and DeepSeek-V3's
+multi-head latent attention (`MLAConfig`) with YaRN RoPE scaling (`YarnScaling`). Field names follow
 Megatron's arguments (`hidden_size`, `num_query_groups` is `num_kv_heads` here), so recipes read
 naturally to its users.
 """
@@ -21,10 +22,52 @@ class RopeScaling:
 
 
 @dataclass
+class YarnScaling:
+    """YaRN RoPE scaling (`rope_type: yarn`, DeepSeek-V3): frequencies blended between
+    interpolated (divided by `factor`) and original along a ramp set by `beta_fast` /
+    `beta_slow` rotations over `original_max_position_embeddings`; cos/sin are multiplied by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim), and latent attention's softmax
+    scale by mscale(factor, mscale_all_dim)^2, where mscale(s, m) = 0.1 * m * ln(s) + 1."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    rope_type: str = "yarn"  # tells it from `RopeScaling` in saved config dicts
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). Queries: hidden -> q_lora_rank -> RMSNorm ->
+    heads * (qk_nope_head_dim + qk_rope_head_dim), or one projection when `q_lora_rank` is None
+    (V2-Lite). Keys and values: hidden -> kv_lora_rank latent (RMSNorm, then up-projected to
+    heads * (qk_nope_head_dim + v_head_dim)) plus one RoPE key of qk_rope_head_dim shared by all
+    heads. `rope_interleave`: the RoPE dimensions are stored as neighbouring pairs (HF default)."""
+
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass
 class MoEConfig:
-    """Mixture of experts: a top-k softmax router over experts, in every layer (Mixtral) or in
-    the layers `layer_step` and `dense_layers` select (Qwen3-MoE); the other layers keep the
-    dense SwiGLU MLP of width `ModelConfig.ffn_hidden_size`."""
+    """Mixture of experts: a top-k router over experts, in every layer (Mixtral) or in the
+    layers `layer_step` and `dense_layers` select (Qwen3-MoE, DeepSeek's first dense layers); the
+    other layers keep the dense SwiGLU MLP of width `ModelConfig.ffn_hidden_size`.
+
+    DeepSeekMoE adds shared experts, sigmoid scores, grouped top-k, a routed scaling factor and
+    the auxiliary-loss-free balancing bias (`expert_bias`): added to the scores to choose
+    experts (never to weigh them), and moved by `expert_bias_update_rate` after each optimizer
+    step towards an even load (`pipeline.train.expert_bias`)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -39,6 +82,16 @@ class MoEConfig:
     layer_step: int = 1
     # ... and it is not listed here (HF `mlp_only_layers`; DeepSeek's first dense layers).
     dense_layers: list[int] = field(default_factory=list)
+    score_function: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    # Grouped top-k (DeepSeek's n_group / topk_group): experts come in `num_groups` groups, a
+    # group scores the sum of its two best experts, and only the best `topk_groups` groups are
+    # chosen from.
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    num_shared_experts: int = 0  # one SwiGLU of this many experts' width sees every token
+    expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    expert_bias_update_rate: float = 1e-3
 
 
 @dataclass
@@ -54,12 +107,13 @@ class ModelConfig:
     ffn_hidden_size: int = 14336
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # set: latent attention (head_dim, num_kv_heads unused)
     init_method_std: float = 0.02
     # Megatron's scaled init: output projections of each block use std / sqrt(2 * num_layers).
     use_scaled_init: bool = True
@@ -87,9 +141,26 @@ class ModelConfig:
             raise ValueError(f"moe.top_k {moe.top_k} > moe.num_experts {moe.num_experts}")
         if moe.layer_step < 1:
             raise ValueError(f"moe.layer_step must be >= 1, got {moe.layer_step}")
+        if moe.score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.score_function {moe.score_function!r}: softmax or sigmoid")
+        if moe.num_experts % moe.num_groups or not 1 <= moe.topk_groups <= moe.num_groups:
+            raise ValueError(
+                f"moe.num_groups {moe.num_groups} must divide num_experts {moe.num_experts} and "
+                f"be at least moe.topk_groups {moe.topk_groups} (>= 1)"
+            )
         outside = [i for i in moe.dense_layers if not 0 <= i < self.num_layers]
         if outside:
             raise ValueError(f"moe.dense_layers {outside} are not layers of {self.num_layers}")
+
+    @property
+    def attention_kind(self) -> str:
+        """ "mla" (multi-head latent attention) or "gqa" (grouped-query attention)."""
+        return "gqa" if self.mla is None else "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (MLA rotates only its decoupled part)."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -124,6 +195,10 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     values = dict(values)
     if values.get("moe") is not None:
         values["moe"] = MoEConfig(**values["moe"])
-    if values.get("rope_scaling") is not None:
-        values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+    scaling = values.get("rope_scaling")
+    if scaling is not None:
+        kind = YarnScaling if scaling.get("rope_type") == "yarn" else RopeScaling
+        values["rope_scaling"] = kind(**scaling)
+    if values.get("mla") is not None:
+        values["mla"] = MLAConfig(**values["mla"])
     return ModelConfig(**values)

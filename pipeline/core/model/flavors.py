@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
+from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
 
 
 def llama3_8b() -> ModelConfig:
@@ -101,6 +101,58 @@ def qwen3_30b_a3b() -> ModelConfig:
     )
 
 
+def _deepseek_moe(**fields) -> MoEConfig:
+    """DeepSeekMoE routing: sigmoid scores, renormalised top-k, the balancing bias, one shared
+    expert; the balance loss at the weight of DeepSeek-V3's config.json (`aux_loss_alpha`),
+    computed over the micro-batch rather than per sequence."""
+    values = dict(
+        score_function="sigmoid", norm_topk_prob=True, expert_bias=True, num_shared_experts=1,
+        aux_loss_coeff=1e-3,
+    )  # fmt: skip
+    return MoEConfig(**(values | fields))
+
+
+def deepseek_v3() -> ModelConfig:
+    """DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json) without its multi-token prediction
+    module: 671B parameters, 37B active; 61 layers, the first 3 dense; 256 routed experts in 8
+    groups (top-8 from the best 4 groups) plus one shared; latent attention with YaRN x40."""
+    return ModelConfig(
+        vocab_size=129280, hidden_size=7168, num_layers=61, num_attention_heads=128,
+        ffn_hidden_size=18432, norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=YarnScaling(
+            factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+            mscale=1.0, mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=163840,
+        mla=MLAConfig(
+            kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        moe=_deepseek_moe(
+            num_experts=256, top_k=8, ffn_hidden_size=2048, num_groups=8, topk_groups=4,
+            routed_scaling_factor=2.5, dense_layers=[0, 1, 2],
+        ),
+    )  # fmt: skip
+
+
+def moonlight_16b_a3b() -> ModelConfig:
+    """Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, a DeepseekV3ForCausalLM):
+    27 layers, the first dense; 64 routed experts top-6 plus 2 shared; latent attention without
+    the q low-rank projection (as DeepSeek-V2-Lite), no RoPE scaling."""
+    return ModelConfig(
+        vocab_size=163840, hidden_size=2048, num_layers=27, num_attention_heads=16,
+        ffn_hidden_size=11264, norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=8192,
+        mla=MLAConfig(
+            kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        moe=_deepseek_moe(
+            num_experts=64, top_k=6, ffn_hidden_size=1408, num_shared_experts=2,
+            routed_scaling_factor=2.446, dense_layers=[0],
+        ),
+    )  # fmt: skip
+
+
 def tiny() -> ModelConfig:
     """CPU-sized Llama for tests and the quickstart (vocab fits the quickstart tokenizer)."""
     return ModelConfig(
@@ -141,6 +193,23 @@ def tiny_qwen3_moe() -> ModelConfig:
     return config
 
 
+def tiny_deepseek_v3() -> ModelConfig:
+    """CPU-sized DeepSeek-V3: latent attention with the q low-rank projection, the first layer
+    dense, then 8 routed experts (width 64) in 4 groups, top-2 from the best 2, one shared."""
+    config = tiny()
+    config.norm_eps = 1e-6
+    config.rope_theta = 10000.0
+    config.num_kv_heads = config.num_attention_heads
+    config.mla = MLAConfig(
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+    )
+    config.moe = _deepseek_moe(
+        num_experts=8, top_k=2, ffn_hidden_size=64, num_groups=4, topk_groups=2,
+        routed_scaling_factor=2.5, dense_layers=[0],
+    )  # fmt: skip
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -148,10 +217,13 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "mixtral_8x7b": mixtral_8x7b,
     "qwen3_8b": qwen3_8b,
     "qwen3_30b_a3b": qwen3_30b_a3b,
+    "deepseek_v3": deepseek_v3,
+    "moonlight_16b_a3b": moonlight_16b_a3b,
     "tiny": tiny,
     "tiny_moe": tiny_moe,
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,
+    "tiny_deepseek_v3": tiny_deepseek_v3,
 }
 
 
@@ -166,20 +238,36 @@ def get_flavor(name: str) -> ModelConfig:
 def num_parameters(config: ModelConfig) -> int:
     """Total parameter count (all experts included; tied embeddings counted once)."""
     h, c = config.hidden_size, config
-    q_dim = c.num_attention_heads * c.head_dim
-    kv_dim = c.num_kv_heads * c.head_dim
-    attn = h * q_dim + 2 * h * kv_dim + q_dim * h
-    if c.qkv_bias:
-        attn += q_dim + 2 * kv_dim
-    if c.qk_norm:
-        attn += 2 * c.head_dim
+    if c.mla is None:
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_kv_heads * c.head_dim
+        attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+        if c.qkv_bias:
+            attn += q_dim + 2 * kv_dim
+        if c.qk_norm:
+            attn += 2 * c.head_dim
+    else:
+        attn = _mla_linear_parameters(c) + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
     dense_mlp = 3 * h * c.ffn_hidden_size
-    moe_mlp = 0 if c.moe is None else c.moe.num_experts * (3 * h * c.expert_ffn_hidden_size + h)
+    moe_mlp = 0
+    if c.moe is not None:
+        moe_mlp = c.moe.num_experts * (3 * h * c.expert_ffn_hidden_size + h)
+        moe_mlp += 3 * h * c.expert_ffn_hidden_size * c.moe.num_shared_experts
     moe_layers = c.num_moe_layers
     mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
     per_layer = attn + 2 * h  # two RMSNorm weights
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
     return embeddings + c.num_layers * per_layer + mlp + h
+
+
+def _mla_linear_parameters(config: ModelConfig) -> int:
+    """Weights of latent attention's projections (norms excluded)."""
+    h, heads, mla = config.hidden_size, config.num_attention_heads, config.mla
+    q_out = heads * mla.qk_head_dim
+    q = h * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (h + q_out)
+    kv = h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    kv += mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * h
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -193,7 +281,10 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
 
     with L layers, H hidden, A query heads, G kv heads, D head_dim, S = seq_len, F the (expert)
     ffn size, K the router's top-k (1 when dense), V vocab. With dense and MoE layers mixed
-    (Qwen3-MoE's `mlp_only_layers`), the MLP term is the mean over layers of each one's F * K.
+    (Qwen3-MoE's `mlp_only_layers`), the MLP term is the mean over layers of each one's F * K;
+    shared experts add their width to F * K. Latent attention's term is, in the same units,
+    (its projection weights + A * (qk_head_dim + v_head_dim) * S / 2) / (2 * H^2): each weight
+    is one multiply-add per token, and the two attention matmuls are as wide as q.k and v.
     12 = 3 (forward, weight grad, input grad) * 2 (multiply-add) * 2 (projections come in
     pairs). The S/H term is the two attention matmuls QK^T and AV, halved because a causal mask
     skips half of them (Megatron's causal-FLOPs accounting). Router matmuls and elementwise
@@ -201,9 +292,15 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """
     c = config
     h, layers = c.hidden_size, c.num_layers
-    q_ratio = c.num_attention_heads * c.head_dim / h
-    attn = (1 + c.num_kv_heads / c.num_attention_heads + seq_len / h / 2) * q_ratio
-    moe_width = 0 if c.moe is None else c.expert_ffn_hidden_size * c.moe.top_k
+    if c.mla is None:
+        q_ratio = c.num_attention_heads * c.head_dim / h
+        attn = (1 + c.num_kv_heads / c.num_attention_heads + seq_len / h / 2) * q_ratio
+    else:
+        scores = c.num_attention_heads * (c.mla.qk_head_dim + c.mla.v_head_dim) * seq_len / 2
+        attn = (_mla_linear_parameters(c) + scores) / (2 * h * h)
+    moe_width = 0
+    if c.moe is not None:
+        moe_width = c.expert_ffn_hidden_size * (c.moe.top_k + c.moe.num_shared_experts)
     moe_layers = c.num_moe_layers
     mean_width = (moe_layers * moe_width + (layers - moe_layers) * c.ffn_hidden_size) / layers
     mlp = mean_width / h * 1.5

@@ -1,4 +1,5 @@
-"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE) parameter names <-> ours.
+"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3) parameter
+names <-> ours.
 
 Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per expert (Mixtral:
 `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen3-MoE: `mlp.gate`,
@@ -27,12 +28,31 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
     ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attention.q_norm.weight"),
     ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attention.k_norm.weight"),
+    ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.attention.wq_a.weight"),
+    ("model.layers.{i}.self_attn.q_a_layernorm.weight", "layers.{i}.attention.q_a_norm.weight"),
+    ("model.layers.{i}.self_attn.q_b_proj.weight", "layers.{i}.attention.wq_b.weight"),
+    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "layers.{i}.attention.wkv_a.weight"),
+    ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.attention.kv_a_norm.weight"),
+    ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.attention.wkv_b.weight"),
     ("model.layers.{i}.mlp.gate_proj.weight", "layers.{i}.feed_forward.w1.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers.{i}.feed_forward.w3.weight"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
     ("model.layers.{i}.block_sparse_moe.gate.weight", "layers.{i}.moe.router.weight"),
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.weight"),
     ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.moe.experts.w2"),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    (
+        "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+        "layers.{i}.moe.shared_experts.w1.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.up_proj.weight",
+        "layers.{i}.moe.shared_experts.w3.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_experts.down_proj.weight",
+        "layers.{i}.moe.shared_experts.w2.weight",
+    ),
 ]
 
 
@@ -51,6 +71,7 @@ _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"

@@ -1,4 +1,5 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE): a top-k softmax router over SwiGLU experts.
+"""Mixture of experts (Mixtral, Qwen3-MoE, DeepSeekMoE): a top-k router over SwiGLU experts,
+plus shared experts that see every token (DeepSeek).
 
 Tokens are grouped by expert (a stable sort of the (token, k) assignments) and each expert runs
 one matmul over its group, so no token is dropped unless a capacity factor asks for it. The
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.core.model.config import MoEConfig
+from pipeline.core.model.feed_forward import FeedForward
 
 
 class GroupedExperts(nn.Module):
@@ -100,10 +102,23 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, aux_grad, None
 
 
+def grouped_topk_mask(scores: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """True for the experts of each token's `topk_groups` best groups (of `num_groups` equal
+    groups), a group scoring the sum of its two best experts (DeepSeek-V3's rule)."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    best = group_scores.topk(topk_groups, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+
+
 class MoE(nn.Module):
-    """Router (`router`, a bias-free linear) -> softmax -> top-k (renormalised when
-    `config.norm_topk_prob`, as Mixtral does) -> experts; outputs are the weighted sum of each
-    token's k expert outputs.
+    """Router (`router`, a bias-free linear) -> softmax or sigmoid scores -> top-k (grouped
+    when `config.num_groups` > 1; chosen on scores + `expert_bias` when it exists) -> experts.
+    Outputs are each token's k expert outputs weighed by their scores (renormalised when
+    `config.norm_topk_prob`, times `routed_scaling_factor`), plus `shared_experts(x)` when
+    `config.num_shared_experts` > 0.
 
     `aux_loss_scale`: attach the aux-loss gradient with this weight (None: the caller adds
     `aux_loss` to its loss itself). `micro_batch_group`: the ranks one micro-batch's tokens are
@@ -111,7 +126,9 @@ class MoE(nn.Module):
 
     After each forward: `aux_loss` (coefficient-weighted load-balancing + z-loss, or None when
     both coefficients are 0), `tokens_per_expert` (assignments per expert, before dropping) and
-    `num_dropped` (assignments over capacity, 0 when dropless).
+    `num_dropped` (assignments over capacity, 0 when dropless). With `expert_bias`, training
+    forwards also add this rank's assignments per expert to `expert_load` (float32 `[E]`), which
+    the bias update reads and resets (`pipeline.train.expert_bias`).
     """
 
     def __init__(
@@ -127,6 +144,12 @@ class MoE(nn.Module):
         self.config = config
         self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size)
+        if config.num_shared_experts:
+            shared_width = ffn_hidden_size * config.num_shared_experts
+            self.shared_experts = FeedForward(hidden_size, shared_width)
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        self.expert_load: torch.Tensor | None = None
         self.aux_loss_scale = aux_loss_scale
         self.micro_batch_group = micro_batch_group
         self.aux_loss: torch.Tensor | None = None
@@ -144,16 +167,46 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.router(x)
-        probs = torch.softmax(logits.float(), dim=-1)
-        topk_probs, topk_idx = probs.topk(self.config.top_k, dim=-1)
-        if self.config.norm_topk_prob:
-            topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
+        probs, topk_weights, topk_idx = self.route(logits)
         self.aux_loss = self._aux_loss(logits, probs, topk_idx)
+        if self.config.expert_bias and self.training:
+            self._add_load(topk_idx)
 
-        out = self._dispatch_and_combine(x, topk_idx, topk_probs.to(x.dtype))
+        out = self._dispatch_and_combine(x, topk_idx, topk_weights.to(x.dtype))
         if self.aux_loss is not None and self.aux_loss_scale is not None and out.requires_grad:
             out = _AttachAuxLoss.apply(out, self.aux_loss, self.aux_loss_scale)
+        if self.config.num_shared_experts:
+            out = out + self.shared_experts(x)
         return out.reshape(shape)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probabilities `[n, E]` for the auxiliary loss, weights `[n, k]`, expert indices
+        `[n, k]`) from router logits, in float32. Sigmoid scores are normalised over experts
+        for the auxiliary loss (DeepSeek-V3's balance loss)."""
+        c = self.config
+        if c.score_function == "softmax":
+            scores = torch.softmax(logits.float(), dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits.float())
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        choice = scores.detach()
+        if c.expert_bias:
+            choice = choice + self.expert_bias
+        if c.num_groups > 1:
+            mask = grouped_topk_mask(choice, c.num_groups, c.topk_groups)
+            choice = choice.masked_fill(~mask, float("-inf"))
+        topk_idx = choice.topk(c.top_k, dim=-1).indices
+        weights = scores.gather(1, topk_idx)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if c.routed_scaling_factor != 1.0:
+            weights = weights * c.routed_scaling_factor
+        return probs, weights, topk_idx
+
+    def _add_load(self, topk_idx: torch.Tensor) -> None:
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.config.num_experts).float()
+        self.expert_load = counts if self.expert_load is None else self.expert_load + counts
 
     def _dispatch_and_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -222,3 +275,8 @@ class MoE(nn.Module):
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
         self.experts.init_weights(std, out_std)
+        if self.config.num_shared_experts:
+            self.shared_experts.init_weights(std, out_std)
+        if self.config.expert_bias:
+            nn.init.zeros_(self.expert_bias)
+        self.expert_load = None

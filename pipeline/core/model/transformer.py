@@ -1,5 +1,5 @@
-"""The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2, Qwen3, Mixtral and
-Qwen3-MoE, one definition.
+"""The decoder-only transformer: Llama 3 / 3.1 / 3.2, Mistral, Qwen2, Qwen3, Mixtral,
+Qwen3-MoE and DeepSeek-V3's latent attention, one definition.
 
 Written as plain single-device PyTorch; tensor, pipeline, data and expert parallelism are applied
 afterwards by `pipeline.train.parallelize` (docs/architecture.md). What a run chooses about the
@@ -27,13 +27,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.core.kernels.attention import attention
-from pipeline.core.model.config import ModelConfig, RopeScaling
+from pipeline.core.model.config import ModelConfig, RopeScaling, YarnScaling
+from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
+from pipeline.core.model.rope_scaling import (
+    yarn_cos_sin_factor,
+    yarn_inv_freq,
+    yarn_softmax_factor,
+)
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,10 @@ class RMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]`, with Llama 3.1 frequency scaling if configured.
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None
+) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]`, with Llama 3.1 or YaRN scaling if configured.
 
     Llama 3.1 leaves high frequencies (wavelength < original_max / high_freq_factor) alone,
     divides low frequencies (wavelength > original_max / low_freq_factor) by `factor`, and
@@ -94,6 +101,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return yarn_inv_freq(head_dim, theta, scaling)
     orig = scaling.original_max_position_embeddings
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = orig / scaling.low_freq_factor
@@ -108,7 +117,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """Produces cos/sin `[batch, 1, seq, head_dim]` for given positions.
+    """Produces cos/sin `[batch, 1, seq, rope_dim]` for given positions (rope_dim: head_dim, or
+    latent attention's decoupled RoPE part); YaRN scales both by its mscale ratio.
 
     Only the inverse frequencies are kept (a non-persistent buffer, rebuilt by `init_weights`),
     so no table sized by the maximum context is stored and any position id works.
@@ -117,17 +127,21 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
+        self.register_buffer("inv_freq", torch.empty(config.rope_dim // 2), persistent=False)
+        scaling = config.rope_scaling
+        self.magnitude = yarn_cos_sin_factor(scaling) if isinstance(scaling, YarnScaling) else 1.0
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         c = self.config
         device = buffer_device or self.inv_freq.device
-        self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+        self.inv_freq = rope_inv_freq(c.rope_dim, c.rope_theta, c.rope_scaling).to(device)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].float() * self.inv_freq  # [batch, seq, head_dim // 2]
+        angles = position_ids[..., None].float() * self.inv_freq  # [batch, seq, rope_dim // 2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-        return angles.cos(), angles.sin()
+        if self.magnitude == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * self.magnitude, angles.sin() * self.magnitude
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,15 +158,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------------
-
-
-def _init_linear(linear: nn.Module, std: float) -> None:
-    """normal(0, std) weight, zero bias. Duck-typed: FP8 backends may have replaced the
-    `nn.Linear` (Transformer Engine's `Linear` keeps an empty or no `bias` when bias-free)."""
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    bias = getattr(linear, "bias", None)
-    if bias is not None and bias.numel():
-        nn.init.zeros_(bias)
 
 
 class AttentionKernel(nn.Module):
@@ -219,35 +224,104 @@ class Attention(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            _init_linear(linear, std)
-        _init_linear(self.wo, out_std)
+            init_linear(linear, std)
+        init_linear(self.wo, out_std)
         if self.qk_norm:
             self.q_norm.init_weights()
             self.k_norm.init_weights()
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+# DeepSeek's reference code and transformers give the latent norms the default eps, whatever
+# the model's norm_eps.
+_LATENT_NORM_EPS = 1e-6
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Reorder the last dimension from neighbouring pairs (x0, x1), (x2, x3) ... to halves
+    (x0, x2, ...), (x1, x3, ...), so "rotate half" RoPE rotates the pairs DeepSeek rotates.
+    q and k get the same order, so their dot products are those of the interleaved layout."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3; `config.mla`, see `MLAConfig`).
+
+    Queries: `wq` (when q_lora_rank is None) or `wq_a` -> `q_a_norm` -> `wq_b`. Keys/values:
+    `wkv_a` gives the kv_lora_rank latent and one RoPE key shared by all heads; the latent goes
+    through `kv_a_norm` and `wkv_b` to each head's non-RoPE key part and value. Per head, the key is
+    [non-RoPE part, shared RoPE key]. Tensor parallelism splits heads (`wq`/`wq_b`, `wkv_b`,
+    `wo`) and replicates the down projections. The softmax scale is 1/sqrt(qk_head_dim) times
+    YaRN's mscale^2, applied to q so any attention kernel (and context parallelism's) serves."""
+
+    kind = "mla"
+
+    def __init__(self, config: ModelConfig, backend: str = "sdpa") -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        mla = config.mla
+        self.mla = mla
+        h, heads = config.hidden_size, config.num_attention_heads
+        if mla.q_lora_rank is None:
+            self.wq = nn.Linear(h, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(h, mla.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, _LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(
+            mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(heads * mla.v_head_dim, h, bias=False)
+        # A hook point: every head uses the one RoPE key, so under tensor parallelism (heads
+        # split) its gradient is summed over the ranks here.
+        self.rope_key = nn.Identity()
+        self.q_scale = yarn_softmax_factor(config.rope_scaling)
+        self.kernel = AttentionKernel(backend)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        mla = self.mla
+        batch, seq, _ = x.shape
+        q = self.wq(x) if mla.q_lora_rank is None else self.wq_b(self.q_a_norm(self.wq_a(x)))
+        q = q.view(batch, seq, -1, mla.qk_head_dim).transpose(1, 2)  # -1: this rank's heads
+        q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_a_norm(latent))
+        kv = kv.view(batch, seq, -1, mla.qk_nope_head_dim + mla.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        k_rope = self.rope_key(k_rope.unsqueeze(1))  # [batch, 1, seq, rope]: one for all heads
+        if mla.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q = torch.cat((q_nope, apply_rope(q_rope, *rope)), dim=-1)
+        k_rope = apply_rope(k_rope, *rope).expand(-1, k_nope.shape[1], -1, -1)
+        k = torch.cat((k_nope, k_rope), dim=-1)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
+        out = self.kernel(q, k, v, document_ids)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
-        _init_linear(self.w1, std)
-        _init_linear(self.w3, std)
-        _init_linear(self.w2, out_std)
+        if self.mla.q_lora_rank is None:
+            init_linear(self.wq, std)
+        else:
+            init_linear(self.wq_a, std)
+            self.q_a_norm.init_weights()
+            init_linear(self.wq_b, std)
+        init_linear(self.wkv_a, std)
+        self.kv_a_norm.init_weights()
+        init_linear(self.wkv_b, std)
+        init_linear(self.wo, out_std)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)).
 
-    The block says what it is: `attention.kind`, and `mlp_kind` ("moe": `moe`, a `MoE`;
+    The block says what it is: `attention.kind` ("gqa": `Attention`; "mla": `LatentAttention`,
+    chosen by `config.attention_kind`), and `mlp_kind` ("moe": `moe`, a `MoE`;
     "dense": `feed_forward`, a dense SwiGLU), chosen per layer by `config.mlp_kind(layer)`;
     `mlp` is whichever it has. With `options.activation_checkpointing` the block recomputes
     its activations in backward (`pipeline.core.model.recompute`)."""
@@ -260,7 +334,8 @@ class TransformerBlock(nn.Module):
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
         self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.attention = Attention(config, options.attention_backend)
+        attention_cls = LatentAttention if config.attention_kind == "mla" else Attention
+        self.attention = attention_cls(config, options.attention_backend)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         if self.mlp_kind == "dense":
             self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
@@ -400,7 +475,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             yield "norm", self.norm, self.norm.init_weights
         if self.output is not None and not c.tie_word_embeddings:
-            yield "output", self.output, functools.partial(_init_linear, self.output, std)
+            yield "output", self.output, functools.partial(init_linear, self.output, std)
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules of the layers this model (or pipeline stage) holds, by layer index."""

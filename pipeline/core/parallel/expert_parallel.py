@@ -86,8 +86,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class ExpertParallelMoE(MoE):
     """`moe` with its experts spread over an ep group: this rank keeps experts
     `[ep_rank * E/ep, (ep_rank + 1) * E/ep)` of `moe`'s (full or meta) expert weights as the
-    local shards of `Shard(0)` DTensors over `mesh`, and shares `moe`'s router and options, so
-    parameter names are those of `moe`.
+    local shards of `Shard(0)` DTensors over `mesh`, and shares `moe`'s router, shared experts,
+    expert bias and options, so parameter names are those of `moe`.
 
     Statistics after each forward, for logging:
       `tokens_per_expert`  [E] assignments per expert summed over the ep group, before dropping
@@ -110,6 +110,10 @@ class ExpertParallelMoE(MoE):
         self.local_tokens_per_expert: torch.Tensor | None = None
         self.local_num_dropped: torch.Tensor | None = None
         self.router = moe.router
+        if moe.config.num_shared_experts:  # replicated: every rank runs them on its own tokens
+            self.shared_experts = moe.shared_experts
+        if moe.config.expert_bias:
+            self.expert_bias = moe.expert_bias
         self.experts = ShardedGroupedExperts(moe.experts, mesh, *self.expert_range)
 
     @property

@@ -4,9 +4,13 @@
 q/k/v and the MLP's gate and up projections column-wise (each rank holds whole heads and a slice
 of the MLP width), their output projections row-wise, the embedding and the output layer on the
 vocabulary. Per-head q/k norms (Qwen3) act on head_dim, so their weights are replicated and
-their gradients summed over tp. Attention itself runs on local tensors: the model views q/k/v
-with -1 heads, so each rank attends over its own heads without knowing it is sharded (and CPU
-SDPA, which has no DTensor rule, still works).
+their gradients summed over tp. Latent attention (DeepSeek) splits its heads the same way
+(`wq` or `wq_b`, `wkv_b` column-wise, `wo` row-wise) and replicates its down projections, their
+norms and the shared RoPE key: the gradients reaching those from this rank's heads are summed
+over tp where they enter the head-split projections (and at `rope_key`), so the replicated
+weights get the full gradient on every rank. Attention itself runs on local tensors: the model
+views q/k/v with -1 heads, so each rank attends over its own heads without knowing it is sharded
+(and CPU SDPA, which has no DTensor rule, still works).
 
 With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
 DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
@@ -122,28 +126,13 @@ def _block_plan(
 ) -> dict[str, ParallelStyle]:
     """The plan for one `TransformerBlock`: attention and the MLP (dense or MoE)."""
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        name: _styles(block, name)[0]() for name in ("attention.wq", "attention.wk", "attention.wv")
-    }
-    plan["attention.wo"] = _styles(block, "attention.wo")[1](
-        output_layouts=stream, use_local_output=not keep_dtensor
-    )
+    if block.attention.kind == "mla":
+        plan = _latent_attention_plan(block, stream, keep_dtensor)
+    else:
+        plan = _attention_plan(block, stream, keep_dtensor)
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-    if block.attention.qk_norm:
-        # Per-head norms (Qwen3) see this rank's heads `[batch, seq, heads, head_dim]`: the
-        # weight is replicated, the input wrapped as sharded on the heads, so the weight's
-        # gradient (a partial sum over this rank's heads) is all-reduced over tp.
-        for name in ("attention.q_norm", "attention.k_norm"):
-            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    # One DTensor input shared by q, k and v (and w1, w3), so backward reduces their input
-    # gradients once; under SP this is also where the sequence is all-gathered (in fp8 when all
-    # three are tensorwise fp8 linears: the cast happens before the gather).
-    prepare = _styles(block, "attention.wq", "attention.wk", "attention.wv")[2]
-    plan["attention"] = prepare(
-        input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
-    )
     if block.is_moe:
         if sequence_parallel:
             # Replicated experts see the whole sequence; the output is re-sharded for the stream.
@@ -157,6 +146,67 @@ def _block_plan(
         output_layouts=stream, use_local_output=not keep_dtensor
     )
     return plan
+
+
+def _latent_attention_plan(
+    block: nn.Module, stream: Shard | Replicate, keep_dtensor: bool
+) -> dict[str, ParallelStyle]:
+    """Latent attention: heads split, down projections replicated (see the module docstring).
+    The attention input is gathered to a local tensor; each head-split projection turns it (or
+    the latent) into a replicated DTensor, whose backward sums the gradient over tp."""
+    attention = block.attention
+    q = "attention.wq" if attention.mla.q_lora_rank is None else "attention.wq_b"
+    return {
+        "attention": PrepareModuleInput(
+            input_layouts=(stream, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
+        ),
+        q: ColwiseParallel(),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.rope_key": _SumGradient(),
+        "attention.wo": RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor),
+    }
+
+
+def _attention_plan(
+    block: nn.Module, stream: Shard | Replicate, keep_dtensor: bool
+) -> dict[str, ParallelStyle]:
+    """Grouped-query attention: q/k/v column-wise, wo row-wise."""
+    plan: dict[str, ParallelStyle] = {
+        name: _styles(block, name)[0]() for name in ("attention.wq", "attention.wk", "attention.wv")
+    }
+    plan["attention.wo"] = _styles(block, "attention.wo")[1](
+        output_layouts=stream, use_local_output=not keep_dtensor
+    )
+    if block.attention.qk_norm:
+        # Per-head norms (Qwen3) see this rank's heads `[batch, seq, heads, head_dim]`: the
+        # weight is replicated, the input wrapped as sharded on the heads, so the weight's
+        # gradient (a partial sum over this rank's heads) is all-reduced over tp.
+        for name in ("attention.q_norm", "attention.k_norm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    # One DTensor input shared by q, k and v (and w1, w3), so backward reduces their input
+    # gradients once; under SP this is also where the sequence is all-gathered (in fp8 when all
+    # three are tensorwise fp8 linears: the cast happens before the gather).
+    prepare = _styles(block, "attention.wq", "attention.wk", "attention.wv")[2]
+    plan["attention"] = prepare(
+        input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+    )
+    return plan
+
+
+class _SumGradient(ParallelStyle):
+    """Identity in forward; in backward the module's input gradient is summed over tp
+    (Megatron's "copy to tensor-parallel region"): for a replicated tensor that each rank uses
+    only for its own heads."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_in_backward(_module: nn.Module, args: tuple) -> tuple:
+            x = DTensor.from_local(args[0], device_mesh, [Replicate()], run_check=False)
+            return (x.to_local(grad_placements=[Partial()]), *args[1:])
+
+        module.register_forward_pre_hook(sum_in_backward)
+        return module
 
 
 def _styles(block: nn.Module, *names: str) -> tuple[type, type, type]:

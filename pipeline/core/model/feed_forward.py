@@ -1,0 +1,35 @@
+"""The dense SwiGLU MLP (every dense layer, and DeepSeekMoE's shared experts) and the linear
+initialisation the model's blocks share."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def init_linear(linear: nn.Module, std: float) -> None:
+    """normal(0, std) weight, zero bias. Duck-typed: FP8 backends may have replaced the
+    `nn.Linear` (Transformer Engine's `Linear` keeps an empty or no `bias` when bias-free)."""
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    bias = getattr(linear, "bias", None)
+    if bias is not None and bias.numel():
+        nn.init.zeros_(bias)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        init_linear(self.w1, std)
+        init_linear(self.w3, std)
+        init_linear(self.w2, out_std)
