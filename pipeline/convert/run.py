@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.common.progress import byte_progress
+from pipeline.common.progress import byte_progress, increments
 from pipeline.common.quiet import quiet_dcp
 from pipeline.convert.formats import ConversionError, open_source
 
@@ -101,23 +101,9 @@ def _write(
         output,
         max_shard_bytes=shard_bytes,
         tokenizer_dir=tokenizer_dir,
-        progress=_cumulative(advance),
+        progress=increments(advance),
         overwrite=overwrite,
     )
-
-
-def _cumulative(advance: Any) -> Any:
-    """`write_hf` reports bytes done so far; the bar wants increments."""
-    if advance is None:
-        return None
-    done = 0
-
-    def report(total_done: int) -> None:
-        nonlocal done
-        advance(total_done - done)
-        done = total_done
-
-    return report
 
 
 def _verify(
