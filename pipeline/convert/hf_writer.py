@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,14 @@ from pipeline.convert.hf_config import choose_architecture, config_to_hf, genera
 from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.hf_names import pipe_to_hf_names
 
-__all__ = ["TOKENIZER_FILES", "HFPiece", "HFShard", "plan_hf_shards", "write_hf"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "HFPiece",
+    "HFShard",
+    "plan_hf_shards",
+    "recorded_tokenizer_dir",
+    "write_hf",
+]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -172,6 +180,26 @@ def _token_ids(source: TensorSource) -> tuple[int | None, int | list[int] | None
     if eos is None:
         eos = (meta.get("tokenizer") or {}).get("eod")
     return meta.get("bos_token_id"), eos
+
+
+def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
+    """The directory of the tokenizer a checkpoint recorded, if its files are still there and
+    unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
+    from pipeline.common.hashing import sha256_file
+
+    files = ((tokenizer or {}).get("fingerprint") or {}).get("files") or []
+    if not files:
+        return None
+    for record in files:
+        path = Path(record["path"])
+        if not path.is_file() or sha256_file(path) != record.get("sha256"):
+            warnings.warn(
+                f"the recorded tokenizer file {path} is missing or changed; "
+                "no tokenizer files copied (pass --tokenizer DIR)",
+                stacklevel=2,
+            )
+            return None
+    return Path(files[0]["path"]).parent
 
 
 def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:

@@ -28,7 +28,7 @@ QUANT_CONFIG_FILE = "hf_quant_config.json"
 def source_tokenizer_dir(source_path: Path, source: TensorSource) -> Path | None:
     """Where the source's tokenizer files are: beside Hugging Face weights, or the tokenizer a
     pipe checkpoint recorded (when still unchanged); None when there are none."""
-    from pipeline.convert.run import recorded_tokenizer_dir
+    from pipeline.convert.hf_writer import recorded_tokenizer_dir
 
     if any((source_path / name).is_file() for name in TOKENIZER_FILES):
         return source_path
