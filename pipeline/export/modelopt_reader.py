@@ -88,7 +88,8 @@ class ModelOptCheckpoint:
     def _check_scales(self) -> None:
         groups: dict[tuple[str, str], list[str]] = {}
         for module in self.quantized:
-            self.scale(module, "weight_scale"), self.scale(module, "input_scale")
+            for kind in ("weight_scale", "input_scale"):
+                self.scale(module, kind)
             if torch.isnan(self.tensors[f"{module}.weight"].float()).any():
                 self._fail(f"{module}.weight holds NaN")
             m = _FUSED.fullmatch(module)
