@@ -230,6 +230,25 @@ def test_reader_refuses_what_an_engine_would_misread(
         ModelOptCheckpoint(out)
 
 
+def test_a_scale_too_small_for_its_weight_is_caught(corpus_prefix, tmp_path):
+    """Halving o_proj's weight_scale keeps every file check happy (it is still a positive fp32
+    scalar) but would clip the source weight: verification names it."""
+    from pipeline.convert.hf_reader import HFSource
+    from pipeline.export.verify_hf import check_no_saturation
+
+    out = tmp_path / "fp8"
+    hf_dir = _random_hf("qwen3", tmp_path / "hf")
+    _fp8_export(hf_dir, corpus_prefix, out)
+    check_no_saturation(HFSource(hf_dir), ModelOptCheckpoint(out))
+
+    def halve(tensors: dict) -> None:
+        tensors["model.layers.1.self_attn.o_proj.weight_scale"] /= 2
+
+    _rewrite(out, halve)
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.o_proj.weight saturates"):
+        check_no_saturation(HFSource(hf_dir), ModelOptCheckpoint(out))
+
+
 def test_exclude_patterns_and_an_unlisted_router(corpus_prefix, tmp_path):
     """--fp8-exclude keeps a whole layer in bf16 (listed module by module); a checkpoint whose
     ignore list omits a router (engines crash on it) is refused."""
