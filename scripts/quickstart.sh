@@ -60,12 +60,11 @@ PY
 
 # The corpus holds about 420,000 tokens: calibration reads the first 256 x 256 (the tiny model's
 # context), and the FP8 check runs on 8 x 128 held-out tokens after those.
-echo "[quickstart] 7/7 pipe export --trtllm (bf16 tp 2 x pp 2; FP8 tp 2, calibrated)"
-rm -rf "$RUN/trtllm_bf16" "$RUN/trtllm_fp8"
-pipe export "$RUN/train/checkpoints" --trtllm --output "$RUN/trtllm_bf16" \
-    --tp 2 --pp 2 --dtype bfloat16
-pipe export "$RUN/train/checkpoints" --trtllm --output "$RUN/trtllm_fp8" \
-    --tp 2 --fp8 --fp8-kv-cache --calib-data "$RUN/data/stdlib_text_document" \
+echo "[quickstart] 7/7 pipe export --trtllm (bf16; FP8 in ModelOpt's format, calibrated)"
+rm -rf "$RUN/export_bf16" "$RUN/export_fp8"
+pipe export "$RUN/train/checkpoints" --trtllm --output "$RUN/export_bf16" --dtype bfloat16
+pipe export "$RUN/train/checkpoints" --trtllm --output "$RUN/export_fp8" \
+    --fp8 --fp8-kv-cache --calib-data "$RUN/data/stdlib_text_document" \
     --calib-size 256 --calib-seq-len 256
 
 echo "[quickstart] done, all under $RUN:"
@@ -73,5 +72,5 @@ echo "  token shards  $RUN/data/stdlib_text_document.{bin,idx}"
 echo "  run           $RUN/train (config.toml, metrics.jsonl, checkpoints/)"
 echo "  curves        $RUN/train/metrics.png"
 echo "  Hugging Face  $RUN/hf (config.json, model.safetensors, tokenizer.json)"
-echo "  TensorRT-LLM  $RUN/trtllm_bf16 (config.json, rank0-3.safetensors: bf16, tp 2 x pp 2)"
-echo "  TensorRT-LLM  $RUN/trtllm_fp8 (config.json, rank0-1.safetensors: FP8, tp 2)"
+echo "  export        $RUN/export_bf16 (Hugging Face, bf16: trtllm-serve / vllm serve DIR)"
+echo "  export        $RUN/export_fp8 (Hugging Face, ModelOpt FP8 + hf_quant_config.json)"

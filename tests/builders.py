@@ -475,3 +475,52 @@ def _probe_gradients(trainer) -> float:
 def _metric_lines(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# ---- FP8 export: a tokenized corpus and briefly trained models ------------------------------
+
+FP8_VOCAB = 512
+
+
+def tokenized_corpus(texts: list[str], directory: Path) -> Path:
+    """`texts` tokenized with a 512-token BPE trained on them, as a .bin/.idx prefix."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from pipeline.data.indexed import IndexedDatasetWriter
+    from pipeline.examples.stdlib_corpus import train_tokenizer
+
+    tokenizer = Tokenizer.from_file(
+        str(train_tokenizer(texts, directory / "tok", FP8_VOCAB) / "tokenizer.json")
+    )
+    prefix = directory / "corpus_text_document"
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for encoding in tokenizer.encode_batch(texts):
+            writer.add_document(np.array(encoding.ids, dtype=np.uint16), [len(encoding.ids)])
+        writer.finalize()
+    return prefix
+
+
+def train_briefly(config, tokens, steps: int = 150):
+    """Our model trained `steps` AdamW steps on 64-token windows of `tokens`: an untrained
+    model's near-flat logits let any rounding flip the top-1 token."""
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.core.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(tokens) - 65, (16,), generator=generator)
+        batch = torch.stack([tokens[s : s + 65] for s in starts.tolist()])
+        logits = model.logits(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        aux = model.moe_aux_loss()
+        (loss if aux is None else loss + aux).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()

@@ -33,3 +33,18 @@ def byte_progress(total: int, quiet: bool, desc: str) -> Iterator[Callable[[int]
     finally:
         if bar is not None:
             bar.close()
+
+
+def increments(advance: Callable[[int], object] | None) -> Callable[[int], None] | None:
+    """For a writer that reports bytes done so far (`write_hf`): a callback feeding the
+    increments to `advance` (a bar's); None when there is no bar."""
+    if advance is None:
+        return None
+    done = 0
+
+    def report(total_done: int) -> None:
+        nonlocal done
+        advance(total_done - done)
+        done = total_done
+
+    return report

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,7 +34,14 @@ from pipeline.convert.hf_config import choose_architecture, config_to_hf, genera
 from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.hf_names import pipe_to_hf_names
 
-__all__ = ["TOKENIZER_FILES", "HFShard", "plan_hf_shards", "write_hf"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "HFPiece",
+    "HFShard",
+    "plan_hf_shards",
+    "recorded_tokenizer_dir",
+    "write_hf",
+]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,14 +53,21 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers 4.x's "5GB"
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """One on-disk tensor: `source_name` (or expert `index` of that stacked tensor)."""
+class HFPiece:
+    """One on-disk tensor: `source_name` (or expert `index` of that stacked tensor) cast to
+    `dtype`, or `make` of it when set (a quantizer's; with no `source_name`, `make(None)`)."""
 
     hf_name: str
-    source_name: str
+    source_name: str | None
     index: int | None
     shape: tuple[int, ...]
     dtype: torch.dtype
+    make: Callable[[torch.Tensor | None], torch.Tensor] | None = None
+
+    def build(self, tensor: torch.Tensor | None) -> torch.Tensor:
+        """This piece's on-disk tensor from its group's source tensor."""
+        part = tensor if self.index is None or tensor is None else tensor[self.index]
+        return self.make(part) if self.make is not None else part.to(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -62,14 +78,14 @@ class _Piece:
 class HFShard:
     """One safetensors file: its pieces grouped by source tensor, in writing order."""
 
-    groups: list[list[_Piece]]
+    groups: list[list[HFPiece]]
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for g in self.groups for p in g)
 
     @property
-    def pieces(self) -> list[_Piece]:
+    def pieces(self) -> list[HFPiece]:
         return [p for g in self.groups for p in g]
 
 
@@ -77,7 +93,7 @@ def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
 
 
-def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[_Piece]]:
+def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiece]]:
     """The on-disk pieces of each source tensor (expert stacks give one piece per expert)."""
     cfg = source.model_config
     infos = source.tensors()
@@ -96,12 +112,16 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[_Piece
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
         hf_names = pipe_to_hf_names(name, num_experts, architecture)
         if len(hf_names) == 1:
-            groups.append([_Piece(hf_names[0], name, None, info.shape, out)])
+            groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
         elif info.shape[0] != len(hf_names):
             raise ValueError(f"{name}: shape {info.shape} does not hold {len(hf_names)} experts")
         else:
-            groups.append([_Piece(n, name, e, info.shape[1:], out) for e, n in enumerate(hf_names)])
+            experts = enumerate(hf_names)
+            groups.append([HFPiece(n, name, e, info.shape[1:], out) for e, n in experts])
     return groups
+
+
+GroupRewrite = Callable[[list[list[HFPiece]]], list[list[HFPiece]]]
 
 
 def plan_hf_shards(
@@ -109,14 +129,17 @@ def plan_hf_shards(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    rewrite: GroupRewrite | None = None,
 ) -> list[HFShard]:
     """Split the source's tensors into shards of at most `max_shard_bytes` (a single tensor
     larger than that gets a shard of its own, as transformers does). The pieces of one source
-    tensor (an expert stack) stay in one shard so each source tensor is read exactly once."""
+    tensor (an expert stack) stay in one shard so each source tensor is read exactly once.
+    `rewrite` (a quantizer) may replace pieces and add groups before the split."""
     shards: list[HFShard] = []
-    current: list[list[_Piece]] = []
+    current: list[list[HFPiece]] = []
     size = 0
-    for group in _groups(source, dtype):
+    groups = _groups(source, dtype)
+    for group in rewrite(groups) if rewrite is not None else groups:
         group_bytes = sum(p.nbytes for p in group)
         if current and size + group_bytes > max_shard_bytes:
             shards.append(HFShard(current))
@@ -139,13 +162,13 @@ def _write_shard(
         write_safetensors_header(f, entries)
         for group in shard.groups:
             first = group[0]
-            tensor = source.read(first.source_name).to(first.dtype)
+            tensor = None if first.source_name is None else source.read(first.source_name)
             for piece in group:
-                part = tensor if piece.index is None else tensor[piece.index]
-                if tuple(part.shape) != piece.shape:
+                part = piece.build(tensor)
+                if (tuple(part.shape), part.dtype) != (piece.shape, piece.dtype):
                     raise ValueError(
-                        f"{piece.source_name}: read shape {tuple(part.shape)}, "
-                        f"source.tensors() said {piece.shape}"
+                        f"{piece.hf_name}: built {tuple(part.shape)} {part.dtype}, "
+                        f"planned {piece.shape} {piece.dtype}"
                     )
                 f.write(tensor_bytes(part))
                 step(piece.nbytes)
@@ -159,6 +182,26 @@ def _token_ids(source: TensorSource) -> tuple[int | None, int | list[int] | None
     if eos is None:
         eos = (meta.get("tokenizer") or {}).get("eod")
     return meta.get("bos_token_id"), eos
+
+
+def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
+    """The directory of the tokenizer a checkpoint recorded, if its files are still there and
+    unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
+    from pipeline.common.hashing import sha256_file
+
+    files = ((tokenizer or {}).get("fingerprint") or {}).get("files") or []
+    if not files:
+        return None
+    for record in files:
+        path = Path(record["path"])
+        if not path.is_file() or sha256_file(path) != record.get("sha256"):
+            warnings.warn(
+                f"the recorded tokenizer file {path} is missing or changed; "
+                "no tokenizer files copied (pass --tokenizer DIR)",
+                stacklevel=2,
+            )
+            return None
+    return Path(files[0]["path"]).parent
 
 
 def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
@@ -183,6 +226,9 @@ def write_hf(
     tokenizer_dir: str | os.PathLike | None = None,
     progress: Callable[[int], None] | None = None,
     overwrite: bool = False,
+    rewrite: GroupRewrite | None = None,
+    config_extra: dict[str, Any] | None = None,
+    extra_json: dict[str, Any] | None = None,
 ) -> Path:
     """Write `source` as a Hugging Face model directory loadable by `from_pretrained`.
 
@@ -190,8 +236,10 @@ def write_hf(
     called after each tensor with the cumulative bytes of tensor data written; the total is
     `sum(s.nbytes for s in plan_hf_shards(...))`. Tokenizer files found in `tokenizer_dir` are
     copied. An existing non-empty `output_dir` is refused unless `overwrite`. Returns the path.
+    A quantizing export passes `rewrite` (see `plan_hf_shards`), keys to add to config.json
+    (`config_extra`) and more JSON files (`extra_json`, file name -> object).
     """
-    shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes, rewrite=rewrite)
     done = 0
 
     def step(nbytes: int) -> None:
@@ -228,8 +276,10 @@ def write_hf(
             bos_token_id=bos,
             eos_token_id=eos,
         )
-        write_json(tmp / "config.json", config)
+        write_json(tmp / "config.json", config | (config_extra or {}))
         write_json(tmp / "generation_config.json", generation_config(bos, eos))
+        for name, obj in (extra_json or {}).items():
+            write_json(tmp / name, obj)
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
     return Path(output_dir)

@@ -7,18 +7,17 @@ scripts may call it directly. See commands.py for what each format means.
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.common.progress import byte_progress
+from pipeline.common.progress import byte_progress, increments
 from pipeline.common.quiet import quiet_dcp
 from pipeline.convert.formats import ConversionError, open_source
 
 if TYPE_CHECKING:
     from pipeline.convert.source import TensorSource
 
-__all__ = ["ConversionError", "recorded_tokenizer_dir", "run_conversion"]
+__all__ = ["ConversionError", "run_conversion"]
 
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -93,7 +92,7 @@ def _write(
         from pipeline.convert.pipe_checkpoint import TargetLayout, write_pipe_checkpoint
 
         return write_pipe_checkpoint(source, output, layout=TargetLayout(*layout), progress=advance)
-    from pipeline.convert.hf_writer import write_hf
+    from pipeline.convert.hf_writer import recorded_tokenizer_dir, write_hf
 
     tokenizer_dir = tokenizer_dir or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
     return write_hf(
@@ -101,23 +100,9 @@ def _write(
         output,
         max_shard_bytes=shard_bytes,
         tokenizer_dir=tokenizer_dir,
-        progress=_cumulative(advance),
+        progress=increments(advance),
         overwrite=overwrite,
     )
-
-
-def _cumulative(advance: Any) -> Any:
-    """`write_hf` reports bytes done so far; the bar wants increments."""
-    if advance is None:
-        return None
-    done = 0
-
-    def report(total_done: int) -> None:
-        nonlocal done
-        advance(total_done - done)
-        done = total_done
-
-    return report
 
 
 def _verify(
@@ -165,23 +150,3 @@ def _transformers_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformers") is not None
-
-
-def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
-    """The directory of the tokenizer a checkpoint recorded, if its files are still there and
-    unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
-    from pipeline.common.hashing import sha256_file
-
-    files = ((tokenizer or {}).get("fingerprint") or {}).get("files") or []
-    if not files:
-        return None
-    for record in files:
-        path = Path(record["path"])
-        if not path.is_file() or sha256_file(path) != record.get("sha256"):
-            warnings.warn(
-                f"the recorded tokenizer file {path} is missing or changed; "
-                "no tokenizer files copied (pass --tokenizer DIR)",
-                stacklevel=2,
-            )
-            return None
-    return Path(files[0]["path"]).parent

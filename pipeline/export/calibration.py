@@ -7,7 +7,7 @@ input of every linear TensorRT-LLM quantizes, keyed by its TRT-LLM module name:
     dense  input of attention.dense (the attention output)
     fc     input of mlp.fc and mlp.gate (the same normed hidden states)
     proj   input of mlp.proj (silu(fc) * gate; for MoE over every expert's tokens)
-    kv     the key and value cache entries (keys after RoPE)
+    kv     the key and value cache entries (keys after their norm, if any, and RoPE)
 
 and `lm_head`, the input of the output projection (the final norm's output).
 
@@ -103,7 +103,8 @@ def _register(model: nn.Module, recorder: _AmaxRecorder) -> Iterator:
         attention = layer.attention
         yield attention.wq.register_forward_pre_hook(recorder.input_hook(f"{i}.qkv"))
         yield attention.wo.register_forward_pre_hook(recorder.input_hook(f"{i}.dense"))
-        yield attention.wk.register_forward_hook(recorder.rope_key_hook(f"{i}.kv", head_dim))
+        key_source = attention.k_norm if attention.qk_norm else attention.wk  # Qwen3: normed keys
+        yield key_source.register_forward_hook(recorder.rope_key_hook(f"{i}.kv", head_dim))
         yield attention.wv.register_forward_hook(recorder.output_hook(f"{i}.kv"))
         if layer.is_moe:
             yield layer.moe.register_forward_pre_hook(recorder.input_hook(f"{i}.fc"))

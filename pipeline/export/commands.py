@@ -1,13 +1,14 @@
-"""`pipe export`: write a checkpoint (ours, Hugging Face or Megatron) as a TensorRT-LLM
-checkpoint that `trtllm-build --checkpoint_dir DIR` consumes.
+"""`pipe export`: write a checkpoint (ours, Hugging Face or Megatron) for a serving engine.
 
-    pipe export CKPT --trtllm --output trt_ckpt --tp 2 --pp 1 --dtype bfloat16
-    pipe export HF_DIR --trtllm --output trt_fp8 --fp8 --calib-data data/corpus_text_document
+    pipe export CKPT --trtllm --output out/model [--dtype bfloat16]     # trtllm-serve out/model
+    pipe export HF_DIR --vllm --output out/fp8 --fp8 --calib-data data/corpus_text_document
+    pipe export CKPT --trtllm --trtllm-format legacy --output trt_ckpt --tp 2   # TRT-LLM <= 1.3
 
-The output is `config.json` plus `rank{r}.safetensors` per rank (rank = pp_rank * tp + tp_rank),
-written under a temporary name and renamed when complete. `--verify` then runs a plain-torch
-reference forward over the written files and compares its logits with the source model's.
-click is the only import at module level, so `pipe export --help` stays instant.
+`--trtllm`, `--vllm` and `--sglang` write the same Hugging Face checkpoint (FP8: ModelOpt's
+format), which each engine loads directly; `--trtllm-format legacy` writes the rank files of
+TensorRT-LLM's removed TensorRT backend (`trtllm-build --checkpoint_dir DIR`). Outputs are
+written under a temporary name and renamed when complete, then verified (`--verify`). click is
+the only import at module level, so `pipe export --help` stays instant.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 @click.command()
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
-@click.option("--trtllm", is_flag=True, help="Write a TensorRT-LLM checkpoint (the one format).")
+@click.option("--trtllm", is_flag=True, help="For TensorRT-LLM (a Hugging Face checkpoint).")
+@click.option("--vllm", is_flag=True, help="For vLLM (the same Hugging Face checkpoint).")
+@click.option("--sglang", is_flag=True, help="For SGLang (the same Hugging Face checkpoint).")
+@click.option(
+    "--trtllm-format",
+    type=click.Choice(("hf", "legacy")),
+    default="hf",
+    show_default=True,
+    help="legacy: rank{r}.safetensors for trtllm-build (TensorRT-LLM up to 1.3; frozen).",
+)
 @click.option("--output", "-o", required=True, type=click.Path(path_type=Path))
 @click.option(
     "--from",
@@ -32,14 +42,14 @@ DTYPES = ("bfloat16", "float16", "float32")
     show_default=True,
     help="What SOURCE is (auto: a config.json means Hugging Face).",
 )
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="legacy")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="legacy")
 @click.option(
     "--moe-ep",
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="MoE: spread experts over this many of the tp ranks (the rest split each expert).",
+    help="legacy, MoE: spread experts over this many of the tp ranks (the rest split each).",
 )
 @click.option(
     "--dtype",
@@ -50,7 +60,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 @click.option(
     "--use-parallel-embedding",
     is_flag=True,
-    help="Split the embedding table over tp ranks too.",
+    help="legacy: split the embedding table over tp ranks too.",
 )
 @click.option(
     "--embedding-sharding-dim",
@@ -64,12 +74,13 @@ DTYPES = ("bfloat16", "float16", "float32")
 @click.option(
     "--fp8-exclude",
     multiple=True,
-    help="Module patterns kept unquantized, e.g. 'transformer.layers.0.*' (repeatable).",
+    help="Module patterns kept unquantized, e.g. 'model.layers.0.*' (legacy: "
+    "'transformer.layers.0.*'; repeatable).",
 )
 @click.option(
     "--fp8-lm-head",
     is_flag=True,
-    help="Quantize lm_head too (by default it stays in --dtype, as TRT-LLM recommends).",
+    help="Quantize lm_head too (by default it stays in --dtype, as the engines recommend).",
 )
 @click.option(
     "--calib-data",
@@ -85,7 +96,7 @@ DTYPES = ("bfloat16", "float16", "float32")
     type=click.Choice(("auto", "on", "off")),
     default="auto",
     show_default=True,
-    help="Reference forward on the export vs the source (auto: when the model fits in memory).",
+    help="Read the export back and compare its logits with the source (auto: when it fits).",
 )
 @click.option("--allow-pickle", is_flag=True, help="hf input: accept pickled .bin weights.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
@@ -94,11 +105,10 @@ DTYPES = ("bfloat16", "float16", "float32")
     "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
     help="pipe input: skip checking each file against its recorded SHA-256 while reading.",
 )  # fmt: skip
-def export(source: Path, output: Path, trtllm: bool, **options: Any) -> None:
+def export(source: Path, output: Path, **options: Any) -> None:
     """Export SOURCE (a pipe checkpoint, a Hugging Face directory or a Megatron torch_dist
-    checkpoint) as a TensorRT-LLM checkpoint."""
-    if not trtllm:
-        raise click.UsageError("say which format to write: --trtllm (the one supported)")
+    checkpoint) for TensorRT-LLM, vLLM or SGLang."""
+    target = _target(options)
     if output.exists() and any(output.iterdir()) and not options["overwrite"]:
         raise click.UsageError(f"{output} exists and is not empty; pass --overwrite to replace it")
     if options["fp8_kv_cache"] and not options["fp8"]:
@@ -128,7 +138,7 @@ def export(source: Path, output: Path, trtllm: bool, **options: Any) -> None:
     try:
         summary = run_export(
             source, output, export_options,
-            from_format=options["from_format"], calibration=calibration,
+            target=target, from_format=options["from_format"], calibration=calibration,
             iteration=options["iteration"], allow_pickle=options["allow_pickle"],
             verify=options["verify"], overwrite=options["overwrite"], quiet=options["quiet"],
             verify_checksums=options["verify_checksums"],
@@ -136,6 +146,38 @@ def export(source: Path, output: Path, trtllm: bool, **options: Any) -> None:
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     click.echo(summary)
+
+
+_LEGACY_ONLY = {  # option -> its value when not given
+    "tp": 1,
+    "pp": 1,
+    "moe_ep": 1,
+    "use_parallel_embedding": False,
+    "embedding_sharding_dim": "0",
+}
+
+
+def _target(options: dict[str, Any]) -> str:
+    """ "hf" or "legacy" from the engine flags; a UsageError for a conflicting combination."""
+    engines = [f"--{name}" for name in ("trtllm", "vllm", "sglang") if options[name]]
+    if len(engines) != 1:
+        found = f" (got {' and '.join(engines)})" if engines else ""
+        raise click.UsageError(f"say which engine to export for: one of --trtllm, --vllm, "
+                               f"--sglang{found}")  # fmt: skip
+    if options["trtllm_format"] == "legacy":
+        if not options["trtllm"]:
+            raise click.UsageError(
+                f"--trtllm-format legacy is a TensorRT-LLM format, not {engines[0]}"
+            )
+        return "legacy"
+    for name, default in _LEGACY_ONLY.items():
+        if options[name] != default:
+            flag = "--" + name.replace("_", "-")
+            raise click.UsageError(
+                f"{flag} applies to --trtllm-format legacy only: engines shard a Hugging Face "
+                "checkpoint when they load it"
+            )
+    return "hf"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
-"""One TensorRT-LLM export from start to finish: open, calibrate (FP8), write, verify.
+"""One export from start to finish: open, calibrate (FP8), write, verify.
 
 `pipe export` (commands.py) parses the command line and calls `run_export`; tests and scripts
-may call it directly.
+may call it directly. `target` "hf" writes the Hugging Face checkpoint current engines load
+(`hf_export.py`; FP8 in ModelOpt's format), "legacy" the TensorRT-LLM rank files of releases up
+to 1.3 (`trtllm_writer.py`, features frozen).
 
-Verification runs the reference forward (`reference.py`) on the written directory and our own
+Hugging Face exports are verified against our model on the source: bf16/fp16/fp32 by
+transformers loading the directory (logits equal to the source rounded to the export dtype,
+within `LOGIT_TOLERANCE`); FP8 by `ModelOptCheckpoint` reading the files back (format checks),
+every weight scale covering its source weight (nothing saturates), and the dequantized model's
+logits reaching `MIN_FP8_TOP1` top-1 agreement on held-out real text.
+
+Legacy exports run the reference forward (`reference.py`) on the written directory and our own
 model on the source, on the same tokens:
 
 - bf16/fp16/fp32 exports are compared with our model on the source weights rounded to the
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.common.progress import byte_progress
+from pipeline.common.progress import byte_progress, increments
 from pipeline.common.quiet import quiet_dcp
 from pipeline.convert.formats import ConversionError, detect_format, open_source
 
@@ -33,7 +41,14 @@ if TYPE_CHECKING:
     from pipeline.convert.source import TensorSource
     from pipeline.export.trtllm_config import ExportOptions
 
-__all__ = ["CalibrationSettings", "ExportError", "run_export", "verify_export"]
+__all__ = [
+    "CalibrationSettings",
+    "ExportError",
+    "fp8_figures",
+    "run_export",
+    "verification_tokens",
+    "verify_export",
+]
 
 MIN_FP8_TOP1 = 0.95
 VERIFY_TOKENS = 128  # per sequence, when real text is used
@@ -74,7 +89,7 @@ def _calibration_tokens(settings: CalibrationSettings, vocab_size: int) -> torch
     return tokens
 
 
-def _verification_tokens(
+def verification_tokens(
     text: Path | None, skip_tokens: int, vocab_size: int
 ) -> tuple[torch.Tensor, str, bool]:
     """Real text from `text` after its first `skip_tokens` (those calibration saw) when there
@@ -116,9 +131,7 @@ def verify_export(
     from pipeline.export.reference import ReferenceModel
     from pipeline.export.trtllm_writer import ROUTER_SUFFIX
 
-    tokens, what, real_text = _verification_tokens(
-        text, skip_tokens, source.model_config.vocab_size
-    )
+    tokens, what, real_text = verification_tokens(text, skip_tokens, source.model_config.vocab_size)
     if not options.fp8:  # as stored: rounded to the export dtype, the router kept in fp32
         dtype = getattr(torch, options.dtype)
         source_model = our_model(CastSource(source, dtype, keep=(ROUTER_SUFFIX,)))
@@ -127,18 +140,38 @@ def verify_export(
     with torch.no_grad():
         expected = source_model.logits(tokens)
     actual = ReferenceModel(directory).logits(tokens)
-    diff = float((actual - expected).abs().max())
-    scale = max(1.0, float(expected.abs().max()))
-    top1 = float((actual.argmax(-1) == expected.argmax(-1)).float().mean())
-    figures = f"max |logit difference| {diff:.3g}, top-1 agreement {top1:.1%} on {what}"
     if not options.fp8:
-        if diff > LOGIT_TOLERANCE * scale:
+        figures = logit_figures(actual, expected, what)
+        diff = float((actual - expected).abs().max())
+        if diff > LOGIT_TOLERANCE * max(1.0, float(expected.abs().max())):
             raise ExportError(f"the export does not reproduce the source: {figures}")
         return f"reference forward matches the source: {figures}"
-    if real_text and top1 < MIN_FP8_TOP1:
+    figures = fp8_figures(actual, expected, what, real_text)
+    return f"FP8 reference forward vs the unquantized source: {figures}"
+
+
+def _top1(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.argmax(-1) == expected.argmax(-1)).float().mean())
+
+
+def logit_figures(actual: torch.Tensor, expected: torch.Tensor, what: str) -> str:
+    """The largest logit difference and the top-1 agreement, in words."""
+    diff = float((actual - expected).abs().max())
+    top1 = _top1(actual, expected)
+    return f"max |logit difference| {diff:.3g}, top-1 agreement {top1:.1%} on {what}"
+
+
+def fp8_figures(actual: torch.Tensor, expected: torch.Tensor, what: str, real_text: bool) -> str:
+    """`logit_figures`, and an `ExportError` below `MIN_FP8_TOP1` on real text (on random
+    tokens, a note saying the bar was not applied)."""
+    figures = logit_figures(actual, expected, what)
+    if real_text and _top1(actual, expected) < MIN_FP8_TOP1:
         raise ExportError(f"FP8 export below {MIN_FP8_TOP1:.0%} top-1 agreement: {figures}")
     note = "" if real_text else " (random tokens: pass --calib-data to check on real text)"
-    return f"FP8 reference forward vs the unquantized source: {figures}{note}"
+    return figures + note
+
+
+TARGETS = ("hf", "legacy")
 
 
 def run_export(
@@ -146,6 +179,7 @@ def run_export(
     output: Path,
     options: ExportOptions,
     *,
+    target: str = "hf",
     from_format: str = "auto",
     calibration: CalibrationSettings | None = None,
     iteration: int | None = None,
@@ -157,14 +191,18 @@ def run_export(
 ) -> str:
     """Export and verify; returns a one-paragraph summary. Raises `ExportError`.
 
-    `options.dtype` None means the source's (`dtype_choice.default_dtype`); `verify` is auto
-    (when the model fits in memory), on or off.
+    `target` is "hf" or "legacy" (see the module docstring); `options.dtype` None means the
+    source's (`dtype_choice.default_dtype`); `verify` is auto (when the model fits in memory),
+    on or off.
     """
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.convert.verify import VerifyError, our_model
     from pipeline.export.calibration import calibrate
-    from pipeline.export.trtllm_writer import write_trtllm
 
+    if target not in TARGETS:
+        raise ExportError(f"unknown export target {target!r}: use one of {', '.join(TARGETS)}")
+    if target == "hf" and options.mapping.world_size != 1:
+        raise ExportError("a Hugging Face export is not split: engines shard it when loading")
     try:
         with quiet_dcp():
             fmt = detect_format(source_path) if from_format == "auto" else from_format
@@ -183,18 +221,42 @@ def run_export(
             total = sum(info.nbytes for info in source.tensors().values())
             start = time.perf_counter()
             with byte_progress(total, quiet, "export") as advance:
-                write_trtllm(
-                    source, output, options, amax=amax, progress=advance, overwrite=overwrite
-                )
+                what = _write(source, source_path, output, options, target, amax, advance,
+                              overwrite)  # fmt: skip
             seconds = time.perf_counter() - start
-            verdict = _verify(source, output, options, verify, calibration.data, calibrated, model)
+            verdict = _verify(
+                source, output, options, verify, calibration.data, calibrated, model, target
+            )
     except (CheckpointError, VerifyError, ValueError, OSError) as e:
         raise ExportError(str(e)) from e
-    m = options.mapping
-    return (
-        f"wrote {output} (TensorRT-LLM, {dtype_note}{', FP8' if options.fp8 else ''}, "
-        f"tp {m.tp} x pp {m.pp} = {m.world_size} rank files, in {seconds:.1f} s); {verdict}"
-    )
+    fp8 = ", FP8" if options.fp8 else ""
+    return f"wrote {output} ({what}, {dtype_note}{fp8}, in {seconds:.1f} s); {verdict}"
+
+
+def _write(
+    source: TensorSource,
+    source_path: Path,
+    output: Path,
+    options: ExportOptions,
+    target: str,
+    amax: dict[str, float] | None,
+    advance,
+    overwrite: bool,
+) -> str:
+    """Write the export; returns what was written, in a few words."""
+    if target == "legacy":
+        from pipeline.export.trtllm_writer import write_trtllm
+
+        write_trtllm(source, output, options, amax=amax, progress=advance, overwrite=overwrite)
+        m = options.mapping
+        return f"TensorRT-LLM legacy, tp {m.tp} x pp {m.pp} = {m.world_size} rank files"
+    from pipeline.export.hf_export import source_tokenizer_dir, write_hf_export
+
+    tokenizer = source_tokenizer_dir(source_path, source)
+    write_hf_export(source, output, options, amax=amax, tokenizer_dir=tokenizer,
+                    progress=increments(advance), overwrite=overwrite)  # fmt: skip
+    kind = "ModelOpt FP8 Hugging Face checkpoint" if options.fp8 else "Hugging Face checkpoint"
+    return kind + ("" if tokenizer else ", no tokenizer files found to copy")
 
 
 def _resolved(options: ExportOptions, source: TensorSource) -> tuple[ExportOptions, str]:
@@ -222,6 +284,7 @@ def _verify(
     text: Path | None,
     skip_tokens: int,
     source_model: torch.nn.Module | None,
+    target: str = "legacy",
 ) -> str:
     from pipeline.convert.verify import fits_in_memory
 
@@ -231,6 +294,12 @@ def _verify(
         if mode == "on":
             raise ExportError("the model does not fit in memory for the reference forward")
         return "not verified (too large for the reference forward in memory)"
+    if target == "hf":
+        from pipeline.export.verify_hf import verify_hf_export
+
+        return verify_hf_export(
+            source, output, options, text=text, skip_tokens=skip_tokens, source_model=source_model
+        )
     return verify_export(
         source, output, options, text=text, skip_tokens=skip_tokens, source_model=source_model
     )

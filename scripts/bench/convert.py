@@ -8,7 +8,8 @@ bf16: about 16 GB) with the streaming writer, then in the same run:
 2. runs `pipe convert CKPT --to hf --verify off` in a child process and reads its peak RSS,
    once as users run it (every file checked against its recorded SHA-256 while it is read)
    and once with `--no-verify-checksums`, to show what the verification costs;
-3. with `--export`, also `pipe export CKPT --trtllm --tp 2 --verify off` the same way.
+3. with `--export`, also `pipe export CKPT --trtllm --verify off` (and with `--trtllm-format
+   legacy --tp 2`) the same way.
 
 It prints seconds, GB/s and peak RSS, and the ratios the issue sets as targets: conversion
 throughput within 2x of the copy (copy seconds / convert seconds >= 0.5) with checksums
@@ -143,11 +144,14 @@ def main() -> None:
         overhead = timings["checksums verified"] / timings["--no-verify-checksums"]
         print(f"verification on read costs x{overhead:.2f} the unverified conversion time")
         if args.export:
-            export = ["export", str(checkpoint), "--trtllm", "-o", str(workdir / "trt")]
-            seconds, peak_gb = run_child(
-                "pipe export", export + ["--tp", "2", "--verify", "off", "-q"]
+            export = ["export", str(checkpoint), "--trtllm", "--verify", "off", "-q"]
+            seconds, peak_gb = run_child("pipe export", export + ["-o", str(workdir / "hf_export")])
+            report("pipe export --trtllm", seconds, peak_gb, size, copy_s)
+            legacy = ["--trtllm-format", "legacy", "--tp", "2", "-o", str(workdir / "trt")]
+            seconds, peak_gb = run_child("pipe export", export + legacy)
+            report(
+                "pipe export --trtllm --trtllm-format legacy --tp 2", seconds, peak_gb, size, copy_s
             )
-            report("pipe export --trtllm --tp 2", seconds, peak_gb, size, copy_s)
     finally:
         if args.keep:
             print(f"kept {workdir}")

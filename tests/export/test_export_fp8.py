@@ -1,35 +1,33 @@
-"""FP8 export on real text: a tiny dense and a tiny MoE model are trained briefly on the shared
-corpus (Python docs), saved as Hugging Face, exported with `--fp8 --fp8-kv-cache` (calibrated
-on a prefix of the tokenized corpus) at tp2, and the reference forward over the FP8 rank files
-is compared with transformers on held-out text: the top-1 next token must agree on at least 95%
-of positions, and the logits stay within the stated FP8 tolerance. A trained model is needed:
-an untrained one has near-flat logits whose top-1 any rounding flips."""
+"""Legacy TensorRT-LLM FP8 export on real text: a tiny dense and a tiny MoE model are trained
+briefly on the shared corpus (Python docs), saved as Hugging Face, exported with `--fp8
+--fp8-kv-cache` (calibrated on a prefix of the tokenized corpus) at tp2, and the reference
+forward over the FP8 rank files is compared with transformers on held-out text: the top-1 next
+token must agree on at least 95% of positions, and the logits stay within the stated FP8
+tolerance. A trained model is needed: an untrained one has near-flat logits whose top-1 any
+rounding flips."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pipeline.convert.hf_writer import write_hf
 from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import ModelConfig, MoEConfig
-from pipeline.core.model.transformer import Transformer
-from pipeline.data.indexed import IndexedDatasetWriter
 from pipeline.export.calibration import calibration_sequences
 from pipeline.export.fp8 import FP8_MAX, dequantize, quantize
 from pipeline.export.reference import ReferenceModel, read_rank_files
 from pipeline.export.run import CalibrationSettings, run_export
 from pipeline.export.trtllm_config import ExportOptions
 from pipeline.export.trtllm_layout import TrtllmMapping
+from tests.builders import FP8_VOCAB as VOCAB
+from tests.builders import tokenized_corpus, train_briefly
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
 
-VOCAB = 512
 CALIB_SEQUENCES, CALIB_LEN = 64, 64
 # Largest |logit difference| against the unquantized model, relative to max |logit|: FP8
 # e4m3 keeps 3 mantissa bits (relative rounding up to 1/16) on weights, activations and KV.
@@ -39,39 +37,7 @@ MIN_TOP1 = 0.95
 
 @pytest.fixture(scope="module")
 def corpus_prefix(corpus_texts, tmp_path_factory) -> Path:
-    """The shared corpus tokenized with a 512-token BPE trained on it, as a .bin/.idx."""
-    from tokenizers import Tokenizer
-
-    from pipeline.examples.stdlib_corpus import train_tokenizer
-
-    directory = tmp_path_factory.mktemp("fp8_corpus")
-    tokenizer = Tokenizer.from_file(
-        str(train_tokenizer(corpus_texts, directory / "tok", VOCAB) / "tokenizer.json")
-    )
-    prefix = directory / "corpus_text_document"
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for encoding in tokenizer.encode_batch(corpus_texts):
-            writer.add_document(np.array(encoding.ids, dtype=np.uint16), [len(encoding.ids)])
-        writer.finalize()
-    return prefix
-
-
-def _train(config: ModelConfig, tokens: torch.Tensor, steps: int = 150) -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        starts = torch.randint(0, len(tokens) - 65, (16,), generator=generator)
-        batch = torch.stack([tokens[s : s + 65] for s in starts.tolist()])
-        logits = model.logits(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        aux = model.moe_aux_loss()
-        (loss if aux is None else loss + aux).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.eval()
+    return tokenized_corpus(corpus_texts, tmp_path_factory.mktemp("fp8_corpus"))
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -82,7 +48,7 @@ def trained_hf(request, corpus_prefix, tmp_path_factory) -> Path:
         ffn_hidden_size=128, max_position_embeddings=256, rope_theta=10000.0, moe=moe,
     )  # fmt: skip
     tokens = calibration_sequences(corpus_prefix, 10**9, 1).flatten()  # the whole corpus
-    model = _train(config, tokens)
+    model = train_briefly(config, tokens)
     state = {n: t.detach() for n, t in model.state_dict().items()}
     directory = tmp_path_factory.mktemp(f"fp8_{request.param}") / "hf"
     return write_hf(InMemorySource(config, state), directory)
@@ -94,7 +60,9 @@ def test_fp8_export_agrees_with_transformers_on_real_text(trained_hf, corpus_pre
         dtype="bfloat16", mapping=TrtllmMapping(tp=2), fp8=True, fp8_kv_cache=True
     )
     calibration = CalibrationSettings(corpus_prefix, CALIB_SEQUENCES, CALIB_LEN)
-    summary = run_export(trained_hf, out, options, calibration=calibration, quiet=True)
+    summary = run_export(
+        trained_hf, out, options, calibration=calibration, quiet=True, target="legacy"
+    )
     assert "held-out tokens" in summary, summary
 
     held_out = calibration_sequences(
@@ -119,7 +87,10 @@ def test_fp8_files_are_quantized_as_documented(trained_hf, corpus_prefix, tmp_pa
     out = tmp_path / "trt_fp8"
     options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
     calibration = CalibrationSettings(corpus_prefix, 8, CALIB_LEN)
-    run_export(trained_hf, out, options, calibration=calibration, verify="off", quiet=True)
+    run_export(
+        trained_hf, out, options, calibration=calibration, verify="off", quiet=True,
+        target="legacy",
+    )  # fmt: skip
     (rank,) = read_rank_files(out, 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(trained_hf).state_dict()
     p, t = "model.layers.1", "transformer.layers.1"

@@ -1,8 +1,10 @@
-"""Golden listing of every tensor (name, shape, safetensors dtype) in every rank file of two
-fixed tiny exports, read from the files' own headers. The listing in tests/export/golden/ was
-reviewed against docs/formats.md, "TensorRT-LLM export" (names, splits, stage-local numbering,
-first/last stage ownership, FP8 scale tensors). Regenerate with PIPE_UPDATE_GOLDEN=1 and review
-the diff."""
+"""Golden listings of every tensor (name, shape, safetensors dtype) of fixed tiny exports, read
+from the files' own headers: the legacy TensorRT-LLM rank files of two exports, reviewed against
+docs/formats.md, "TensorRT-LLM export (legacy)" (names, splits, stage-local numbering,
+first/last stage ownership, FP8 scale tensors), and one ModelOpt FP8 Hugging Face export with
+its ignore list, reviewed against "FP8 Hugging Face export" (HF names, one tensor per expert,
+fp8 weights with fp32 scalar weight_scale / input_scale, k_scale / v_scale, routers and norms
+unquantized and listed). Regenerate with PIPE_UPDATE_GOLDEN=1 and review the diff."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import torch
 from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import ModelConfig, MoEConfig
 from pipeline.core.model.transformer import Transformer
+from pipeline.export.hf_export import write_hf_export
 from pipeline.export.trtllm_config import ExportOptions
 from pipeline.export.trtllm_layout import TrtllmMapping
 from pipeline.export.trtllm_writer import write_trtllm
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm_rank_files.txt"
+GOLDEN_FP8 = Path(__file__).parent / "golden" / "modelopt_fp8.txt"
 
 
 def _source(config: ModelConfig) -> InMemorySource:
@@ -83,10 +87,31 @@ def _exports(tmp_path: Path) -> list[str]:
     return lines + _listing(out, title)
 
 
-def test_rank_file_listing_matches_golden(tmp_path) -> None:
-    lines = _exports(tmp_path)
+def _check_golden(lines: list[str], golden: Path) -> None:
     text = "\n".join(lines) + "\n"
     if os.environ.get("PIPE_UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), "rank files changed; PIPE_UPDATE_GOLDEN=1 and review"
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text(), f"{golden.name} changed; PIPE_UPDATE_GOLDEN=1 and review"
+
+
+def test_rank_file_listing_matches_golden(tmp_path) -> None:
+    _check_golden(_exports(tmp_path), GOLDEN)
+
+
+def test_modelopt_fp8_listing_matches_golden(tmp_path) -> None:
+    config = ModelConfig(
+        vocab_size=250, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+        head_dim=32, ffn_hidden_size=96, qk_norm=True,
+        moe=MoEConfig(num_experts=3, top_k=2, ffn_hidden_size=48, dense_layers=[0]),
+    )  # fmt: skip
+    amax = {f"{i}.{k}": 1.0 for i in range(2) for k in ("qkv", "dense", "fc", "proj", "kv")}
+    options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
+    out = write_hf_export(_source(config), tmp_path / "fp8", options, amax=amax)
+    lines = ["# Qwen3-MoE-style, 2 layers (0 dense), 3 experts, FP8 + FP8 KV, bf16"]
+    for name, entry in sorted(_header(out / "model.safetensors").items()):
+        shape = "x".join(str(s) for s in entry["shape"]) or "scalar"
+        lines.append(f"{name} {shape} {entry['dtype']}")
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    lines += ["# ignore"] + quant["ignore"]
+    _check_golden(lines, GOLDEN_FP8)

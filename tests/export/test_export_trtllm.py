@@ -340,8 +340,8 @@ def test_cli_exports_verifies_and_refuses_bad_input(tmp_path) -> None:
     hf_dir = _saved("qwen2", tmp_path / "hf")
     runner = CliRunner()
     out = tmp_path / "trt"
-    result = runner.invoke(cli, ["export", str(hf_dir), "--trtllm", "-o", str(out), "--tp", "2",
-                                 "--pp", "2", "-q"])  # fmt: skip
+    legacy = ["export", str(hf_dir), "--trtllm", "--trtllm-format", "legacy"]
+    result = runner.invoke(cli, [*legacy, "-o", str(out), "--tp", "2", "--pp", "2", "-q"])
     assert result.exit_code == 0, result.output
     assert "tp 2 x pp 2 = 4 rank files" in result.output
     assert "reference forward matches the source: max |logit difference|" in result.output
@@ -349,7 +349,7 @@ def test_cli_exports_verifies_and_refuses_bad_input(tmp_path) -> None:
     assert "float32, as the Hugging Face weights it came from" in result.output
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
 
-    again = runner.invoke(cli, ["export", str(hf_dir), "--trtllm", "-o", str(out)])
+    again = runner.invoke(cli, [*legacy, "-o", str(out)])
     assert again.exit_code != 0 and "exists and is not empty" in again.output
     no_format = runner.invoke(cli, ["export", str(hf_dir), "-o", str(tmp_path / "x")])
     assert no_format.exit_code != 0 and "--trtllm" in no_format.output
@@ -357,9 +357,7 @@ def test_cli_exports_verifies_and_refuses_bad_input(tmp_path) -> None:
         cli, ["export", str(hf_dir), "--trtllm", "--fp8", "-o", str(tmp_path / "y")]
     )
     assert no_calib.exit_code != 0 and "--calib-data" in no_calib.output
-    bad_tp = runner.invoke(
-        cli, ["export", str(hf_dir), "--trtllm", "--tp", "8", "-o", str(tmp_path / "z")]
-    )
+    bad_tp = runner.invoke(cli, [*legacy, "--tp", "8", "-o", str(tmp_path / "z")])
     assert (
         bad_tp.exit_code != 0 and "num_attention_heads 4 does not split over tp 8" in bad_tp.output
     )
@@ -394,7 +392,7 @@ def test_export_from_a_sharded_pipe_checkpoint(tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     write_pipe_checkpoint(source, ckpt, layout=TargetLayout(tp=2, ep=2), iteration=7)
     options = ExportOptions(dtype="float32", mapping=TrtllmMapping(tp=2, moe_ep=2))
-    summary = run_export(ckpt, tmp_path / "trt", options, verify="on", quiet=True)
+    summary = run_export(ckpt, tmp_path / "trt", options, verify="on", quiet=True, target="legacy")
     assert "reference forward matches the source" in summary
     assert (
         _max_rel_diff(ReferenceModel(tmp_path / "trt").logits(TOKENS), _hf_logits(model))
