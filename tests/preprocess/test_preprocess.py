@@ -4,6 +4,7 @@ and tokenizer kind, bad input, interruption, and refusing to overwrite."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -319,42 +320,55 @@ def test_missing_inputs_and_tokenizer_are_named(tmp_path, tiny_tokenizer_dir):
     assert result.exit_code == 1 and "missing_tok" in result.output
 
 
+def _open_fifo_for_writing(path: Path, proc: subprocess.Popen) -> int:
+    """The write end of FIFO `path`, once `proc` has opened it for reading (fails if it exits)."""
+    deadline = time.time() + 60
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader yet
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.time() < deadline, "the run never opened its input"
+            time.sleep(0.02)
+            continue
+        os.set_blocking(fd, True)
+        return fd
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir, sig):
-    """Kill a run mid-way: no .bin/.idx/manifest under final names, no temporaries left."""
+    """Kill a run mid-way: no .bin/.idx/manifest under final names, no temporaries left.
+
+    The input is a FIFO held open after its first documents, so the run is surely mid-way
+    (writing has begun, the input has not ended) however fast the engine is. Should the run,
+    interrupted, wait on its input, the input is then ended, as the writer of a real pipe would
+    be ended by the same Ctrl-C."""
     src = tmp_path / "big.jsonl"
-    line = json.dumps({"text": " ".join(SAMPLE_TEXTS) * 40}) + "\n"
-    src.write_text(line * 4000)
+    os.mkfifo(src)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "preprocess",
-            "-i",
-            str(src),
-            "--tokenizer",
-            str(tiny_tokenizer_dir),
-            "-o",
-            str(out_dir / "c"),
-            "--workers",
-            "2",
-            "-q",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(
-        p.name.startswith(".c_text_document.bin.tmp-") for p in out_dir.iterdir()
-    ):
-        time.sleep(0.05)
-    time.sleep(0.1)  # writing has begun; the whole run can take as little as 0.5 s
-    assert proc.poll() is None, "the run finished before it could be interrupted"
-    proc.send_signal(sig)
-    output, _ = proc.communicate(timeout=60)
+    command = [sys.executable, "-m", "pipeline", "preprocess", "-i", str(src), "-q", "--workers",
+               "2", "--tokenizer", str(tiny_tokenizer_dir), "-o", str(out_dir / "c")]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with os.fdopen(_open_fifo_for_writing(src, proc), "w") as feed:
+        line = json.dumps({"text": " ".join(SAMPLE_TEXTS) * 40}) + "\n"
+        feed.write(line * 200)
+        feed.flush()
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(
+            p.name.startswith(".c_text_document.bin.tmp-") for p in out_dir.iterdir()
+        ):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before its input did"
+        proc.send_signal(sig)
+        try:
+            output, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(BrokenPipeError):
+                feed.close()
+            output, _ = proc.communicate(timeout=60)
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            feed.close()
     assert proc.returncode != 0, output
     assert sorted(p.name for p in out_dir.iterdir()) == [], output
 
