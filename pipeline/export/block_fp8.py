@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 
 import torch
 
@@ -106,7 +105,6 @@ def quantize_blocks(weight: torch.Tensor) -> torch.Tensor:
     return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-@dataclass
 class DeepSeekBlockFP8:
     """Rewrites the HF writer's pieces into the block format (see the module docstring): each
     quantized weight becomes an fp8 piece and a `weight_scale_inv` piece, in separate groups

@@ -199,7 +199,7 @@ def run_export(
     """
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.convert.verify import VerifyError, our_model
-    from pipeline.export.block_fp8 import check_block_options, uses_block_fp8
+    from pipeline.export.block_fp8 import uses_block_fp8
     from pipeline.export.calibration import calibrate
 
     if target not in TARGETS:
@@ -219,10 +219,7 @@ def run_export(
                 raise ExportError("the legacy TensorRT-LLM format has no latent attention "
                                   "(DeepSeek-V3): export with --trtllm alone")  # fmt: skip
             amax, calibrated, model = None, 0, None
-            block = options.fp8 and target == "hf" and uses_block_fp8(source)
-            if block:
-                check_block_options(options)
-            elif options.fp8:
+            if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
                 model = our_model(source)
                 amax = calibrate(model, tokens, batch_size=calibration.batch_size)

@@ -31,7 +31,7 @@ from pipeline.export.hf_export import write_hf_export
 from pipeline.export.run import CalibrationSettings, ExportError, run_export
 from pipeline.export.trtllm_config import ExportOptions
 from pipeline.export.verify_hf import check_no_saturation, transformers_readable
-from tests.builders import FP8_VOCAB, build_model, tokenized_corpus, train_briefly
+from tests.builders import FP8_VOCAB, build_model, train_briefly
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -71,11 +71,6 @@ def _with_bias(state: dict) -> dict:
         if name.endswith("moe.expert_bias"):
             state[name] = torch.randn(tensor.shape, generator=generator) * 0.05
     return state
-
-
-@pytest.fixture(scope="module")
-def corpus_prefix(corpus_texts, tmp_path_factory) -> Path:
-    return tokenized_corpus(corpus_texts, tmp_path_factory.mktemp("deepseek_corpus"))
 
 
 @pytest.fixture(scope="module")
