@@ -12,6 +12,7 @@ whole ones (160, 192) checks the reader block by block against the source by han
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,11 @@ from pipeline.export.fp8 import FP8_MAX
 from pipeline.export.hf_export import write_hf_export
 from pipeline.export.run import CalibrationSettings, ExportError, run_export
 from pipeline.export.trtllm_config import ExportOptions
-from pipeline.export.verify_hf import check_no_saturation, transformers_readable
+from pipeline.export.verify_hf import (
+    check_no_saturation,
+    transformers_readable,
+    verify_hf_export,
+)
 from tests.builders import FP8_VOCAB, build_model, train_briefly
 
 transformers = pytest.importorskip("transformers")
@@ -226,8 +231,6 @@ def test_partial_blocks_after_whole_ones_read_back_block_by_block(edges):
     # transformers 5 takes the block size to be 192 / 2 = 96 rows here: pipe notices, says so,
     # and verifies with its own reader instead.
     assert transformers_readable(checkpoint) is not None
-    from pipeline.export.verify_hf import verify_hf_export
-
     summary = verify_hf_export(source, out, ExportOptions(dtype="bfloat16", fp8=True))
     assert "pipe's dequantized model (transformers cannot dequantize" in summary, summary
 
@@ -288,8 +291,6 @@ def _static(quant: dict) -> None:
     ],
 )
 def test_reader_refuses_what_an_engine_would_misread(edges, tmp_path, tensors, quant, message):
-    import shutil
-
     out = shutil.copytree(edges[1], tmp_path / "copy")
     _rewrite(out, tensors, quant)
     with pytest.raises(ValueError, match=message):
@@ -298,8 +299,6 @@ def test_reader_refuses_what_an_engine_would_misread(edges, tmp_path, tensors, q
 
 def test_a_block_scale_too_small_for_its_block_is_caught(edges, tmp_path):
     """Halving one edge block's scale keeps the files valid but would clip the source."""
-    import shutil
-
     source, written = edges
     out = shutil.copytree(written, tmp_path / "copy")
 
