@@ -480,6 +480,32 @@ def _metric_lines(run_dir: Path) -> list[dict]:
 # ---- FP8 export: a tokenized corpus and briefly trained models ------------------------------
 
 FP8_VOCAB = 512
+# The families `pipe export` is tested on, each a tiny model of the same width with the family's
+# own features (tests/export: trained once per session by the `trained_family` fixture).
+EXPORT_FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+
+
+def export_family(name: str, **overrides) -> tuple[str, object]:
+    """(Hugging Face architecture, our `ModelConfig`) of the export tests' tiny `name` model:
+    2 layers, hidden 64, 4 query heads over 2 kv heads, ffn 128, vocab `FP8_VOCAB`."""
+    from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
+
+    common = dict(
+        vocab_size=FP8_VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
+        num_kv_heads=2, ffn_hidden_size=128, max_position_embeddings=256,
+    )  # fmt: skip
+    families = {
+        "llama3": ("LlamaForCausalLM", dict(rope_theta=5e5, rope_scaling=RopeScaling(
+            factor=8.0, original_max_position_embeddings=16))),
+        "mistral": ("MistralForCausalLM", dict(head_dim=24, rope_theta=1e4)),
+        "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, rope_theta=1e6)),
+        "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True, head_dim=32, rope_theta=1e6)),
+        "mixtral": ("MixtralForCausalLM", dict(moe=MoEConfig(num_experts=4, top_k=2))),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_norm=True, head_dim=32, moe=MoEConfig(
+            num_experts=4, top_k=2, ffn_hidden_size=64, dense_layers=[0]))),
+    }  # fmt: skip
+    architecture, extra = families[name]
+    return architecture, ModelConfig(**(common | extra | overrides))
 
 
 def tokenized_corpus(texts: list[str], directory: Path) -> Path:

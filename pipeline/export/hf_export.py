@@ -3,8 +3,9 @@
 TensorRT-LLM's PyTorch backend (`trtllm-serve DIR`), vLLM (`vllm serve DIR`) and SGLang
 (`python -m sglang.launch_server --model-path DIR`) all read a Hugging Face model directory, so
 `pipe export --trtllm | --vllm | --sglang` write the same thing: the `pipe convert --to hf`
-checkpoint in the export dtype, or with `--fp8` the ModelOpt FP8 checkpoint (`modelopt.py`),
-plus the tokenizer files when the source has them.
+checkpoint in the export dtype, or with `--fp8` the ModelOpt FP8 checkpoint (`modelopt.py`;
+DeepSeek-V3 models in DeepSeek's block FP8 format instead, `block_fp8.py`), plus the tokenizer
+files when the source has them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import torch
 
 from pipeline.convert.hf_writer import TOKENIZER_FILES, plan_hf_shards, write_hf
 from pipeline.convert.source import TensorSource
+from pipeline.export.block_fp8 import (
+    QUANT_CONFIG,
+    DeepSeekBlockFP8,
+    check_block_options,
+    uses_block_fp8,
+)
 from pipeline.export.modelopt import ModelOptFP8, modelopt_configs
 from pipeline.export.trtllm_config import ExportOptions
 
@@ -47,13 +54,19 @@ def write_hf_export(
 ) -> Path:
     """Write `source` to `output_dir` in `options.dtype`, FP8 when `options.fp8` (then `amax`,
     the calibrated activation maxima, is required; `options.exclude_modules` are fnmatch
-    patterns of Hugging Face module names kept unquantized)."""
+    patterns of Hugging Face module names kept unquantized). A DeepSeek-V3 source is written in
+    its block format, which needs no `amax`."""
     from pipeline import __version__
 
     dtype = getattr(torch, options.dtype)
     common = dict(tokenizer_dir=tokenizer_dir, progress=progress, overwrite=overwrite)
     if not options.fp8:
         return write_hf(source, output_dir, dtype=dtype, **common)
+    if uses_block_fp8(source):
+        check_block_options(options)
+        config = {"quantization_config": dict(QUANT_CONFIG)}
+        return write_hf(source, output_dir, dtype=dtype, rewrite=DeepSeekBlockFP8(),
+                        config_extra=config, **common)  # fmt: skip
     if amax is None:
         raise ValueError("an FP8 export needs calibrated activation ranges (amax)")
     patterns = tuple(p for p in options.exclude_modules if p != "lm_head")

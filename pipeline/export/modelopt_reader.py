@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from pipeline.export.fp8 import fake_quantize
 
-__all__ = ["ModelOptCheckpoint"]
+__all__ = ["ModelOptCheckpoint", "our_names"]
 
 _SCALES = ("weight_scale", "input_scale", "k_scale", "v_scale")
 # Linears an engine fuses into one GEMM: same layer (and expert), these projections.
@@ -139,7 +139,7 @@ class ModelOptCheckpoint:
         from pipeline.convert.verify import our_model
 
         config = config_from_hf(self.config)
-        model = our_model(InMemorySource(config, _our_names(self.dequantized())))
+        model = our_model(InMemorySource(config, our_names(self.dequantized())))
         for i, layer in model.layers.items():
             self._quantize_inputs(int(i), layer)
         return model
@@ -211,7 +211,7 @@ def _fp8_experts(experts: torch.nn.Module, fc: list, proj: list):
     return forward
 
 
-def _our_names(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def our_names(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Hugging Face on-disk state dict under our names, expert tensors stacked."""
     from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name
 

@@ -9,7 +9,9 @@ Hugging Face exports are verified against our model on the source: bf16/fp16/fp3
 transformers loading the directory (logits equal to the source rounded to the export dtype,
 within `LOGIT_TOLERANCE`); FP8 by `ModelOptCheckpoint` reading the files back (format checks),
 every weight scale covering its source weight (nothing saturates), and the dequantized model's
-logits reaching `MIN_FP8_TOP1` top-1 agreement on held-out real text.
+logits reaching `MIN_FP8_TOP1` top-1 agreement on held-out real text. DeepSeek-V3 models go
+out in DeepSeek's block FP8 format, which needs no calibration (activations are scaled at run
+time): `--calib-data`, if given, is only the verification text.
 
 Legacy exports run the reference forward (`reference.py`) on the written directory and our own
 model on the source, on the same tokens:
@@ -197,6 +199,7 @@ def run_export(
     """
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.convert.verify import VerifyError, our_model
+    from pipeline.export.block_fp8 import uses_block_fp8
     from pipeline.export.calibration import calibrate
 
     if target not in TARGETS:
@@ -212,8 +215,11 @@ def run_export(
             )  # fmt: skip
             options, dtype_note = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
+            if target == "legacy" and source.model_config.mla is not None:
+                raise ExportError("the legacy TensorRT-LLM format has no latent attention "
+                                  "(DeepSeek-V3): export with --trtllm alone")  # fmt: skip
             amax, calibrated, model = None, 0, None
-            if options.fp8:
+            if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
                 model = our_model(source)
                 amax = calibrate(model, tokens, batch_size=calibration.batch_size)
@@ -255,7 +261,11 @@ def _write(
     tokenizer = source_tokenizer_dir(source_path, source)
     write_hf_export(source, output, options, amax=amax, tokenizer_dir=tokenizer,
                     progress=increments(advance), overwrite=overwrite)  # fmt: skip
-    kind = "ModelOpt FP8 Hugging Face checkpoint" if options.fp8 else "Hugging Face checkpoint"
+    kind = "Hugging Face checkpoint"
+    if options.fp8:
+        from pipeline.export.block_fp8 import uses_block_fp8
+
+        kind = ("DeepSeek block FP8 " if uses_block_fp8(source) else "ModelOpt FP8 ") + kind
     return kind + ("" if tokenizer else ", no tokenizer files found to copy")
 
 

@@ -1,5 +1,6 @@
-"""Legacy TensorRT-LLM FP8 export on real text: a tiny dense and a tiny MoE model are trained
-briefly on the shared corpus (Python docs), saved as Hugging Face, exported with `--fp8
+"""Legacy TensorRT-LLM FP8 export on real text: the tiny Llama 3 and Mixtral models the Hugging
+Face export tests train briefly on the shared corpus (Python docs; tests/export/conftest.py),
+exported with `--fp8
 --fp8-kv-cache` (calibrated on a prefix of the tokenized corpus) at tp2, and the reference
 forward over the FP8 rank files is compared with transformers on held-out text: the top-1 next
 token must agree on at least 95% of positions, and the logits stay within the stated FP8
@@ -13,17 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.convert.hf_writer import write_hf
-from pipeline.convert.source import InMemorySource
-from pipeline.core.model.config import ModelConfig, MoEConfig
 from pipeline.export.calibration import calibration_sequences
 from pipeline.export.fp8 import FP8_MAX, dequantize, quantize
 from pipeline.export.reference import ReferenceModel, read_rank_files
 from pipeline.export.run import CalibrationSettings, run_export
 from pipeline.export.trtllm_config import ExportOptions
 from pipeline.export.trtllm_layout import TrtllmMapping
-from tests.builders import FP8_VOCAB as VOCAB
-from tests.builders import tokenized_corpus, train_briefly
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -35,23 +31,10 @@ FP8_LOGIT_TOLERANCE = 0.15
 MIN_TOP1 = 0.95
 
 
-@pytest.fixture(scope="module")
-def corpus_prefix(corpus_texts, tmp_path_factory) -> Path:
-    return tokenized_corpus(corpus_texts, tmp_path_factory.mktemp("fp8_corpus"))
-
-
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def trained_hf(request, corpus_prefix, tmp_path_factory) -> Path:
-    moe = MoEConfig(num_experts=4, top_k=2) if request.param == "moe" else None
-    config = ModelConfig(
-        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-        ffn_hidden_size=128, max_position_embeddings=256, rope_theta=10000.0, moe=moe,
-    )  # fmt: skip
-    tokens = calibration_sequences(corpus_prefix, 10**9, 1).flatten()  # the whole corpus
-    model = train_briefly(config, tokens)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    directory = tmp_path_factory.mktemp(f"fp8_{request.param}") / "hf"
-    return write_hf(InMemorySource(config, state), directory)
+@pytest.fixture(scope="module", params=["llama3", "mixtral"])
+def trained_hf(request, trained_family) -> Path:
+    """A dense and a MoE model, trained once per session with the Hugging Face export tests."""
+    return trained_family(request.param)[1]
 
 
 def test_fp8_export_agrees_with_transformers_on_real_text(trained_hf, corpus_prefix, tmp_path):

@@ -4,7 +4,11 @@ docs/formats.md, "TensorRT-LLM export (legacy)" (names, splits, stage-local numb
 first/last stage ownership, FP8 scale tensors), and one ModelOpt FP8 Hugging Face export with
 its ignore list, reviewed against "FP8 Hugging Face export" (HF names, one tensor per expert,
 fp8 weights with fp32 scalar weight_scale / input_scale, k_scale / v_scale, routers and norms
-unquantized and listed). Regenerate with PIPE_UPDATE_GOLDEN=1 and review the diff."""
+unquantized and listed), and one DeepSeek-V3 block FP8 export, reviewed against "DeepSeek-V3
+block FP8" (every attention and MLP projection fp8 with an fp32 weight_scale_inv on the
+[ceil(out/128), ceil(in/128)] grid; embeddings, lm_head, norms and routers in bf16, the
+correction bias fp32; no other scales). Regenerate with PIPE_UPDATE_GOLDEN=1 and review the
+diff."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pipeline.convert.source import InMemorySource
-from pipeline.core.model.config import ModelConfig, MoEConfig
+from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.export.hf_export import write_hf_export
 from pipeline.export.trtllm_config import ExportOptions
@@ -25,6 +29,7 @@ from pipeline.export.trtllm_writer import write_trtllm
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm_rank_files.txt"
 GOLDEN_FP8 = Path(__file__).parent / "golden" / "modelopt_fp8.txt"
+GOLDEN_BLOCK_FP8 = Path(__file__).parent / "golden" / "deepseek_block_fp8.txt"
 
 
 def _source(config: ModelConfig) -> InMemorySource:
@@ -109,9 +114,37 @@ def test_modelopt_fp8_listing_matches_golden(tmp_path) -> None:
     options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
     out = write_hf_export(_source(config), tmp_path / "fp8", options, amax=amax)
     lines = ["# Qwen3-MoE-style, 2 layers (0 dense), 3 experts, FP8 + FP8 KV, bf16"]
-    for name, entry in sorted(_header(out / "model.safetensors").items()):
-        shape = "x".join(str(s) for s in entry["shape"]) or "scalar"
-        lines.append(f"{name} {shape} {entry['dtype']}")
+    lines += _hf_listing(out)
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     lines += ["# ignore"] + quant["ignore"]
     _check_golden(lines, GOLDEN_FP8)
+
+
+def _hf_listing(directory: Path) -> list[str]:
+    lines = []
+    for name, entry in sorted(_header(directory / "model.safetensors").items()):
+        shape = "x".join(str(s) for s in entry["shape"]) or "scalar"
+        lines.append(f"{name} {shape} {entry['dtype']}")
+    return lines
+
+
+def test_deepseek_block_fp8_listing_matches_golden(tmp_path) -> None:
+    mla = MLAConfig(
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+    )
+    moe = MoEConfig(
+        num_experts=3, top_k=2, ffn_hidden_size=64, dense_layers=[0], score_function="sigmoid",
+        num_shared_experts=1, expert_bias=True,
+    )  # fmt: skip
+    config = ModelConfig(
+        vocab_size=250, hidden_size=160, num_layers=2, num_attention_heads=4, num_kv_heads=4,
+        ffn_hidden_size=200, mla=mla, moe=moe,
+    )  # fmt: skip
+    options = ExportOptions(dtype="bfloat16", fp8=True)
+    out = write_hf_export(_source(config), tmp_path / "fp8", options)
+    lines = ["# DeepSeek-V3-style, hidden 160, q_b 192 rows, 2 layers (0 dense), 3 experts + 1 "
+             "shared, block FP8, bf16"]  # fmt: skip
+    lines += _hf_listing(out)
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    lines += ["# quantization_config", json.dumps(quant, sort_keys=True)]
+    _check_golden(lines, GOLDEN_BLOCK_FP8)

@@ -22,51 +22,24 @@ from safetensors.torch import load_file, save_file
 from pipeline.cli import cli
 from pipeline.convert.hf_writer import write_hf
 from pipeline.convert.source import InMemorySource
-from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
 from pipeline.export.calibration import calibration_sequences
 from pipeline.export.fp8 import FP8_MAX
 from pipeline.export.modelopt_reader import ModelOptCheckpoint
 from pipeline.export.run import CalibrationSettings, run_export
 from pipeline.export.trtllm_config import ExportOptions
-from tests.builders import FP8_VOCAB, tokenized_corpus, train_briefly
+from tests.builders import EXPORT_FAMILIES, export_family
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
 
 CALIB_SEQUENCES, CALIB_LEN = 64, 64
 MIN_TOP1 = 0.95
-_COMMON = dict(
-    vocab_size=FP8_VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-    ffn_hidden_size=128, max_position_embeddings=256,
-)  # fmt: skip
-FAMILIES = {
-    "llama3": ("LlamaForCausalLM", dict(rope_theta=5e5, rope_scaling=RopeScaling(
-        factor=8.0, original_max_position_embeddings=16))),
-    "mistral": ("MistralForCausalLM", dict(head_dim=24, rope_theta=1e4)),
-    "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, rope_theta=1e6)),
-    "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True, head_dim=32, rope_theta=1e6)),
-    "mixtral": ("MixtralForCausalLM", dict(moe=MoEConfig(num_experts=4, top_k=2))),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_norm=True, head_dim=32, moe=MoEConfig(
-        num_experts=4, top_k=2, ffn_hidden_size=64, dense_layers=[0]))),
-}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def corpus_prefix(corpus_texts, tmp_path_factory) -> Path:
-    return tokenized_corpus(corpus_texts, tmp_path_factory.mktemp("hf_export_corpus"))
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def trained(request, corpus_prefix, tmp_path_factory) -> tuple[str, Path]:
+@pytest.fixture(scope="module", params=EXPORT_FAMILIES)
+def trained(request, trained_family) -> tuple[str, Path]:
     """(HF architecture, a Hugging Face directory of the family's trained tiny model)."""
-    architecture, extra = FAMILIES[request.param]
-    config = ModelConfig(**_COMMON, **extra)
-    tokens = calibration_sequences(corpus_prefix, 10**9, 1).flatten()
-    model = train_briefly(config, tokens)
-    state = {n: t.detach() for n, t in model.state_dict().items()}
-    directory = tmp_path_factory.mktemp(request.param) / "hf"
-    metadata = {"hf_architecture": architecture}
-    return architecture, write_hf(InMemorySource(config, state, metadata), directory)
+    return trained_family(request.param)
 
 
 def _held_out(corpus_prefix: Path) -> torch.Tensor:
@@ -201,8 +174,7 @@ def _random_hf(family: str, directory: Path) -> Path:
     no trained model)."""
     from pipeline.core.model.transformer import Transformer
 
-    architecture, extra = FAMILIES[family]
-    config = ModelConfig(**_COMMON, **extra)
+    architecture, config = export_family(family)
     torch.manual_seed(0)
     model = Transformer(config)
     model.init_weights()
@@ -277,7 +249,7 @@ def test_exclude_patterns_and_an_unlisted_router(corpus_prefix, tmp_path):
 
 
 def test_engine_flags_write_the_same_checkpoint_and_conflicts_are_refused(tmp_path):
-    config = ModelConfig(**(_COMMON | {"vocab_size": 128, "hidden_size": 32}))
+    _, config = export_family("llama3", vocab_size=128, hidden_size=32, rope_scaling=None)
     torch.manual_seed(0)
     from pipeline.core.model.transformer import Transformer
 
