@@ -51,6 +51,7 @@ def open_generator(
     dtype: torch.dtype | None = None,
 ) -> Generator:
     """Load `path` (pipe checkpoint or Hugging Face directory) for generation (module doc)."""
+    from pipeline.common.quiet import quiet_dcp
     from pipeline.convert.formats import ConversionError, detect_format, open_source
     from pipeline.convert.hf_writer import recorded_tokenizer_dir
     from pipeline.convert.verify import our_model
@@ -62,8 +63,9 @@ def open_generator(
     if fmt == "megatron":
         raise LoadError(f"{path}: a Megatron save; `pipe convert --from megatron` it first")
     try:
-        source = open_source(path, fmt)
-        model = our_model(source)
+        with quiet_dcp():
+            source = open_source(path, fmt)
+            model = our_model(source)
     except (ConversionError, OSError, ValueError, RuntimeError) as error:
         raise LoadError(f"{path}: {error}") from None
     model = dropless(model).to(device=device, dtype=dtype or default_dtype(device))

@@ -1,0 +1,148 @@
+"""`pipe generate` and `pipe serve`: text from a checkpoint, at the terminal or over HTTP.
+
+    pipe generate CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--greedy]
+    pipe serve CKPT --port 8000           (OpenAI-compatible: /v1/completions, /v1/chat/completions)
+
+CKPT is a pipe checkpoint (a save directory or one `iter_*`, any parallel layout) or a Hugging
+Face model directory. click is the only import at module level, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def _model_options(command):
+    """The options both commands share: where the model and its tokenizer come from."""
+    options = [
+        click.argument("checkpoint", type=click.Path(exists=True, path_type=Path)),
+        click.option(
+            "--tokenizer",
+            type=click.Path(exists=True, path_type=Path),
+            help="Tokenizer directory or file (default: the one recorded with the checkpoint, "
+            "or the Hugging Face directory's own).",
+        ),
+        click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto."),
+        click.option(
+            "--dtype",
+            type=click.Choice(DTYPES),
+            default="auto",
+            help="auto: bf16 on a GPU, fp32 on a CPU.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, dtype: str):
+    """The loaded `Generator`, or a one-line click error."""
+    import torch
+
+    from pipeline.serve.loading import LoadError, open_generator
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise click.BadParameter(f"--device {device!r}: use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA GPU is available here")
+    torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    try:
+        return open_generator(checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+    except LoadError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@click.command()
+@_model_options
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option(
+    "--prompt-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A file whose whole text is one more prompt.",
+)
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, help="Keep the k most likely tokens (0: all).")
+@click.option("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1: all).")
+@click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same text).")
+@click.option("--greedy", is_flag=True, help="Always take the most likely token.")
+@click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+def generate(
+    checkpoint: Path, prompts: tuple[str, ...], prompt_file: Path | None, **options: Any
+) -> None:
+    """Continue PROMPT(s) with the model in CHECKPOINT, streaming the text as it comes."""
+    prompts = list(prompts)
+    if prompt_file is not None:
+        prompts.append(prompt_file.read_text(encoding="utf-8"))
+    if not prompts:
+        raise click.UsageError("give a --prompt or a --prompt-file")
+    params = _sampling(options)
+    gen = open_for_generation(checkpoint, options["tokenizer"], options["device"], options["dtype"])
+    if gen.tokenizer is None:
+        raise click.ClickException(
+            f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
+        )
+    from pipeline.serve.generate_run import run_generation
+
+    try:
+        run_generation(gen, prompts, params, echo=click.echo)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _sampling(options: dict[str, Any]):
+    from pipeline.serve.sampling import BadSamplingValue, SamplingParams
+
+    try:
+        return SamplingParams(
+            max_new_tokens=options["max_new_tokens"], temperature=options["temperature"],
+            top_k=options["top_k"], top_p=options["top_p"], seed=options["seed"],
+            greedy=options["greedy"], stop=tuple(options["stop"]),
+        )  # fmt: skip
+    except BadSamplingValue as error:
+        raise click.BadParameter(str(error)) from None
+
+
+@click.command()
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=int, default=8, show_default=True, help="Requests at once.")
+@click.option(
+    "--max-waiting", type=int, default=64, show_default=True,
+    help="Queued requests beyond which new ones get 503 + Retry-After.",
+)  # fmt: skip
+@click.option(
+    "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
+    help="Memory for the KV cache, in MB (how many tokens all requests together may hold).",
+)  # fmt: skip
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--prefill-chunk", type=int, default=256, show_default=True)
+@click.option("--model-name", default=None, help="The name /v1/models reports.")
+def serve(checkpoint: Path, **options: Any) -> None:
+    """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+    budget = options.pop("kv_cache_mb") * 2**20
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
+    gen = open_for_generation(
+        checkpoint, options.pop("tokenizer"), options.pop("device"), options.pop("dtype")
+    )
+    if gen.tokenizer is None:
+        raise click.ClickException(
+            f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
+        )
+    from pipeline.serve.server import run_server
+
+    run_server(gen, kv_cache_bytes=budget, **options)
