@@ -145,4 +145,7 @@ def serve(checkpoint: Path, **options: Any) -> None:
         )
     from pipeline.serve.server import run_server
 
-    run_server(gen, kv_cache_bytes=budget, **options)
+    try:
+        run_server(gen, kv_cache_bytes=budget, **options)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None

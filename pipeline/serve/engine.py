@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -105,6 +105,7 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._lock = threading.Lock()
+        self.finish_counts = Counter()  # finish reason -> requests so far
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -138,6 +139,13 @@ class Engine:
             if request in self._waiting:
                 self._waiting.remove(request)
             self._finish(request, "abort")
+
+    def abort_all(self) -> None:
+        """Stop every request (after a failed step)."""
+        with self._lock:
+            for request in [*self._running, *self._waiting]:
+                self._finish(request, "abort")
+            self._waiting.clear()
 
     @property
     def capacity(self) -> int:
@@ -246,6 +254,7 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason
+        self.finish_counts[reason] += 1
         self.cache.release(request.blocks)
         if request in self._running:
             self._running.remove(request)

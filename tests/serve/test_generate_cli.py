@@ -51,7 +51,7 @@ def test_several_prompts_and_a_prompt_file(tiny_hf_dir, tmp_path) -> None:
     [
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--max-new-tokens", "1000"], "exceeds the model's context of 256 tokens"),
+        (["--max-new-tokens", "5000"], "exceeds the model's context of 2048 tokens"),
         ([], "give a --prompt or a --prompt-file"),
     ],
 )
