@@ -66,7 +66,8 @@ class Server:
                      {"Content-Type": "application/json"})  # fmt: skip
         response = conn.getresponse()
         if response.status != 200:
-            return response.status, [json.loads(response.read()), dict(response.getheaders())]
+            headers = {k.lower(): v for k, v in response.getheaders()}
+            return response.status, [json.loads(response.read()), headers]
         events = []
         for line in response:
             if line.startswith(b"data: "):
@@ -153,7 +154,7 @@ def test_load_every_request_answered_or_refused(server) -> None:
                 "temperature": 0.8, "seed": index}  # fmt: skip
         status, events = server.stream("/v1/completions", body)
         if status == 503:
-            assert events[1]["Retry-After"] == "1" and "waiting" in events[0]["error"]["message"]
+            assert events[1]["retry-after"] == "1" and "waiting" in events[0]["error"]["message"]
             return status, None, 0
         assert status == 200 and events[-1] == "[DONE]", events[-1:]
         ids = {e["id"] for e in events[:-1]}
