@@ -102,8 +102,9 @@ def _tokenizer(path: str | Path) -> TextTokenizer:
 
 def _eos_ids(metadata: dict[str, Any], tokenizer: TextTokenizer | None) -> frozenset[int]:
     eos = metadata.get("eos_token_id")
-    if eos is None:
-        eos = (metadata.get("tokenizer") or {}).get("eod")
+    recorded = metadata.get("tokenizer") or {}
+    if eos is None:  # a pipe checkpoint records the data's end-of-document id
+        eos = recorded.get("eod_id", recorded.get("eod"))
     if eos is None and tokenizer is not None:
         eos = tokenizer.eod
     if eos is None:

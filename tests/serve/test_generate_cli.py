@@ -3,6 +3,8 @@ a Hugging Face directory and from a pipe checkpoint; bad input gets one line."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -68,3 +70,9 @@ def test_a_directory_without_a_model_or_tokenizer(tiny_hf_dir, tmp_path) -> None
     run_pipe("convert", tiny_hf_dir, "--from", "hf", "--output", tmp_path / "ckpt")
     result = run_pipe("generate", tmp_path / "ckpt", "--prompt", "x", expect_ok=False)
     assert "pass --tokenizer DIR" in result.output and result.output.count("\n") == 1
+
+
+def test_serve_without_its_extra_says_what_to_install(tiny_hf_dir, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    result = run_pipe("serve", tiny_hf_dir, expect_ok=False)
+    assert result.exit_code == 1 and "pip install 'pipe-llm[serve]'" in result.output
