@@ -49,6 +49,7 @@ class Request:
     text: TextStream | None = None
     generator: torch.Generator | None = None
     blocks: list[int] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
 
     @property
@@ -199,6 +200,7 @@ class Engine:
             if self.cache.blocks_needed(need) > self.cache.free_blocks:
                 return  # first come, first served: wait for blocks
             request.blocks = self.cache.allocate(need)
+            request.slots = self.cache.slots(request.blocks, torch.arange(need))
             self._running.append(self._waiting.popleft())
 
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
@@ -228,7 +230,7 @@ class Engine:
             start = request.computed
             tokens[i, :n] = torch.tensor(request.tokens[start : start + n])
             positions[i, :n] = torch.arange(start, start + n)
-            every = self.cache.slots(request.blocks, torch.arange(start + n))
+            every = request.slots[: start + n]
             write[i, :n] = every[start:]
             read[i, : start + n] = every
         to = self.device
