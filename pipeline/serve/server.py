@@ -83,6 +83,8 @@ class EngineLoop:
             with self._lock:
                 for event in events:
                     self._deliver(event.request.id, event)
+                    if event.finished:  # even if its consumer never started
+                        self._queues.pop(event.request.id, None)
 
     def _deliver(self, request_id: int, item: Event | Exception) -> None:
         target = self._queues.get(request_id)
