@@ -28,7 +28,7 @@ def sample_tokenizer_path(configured: str | None, fingerprint: dict[str, Any] | 
         return Path(configured)
     files = (fingerprint or {}).get("files") or []
     if files and Path(files[0]["path"]).exists():
-        return Path(files[0]["path"])
+        return Path(files[0]["path"]).parent
     raise ConfigError(
         "training.sample_prompts needs the data's tokenizer: set data.tokenizer "
         "(mock data and a manifest whose tokenizer files moved have none)"

@@ -76,3 +76,9 @@ def test_serve_without_its_extra_says_what_to_install(tiny_hf_dir, monkeypatch) 
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     result = run_pipe("serve", tiny_hf_dir, expect_ok=False)
     assert result.exit_code == 1 and "pip install 'pipe-llm[serve]'" in result.output
+
+
+def test_bf16_on_a_cpu(tiny_hf_dir) -> None:
+    args = ["--prompt", PROMPT, "--max-new-tokens", 6, "--greedy", "--dtype", "bf16"]
+    out = run_pipe("generate", tiny_hf_dir, *args).output
+    assert out.startswith(PROMPT) and len(out) > len(PROMPT) + 3
