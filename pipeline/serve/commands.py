@@ -2,6 +2,7 @@
 
     pipe generate CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--greedy]
     pipe serve CKPT --port 8000           (OpenAI-compatible: /v1/completions, /v1/chat/completions)
+    pipe generate CKPT --prompt "..." --nproc-per-node 2   (heads split over 2 processes)
 
 CKPT is a pipe checkpoint (a save directory or one `iter_*`, any parallel layout) or a Hugging
 Face model directory. click is the only import at module level, so `--help` stays instant.
@@ -9,6 +10,8 @@ Face model directory. click is the only import at module level, so `--help` stay
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +44,12 @@ def _model_options(command):
 
 
 def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, dtype: str):
-    """The loaded `Generator`, or a one-line click error."""
+    """The loaded `Generator` (split over torchrun's ranks when launched by it), or a one-line
+    click error."""
     import torch
 
     from pipeline.serve.loading import LoadError, open_generator
+    from pipeline.serve.tensor_parallel import launched_ranks, rank_device, tensor_parallel_mesh
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,8 +60,12 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
     if device.type == "cuda" and not torch.cuda.is_available():
         raise click.ClickException("--device cuda: no CUDA GPU is available here")
     torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    device = rank_device(device)
+    mesh = tensor_parallel_mesh(device) if launched_ranks() > 1 else None
     try:
-        return open_generator(checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+        return open_generator(
+            checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype, tp_mesh=mesh
+        )
     except LoadError as error:
         raise click.ClickException(str(error)) from None
 
@@ -76,6 +85,10 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
 @click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same text).")
 @click.option("--greedy", is_flag=True, help="Always take the most likely token.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option(
+    "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Split the model's heads over this many processes (tensor parallel, under torchrun).",
+)  # fmt: skip
 def generate(
     checkpoint: Path, prompts: tuple[str, ...], prompt_file: Path | None, **options: Any
 ) -> None:
@@ -86,6 +99,8 @@ def generate(
     if not prompts:
         raise click.UsageError("give a --prompt or a --prompt-file")
     params = _sampling(options)
+    if options.pop("nproc_per_node") > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_under_torchrun()
     gen = open_for_generation(checkpoint, options["tokenizer"], options["device"], options["dtype"])
     if gen.tokenizer is None:
         raise click.ClickException(
@@ -93,10 +108,33 @@ def generate(
         )
     from pipeline.serve.generate_run import run_generation
 
+    first_rank = os.environ.get("RANK", "0") == "0"
     try:
-        run_generation(gen, prompts, params, echo=click.echo)
+        run_generation(gen, prompts, params, echo=click.echo if first_rank else _silent)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+
+
+def _silent(*_args: Any, **_kwargs: Any) -> None:
+    """The other ranks' echo: only the first rank writes the text."""
+
+
+def _relaunch_under_torchrun() -> None:
+    """Replace this process by torchrun running the same command on N processes."""
+    args, nproc = [], "1"
+    it = iter(sys.argv[1:])
+    for arg in it:
+        if arg == "--nproc-per-node":
+            nproc = next(it)
+        elif arg.startswith("--nproc-per-node="):
+            nproc = arg.split("=", 1)[1]
+        else:
+            args.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
+               "-m", "pipeline", *args]  # fmt: skip
+    click.echo(" ".join(command), err=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
 
 
 def _sampling(options: dict[str, Any]):

@@ -77,7 +77,8 @@ class Engine:
     max_batch: requests running at once; cache_blocks x block_size: cache slots (see
     `BlockKVCache.blocks_for_budget` to size it by memory); max_waiting: the queue bound;
     decode: token ids -> text, for stop strings and streamed text; max_context: the longest
-    prompt + output allowed (default: the model's max_position_embeddings)."""
+    prompt + output allowed (default: the model's max_position_embeddings); tp: the model's
+    tensor-parallel degree (`pipeline.serve.tensor_parallel`)."""
 
     def __init__(
         self,
@@ -90,12 +91,13 @@ class Engine:
         max_waiting: int = 64,
         decode: Callable[[list[int]], str] | None = None,
         max_context: int | None = None,
+        tp: int = 1,
     ) -> None:
         param = next(model.parameters())
         self.model = model
         self.device = param.device
         self.cache = BlockKVCache(
-            model.config, cache_blocks, block_size, dtype=param.dtype, device=param.device
+            model.config, cache_blocks, block_size, dtype=param.dtype, device=param.device, tp=tp
         )
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk

@@ -21,7 +21,7 @@ def run_generation(
     blocks = sum(-(-(len(ids) + params.max_new_tokens) // block_size) for ids in encoded)
     engine = Engine(
         gen.model, max_batch=len(prompts), cache_blocks=max(blocks, 1), block_size=block_size,
-        max_waiting=len(prompts), decode=gen.decode,
+        max_waiting=len(prompts), decode=gen.decode, tp=gen.tp,
     )  # fmt: skip
     requests = [engine.add(ids, params) for ids in encoded]
     if len(prompts) == 1:

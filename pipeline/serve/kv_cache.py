@@ -18,16 +18,17 @@ import torch
 from pipeline.core.model.config import ModelConfig
 
 
-def slot_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
-    """The per-token shapes cached by one layer (key, value; or latent, RoPE key)."""
+def slot_shapes(config: ModelConfig, tp: int = 1) -> list[tuple[int, ...]]:
+    """The per-token shapes cached by one layer (key, value; or latent, RoPE key) on one of `tp`
+    tensor-parallel ranks (each holds its own kv heads; the latent is replicated)."""
     if config.attention_kind == "mla":
         return [(config.mla.kv_lora_rank,), (config.mla.qk_rope_head_dim,)]
-    return [(config.num_kv_heads, config.head_dim)] * 2
+    return [(config.num_kv_heads // tp, config.head_dim)] * 2
 
 
-def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Cache bytes one token takes over all layers."""
-    per_layer = sum(torch.Size(shape).numel() for shape in slot_shapes(config))
+def bytes_per_token(config: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Cache bytes one token takes over all layers (on one of `tp` ranks)."""
+    per_layer = sum(torch.Size(shape).numel() for shape in slot_shapes(config, tp))
     return per_layer * config.num_layers * dtype.itemsize
 
 
@@ -48,6 +49,7 @@ class BlockKVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tp: int = 1,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a cache needs blocks: num_blocks={num_blocks}, size={block_size}")
@@ -58,7 +60,7 @@ class BlockKVCache:
         self.pools = [
             [
                 torch.zeros(slots, *shape, dtype=dtype, device=device)
-                for shape in slot_shapes(config)
+                for shape in slot_shapes(config, tp)
             ]
             for _ in range(config.num_layers)
         ]
@@ -66,10 +68,10 @@ class BlockKVCache:
 
     @staticmethod
     def blocks_for_budget(
-        config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype
+        config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype, tp: int = 1
     ) -> int:
-        """How many blocks fit in `budget_bytes`."""
-        return budget_bytes // (bytes_per_token(config, dtype) * block_size)
+        """How many blocks fit in `budget_bytes` (per rank)."""
+        return budget_bytes // (bytes_per_token(config, dtype, tp) * block_size)
 
     @property
     def free_blocks(self) -> int:

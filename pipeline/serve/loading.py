@@ -28,6 +28,7 @@ class Generator:
     eos_ids: frozenset[int]
     name: str
     chat_template: str | None = None
+    tp: int = 1  # tensor-parallel ranks the model is split over
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -49,8 +50,10 @@ def open_generator(
     tokenizer: str | Path | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    tp_mesh=None,
 ) -> Generator:
-    """Load `path` (pipe checkpoint or Hugging Face directory) for generation (module doc)."""
+    """Load `path` (pipe checkpoint or Hugging Face directory) for generation (module doc),
+    split over `tp_mesh` when given (`pipeline.serve.tensor_parallel`)."""
     from pipeline.common.quiet import quiet_dcp
     from pipeline.convert.formats import ConversionError, detect_format, open_source
     from pipeline.convert.hf_writer import recorded_tokenizer_dir
@@ -70,11 +73,19 @@ def open_generator(
         raise LoadError(f"{path}: {error}") from None
     model = dropless(model).to(device=device, dtype=dtype or default_dtype(device))
     model.rope.init_weights(device)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    if tp > 1:
+        from pipeline.serve.tensor_parallel import shard_for_generation
+
+        try:
+            model = shard_for_generation(model, tp_mesh)
+        except ValueError as error:
+            raise LoadError(f"{path}: {error}") from None
     tokenizer_path = tokenizer or _tokenizer_beside(path)
     tokenizer_path = tokenizer_path or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
     tok = _tokenizer(tokenizer_path) if tokenizer_path is not None else None
     eos = _eos_ids(source.metadata, tok)
-    return Generator(model, tok, eos, path.name, _chat_template(tokenizer_path))
+    return Generator(model, tok, eos, path.name, _chat_template(tokenizer_path), tp)
 
 
 def dropless(model: Transformer) -> Transformer:

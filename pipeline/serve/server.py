@@ -222,11 +222,11 @@ def build_engine(gen: Generator, *, kv_cache_bytes: int, block_size: int, **limi
     """An engine whose KV cache fits `kv_cache_bytes`."""
     param = next(gen.model.parameters())
     blocks = BlockKVCache.blocks_for_budget(gen.model.config, kv_cache_bytes, block_size,
-                                            param.dtype)  # fmt: skip
+                                            param.dtype, gen.tp)  # fmt: skip
     if blocks < 1:
         raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds not one block")
     return Engine(gen.model, cache_blocks=blocks, block_size=block_size, decode=gen.decode,
-                  **limits)  # fmt: skip
+                  tp=gen.tp, **limits)  # fmt: skip
 
 
 def run_server(
