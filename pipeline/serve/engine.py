@@ -37,7 +37,7 @@ class PromptTooLong(ValueError):
     """A request that can never fit the model's context or the cache (the message says why)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity
 class Request:
     """One generation: its prompt, parameters and progress."""
 
@@ -179,7 +179,11 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Event]:
-        """One token for each decoding request, and up to `prefill_chunk` prompt tokens."""
+        """One token for each decoding request, and up to `prefill_chunk` prompt tokens.
+
+        The lock is held to schedule and to record results, not during the forward passes, so
+        `add` and `abort` never wait for the model (an aborted request's blocks are reused only
+        by a later step's admission)."""
         with self._lock:
             self._admit()
             decoding = [(r, 1) for r in self._running if r.computed == len(r.tokens) - 1]
@@ -189,11 +193,11 @@ class Engine:
                 if request.computed < len(request.prompt) and budget > 0:
                     prefill.append((request, min(left, budget)))
                     budget -= prefill[-1][1]
-            events = []
-            for rows in (decoding, prefill):
-                if rows:
-                    events += self._advance(rows)
-            return events
+        events = []
+        for rows in (decoding, prefill):
+            if rows:
+                events += self._advance(rows)
+        return events
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_batch:
@@ -213,11 +217,12 @@ class Engine:
         last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
         logits = self.model.output(last).float()
         events = []
-        for index, (request, new) in enumerate(rows):
-            request.computed += new
-            if request.computed == len(request.tokens):
-                token = sample(logits[index], request.params, request.generator)
-                events.append(self._emit(request, token))
+        with self._lock:
+            for index, (request, new) in enumerate(rows):
+                request.computed += new
+                if request.computed == len(request.tokens) and not request.finished:
+                    token = sample(logits[index], request.params, request.generator)
+                    events.append(self._emit(request, token))
         return events
 
     def _batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:

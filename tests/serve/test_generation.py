@@ -166,3 +166,16 @@ def test_stop_strings_and_eos_end_the_text() -> None:
     assert "".join(released) == "Hello " and stream.stopped  # " wor" held until it was a stop
     stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), stop=["xyz"])
     assert [stream.push(t) for t in (1, 2, 5)] == ["Hel", "lo", "!"] and not stream.stopped
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_others(llama) -> None:
+    engine = Engine(llama, max_batch=2, block_size=4, prefill_chunk=4)
+    params = SamplingParams(max_new_tokens=30, greedy=True)
+    short = engine.add(PROMPTS[0], params)
+    engine.step()  # the short prompt fits one chunk: it is decoding now
+    long = engine.add(list(range(1, 41)), params)
+    for step in range(10):  # 40 prompt tokens, 4 a step
+        assert long.computed == 4 * step
+        tokens = [event.request for event in engine.step()]
+        assert short in tokens  # one token for the decoding request every step
+    assert long.computed == 40 and len(long.output) == 1
