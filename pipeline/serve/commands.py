@@ -78,7 +78,7 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A file whose whole text is one more prompt.",
 )
-@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, help="Keep the k most likely tokens (0: all).")
 @click.option("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1: all).")
@@ -154,17 +154,17 @@ def _sampling(options: dict[str, Any]):
 @_model_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--max-batch", type=int, default=8, show_default=True, help="Requests at once.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Requests at once.")
 @click.option(
-    "--max-waiting", type=int, default=64, show_default=True,
+    "--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
     help="Queued requests beyond which new ones get 503 + Retry-After.",
 )  # fmt: skip
 @click.option(
     "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
     help="Memory for the KV cache, in MB (how many tokens all requests together may hold).",
 )  # fmt: skip
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--prefill-chunk", type=int, default=256, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--model-name", default=None, help="The name /v1/models reports.")
 def serve(checkpoint: Path, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
