@@ -27,21 +27,27 @@ psutil = pytest.importorskip("psutil")
 class Server:
     """A `pipe serve` process and a tiny client for it."""
 
-    def __init__(self, model_dir: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
         self.port = free_port()
+        self.log = log
         args = [sys.executable, "-m", "pipeline", "serve", str(model_dir), "--port",
                 str(self.port), *extra]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+        # stderr to a file: a pipe nobody reads would block the server once full
+        with open(log, "w") as sink:
+            self.process = subprocess.Popen(args, env=env, stderr=sink)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.process.stderr.read()
+            assert self.process.poll() is None, self.stderr()
             try:
                 if self.get("/health")[0] == 200:
                     return
             except OSError:
                 time.sleep(0.2)
         raise AssertionError("the server did not start in 90 s")
+
+    def stderr(self) -> str:
+        return self.log.read_text()[-3000:]
 
     def connection(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -82,8 +88,11 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_hf_dir):
-    server = Server(tiny_hf_dir, "--max-batch", "8", "--max-waiting", "16", "--block-size", "8")
+def server(tiny_hf_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "stderr.txt"
+    server = Server(
+        tiny_hf_dir, log, "--max-batch", "8", "--max-waiting", "16", "--block-size", "8"
+    )
     yield server
     server.stop()
 
@@ -200,14 +209,15 @@ def test_a_disconnected_client_frees_its_slot(server) -> None:
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
             )
-            assert _wait_for(lambda: server.get("/health")[1]["running"] == 1)
+            running = _wait_for(lambda: server.get("/health")[1]["running"] == 1)
+            assert running, (server.get("/health"), server.stderr())
         aborted += 1
         assert _wait_for(lambda n=aborted: server.get("/health")[1]["finished"].get("abort") == n)
         assert server.get("/health")[1]["running"] == 0
 
 
-def test_sigterm_drains_then_exits(tiny_hf_dir) -> None:
-    server = Server(tiny_hf_dir)
+def test_sigterm_drains_then_exits(tiny_hf_dir, tmp_path) -> None:
+    server = Server(tiny_hf_dir, tmp_path / "stderr.txt")
     try:
         conn = server.connection()
         body = {"prompt": "x", "max_tokens": 300, "temperature": 0, "stream": True}
