@@ -154,7 +154,13 @@ def _sampling(options: dict[str, Any]):
 @_model_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Requests at once.")
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Requests at once.",
+)
 @click.option(
     "--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
     help="Queued requests beyond which new ones get 503 + Retry-After.",

@@ -40,9 +40,13 @@ class CachedBatch:
     write_slots: torch.Tensor
     read_slots: torch.Tensor
 
-    def mask(self) -> torch.Tensor:
-        """`[batch, 1, new, length]`: query at position p sees keys at positions <= p."""
-        keys = torch.arange(self.read_slots.shape[1], device=self.positions.device)
+    def mask(self) -> torch.Tensor | None:
+        """`[batch, 1, new, length]`: query at position p sees keys at positions <= p; None when
+        that is every key (one new token per row, all rows as long: the common decode step)."""
+        length = self.read_slots.shape[1]
+        if self.positions.shape[1] == 1 and bool((self.positions == length - 1).all()):
+            return None
+        keys = torch.arange(length, device=self.positions.device)
         return (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
 
 
