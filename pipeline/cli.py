@@ -43,6 +43,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pipeline.preprocess.commands:inspect",
         "Show what a .bin/.idx dataset holds, or what a run reads from a blend.",
     ),
+    "generate": (
+        "pipeline.serve.commands:generate",
+        "Continue a prompt with a checkpoint's model, streaming the text.",
+    ),
+    "serve": (
+        "pipeline.serve.commands:serve",
+        "Serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching).",
+    ),
     "train": (
         "pipeline.train.commands:train",
         "Train a Llama-style dense or MoE model from a recipe (--dry-run to size it first).",
@@ -82,6 +90,8 @@ def cli() -> None:
     pipe convert     checkpoints <-> Hugging Face, from Megatron, between layouts
     pipe export      a checkpoint -> TensorRT-LLM (trtllm-build's input)
     pipe plot        curves of one or more runs
+    pipe generate    text from a checkpoint, at the terminal
+    pipe serve       text from a checkpoint, over an OpenAI-compatible HTTP API
     """
 
 

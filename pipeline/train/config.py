@@ -161,6 +161,13 @@ class TrainingSection:
     """Validate every this many iterations (0: never)."""
     eval_iters: int = 100
     """Validation batches per evaluation."""
+    sample_prompts: list[str] = field(default_factory=list)
+    """Prompts the model continues (greedy) every `sample_interval` iterations, logged as text
+    to metrics.jsonl, TensorBoard and W&B (needs the data's tokenizer)."""
+    sample_interval: int = 0
+    """Generate from `sample_prompts` every this many iterations (0: never)."""
+    sample_tokens: int = 32
+    """Tokens generated per sample prompt."""
     log_interval: int = 10
     """Log metrics every this many iterations."""
     device: str = "auto"
@@ -570,6 +577,8 @@ def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
             problems.append(f"training.{name} must be positive, got {getattr(t, name)}")
     if t.eval_interval < 0 or t.eval_iters < 0:
         problems.append("training.eval_interval and training.eval_iters must be >= 0")
+    if t.sample_interval < 0 or t.sample_tokens <= 0:
+        problems.append("training.sample_interval must be >= 0 and sample_tokens positive")
     if d.seq_length <= 0:
         problems.append(f"data.seq_length must be positive, got {d.seq_length}")
     if cfg.fp8.recipe is not None:

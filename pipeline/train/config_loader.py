@@ -9,6 +9,7 @@ the same thing; the CLI passes only flags the user actually typed (not click def
 from __future__ import annotations
 
 import ast
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,8 @@ def resolve_config(
 
 
 def _accepts_str(tp: Any) -> bool:
+    if typing.get_origin(tp) is list:  # list[str] takes a list, not the raw text
+        return False
     return tp is str or str in getattr(tp, "__args__", ())
 
 

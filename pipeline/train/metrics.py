@@ -98,11 +98,16 @@ class MetricsLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{split}/{key}", value, global_step=int(step))
+                elif isinstance(value, str):  # generated samples
+                    self._tb.add_text(f"{split}/{key}", value, global_step=int(step))
         if self._wandb is not None:
             self._wandb.log({f"{split}/{key}": value for key, value in values.items()}, step=step)
         if self.console:
             line = format_console_line(step, values, split=split, total_iters=self.total_iters)
-            print(line, file=sys.stdout, flush=True)
+            texts = [
+                f"  {key}: {value!r}" for key, value in values.items() if isinstance(value, str)
+            ]
+            print("\n".join([line, *texts]), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""

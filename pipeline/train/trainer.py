@@ -59,6 +59,7 @@ from pipeline.train.model_build import build_fp8_backend, build_model, model_opt
 from pipeline.train.model_parts import model_parts
 from pipeline.train.optimizer import build_optimizer, build_scheduler
 from pipeline.train.perf import memory_gib, peak_tflops
+from pipeline.train.samples import TrainingSamples, sample_tokenizer_path
 from pipeline.train.train_step import (
     StepResult,
     autocast_context,
@@ -184,6 +185,7 @@ class Trainer:
         self.valid_loader = self._build_loader(1, "valid")
         self._valid_iterator: Any = None
         self.metrics = self._build_logging(console)
+        self.samples = self._build_samples()
         self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
@@ -230,6 +232,21 @@ class Trainer:
             rank=self.rank,
             console=console,
         )
+
+    def _build_samples(self) -> TrainingSamples | None:
+        t = self.cfg.training
+        if not (t.sample_prompts and t.sample_interval):
+            return None
+        path = sample_tokenizer_path(self.cfg.data.tokenizer, self.tokenizer.fingerprint)
+        return TrainingSamples(t.sample_prompts, path, t.sample_tokens)
+
+    def log_samples(self) -> dict[str, str]:
+        """Greedy continuations of `training.sample_prompts`, logged with split "sample"."""
+        with self.autocast:
+            texts = self.samples.generate(self.model, self.device, self.layout.world_size == 1)
+        if texts:
+            self.metrics.log(self.iteration, texts, split="sample")
+        return texts
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -381,6 +398,8 @@ class Trainer:
                     if t.eval_interval and self.iteration % t.eval_interval == 0:
                         self.run_evaluation()
                         evaluated_at = self.iteration
+                    if self.samples and self.iteration % t.sample_interval == 0:
+                        self.log_samples()
                     interval = self.cfg.checkpoint.save_interval
                     saving = bool(interval) and self.iteration % interval == 0
                     if signals.received is not None or saving:

@@ -90,6 +90,7 @@ LAYERS = {
     "train": 4,
     "convert": 4,
     "export": 5,
+    "serve": 5,
 }
 # Above every layer: the command group and the package's own entry points.
 ENTRY_POINTS = {"cli", "__main__", "__init__"}

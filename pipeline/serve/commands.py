@@ -1,0 +1,195 @@
+"""`pipe generate` and `pipe serve`: text from a checkpoint, at the terminal or over HTTP.
+
+    pipe generate CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--greedy]
+    pipe serve CKPT --port 8000           (OpenAI-compatible: /v1/completions, /v1/chat/completions)
+    pipe generate CKPT --prompt "..." --nproc-per-node 2   (heads split over 2 processes)
+
+CKPT is a pipe checkpoint (a save directory or one `iter_*`, any parallel layout) or a Hugging
+Face model directory. click is the only import at module level, so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+DTYPES = ("auto", "fp32", "bf16")
+
+
+def _model_options(command):
+    """The options both commands share: where the model and its tokenizer come from."""
+    options = [
+        click.argument("checkpoint", type=click.Path(exists=True, path_type=Path)),
+        click.option(
+            "--tokenizer",
+            type=click.Path(exists=True, path_type=Path),
+            help="Tokenizer directory or file (default: the one recorded with the checkpoint, "
+            "or the Hugging Face directory's own).",
+        ),
+        click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto."),
+        click.option(
+            "--dtype",
+            type=click.Choice(DTYPES),
+            default="auto",
+            help="auto: bf16 on a GPU, fp32 on a CPU.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, dtype: str):
+    """The loaded `Generator` (split over torchrun's ranks when launched by it), or a one-line
+    click error."""
+    import torch
+
+    from pipeline.serve.loading import LoadError, open_generator
+    from pipeline.serve.tensor_parallel import launched_ranks, rank_device, tensor_parallel_mesh
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise click.BadParameter(f"--device {device!r}: use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise click.ClickException("--device cuda: no CUDA GPU is available here")
+    torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    device = rank_device(device)
+    mesh = tensor_parallel_mesh(device) if launched_ranks() > 1 else None
+    try:
+        return open_generator(
+            checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype, tp_mesh=mesh
+        )
+    except LoadError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@click.command()
+@_model_options
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option(
+    "--prompt-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A file whose whole text is one more prompt.",
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, help="Keep the k most likely tokens (0: all).")
+@click.option("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1: all).")
+@click.option("--seed", type=int, default=None, help="Sampling seed (same seed, same text).")
+@click.option("--greedy", is_flag=True, help="Always take the most likely token.")
+@click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
+@click.option(
+    "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Split the model's heads over this many processes (tensor parallel, under torchrun).",
+)  # fmt: skip
+def generate(
+    checkpoint: Path, prompts: tuple[str, ...], prompt_file: Path | None, **options: Any
+) -> None:
+    """Continue PROMPT(s) with the model in CHECKPOINT, streaming the text as it comes."""
+    prompts = list(prompts)
+    if prompt_file is not None:
+        prompts.append(prompt_file.read_text(encoding="utf-8"))
+    if not prompts:
+        raise click.UsageError("give a --prompt or a --prompt-file")
+    params = _sampling(options)
+    if options.pop("nproc_per_node") > 1 and "LOCAL_RANK" not in os.environ:
+        _relaunch_under_torchrun()
+    gen = open_for_generation(checkpoint, options["tokenizer"], options["device"], options["dtype"])
+    if gen.tokenizer is None:
+        raise click.ClickException(
+            f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
+        )
+    from pipeline.serve.generate_run import run_generation
+
+    first_rank = os.environ.get("RANK", "0") == "0"
+    try:
+        run_generation(gen, prompts, params, echo=click.echo if first_rank else _silent)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _silent(*_args: Any, **_kwargs: Any) -> None:
+    """The other ranks' echo: only the first rank writes the text."""
+
+
+def _relaunch_under_torchrun() -> None:
+    """Replace this process by torchrun running the same command on N processes."""
+    args, nproc = [], "1"
+    it = iter(sys.argv[1:])
+    for arg in it:
+        if arg == "--nproc-per-node":
+            nproc = next(it)
+        elif arg.startswith("--nproc-per-node="):
+            nproc = arg.split("=", 1)[1]
+        else:
+            args.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
+               "-m", "pipeline", *args]  # fmt: skip
+    click.echo(" ".join(command), err=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
+
+
+def _sampling(options: dict[str, Any]):
+    from pipeline.serve.sampling import BadSamplingValue, SamplingParams
+
+    try:
+        return SamplingParams(
+            max_new_tokens=options["max_new_tokens"], temperature=options["temperature"],
+            top_k=options["top_k"], top_p=options["top_p"], seed=options["seed"],
+            greedy=options["greedy"], stop=tuple(options["stop"]),
+        )  # fmt: skip
+    except BadSamplingValue as error:
+        raise click.BadParameter(str(error)) from None
+
+
+@click.command()
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Requests at once.",
+)
+@click.option(
+    "--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
+    help="Queued requests beyond which new ones get 503 + Retry-After.",
+)  # fmt: skip
+@click.option(
+    "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
+    help="Memory for the KV cache, in MB (how many tokens all requests together may hold).",
+)  # fmt: skip
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--model-name", default=None, help="The name /v1/models reports.")
+def serve(checkpoint: Path, **options: Any) -> None:
+    """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
+    budget = options.pop("kv_cache_mb") * 2**20
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
+    gen = open_for_generation(
+        checkpoint, options.pop("tokenizer"), options.pop("device"), options.pop("dtype")
+    )
+    if gen.tokenizer is None:
+        raise click.ClickException(
+            f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
+        )
+    from pipeline.serve.server import run_server
+
+    try:
+        run_server(gen, kv_cache_bytes=budget, **options)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None

@@ -1,0 +1,269 @@
+"""The inference engine: continuous batching over a block KV cache.
+
+Requests wait in a bounded queue and join the running batch at a token boundary as soon as a
+batch slot is free and the cache can reserve their blocks (prompt plus `max_new_tokens`, so a
+running request never runs out of cache); they leave as soon as they finish or are aborted, and
+their blocks return to the pool. Each `step` runs one token for every request already decoding,
+then spends at most `prefill_chunk` tokens on prompts (a long prompt is split over several
+steps, so it never stalls the requests already generating). Sampling is per request, with its
+own parameters and random generator.
+
+The engine is thread-safe: a server thread may `add` and `abort` while another thread calls
+`step` in a loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.core.model.transformer import Transformer
+from pipeline.serve.decode import CachedBatch, forward_cached
+from pipeline.serve.kv_cache import BlockKVCache
+from pipeline.serve.sampling import SamplingParams, make_generator, sample
+from pipeline.serve.text import TextStream
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; try again later."""
+
+
+class PromptTooLong(ValueError):
+    """A request that can never fit the model's context or the cache (the message says why)."""
+
+
+@dataclass(eq=False)  # a request is itself: compared by identity
+class Request:
+    """One generation: its prompt, parameters and progress."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "abort"
+    text: TextStream | None = None
+    generator: torch.Generator | None = None
+    blocks: list[int] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
+    computed: int = 0  # tokens whose keys and values are in the cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True)
+class Event:
+    """A request produced `token` (and released `text`); `finished` when it is done."""
+
+    request: Request
+    token: int
+    text: str
+    finished: bool
+
+
+class Engine:
+    """Continuous batching over `model` (module docstring).
+
+    max_batch: requests running at once; cache_blocks x block_size: cache slots (see
+    `BlockKVCache.blocks_for_budget` to size it by memory); max_waiting: the queue bound;
+    decode: token ids -> text, for stop strings and streamed text; max_context: the longest
+    prompt + output allowed (default: the model's max_position_embeddings); tp: the model's
+    tensor-parallel degree (`pipeline.serve.tensor_parallel`)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        max_batch: int = 8,
+        cache_blocks: int = 256,
+        block_size: int = 16,
+        prefill_chunk: int = 256,
+        max_waiting: int = 64,
+        decode: Callable[[list[int]], str] | None = None,
+        max_context: int | None = None,
+        tp: int = 1,
+    ) -> None:
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.cache = BlockKVCache(
+            model.config, cache_blocks, block_size, dtype=param.dtype, device=param.device, tp=tp
+        )
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_waiting = max_waiting
+        self.max_context = max_context or model.config.max_position_embeddings
+        self._decode = decode
+        self._ids = itertools.count()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._lock = threading.Lock()
+        self.finish_counts = Counter()  # finish reason -> requests so far
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Request:
+        """Queue a request; `QueueFull` over the bound, `PromptTooLong` if it can never fit."""
+        if not prompt:
+            raise PromptTooLong("the prompt is empty (no tokens)")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_context:
+            raise PromptTooLong(
+                f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
+                f"exceeds the model's context of {self.max_context} tokens"
+            )
+        if self.cache.blocks_needed(total) > self.cache.num_blocks:
+            raise PromptTooLong(f"{total} tokens do not fit the KV cache's {self.capacity} slots")
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests already waiting")
+            request = Request(next(self._ids), list(prompt), params)
+            request.generator = make_generator(params, self.device)
+            if self._decode is not None:
+                request.text = TextStream(self._decode, params.stop)
+            self._waiting.append(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop a request now (a client went away); its blocks return to the pool."""
+        with self._lock:
+            if request.finished:
+                return
+            if request in self._waiting:
+                self._waiting.remove(request)
+            self._finish(request, "abort")
+
+    def abort_all(self) -> None:
+        """Stop every request (after a failed step)."""
+        with self._lock:
+            for request in [*self._running, *self._waiting]:
+                self._finish(request, "abort")
+            self._waiting.clear()
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.num_blocks * self.cache.block_size
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) request counts."""
+        return len(self._running), len(self._waiting)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        """Run `prompts` to completion (all queued at once) and return their requests."""
+        requests = [self.add(prompt, params) for prompt in prompts]
+        for _ in self.run():
+            pass
+        return requests
+
+    def run(self) -> Iterator[Event]:
+        """Step until every queued request has finished, yielding the events."""
+        while self.busy:
+            yield from self.step()
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """One token for each decoding request, and up to `prefill_chunk` prompt tokens.
+
+        The lock is held to schedule and to record results, not during the forward passes, so
+        `add` and `abort` never wait for the model (an aborted request's blocks are reused only
+        by a later step's admission)."""
+        with self._lock:
+            self._admit()
+            decoding = [(r, 1) for r in self._running if r.computed == len(r.tokens) - 1]
+            prefill, budget = [], self.prefill_chunk
+            for request in self._running:
+                left = len(request.prompt) - request.computed
+                if request.computed < len(request.prompt) and budget > 0:
+                    prefill.append((request, min(left, budget)))
+                    budget -= prefill[-1][1]
+        events = []
+        for rows in (decoding, prefill):
+            if rows:
+                events += self._advance(rows)
+        return events
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            request = self._waiting[0]
+            need = len(request.prompt) + request.params.max_new_tokens
+            if self.cache.blocks_needed(need) > self.cache.free_blocks:
+                return  # first come, first served: wait for blocks
+            request.blocks = self.cache.allocate(need)
+            request.slots = self.cache.slots(request.blocks, torch.arange(need))
+            self._running.append(self._waiting.popleft())
+
+    def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
+        """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
+        batch = self._batch(rows)
+        hidden = forward_cached(self.model, self.cache, batch)
+        lengths = torch.tensor([n for _, n in rows], device=self.device)
+        last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
+        logits = self.model.output(last).float()
+        events = []
+        with self._lock:
+            for index, (request, new) in enumerate(rows):
+                request.computed += new
+                if request.computed == len(request.tokens) and not request.finished:
+                    token = sample(logits[index], request.params, request.generator)
+                    events.append(self._emit(request, token))
+        return events
+
+    def _batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
+        new = max(n for _, n in rows)
+        length = max(r.computed + n for r, n in rows)
+        scratch = self.cache.scratch_slot
+        tokens = torch.zeros(len(rows), new, dtype=torch.long)
+        positions = torch.zeros(len(rows), new, dtype=torch.long)
+        write = torch.full((len(rows), new), scratch, dtype=torch.long)
+        read = torch.full((len(rows), length), scratch, dtype=torch.long)
+        for i, (request, n) in enumerate(rows):
+            start = request.computed
+            tokens[i, :n] = torch.tensor(request.tokens[start : start + n])
+            positions[i, :n] = torch.arange(start, start + n)
+            every = request.slots[: start + n]
+            write[i, :n] = every[start:]
+            read[i, : start + n] = every
+        to = self.device
+        return CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
+
+    def _emit(self, request: Request, token: int) -> Event:
+        request.output.append(token)
+        params, text = request.params, ""
+        if token in params.stop_token_ids:
+            reason = "stop"
+        else:
+            if request.text is not None:
+                text = request.text.push(token)
+            stopped = request.text is not None and request.text.stopped
+            reason = "stop" if stopped else None
+        if reason is None and len(request.output) >= params.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            if request.text is not None:
+                text += request.text.finish()
+            self._finish(request, reason)
+        return Event(request, token, text, reason is not None)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = reason
+        self.finish_counts[reason] += 1
+        self.cache.release(request.blocks)
+        if request in self._running:
+            self._running.remove(request)

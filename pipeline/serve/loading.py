@@ -1,0 +1,139 @@
+"""Opening a model for generation: weights from a pipe checkpoint (any layout) or a Hugging Face
+directory, the tokenizer recorded with it (or given), and the token ids that end a text."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.core.model.transformer import Transformer
+from pipeline.tokenizer.tokenizer import TextTokenizer, load_tokenizer
+
+
+class LoadError(RuntimeError):
+    """The model or its tokenizer cannot be opened (the message names the path)."""
+
+
+@dataclass
+class Generator:
+    """A model ready to generate, with its tokenizer and end-of-text ids."""
+
+    model: Transformer
+    tokenizer: TextTokenizer | None
+    eos_ids: frozenset[int]
+    name: str
+    chat_template: str | None = None
+    tp: int = 1  # tensor-parallel ranks the model is split over
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise LoadError("no tokenizer: pass --tokenizer DIR")
+        return self.tokenizer.encode_batch([text])[0]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU, fp32 on a CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def open_generator(
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    tp_mesh=None,
+) -> Generator:
+    """Load `path` (pipe checkpoint or Hugging Face directory) for generation (module doc),
+    split over `tp_mesh` when given (`pipeline.serve.tensor_parallel`)."""
+    from pipeline.common.quiet import quiet_dcp
+    from pipeline.convert.formats import ConversionError, detect_format, open_source
+    from pipeline.convert.hf_writer import recorded_tokenizer_dir
+    from pipeline.convert.verify import our_model
+
+    path, device = Path(path), torch.device(device)
+    if not path.exists():
+        raise LoadError(f"{path}: no such checkpoint or directory")
+    fmt = detect_format(path)
+    if fmt == "megatron":
+        raise LoadError(f"{path}: a Megatron save; `pipe convert --from megatron` it first")
+    try:
+        with quiet_dcp():
+            source = open_source(path, fmt)
+            model = our_model(source)
+    except (ConversionError, OSError, ValueError, RuntimeError) as error:
+        raise LoadError(f"{path}: {error}") from None
+    model = dropless(model).to(device=device, dtype=dtype or default_dtype(device))
+    model.rope.init_weights(device)
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    if tp > 1:
+        from pipeline.serve.tensor_parallel import shard_for_generation
+
+        try:
+            model = shard_for_generation(model, tp_mesh)
+        except ValueError as error:
+            raise LoadError(f"{path}: {error}") from None
+    tokenizer_path = tokenizer or _tokenizer_beside(path)
+    tokenizer_path = tokenizer_path or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
+    tok = _tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    eos = _eos_ids(source.metadata, tok)
+    return Generator(model, tok, eos, path.name, _chat_template(tokenizer_path), tp)
+
+
+def dropless(model: Transformer) -> Transformer:
+    """Every MoE layer routes every token (generation must not depend on the batch)."""
+    for moe in model.moe_layers().values():
+        if moe.config.capacity_factor is not None:
+            moe.config = dataclasses.replace(moe.config, capacity_factor=None)
+    return model
+
+
+def _tokenizer_beside(directory: Path) -> Path | None:
+    """`directory` itself when it holds tokenizer files (a Hugging Face directory)."""
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    return directory if any((directory / name).is_file() for name in names) else None
+
+
+def _tokenizer(path: str | Path) -> TextTokenizer:
+    from pipeline.tokenizer.tokenizer import TokenizerError
+
+    try:
+        return load_tokenizer(path)
+    except TokenizerError as error:
+        raise LoadError(str(error)) from None
+
+
+def _eos_ids(metadata: dict[str, Any], tokenizer: TextTokenizer | None) -> frozenset[int]:
+    eos = metadata.get("eos_token_id")
+    recorded = metadata.get("tokenizer") or {}
+    if eos is None:  # a pipe checkpoint records the data's end-of-document id
+        eos = recorded.get("eod_id", recorded.get("eod"))
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eod
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+def _chat_template(tokenizer_path: str | Path | None) -> str | None:
+    """The `chat_template` of the tokenizer_config.json beside the tokenizer, if any."""
+    if tokenizer_path is None:
+        return None
+    directory = Path(tokenizer_path)
+    directory = directory if directory.is_dir() else directory.parent
+    config = directory / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return template if isinstance(template, str) else None

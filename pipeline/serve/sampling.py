@@ -1,0 +1,75 @@
+"""Choosing the next token: greedy, or temperature / top-k / top-p sampling from a request's own
+random generator, so a seed gives the same text whatever else shares the batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class BadSamplingValue(ValueError):
+    """A sampling parameter out of range (the message names it)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates. temperature 0 (or `greedy`) takes the most likely token;
+    top_k 0 and top_p 1 keep every token; `seed` None draws a fresh seed; generation stops after
+    `max_new_tokens`, at a token of `stop_token_ids` (EOS) or at any of the `stop` strings."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    greedy: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise BadSamplingValue(f"max_new_tokens must be at least 1, not {self.max_new_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise BadSamplingValue(f"temperature must be >= 0, not {self.temperature}")
+        if self.top_k < 0:
+            raise BadSamplingValue(f"top_k must be >= 0 (0: off), not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise BadSamplingValue(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise BadSamplingValue(f"seed must be in [0, 2**63), not {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The request's generator (None for greedy): seeded by `params.seed` or freshly."""
+    if params.is_greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from one row of logits `[vocab]`."""
+    if params.is_greedy:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.numel():
+        threshold = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, -math.inf)
+    if params.top_p < 1:
+        ordered, order = logits.sort(descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass of better tokens
+        drop = torch.zeros_like(logits, dtype=torch.bool)
+        drop[order] = before >= params.top_p  # the best token always stays
+        logits = logits.masked_fill(drop, -math.inf)
+    probs = logits.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,50 @@
+"""Generation with the model's heads split over processes (tensor parallelism, one process per
+device, started by torchrun): the training plan without sequence parallelism, so every rank holds
+the whole residual stream, computes its own heads and MLP slice, and gets the full logits. Each
+rank caches only its own kv heads; latent attention's cache (latent + RoPE key) is replicated.
+Every rank runs the same schedule and samples the same tokens from the same logits."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pipeline.core.model.transformer import Transformer
+
+
+def launched_ranks() -> int:
+    """The world size when this process is one of torchrun's, else 1."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: its own GPU (LOCAL_RANK) on CUDA."""
+    if device.type == "cuda" and launched_ranks() > 1:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return device
+
+
+def tensor_parallel_mesh(device: torch.device):
+    """The process group and a one-dimensional device mesh over all ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+
+
+def shard_for_generation(model: Transformer, mesh) -> Transformer:
+    """Split `model`'s heads and MLP over `mesh` (ValueError when the heads do not divide)."""
+    from pipeline.core.parallel.tensor_parallel import apply_tensor_parallel
+
+    tp, config = mesh.size(), model.config
+    heads = config.num_attention_heads if config.attention_kind == "mla" else config.num_kv_heads
+    if heads % tp:
+        raise ValueError(f"{heads} attention (kv) heads do not split over {tp} ranks")
+    return apply_tensor_parallel(model, mesh, sequence_parallel=False)

@@ -1,0 +1,77 @@
+"""A few greedy generations during training (`training.sample_prompts` every `sample_interval`
+iterations), logged as text next to the loss: reading what the model writes is the first check
+of a run.
+
+Generation here is the plain quadratic loop (the whole sequence through the model per token, no
+cache): a handful of short prompts, on the training model itself. It runs where the model is one
+ordinary module, a one-device run; under a parallel layout the samples are skipped with one
+warning (`pipe generate` on a checkpoint works for any layout).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.train.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def sample_tokenizer_path(configured: str | None, fingerprint: dict[str, Any] | None) -> Path:
+    """The tokenizer to encode prompts with: `data.tokenizer`, else the one the data's manifest
+    recorded; `ConfigError` when neither is known (mock data)."""
+    if configured is not None:
+        return Path(configured)
+    files = (fingerprint or {}).get("files") or []
+    if files and Path(files[0]["path"]).exists():
+        return Path(files[0]["path"]).parent
+    raise ConfigError(
+        "training.sample_prompts needs the data's tokenizer: set data.tokenizer "
+        "(mock data and a manifest whose tokenizer files moved have none)"
+    )
+
+
+class TrainingSamples:
+    """Greedy continuations of fixed prompts, as `{"sample_i": text}` for the metrics log."""
+
+    def __init__(self, prompts: list[str], tokenizer_path: Path, max_new_tokens: int) -> None:
+        from pipeline.tokenizer.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.prompts = prompts
+        self.encoded = self.tokenizer.encode_batch(prompts)
+        self.max_new_tokens = max_new_tokens
+        self._warned = False
+
+    def generate(self, model: torch.nn.Module, device: torch.device, one_device: bool) -> dict:
+        """The samples (empty, after one warning, when the model is split over devices)."""
+        if not one_device:
+            if not self._warned:
+                log.warning("training samples run on one device only; skipped in this layout")
+                self._warned = True
+            return {}
+        was_training = model.training
+        model.eval()
+        try:
+            return {
+                f"sample_{i}": prompt + self.tokenizer.decode(self._greedy(model, ids, device))
+                for i, (prompt, ids) in enumerate(zip(self.prompts, self.encoded))
+            }
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def _greedy(self, model: torch.nn.Module, prompt: list[int], device: torch.device) -> list:
+        tokens = torch.tensor([prompt or [self.tokenizer.eod or 0]], device=device)
+        output: list[int] = []
+        for _ in range(self.max_new_tokens):
+            token = int(model.logits(tokens)[0, -1].argmax())
+            if token == self.tokenizer.eod:
+                break
+            output.append(token)
+            tokens = torch.cat((tokens, torch.tensor([[token]], device=device)), dim=1)
+        return output

@@ -1,0 +1,181 @@
+"""Generation against transformers' `generate` (the oracle), for a tiny model of every family,
+read from the Hugging Face directory and from a pipe checkpoint converted from it; the engine's
+batching (mixed prompt lengths, chunked prefill, requests joining and leaving) against one
+request at a time. CPU, fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
+from pipeline.serve.loading import open_generator
+from pipeline.serve.reference import greedy_without_cache
+from pipeline.serve.sampling import SamplingParams
+from tests.builders import run_pipe, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "mistral", "qwen2", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3"]
+PROMPTS = [[5, 17, 3], [40, 2, 71, 9, 9, 12, 60, 33, 1, 8, 77], [90], [11, 22, 33, 44, 55, 66]]
+NEW = 12
+
+
+def _hf_family(name: str, directory: Path):
+    """A perturbed tiny HF model of family `name`, saved to `directory`."""
+    if name in ("llama", "mistral", "qwen2", "mixtral"):
+        return save_hf(name, directory)[1]
+    if name.startswith("qwen3"):
+        from tests.convert.test_qwen3 import _hf_model
+
+        hf = _hf_model(name)
+    else:
+        from tests.convert.test_deepseek_v3 import _case
+        from tests.convert.test_deepseek_v3 import _hf_model as deepseek
+
+        hf = deepseek(_case("moe_q_lora_yarn")[0])
+    hf.save_pretrained(directory)
+    return hf
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = _hf_family(request.param, directory)
+    return request.param, directory, hf
+
+
+def _hf_greedy(hf, prompt: list[int], eos: frozenset[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+        eos_token_id=sorted(eos) or None, pad_token_id=0,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_equals_transformers_with_and_without_cache(family) -> None:
+    name, directory, hf = family
+    gen = open_generator(directory)
+    assert gen.eos_ids == frozenset({hf.config.eos_token_id} - {None})
+    one = Engine(gen.model, max_batch=1, block_size=4, prefill_chunk=4)
+    params = SamplingParams(max_new_tokens=NEW, greedy=True, stop_token_ids=gen.eos_ids)
+    for prompt in PROMPTS:
+        expected = _hf_greedy(hf, prompt, gen.eos_ids)
+        assert one.generate([prompt], params)[0].output == expected, (name, prompt)
+        assert greedy_without_cache(gen.model, prompt, NEW, gen.eos_ids) == expected
+
+
+def test_batched_mixed_lengths_equal_one_by_one(family) -> None:
+    _, directory, _ = family
+    model = open_generator(directory).model
+    params = SamplingParams(max_new_tokens=NEW, greedy=True)
+    alone = [Engine(model, max_batch=1).generate([p], params)[0].output for p in PROMPTS]
+    batched = Engine(model, max_batch=4, block_size=4, prefill_chunk=5).generate(PROMPTS, params)
+    assert [r.output for r in batched] == alone
+    assert all(len(out) == NEW for out in alone)
+
+
+def test_from_a_pipe_checkpoint(tmp_path) -> None:
+    hf_dir = tmp_path / "hf"
+    hf = _hf_family("deepseek_v3", hf_dir)
+    run_pipe("convert", hf_dir, "--from", "hf", "--output", tmp_path / "ckpt")
+    gen = open_generator(tmp_path / "ckpt")
+    params = SamplingParams(max_new_tokens=NEW, greedy=True, stop_token_ids=gen.eos_ids)
+    out = Engine(gen.model).generate(PROMPTS, params)
+    assert [r.output for r in out] == [_hf_greedy(hf, p, gen.eos_ids) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    save_hf("llama", directory)
+    return open_generator(directory).model
+
+
+def test_requests_joining_and_leaving_equal_one_by_one(llama) -> None:
+    """Requests added while others run, with their own lengths, seeds and sampling settings,
+    give the tokens each gives alone: the seed's text does not depend on the batch."""
+    settings = [
+        SamplingParams(max_new_tokens=9, temperature=0.8, seed=1),
+        SamplingParams(max_new_tokens=3, greedy=True),
+        SamplingParams(max_new_tokens=14, temperature=1.3, top_k=20, seed=2),
+        SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.7, seed=3),
+    ]
+    alone = [
+        Engine(llama, max_batch=1).generate([p], s)[0].output for p, s in zip(PROMPTS, settings)
+    ]
+    engine = Engine(llama, max_batch=3, cache_blocks=12, block_size=4, prefill_chunk=4)
+    requests = [engine.add(PROMPTS[0], settings[0])]
+    steps = 0
+    while engine.busy or len(requests) < len(PROMPTS):
+        if steps in (2, 3, 7):  # join mid-flight
+            requests.append(engine.add(PROMPTS[len(requests)], settings[len(requests)]))
+        engine.step()
+        steps += 1
+        running, _ = engine.load
+        assert running <= 3
+    assert [r.output for r in requests] == alone
+    assert [r.finish_reason for r in requests] == ["length"] * 4
+    assert engine.cache.free_blocks == 12  # every block back once all have left
+
+
+def test_same_seed_same_text_different_seed_differs(llama) -> None:
+    def sampled(seed: int) -> list[int]:
+        params = SamplingParams(max_new_tokens=16, temperature=1.5, seed=seed)
+        return Engine(llama).generate([PROMPTS[1]], params)[0].output
+
+    assert sampled(7) == sampled(7)
+    assert sampled(7) != sampled(8)
+
+
+def test_abort_frees_the_slot_and_blocks(llama) -> None:
+    engine = Engine(llama, max_batch=1, cache_blocks=8, block_size=4)
+    params = SamplingParams(max_new_tokens=20, greedy=True)
+    first, second = engine.add(PROMPTS[0], params), engine.add(PROMPTS[2], params)
+    engine.step()
+    assert engine.load == (1, 1) and engine.cache.free_blocks < 8
+    engine.abort(first)
+    assert first.finish_reason == "abort"
+    for _ in engine.run():
+        pass
+    assert len(second.output) == 20 and engine.cache.free_blocks == 8
+
+
+def test_bounds_are_refused_clearly(llama) -> None:
+    engine = Engine(llama, cache_blocks=4, block_size=4, max_waiting=2, max_context=40)
+    with pytest.raises(PromptTooLong, match="context of 40"):
+        engine.add(list(range(35)), SamplingParams(max_new_tokens=8))
+    with pytest.raises(PromptTooLong, match="KV cache"):
+        engine.add(list(range(10)), SamplingParams(max_new_tokens=8))
+    short = SamplingParams(max_new_tokens=4)
+    engine.add([1], short)
+    engine.add([2], short)
+    with pytest.raises(QueueFull):
+        engine.add([3], short)
+
+
+def test_stop_strings_and_eos_end_the_text() -> None:
+    from pipeline.serve.text import TextStream
+
+    pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), stop=["world"])
+    released = [stream.push(t) for t in (1, 2, 3, 4)]
+    assert "".join(released) == "Hello " and stream.stopped  # " wor" held until it was a stop
+    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), stop=["xyz"])
+    assert [stream.push(t) for t in (1, 2, 5)] == ["Hel", "lo", "!"] and not stream.stopped
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_others(llama) -> None:
+    engine = Engine(llama, max_batch=2, block_size=4, prefill_chunk=4)
+    params = SamplingParams(max_new_tokens=30, greedy=True)
+    short = engine.add(PROMPTS[0], params)
+    engine.step()  # the short prompt fits one chunk: it is decoding now
+    long = engine.add(list(range(1, 41)), params)
+    for step in range(10):  # 40 prompt tokens, 4 a step
+        assert long.computed == 4 * step
+        tokens = [event.request for event in engine.step()]
+        assert short in tokens  # one token for the decoding request every step
+    assert long.computed == 40 and len(long.output) == 1
