@@ -176,11 +176,13 @@ def _write_shard(
 
 
 def _token_ids(source: TensorSource) -> tuple[int | None, int | list[int] | None]:
-    """bos/eos ids from the source's metadata (an HF source's, else the tokenizer's eod)."""
+    """bos/eos ids from the source's metadata: an HF source's, else the end-of-document id of
+    the tokenizer a training run recorded (`eod_id`; `eod` in a preprocess manifest's record)."""
     meta = source.metadata
     eos = meta.get("eos_token_id")
     if eos is None:
-        eos = (meta.get("tokenizer") or {}).get("eod")
+        tokenizer = meta.get("tokenizer") or {}
+        eos = tokenizer.get("eod_id", tokenizer.get("eod"))
     return meta.get("bos_token_id"), eos
 
 

@@ -37,6 +37,17 @@ def hf_dir(request, tmp_path_factory) -> tuple[Path, object, str]:
     return path, hf, request.param
 
 
+def test_trained_checkpoint_gives_its_eod_as_eos(tmp_path) -> None:
+    """A training run records its tokenizer's end-of-document id as `eod_id`: the HF config and
+    generation config name it as EOS, so generation stops there."""
+    source = HFSource(save_hf("llama_untied", tmp_path / "hf")[0])
+    state = {n: source.read(n) for n in source.tensors()}
+    trained = InMemorySource(source.model_config, state, {"tokenizer": {"eod_id": 7}})
+    out = write_hf(trained, tmp_path / "out")
+    assert hf_config_dict(out)["eos_token_id"] == 7
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 7
+
+
 def test_round_trip_is_bit_identical(hf_dir, tmp_path) -> None:
     """HF -> our source (in memory) -> HF: same tensor names, dtypes and bytes; same config."""
     path, _, name = hf_dir
