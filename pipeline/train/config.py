@@ -92,6 +92,8 @@ class ModelSection:
     """Hidden width of one expert's MLP."""
     moe_aux_loss_coeff: float | None = None
     """Weight of the load-balancing auxiliary loss."""
+    moe_aux_loss_type: str | None = None
+    """Balance loss per micro-batch (`micro_batch`) or per sequence (`sequence`, DeepSeek-V3)."""
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss."""
     moe_capacity_factor: float | None = None
@@ -318,6 +320,7 @@ _MOE_OVERRIDES = {
     "moe_top_k": "top_k",
     "moe_ffn_hidden_size": "ffn_hidden_size",
     "moe_aux_loss_coeff": "aux_loss_coeff",
+    "moe_aux_loss_type": "aux_loss_type",
     "moe_z_loss_coeff": "z_loss_coeff",
     "moe_capacity_factor": "capacity_factor",
     "moe_norm_topk_prob": "norm_topk_prob",

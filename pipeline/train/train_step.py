@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from pipeline.core.parallel.fsdp import global_token_count
 from pipeline.core.parallel.grad_norm import clip_grad_norm_
-from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
+from pipeline.core.parallel.tensor_parallel import sum_moe_gradients, tp_linear_cross_entropy
 from pipeline.train.expert_bias import update_expert_biases
 
 __all__ = [
@@ -197,13 +197,16 @@ def forward_backward(
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()
     if pipeline is not None:
-        return pipeline.forward_backward(micro_batches, denominator, autocast), global_tokens
-    loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
-    for batch in micro_batches:
-        with autocast:
-            loss_sum, _ = micro_batch_loss(model, batch)
-        (loss_sum / denominator).backward()
-        loss_sum_total += loss_sum.detach()
+        loss_sum_total = pipeline.forward_backward(micro_batches, denominator, autocast)
+    else:
+        device = micro_batches[0]["tokens"].device
+        loss_sum_total = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in micro_batches:
+            with autocast:
+                loss_sum, _ = micro_batch_loss(model, batch)
+            (loss_sum / denominator).backward()
+            loss_sum_total += loss_sum.detach()
+    sum_moe_gradients(model)  # MoE layers that routed this tp rank's tokens only
     return loss_sum_total, global_tokens
 
 

@@ -68,6 +68,7 @@ def _case(name: str) -> tuple[object, ModelConfig]:
         num_experts=8, top_k=2, ffn_hidden_size=MOE_FFN, aux_loss_coeff=0.0,
         dense_layers=list(range(dense)), score_function="sigmoid", num_groups=4, topk_groups=2,
         routed_scaling_factor=2.5, num_shared_experts=2, expert_bias=True,
+        aux_loss_type="sequence",  # DeepSeek's seq_aux, true unless a config says otherwise
     )  # fmt: skip
     ours = ModelConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=layers,
@@ -230,9 +231,8 @@ def test_config_from_transformers_saved_dicts() -> None:
 def _without_hub_keys(hf: dict) -> dict:
     """`hf` less the keys we write as the hub's config.json has them (vLLM reads scoring_func
     and topk_method) and transformers does not keep."""
-    return {
-        k: v for k, v in hf.items() if k not in ("aux_loss_alpha", "scoring_func", "topk_method")
-    }
+    hub_only = ("aux_loss_alpha", "seq_aux", "scoring_func", "topk_method")
+    return {k: v for k, v in hf.items() if k not in hub_only}
 
 
 @pytest.fixture(scope="module", params=["moe_q_lora_yarn", "moe_no_q_lora"])
