@@ -394,7 +394,7 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": mla.rope_interleave,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": config.mtp_num_layers,
         "first_k_dense_replace": config.num_layers,
     }
     if moe is None:

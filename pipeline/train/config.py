@@ -84,6 +84,10 @@ class ModelSection:
     """Standard deviation of the normal weight initialisation."""
     use_scaled_init: bool | None = None
     """Scale output-projection init by 1/sqrt(2 * num_layers) (Megatron)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction modules (DeepSeek-V3's num_nextn_predict_layers); 0: none."""
+    mtp_loss_scaling_factor: float | None = None
+    """Weight of the multi-token prediction loss, shared by its modules."""
     num_experts: int | None = None
     """Experts per MoE layer; 0 turns a MoE flavor dense, >0 makes a dense flavor MoE."""
     moe_top_k: int | None = None

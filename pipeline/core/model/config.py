@@ -121,6 +121,11 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Megatron's scaled init: output projections of each block use std / sqrt(2 * num_layers).
     use_scaled_init: bool = True
+    # Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers, Megatron's --mtp-num-layers):
+    # modules predicting 2 .. D + 1 tokens ahead, trained with weight
+    # mtp_loss_scaling_factor / D each (Megatron's --mtp-loss-scaling-factor). 0: none.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:

@@ -88,6 +88,11 @@ def model_problems(
             problems.append(f"parallel.ep = {ep} needs a MoE model; {model_name} is dense")
         elif model.moe.num_experts % ep:
             problems.append(f"parallel.ep ({ep}) must divide num_experts ({model.moe.num_experts})")
+    if getattr(model, "mtp_num_layers", 0) and (tp > 1 or pp > 1 or cp > 1):
+        problems.append(
+            "model.mtp_num_layers > 0 (multi-token prediction) runs with dp and ep only; "
+            "set parallel.tp, pp and cp to 1"
+        )
     if cp > 1 and seq_length % (2 * cp):
         problems.append(f"data.seq_length ({seq_length}) must be divisible by 2 * cp = {2 * cp}")
     if sequence_parallel and tp > 1:
