@@ -122,15 +122,16 @@ class MoE(nn.Module):
 
     `aux_loss_scale`: attach the aux-loss gradient with this weight (None: the caller adds
     `aux_loss` to its loss itself). `micro_batch_group`: the ranks one micro-batch's tokens are
-    split over (context parallelism), None when this rank holds whole micro-batches.
+    split over (context parallelism, and tp under sequence parallelism), None when this rank
+    holds whole micro-batches.
 
     After each forward: `aux_loss` (coefficient-weighted load-balancing + z-loss, or None when
     both coefficients are 0; the balance term per micro-batch or, with `config.aux_loss_type`
     "sequence", per sequence and averaged), `tokens_per_expert` (assignments per expert,
-    before dropping) and
-    `num_dropped` (assignments over capacity, 0 when dropless). With `expert_bias`, training
-    forwards also add this rank's assignments per expert to `expert_load` (float32 `[E]`), which
-    the bias update reads and resets (`pipeline.train.expert_bias`).
+    before dropping) and `num_dropped` (assignments over capacity, 0 when dropless). With
+    `expert_bias`, training forwards also add this rank's assignments per expert to
+    `expert_load` (float32 `[E]`), which the bias update reads and resets
+    (`pipeline.train.expert_bias`).
     """
 
     def __init__(

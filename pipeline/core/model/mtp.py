@@ -12,8 +12,9 @@ with the main model's output layer (shared) and the module's own `head_norm` (De
 weights (`eh_proj` is `[hidden, 2 * hidden]`) and Megatron.
 
 Sequences keep their length, as in Megatron: depth k shifts tokens, labels and the loss mask
-left by k and masks the k positions that wrapped round, so every layout splits the MTP block
-like any other. The loss added to the training objective is
+left by k and masks the k positions that wrapped round (causal attention keeps them from the
+positions before). Layouts: data and expert parallelism; the layout rules refuse tensor,
+pipeline and context parallelism with MTP for now. The loss added to the training objective is
 `mtp_loss_scaling_factor / D * sum_k loss_k`, each loss_k a sum over tokens normalised, like the
 language-model loss, by the loss tokens of the global batch (Megatron normalises each depth by
 its own, k * batch fewer, tokens). MTP only trains: inference and evaluation ignore it.

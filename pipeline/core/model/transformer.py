@@ -50,7 +50,8 @@ class ModelOptions:
     activations in backward ("none", "full" or "selective"). moe_aux_loss_scale: each MoE layer
     attaches the gradient of `scale * aux_loss` to its output (None: the caller adds the aux loss
     itself). moe_micro_batch_group: the process group one micro-batch's tokens are split over
-    (context parallelism), so router statistics are those of the whole micro-batch.
+    (context parallelism, and tp under sequence parallelism), so router statistics are those of
+    the whole micro-batch.
     """
 
     attention_backend: str = "sdpa"
