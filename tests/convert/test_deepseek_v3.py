@@ -221,6 +221,10 @@ def test_config_from_transformers_saved_dicts() -> None:
         if expected.moe is not None:
             expected.moe.aux_loss_coeff = hf.get("aux_loss_alpha", 0.0)
         assert config_from_hf(hf) == expected, name
+    # DeepSeek's seq_aux: the sequence-wise balance loss unless a config turns it off.
+    batch_wise = DEEPSEEK_V3_JSON | {"seq_aux": False}
+    assert config_from_hf(batch_wise).moe.aux_loss_type == "micro_batch"
+    assert config_from_hf(DEEPSEEK_V3_JSON).moe.aux_loss_type == "sequence"
 
 
 # ---------------------------------------------------------------------------------------------
