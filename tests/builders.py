@@ -391,7 +391,7 @@ LAYOUT_MICRO = [
     "model.max_position_embeddings=32",
 ]
 LAYOUT_MOE = ["model.num_experts=4", "model.moe_top_k=2"]
-LAYOUT_MOE_RECIPES = ("tiny_moe", "tiny_qwen3_moe")
+LAYOUT_MOE_RECIPES = ("tiny_moe", "tiny_qwen3_moe", "tiny_deepseek_v3")
 # Qwen3's explicit head_dim, kept different from hidden_size / heads (8).
 LAYOUT_QWEN3 = ["model.head_dim=16"]
 
@@ -400,7 +400,8 @@ def layout_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
     """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU."""
     return [
         *LAYOUT_MICRO,
-        *(LAYOUT_MOE if recipe in LAYOUT_MOE_RECIPES else []),
+        # DeepSeek-V3 keeps its flavor's 8 experts in 4 groups (top-2 from the best 2 groups).
+        *(LAYOUT_MOE if recipe in ("tiny_moe", "tiny_qwen3_moe") else []),
         *(LAYOUT_QWEN3 if recipe.startswith("tiny_qwen3") else []),
         "data.mock=true",
         "data.seq_length=32",

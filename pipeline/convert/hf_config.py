@@ -215,7 +215,8 @@ def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
 def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
     """DeepSeekMoE: the first `first_k_dense_replace` layers dense, then sigmoid-scored routed
     experts chosen with the correction bias (`topk_method` noaux_tc) plus shared experts. The
-    hub configs' `aux_loss_alpha` becomes our (batch-wise) balance-loss coefficient."""
+    hub configs' `aux_loss_alpha` becomes our balance-loss coefficient, sequence-wise unless
+    `seq_aux` is false (DeepSeek's reference code defaults it to true)."""
     _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than sigmoid")
     _refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", "topk_method other than noaux_tc")
     _refuse(hf.get("moe_layer_freq", 1) != 1, "moe_layer_freq != 1")
@@ -228,6 +229,7 @@ def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
         top_k=hf["num_experts_per_tok"],
         ffn_hidden_size=hf["moe_intermediate_size"],
         aux_loss_coeff=float(hf.get("aux_loss_alpha", 0.0)),
+        aux_loss_type="sequence" if hf.get("seq_aux", True) else "micro_batch",
         norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         dense_layers=list(range(dense)),
         score_function="sigmoid",
@@ -392,7 +394,7 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": mla.rope_interleave,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": config.mtp_num_layers,
         "first_k_dense_replace": config.num_layers,
     }
     if moe is None:
@@ -410,6 +412,7 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "aux_loss_alpha": moe.aux_loss_coeff,
+        "seq_aux": moe.aux_loss_type == "sequence",
     }
 
 

@@ -11,6 +11,7 @@ Tied embeddings: when the config ties them, the source lists `tok_embeddings.wei
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -27,7 +28,12 @@ from pipeline.convert.hf_config import (
 )
 from pipeline.convert.source import TensorInfo
 from pipeline.core.model.config import ModelConfig
-from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name
+from pipeline.core.model.hf_names import (
+    hf_expert_piece,
+    hf_to_pipe_name,
+    mtp_name,
+    mtp_shared_copy,
+)
 
 __all__ = ["HFSource"]
 
@@ -39,9 +45,9 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 def _order(name: str) -> tuple:
     """Embeddings, then layers in numeric order, then the final norm and the output."""
-    if name.startswith("layers."):
-        layer, rest = name.removeprefix("layers.").split(".", 1)
-        return (1, int(layer), rest)
+    if name.startswith(("layers.", "mtp.")):
+        kind, layer, rest = name.split(".", 2)
+        return (1 if kind == "layers" else 4, int(layer), rest)
     return ({"tok_embeddings.weight": 0, "norm.weight": 2}.get(name, 3), 0, name)
 
 
@@ -85,6 +91,10 @@ class HFSource:
         files = self._weight_files(allow_pickle)
         pieces = self._scan(files)
         self._assemble(pieces)
+        # Layers past num_hidden_layers are DeepSeek's multi-token prediction modules: the
+        # files say how many there are (transformers' configs name one that is never saved).
+        mtp = {name.split(".")[1] for name in self._infos if name.startswith("mtp.")}
+        self.model_config = dataclasses.replace(self.model_config, mtp_num_layers=len(mtp))
         # What the weights are in: the config's declaration, else the stored embedding's.
         embedding = self._infos.get("tok_embeddings.weight")
         dtype = dtype_from_hf(hf_config) or (embedding.dtype if embedding else None)
@@ -149,11 +159,14 @@ class HFSource:
     def _scan(self, files: list[Path]) -> dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]:
         """our name -> {expert index or None: (file, hf name, info)}."""
         tied = self.model_config.tie_word_embeddings
+        num_layers = self.model_config.num_layers
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
         for path in files:
             for hf_name, info in self._header(path).items():
                 if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
                     continue
+                if mtp_shared_copy(hf_name) is not None:
+                    continue  # an MTP layer's copy of the shared embedding or output layer
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
                     name, index = expert
@@ -164,6 +177,7 @@ class HFSource:
                         raise ValueError(
                             f"{path}: tensor {hf_name!r} has no counterpart in pipe models"
                         ) from None
+                name = mtp_name(name, num_layers)
                 pieces.setdefault(name, {})[index] = (path, hf_name, info)
         return pieces
 

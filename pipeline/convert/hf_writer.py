@@ -32,7 +32,7 @@ from pipeline.common.safetensors_io import (
 )
 from pipeline.convert.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.convert.source import TensorInfo, TensorSource
-from pipeline.core.model.hf_names import pipe_to_hf_names
+from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -110,7 +110,7 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         out = info.dtype if name.endswith(".moe.expert_bias") else _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
-        hf_names = pipe_to_hf_names(name, num_experts, architecture)
+        hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
         if len(hf_names) == 1:
             groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
         elif info.shape[0] != len(hf_names):
@@ -118,6 +118,24 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         else:
             experts = enumerate(hf_names)
             groups.append([HFPiece(n, name, e, info.shape[1:], out) for e, n in experts])
+    return groups + _mtp_shared_copies(source, dtype)
+
+
+def _mtp_shared_copies(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiece]]:
+    """DeepSeek stores, in each multi-token prediction layer, copies of the shared embedding
+    and output layer (`embed_tokens`, `shared_head.head`); vLLM's and SGLang's MTP loaders
+    read them there."""
+    cfg, infos = source.model_config, source.tensors()
+    groups = []
+    for i in range(cfg.num_layers, cfg.num_layers + cfg.mtp_num_layers):
+        for suffix, shared in MTP_SHARED_COPIES.items():
+            if shared == "output.weight" and cfg.tie_word_embeddings:
+                shared = "tok_embeddings.weight"
+            info = infos[shared]
+            piece = HFPiece(
+                f"model.layers.{i}.{suffix}", shared, None, info.shape, _out_dtype(info, dtype)
+            )
+            groups.append([piece])
     return groups
 
 

@@ -84,6 +84,10 @@ class ModelSection:
     """Standard deviation of the normal weight initialisation."""
     use_scaled_init: bool | None = None
     """Scale output-projection init by 1/sqrt(2 * num_layers) (Megatron)."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction modules (DeepSeek-V3's num_nextn_predict_layers); 0: none."""
+    mtp_loss_scaling_factor: float | None = None
+    """Weight of the multi-token prediction loss, shared by its modules."""
     num_experts: int | None = None
     """Experts per MoE layer; 0 turns a MoE flavor dense, >0 makes a dense flavor MoE."""
     moe_top_k: int | None = None
@@ -92,6 +96,8 @@ class ModelSection:
     """Hidden width of one expert's MLP."""
     moe_aux_loss_coeff: float | None = None
     """Weight of the load-balancing auxiliary loss."""
+    moe_aux_loss_type: str | None = None
+    """Balance loss per micro-batch (`micro_batch`) or per sequence (`sequence`, DeepSeek-V3)."""
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss."""
     moe_capacity_factor: float | None = None
@@ -325,6 +331,7 @@ _MOE_OVERRIDES = {
     "moe_top_k": "top_k",
     "moe_ffn_hidden_size": "ffn_hidden_size",
     "moe_aux_loss_coeff": "aux_loss_coeff",
+    "moe_aux_loss_type": "aux_loss_type",
     "moe_z_loss_coeff": "z_loss_coeff",
     "moe_capacity_factor": "capacity_factor",
     "moe_norm_topk_prob": "norm_topk_prob",

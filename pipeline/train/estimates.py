@@ -7,9 +7,10 @@ memory model. The memory model is an estimate, stated so it can be checked:
 * Training state, 16 bytes per parameter whatever the compute dtype: fp32 weights (4), fp32
   gradients (4), Adam's two fp32 moments (8). With bf16 the forward/backward runs on bf16 copies
   gathered one block at a time by FSDP; those transient copies are not counted.
-* Split: non-expert parameters over tp * pp, expert parameters over ep * tp * pp (expert tensor
-  parallel = tp, Megatron's default); then all of it sharded by FSDP over dp * cp (for experts,
-  dp * cp / ep), as torchtitan's meshes do. Pipeline stages are assumed equal in size.
+* Split: non-expert parameters over tp * pp, expert parameters over ep * pp (experts are whole
+  on each tp rank: an expert tensor-parallel size of 1); then all of it sharded by FSDP over
+  dp * cp (for experts, dp * cp / ep), as torchtitan's meshes do. Pipeline stages are assumed
+  equal in size.
 * Activations per layer per token, in the compute dtype, from what backward keeps (no dropout,
   SDPA/flash attention so no seq x seq scores): the two norm inputs and outputs (4h), q, k, v and
   the attention output (2q + 2kv), and per routed expert its input copy plus gate, up and their
@@ -123,7 +124,7 @@ def estimate_memory(
     counts = parameter_counts(model)
     dense = counts.total - counts.expert
     dense_local = dense / (p.tp * p.pp) / (dp * p.cp)
-    expert_local = counts.expert / (p.ep * p.tp * p.pp) / max(dp * p.cp / p.ep, 1)
+    expert_local = counts.expert / (p.ep * p.pp) / max(dp * p.cp / p.ep, 1)
     params_local = dense_local + expert_local
 
     act_bytes = 2 if cfg.training.dtype == "bf16" else 4

@@ -45,7 +45,8 @@ def update_expert_biases(
     device = next((m.expert_bias.device for m in held.values()), None)
     if device is None:  # a pipeline stage without MoE layers still joins the reduction
         device = apply.device if apply is not None else torch.device("cpu")
-    loads = torch.zeros(config.num_layers, moe.num_experts, device=device)
+    layers = config.num_layers + config.mtp_num_layers
+    loads = torch.zeros(layers, moe.num_experts, device=device)
     for i, layer in held.items():
         if layer.expert_load is not None:
             loads[i] = layer.expert_load

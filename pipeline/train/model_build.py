@@ -11,6 +11,7 @@ RNG tracker; pipeline ranks offset the seed so stages do not repeat each other's
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -62,7 +63,7 @@ def model_options(
         attention_backend=backend,
         activation_checkpointing=cfg.training.activation_checkpointing,
         moe_aux_loss_scale=1.0 / (num_micro_batches * layout.dp),
-        moe_micro_batch_group=layout.context_group,
+        moe_micro_batch_group=layout.micro_batch_group(cfg.parallel.sequence_parallel),
     )
 
 
@@ -147,7 +148,8 @@ def init_weights(
     for prefix, unit, init in plain.init_units():
         unit.to_empty(device=device)
         init()
-        full = {f"{prefix}.{name}": tensor for name, tensor in unit.named_parameters()}
+        tensors = itertools.chain(unit.named_parameters(), unit.named_buffers())
+        full = {f"{prefix}.{name}": tensor for name, tensor in tensors}
         for part in parts:
             copy_full_weights_(part, full)
         unit.to_empty(device="meta")  # free it: at most one unit is held in full

@@ -7,9 +7,10 @@ and in torchtitan's order:
 
 1. FP8: block linears swapped for the FP8 backend's (before parallelism, so tensor parallelism
    can use torchao's float8 styles and FSDP2 the fp8 all-gather);
-2. tensor (+ sequence) parallelism: DTensor `ParallelStyle` plans (`tensor_parallel`), and
+2. expert parallelism: each `MoE` swapped for an `ExpertParallelMoE` (before tensor
+   parallelism, whose plan then hooks the swapped-in module);
+3. tensor (+ sequence) parallelism: DTensor `ParallelStyle` plans (`tensor_parallel`), and
    the pipeline stage boundaries' input/output styles;
-3. expert parallelism: each `MoE` swapped for an `ExpertParallelMoE`;
 4. context parallelism: each attention kernel swapped for a `ContextParallelAttention`;
 5. compile: `nn.Module.compile` of each block;
 6. FSDP2 (or replication) over dp x cp; experts over the expert-data-parallel ranks.
@@ -93,19 +94,19 @@ def parallelize(
 
 
 def _apply_model_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelDims) -> None:
-    """Tensor (+ sequence), expert and context parallelism, in that order."""
+    """Expert, tensor (+ sequence) and context parallelism, in that order."""
     from pipeline.core.parallel.context_parallel import apply_context_parallel
     from pipeline.core.parallel.expert_parallel import apply_expert_parallel
     from pipeline.core.parallel.tensor_parallel import apply_tensor_parallel
 
     sequence_parallel = cfg.parallel.sequence_parallel
+    if layout.ep_enabled:
+        apply_expert_parallel(model, layout.get_mesh("ep"))
     if layout.tp_enabled:
         tp_mesh = layout.get_mesh("tp")
         apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
         if layout.pp_enabled and sequence_parallel:
             _local_stage_boundaries(model, tp_mesh)
-    if layout.ep_enabled:
-        apply_expert_parallel(model, layout.get_mesh("ep"))
     if layout.cp_enabled:
         apply_context_parallel(model, layout.context_group, layout.cp_rank, layout.cp)
 

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.core.model.mtp import mtp_loss_sum
 from pipeline.core.parallel.fsdp import global_token_count
 from pipeline.core.parallel.grad_norm import clip_grad_norm_
-from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
+from pipeline.core.parallel.tensor_parallel import sum_moe_gradients, tp_linear_cross_entropy
 from pipeline.train.expert_bias import update_expert_biases
 
 __all__ = [
@@ -112,9 +113,16 @@ def batch_to_device(
 def micro_batch_loss(
     model: Any, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of masked token losses, number of loss tokens) of one micro-batch."""
+    """(sum of masked token losses, number of loss tokens) of one micro-batch. With
+    multi-token prediction (training only) the MTP loss joins the gradient, not the value."""
     hidden = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
-    return tp_linear_cross_entropy(hidden, model.output.weight, batch["labels"], batch["loss_mask"])
+    loss_sum, tokens = tp_linear_cross_entropy(
+        hidden, model.output.weight, batch["labels"], batch["loss_mask"]
+    )
+    if getattr(model, "mtp", None) is not None and torch.is_grad_enabled():
+        mtp = mtp_loss_sum(model, model.mtp_input, batch, tp_linear_cross_entropy)
+        loss_sum = loss_sum + (mtp - mtp.detach())
+    return loss_sum, tokens
 
 
 def train_step(
@@ -197,13 +205,16 @@ def forward_backward(
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()
     if pipeline is not None:
-        return pipeline.forward_backward(micro_batches, denominator, autocast), global_tokens
-    loss_sum_total = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
-    for batch in micro_batches:
-        with autocast:
-            loss_sum, _ = micro_batch_loss(model, batch)
-        (loss_sum / denominator).backward()
-        loss_sum_total += loss_sum.detach()
+        loss_sum_total = pipeline.forward_backward(micro_batches, denominator, autocast)
+    else:
+        device = micro_batches[0]["tokens"].device
+        loss_sum_total = torch.zeros((), dtype=torch.float32, device=device)
+        for batch in micro_batches:
+            with autocast:
+                loss_sum, _ = micro_batch_loss(model, batch)
+            (loss_sum / denominator).backward()
+            loss_sum_total += loss_sum.detach()
+    sum_moe_gradients(model)  # MoE layers that routed this tp rank's tokens only
     return loss_sum_total, global_tokens
 
 

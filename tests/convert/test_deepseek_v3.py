@@ -68,6 +68,7 @@ def _case(name: str) -> tuple[object, ModelConfig]:
         num_experts=8, top_k=2, ffn_hidden_size=MOE_FFN, aux_loss_coeff=0.0,
         dense_layers=list(range(dense)), score_function="sigmoid", num_groups=4, topk_groups=2,
         routed_scaling_factor=2.5, num_shared_experts=2, expert_bias=True,
+        aux_loss_type="sequence",  # DeepSeek's seq_aux, true unless a config says otherwise
     )  # fmt: skip
     ours = ModelConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=layers,
@@ -220,6 +221,10 @@ def test_config_from_transformers_saved_dicts() -> None:
         if expected.moe is not None:
             expected.moe.aux_loss_coeff = hf.get("aux_loss_alpha", 0.0)
         assert config_from_hf(hf) == expected, name
+    # DeepSeek's seq_aux: the sequence-wise balance loss unless a config turns it off.
+    batch_wise = DEEPSEEK_V3_JSON | {"seq_aux": False}
+    assert config_from_hf(batch_wise).moe.aux_loss_type == "micro_batch"
+    assert config_from_hf(DEEPSEEK_V3_JSON).moe.aux_loss_type == "sequence"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,9 +235,8 @@ def test_config_from_transformers_saved_dicts() -> None:
 def _without_hub_keys(hf: dict) -> dict:
     """`hf` less the keys we write as the hub's config.json has them (vLLM reads scoring_func
     and topk_method) and transformers does not keep."""
-    return {
-        k: v for k, v in hf.items() if k not in ("aux_loss_alpha", "scoring_func", "topk_method")
-    }
+    hub_only = ("aux_loss_alpha", "seq_aux", "scoring_func", "topk_method")
+    return {k: v for k, v in hf.items() if k not in hub_only}
 
 
 @pytest.fixture(scope="module", params=["moe_q_lora_yarn", "moe_no_q_lora"])
@@ -322,3 +326,67 @@ def test_our_tiny_deepseek_v3_writes_hub_keys(tmp_path) -> None:
     tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator())
     with torch.no_grad():
         assert (reloaded(input_ids=tokens).logits - model.logits(tokens)).abs().max() < 1e-4
+
+
+def _with_mtp_layer(path: Path, out: Path) -> Path:
+    """`path` (a saved transformers DeepSeek-V3 of 3 layers) plus one multi-token prediction
+    layer as DeepSeek publishes it: `model.layers.3.*` (a MoE block, here layer 2's weights
+    perturbed), its enorm / hnorm / eh_proj / shared_head.norm, and copies of the embedding
+    and lm_head (`embed_tokens`, `shared_head.head`)."""
+    from safetensors.torch import save_file
+
+    tensors = disk_tensors(path)
+    generator = torch.Generator().manual_seed(2)
+    mtp = {
+        name.replace("model.layers.2.", "model.layers.3.", 1): tensor
+        + 0.01 * torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+        for name, tensor in tensors.items()
+        if name.startswith("model.layers.2.")
+    }
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.3.{norm}.weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=generator)
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=generator)
+    mtp["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    out.mkdir()
+    save_file({**tensors, **mtp}, str(out / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_multi_token_prediction_layers_convert_both_ways_bit_exactly(tmp_path) -> None:
+    """DeepSeek's MTP layer (`model.layers.{num_hidden_layers}.*`) reads into our `mtp.3.*`
+    (the files say how many MTP layers there are), writes back under the same names and bytes
+    with num_nextn_predict_layers, and transformers still loads the written model (it builds
+    no MTP module) to the original logits."""
+    hf_config, _ = _case("moe_q_lora_yarn")
+    hf = _hf_model(hf_config)
+    hf.save_pretrained(tmp_path / "plain")
+    path = _with_mtp_layer(tmp_path / "plain", tmp_path / "hf")
+    source = HFSource(path)
+    assert source.model_config.mtp_num_layers == 1
+    names = source.tensors()
+    for name in ("mtp.3.eh_proj.weight", "mtp.3.head_norm.weight", "mtp.3.moe.expert_bias",
+                 "mtp.3.moe.experts.w1", "mtp.3.attention.wkv_b.weight"):  # fmt: skip
+        assert name in names, name
+    assert not any(name.startswith("layers.3.") for name in names)
+    model = load_from_source(source)  # every name is a parameter or buffer of our MTP model
+    assert list(model.mtp) == ["3"]
+
+    memory = InMemorySource(source.model_config, {n: source.read(n) for n in names})
+    out = write_hf(memory, tmp_path / "out")
+    original, written = disk_tensors(path), disk_tensors(out)
+    assert sorted(original) == sorted(written)
+    for tensor_name, tensor in original.items():
+        assert torch.equal(written[tensor_name], tensor), tensor_name
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        assert (reloaded(input_ids=tokens).logits - expected).abs().max() < 1e-4
+        assert (model.logits(tokens) - expected).abs().max() < 1e-4

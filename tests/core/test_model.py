@@ -245,6 +245,33 @@ def test_moe_aux_losses_by_hand() -> None:
     assert moe.router.weight.grad.abs().sum() > 0
 
 
+def test_sequence_wise_balance_loss_by_hand() -> None:
+    """DeepSeek-V3's sequence-wise loss: per sequence, E/(K T) * counts . mean normalised
+    sigmoid scores; averaged over the sequences (not the micro-batch formula)."""
+    moe = _moe(
+        score_function="sigmoid", aux_loss_coeff=0.1, aux_loss_type="sequence", expert_bias=True
+    )
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))  # chooses, never weighs
+    x = torch.randn(3, 7, 32)
+    moe(x)
+    per_sequence = []
+    for seq in x:
+        scores = torch.sigmoid(moe.router(seq))
+        chosen = (scores + moe.expert_bias).topk(2).indices
+        counts = torch.tensor([(chosen == e).sum().item() for e in range(4)], dtype=torch.float)
+        normalised = scores / scores.sum(-1, keepdim=True)
+        per_sequence.append((4 / (2 * 7) * counts * normalised.mean(0)).sum())
+    expected = 0.1 * torch.stack(per_sequence).mean()
+    torch.testing.assert_close(moe.aux_loss, expected)
+    batch_wise = _moe(score_function="sigmoid", aux_loss_coeff=0.1, expert_bias=True)
+    batch_wise.load_state_dict(moe.state_dict())
+    batch_wise(x)
+    assert not torch.allclose(batch_wise.aux_loss, expected)
+    moe.aux_loss.backward()
+    assert moe.router.weight.grad.abs().sum() > 0
+
+
 def test_model_collects_moe_aux_loss() -> None:
     model = build(_small(moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.01)))
     assert build(_small()).moe_aux_loss() is None

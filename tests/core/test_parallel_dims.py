@@ -38,10 +38,8 @@ def test_bad_degrees_are_rejected(kwargs, message):
 
 def test_ep_borrows_data_and_context_parallel_ranks_only():
     assert ParallelDims(cp=2, ep=4, world_size=4).ep == 4  # dp 2 * cp 2
-    # Experts are not split over tensor-parallel ranks (no expert tensor parallelism), and the
-    # layout tests prove ep over dp (x cp) equal to one device, so ep beside tp is refused.
-    with pytest.raises(ValueError, match=r"ep > 1 with tp > 1 .* not supported"):
-        ParallelDims(tp=2, ep=2, world_size=4)
+    # Experts are whole on every tensor-parallel rank: ep takes the dp ranks of one tp index.
+    assert ParallelDims(tp=2, ep=2, world_size=4).ep == 2
     with pytest.raises(ValueError, match=r"ep \(4\) must divide dp \* cp \(2\)"):
         ParallelDims(tp=2, ep=4, world_size=4)
 
@@ -138,3 +136,25 @@ def test_build_mesh_names_every_dimension(tmp_path):
         assert out["dp_rank"] == rank
         assert "unknown mesh 'nope'" in out["error"]
         assert out["dp_sizes"] == (2, 2)
+
+
+def _expert_groups(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    dims = ParallelDims(tp=2, ep=2, world_size=world_size)
+    dims.build_mesh("cpu")
+    ranks = {n: dist.get_process_group_ranks(dims.get_mesh(n).get_group()) for n in ("ep", "tp")}
+    ranks["micro_batch"] = dist.get_process_group_ranks(dims.micro_batch_group(True))
+    ranks["micro_batch_without_sp"] = dims.micro_batch_group(False)
+    return ranks
+
+
+@pytest.mark.dist
+def test_ep_beside_tp_groups_the_data_parallel_ranks_of_one_tp_index(tmp_path):
+    results = run_distributed(_expert_groups, 4, tmp_path)
+    for rank, out in enumerate(results):  # ranks (dp, tp): 0 (0, 0), 1 (0, 1), 2 (1, 0), 3 (1, 1)
+        assert out["ep"] == [rank % 2, rank % 2 + 2]
+        assert out["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
+        # Under sequence parallelism a micro-batch's tokens are split over tp (x cp).
+        assert out["micro_batch"] == out["tp"]
+        assert out["micro_batch_without_sp"] is None

@@ -19,8 +19,13 @@ dp4 (4 processes) and under one process, and the next losses equal those of an u
 run. The ep2 runs of `tiny_moe` and `tiny_qwen3_moe`, and the tp2 x pp2 run of `tiny_qwen3`,
 resume in one process (experts and shards gathered) the same way.
 
-Qwen3-MoE's rows use ep2 and ep2 x dp2: expert parallelism combined with tensor parallelism
-(ep2 x tp2) is refused by the layout rules.
+Expert parallelism beside tensor parallelism (ep2 x tp2: experts whole on each rank, the ep
+group made of the data-parallel ranks of one tp index) has rows for `tiny_moe` (with and
+without sequence parallelism), `tiny_qwen3_moe` and `tiny_deepseek_v3`. DeepSeek-V3's rows
+(latent attention, a dense first layer, shared experts, grouped sigmoid routing and the
+balancing bias, which moves after every step) are tp2 with sequence parallelism, ep2, cp2, pp2
+(the dense layer on stage 0) and ep2 x tp2; its ep2 and ep2 x tp2 checkpoints resume in one
+process.
 """
 
 from __future__ import annotations
@@ -72,7 +77,13 @@ DENSE_ONLY = {
 }
 MOE_ONLY = {
     2: {"ep2": ["parallel.ep=2"]},  # the two data-parallel ranks hold two experts each
-    4: {"ep2_dp2": ["parallel.ep=2"]},  # experts over 2 ranks, each half sharded over 2
+    4: {
+        "ep2_dp2": ["parallel.ep=2"],  # experts over 2 ranks, each half sharded over 2
+        # ep over the two data-parallel ranks of each tp index; each tp rank routes its share
+        # of the sequence (sequence parallelism) or all of it (without).
+        "ep2_tp2": ["parallel.ep=2", "parallel.tp=2"],
+        "ep2_tp2_no_sp": ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=false"],
+    },
 }
 QWEN3_ROWS = {
     2: [
@@ -83,7 +94,18 @@ QWEN3_ROWS = {
     4: [
         ("tiny_qwen3", "tp2_pp2", DENSE_AND_MOE[4]["tp2_pp2"]),
         ("tiny_qwen3_moe", "ep2_dp2", MOE_ONLY[4]["ep2_dp2"]),
+        ("tiny_qwen3_moe", "ep2_tp2", MOE_ONLY[4]["ep2_tp2"]),
     ],
+}
+DEEPSEEK_V3_ROWS = {
+    2: [
+        ("tiny_deepseek_v3", "tp2_sp", DENSE_AND_MOE[2]["tp2_sp"]),
+        ("tiny_deepseek_v3", "ep2", MOE_ONLY[2]["ep2"]),
+        ("tiny_deepseek_v3", "cp2", DENSE_AND_MOE[2]["cp2"]),
+        # 4 layers over 2 stages: the dense layer 0 and MoE layer 1 on stage 0.
+        ("tiny_deepseek_v3", "pp2_1f1b", DENSE_AND_MOE[2]["pp2_1f1b"]),
+    ],
+    4: [("tiny_deepseek_v3", "ep2_tp2", MOE_ONLY[4]["ep2_tp2"])],
 }
 
 
@@ -105,7 +127,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """The single-process run of each recipe."""
     tmp = tmp_path_factory.mktemp("single")
     out = {}
-    for recipe in ("tiny", "tiny_moe", "tiny_qwen3", "tiny_qwen3_moe"):
+    for recipe in ("tiny", "tiny_moe", "tiny_qwen3", "tiny_qwen3_moe", "tiny_deepseek_v3"):
         result = _train_and_probe(recipe, _sets(recipe, tmp / recipe))
         result.pop("first_of_stage")
         result["checkpoints"] = tmp / recipe / "checkpoints"
@@ -117,7 +139,8 @@ def _layouts(world_size: int) -> list[tuple[str, str, list[str]]]:
     both = [(r, n, s) for r in ("tiny", "tiny_moe") for n, s in DENSE_AND_MOE[world_size].items()]
     dense = [("tiny", n, s) for n, s in DENSE_ONLY.get(world_size, {}).items()]
     moe = [("tiny_moe", n, s) for n, s in MOE_ONLY.get(world_size, {}).items()]
-    return both + dense + moe + QWEN3_ROWS.get(world_size, [])
+    families = QWEN3_ROWS.get(world_size, []) + DEEPSEEK_V3_ROWS.get(world_size, [])
+    return both + dense + moe + families
 
 
 def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict]) -> list[str]:
@@ -161,6 +184,7 @@ def test_layouts_equal_one_device(tmp_path: Path, reference: dict, world_size: i
     if world_size == 4:
         _assert_tp2_pp2_exports_the_single_device_model(tmp_path, reference)
         _assert_resumes_in_one_process(tmp_path, "tiny_qwen3", "tp2_pp2")
+        _assert_resumes_in_one_process(tmp_path, "tiny_deepseek_v3", "ep2_tp2")
     if world_size == 2:
         # Experts move too: the ep2 checkpoint resumes in one process, where every expert is
         # local, and continues as the uninterrupted run does.

@@ -423,6 +423,17 @@ def test_llama3_8b_memory_estimate():
     assert mem.activations_none == pytest.approx(32 * per_layer + logits)
 
 
+def test_experts_are_whole_on_each_tp_rank_in_the_memory_estimate():
+    """ep beside tp: experts split over ep (and pp) only, then sharded over dp / ep; the
+    other parameters over tp, then over dp."""
+    cfg = load_recipe("qwen3_30b_a3b")
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = 2, 1, 4
+    counts = parameter_counts(cfg.model_config())
+    mem = estimate_memory(cfg, cfg.model_config(), world_size=16)  # dp 8, edp 2
+    dense = counts.total - counts.expert
+    assert mem.state == pytest.approx(16 * (dense / 2 / 8 + counts.expert / 4 / 2))
+
+
 def test_dry_run_report_llama3_8b():
     lines = dry_run_report(load_recipe("llama3_8b"), world_size=8)
     text = "\n".join(lines)

@@ -73,6 +73,10 @@ class MoEConfig:
     top_k: int = 2
     ffn_hidden_size: int | None = None  # per expert; None: the dense ffn_hidden_size
     aux_loss_coeff: float = 0.01  # load-balancing loss (Switch/Megatron formulation)
+    # Over what the balance loss counts: "micro_batch" (Switch/Megatron's aux_loss) or
+    # "sequence" (DeepSeek-V3's sequence-wise loss, Megatron's seq_aux_loss: the same formula
+    # per sequence, averaged over the sequences).
+    aux_loss_type: str = "micro_batch"
     z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     capacity_factor: float | None = None  # None: dropless; else tokens over capacity are dropped
     # Divide the k chosen probabilities by their sum (Mixtral; Qwen3-MoE's `norm_topk_prob`);
@@ -117,6 +121,11 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Megatron's scaled init: output projections of each block use std / sqrt(2 * num_layers).
     use_scaled_init: bool = True
+    # Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers, Megatron's --mtp-num-layers):
+    # modules predicting 2 .. D + 1 tokens ahead, trained with weight
+    # mtp_loss_scaling_factor / D each (Megatron's --mtp-loss-scaling-factor). 0: none.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -141,6 +150,8 @@ class ModelConfig:
             raise ValueError(f"moe.top_k {moe.top_k} > moe.num_experts {moe.num_experts}")
         if moe.layer_step < 1:
             raise ValueError(f"moe.layer_step must be >= 1, got {moe.layer_step}")
+        if moe.aux_loss_type not in ("micro_batch", "sequence"):
+            raise ValueError(f"moe.aux_loss_type {moe.aux_loss_type!r}: micro_batch or sequence")
         if moe.score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"moe.score_function {moe.score_function!r}: softmax or sigmoid")
         if moe.num_experts % moe.num_groups or not 1 <= moe.topk_groups <= moe.num_groups:

@@ -103,11 +103,11 @@ def qwen3_30b_a3b() -> ModelConfig:
 
 def _deepseek_moe(**fields) -> MoEConfig:
     """DeepSeekMoE routing: sigmoid scores, renormalised top-k, the balancing bias, one shared
-    expert; the balance loss at the weight of DeepSeek-V3's config.json (`aux_loss_alpha`),
-    computed over the micro-batch rather than per sequence."""
+    expert; the sequence-wise balance loss at the weight of DeepSeek-V3's config.json
+    (`aux_loss_alpha`, `seq_aux`)."""
     values = dict(
         score_function="sigmoid", norm_topk_prob=True, expert_bias=True, num_shared_experts=1,
-        aux_loss_coeff=1e-3,
+        aux_loss_coeff=1e-3, aux_loss_type="sequence",
     )  # fmt: skip
     return MoEConfig(**(values | fields))
 

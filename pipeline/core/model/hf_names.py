@@ -53,7 +53,43 @@ _NAME_PAIRS: list[tuple[str, str]] = [
         "model.layers.{i}.mlp.shared_experts.down_proj.weight",
         "layers.{i}.moe.shared_experts.w2.weight",
     ),
+    # DeepSeek-V3's multi-token prediction modules (layers past num_hidden_layers; ours are
+    # `mtp.{i}.*`, see `mtp_name`).
+    ("model.layers.{i}.enorm.weight", "layers.{i}.enorm.weight"),
+    ("model.layers.{i}.hnorm.weight", "layers.{i}.hnorm.weight"),
+    ("model.layers.{i}.eh_proj.weight", "layers.{i}.eh_proj.weight"),
+    ("model.layers.{i}.shared_head.norm.weight", "layers.{i}.head_norm.weight"),
 ]
+# What DeepSeek stores in each MTP layer as copies of the shared embedding and output layer.
+MTP_SHARED_COPIES = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
+_LAYER = re.compile(r"(layers|mtp)\.(\d+)\.(.*)")
+
+
+def mtp_name(name: str, num_layers: int) -> str:
+    """Our name for a layer parameter named as a main layer (`layers.{i}.*`): multi-token
+    prediction modules (i >= num_layers) are `mtp.{i}.*`; other names unchanged."""
+    m = _LAYER.fullmatch(name)
+    if m and m.group(1) == "layers" and int(m.group(2)) >= num_layers:
+        return f"mtp.{m.group(2)}.{m.group(3)}"
+    return name
+
+
+def as_layer_name(name: str) -> str:
+    """`mtp.{i}.*` spelled as the layer `layers.{i}.*` (HF numbers MTP modules as layers)."""
+    m = _LAYER.fullmatch(name)
+    return f"layers.{m.group(2)}.{m.group(3)}" if m and m.group(1) == "mtp" else name
+
+
+def mtp_shared_copy(hf_name: str) -> str | None:
+    """For an MTP layer's copy of the embedding or output layer (`model.layers.{i}.
+    embed_tokens.weight`, `...shared_head.head.weight`), the shared tensor's name; else None."""
+    for suffix, ours in MTP_SHARED_COPIES.items():
+        if re.fullmatch(rf"model\.layers\.\d+\.{re.escape(suffix)}", hf_name):
+            return ours
+    return None
 
 
 def _regex(template: str) -> re.Pattern[str]:

@@ -122,13 +122,16 @@ class MoE(nn.Module):
 
     `aux_loss_scale`: attach the aux-loss gradient with this weight (None: the caller adds
     `aux_loss` to its loss itself). `micro_batch_group`: the ranks one micro-batch's tokens are
-    split over (context parallelism), None when this rank holds whole micro-batches.
+    split over (context parallelism, and tp under sequence parallelism), None when this rank
+    holds whole micro-batches.
 
     After each forward: `aux_loss` (coefficient-weighted load-balancing + z-loss, or None when
-    both coefficients are 0), `tokens_per_expert` (assignments per expert, before dropping) and
-    `num_dropped` (assignments over capacity, 0 when dropless). With `expert_bias`, training
-    forwards also add this rank's assignments per expert to `expert_load` (float32 `[E]`), which
-    the bias update reads and resets (`pipeline.train.expert_bias`).
+    both coefficients are 0; the balance term per micro-batch or, with `config.aux_loss_type`
+    "sequence", per sequence and averaged), `tokens_per_expert` (assignments per expert,
+    before dropping) and `num_dropped` (assignments over capacity, 0 when dropless). With
+    `expert_bias`, training forwards also add this rank's assignments per expert to
+    `expert_load` (float32 `[E]`), which the bias update reads and resets
+    (`pipeline.train.expert_bias`).
     """
 
     def __init__(
@@ -168,7 +171,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits = self.router(x)
         probs, topk_weights, topk_idx = self.route(logits)
-        self.aux_loss = self._aux_loss(logits, probs, topk_idx)
+        sequences = shape[0] if len(shape) == 3 else 1
+        self.aux_loss = self._aux_loss(logits, probs, topk_idx, sequences)
         if self.config.expert_bias and self.training:
             self._add_load(topk_idx)
 
@@ -237,39 +241,48 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token_idx, expert_out)
 
     def _aux_loss(
-        self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
+        self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, sequences: int
     ) -> torch.Tensor | None:
-        """Coefficient-weighted load-balancing + z-loss of this forward's tokens (with
-        `micro_batch_group`: this rank's share of the loss over the whole group's tokens)."""
+        """Coefficient-weighted load-balancing + z-loss of this forward's tokens, `sequences`
+        sequences of equal length (with `micro_batch_group`: this rank's share of the loss over
+        the whole group's tokens)."""
         c = self.config
         if c.aux_loss_coeff <= 0 and c.z_loss_coeff <= 0:
             return None
-        if self.micro_batch_group is None:
-            terms = []
-            if c.aux_loss_coeff > 0:
-                terms.append(c.aux_loss_coeff * load_balancing_loss(probs, topk_idx))
-            if c.z_loss_coeff > 0:
-                terms.append(c.z_loss_coeff * router_z_loss(logits))
-            return sum(terms)
-        return self._group_aux_loss(logits, probs, topk_idx)
+        if c.aux_loss_type == "sequence" or self.micro_batch_group is not None:
+            rows = sequences if c.aux_loss_type == "sequence" else 1
+            return self._group_aux_loss(logits, probs, topk_idx, rows)
+        terms = []
+        if c.aux_loss_coeff > 0:
+            terms.append(c.aux_loss_coeff * load_balancing_loss(probs, topk_idx))
+        if c.z_loss_coeff > 0:
+            terms.append(c.z_loss_coeff * router_z_loss(logits))
+        return sum(terms)
 
     def _group_aux_loss(
-        self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor
+        self, logits: torch.Tensor, probs: torch.Tensor, topk_idx: torch.Tensor, rows: int
     ) -> torch.Tensor:
-        """The single-device formulas with the expert counts and token count summed over
-        `micro_batch_group`: the ranks' results add up to the loss of the whole micro-batch."""
+        """The single-device formulas over `rows` equal runs of tokens (1: the micro-batch;
+        the sequences for the sequence-wise loss, whose balance terms are averaged), with the
+        expert and token counts summed over `micro_batch_group` when set: the ranks' results
+        then add up to the loss of the whole micro-batch."""
         c = self.config
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=c.num_experts).float()
-        stats = torch.cat([counts, counts.new_full((1,), float(probs.shape[0]))])
-        dist.all_reduce(stats, group=self.micro_batch_group)
-        counts, tokens = stats[:-1], stats[-1]
+        assignments = topk_idx.reshape(rows, -1)
+        counts = probs.new_zeros(rows, c.num_experts)
+        counts.scatter_add_(1, assignments, torch.ones_like(assignments, dtype=counts.dtype))
+        tokens = counts.new_full((rows, 1), probs.shape[0] / rows)
+        stats = torch.cat([counts, tokens], dim=1)
+        if self.micro_batch_group is not None:
+            dist.all_reduce(stats, group=self.micro_batch_group)
+        counts, tokens = stats[:, :-1], stats[:, -1:]
         loss = probs.new_zeros(())
         if c.aux_loss_coeff > 0:
             f = counts / (tokens * c.top_k)
-            loss = loss + c.aux_loss_coeff * c.num_experts * (f * probs.sum(0) / tokens).sum()
+            p = probs.reshape(rows, -1, c.num_experts).sum(1) / tokens
+            loss = loss + c.aux_loss_coeff * c.num_experts * (f * p).sum(1).mean()
         if c.z_loss_coeff > 0:
             lse = torch.logsumexp(logits.float(), dim=-1)
-            loss = loss + c.z_loss_coeff * lse.pow(2).sum() / tokens
+            loss = loss + c.z_loss_coeff * lse.pow(2).sum() / tokens.sum()
         return loss
 
     def init_weights(self, std: float, out_std: float) -> None:

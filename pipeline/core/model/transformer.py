@@ -50,7 +50,8 @@ class ModelOptions:
     activations in backward ("none", "full" or "selective"). moe_aux_loss_scale: each MoE layer
     attaches the gradient of `scale * aux_loss` to its output (None: the caller adds the aux loss
     itself). moe_micro_batch_group: the process group one micro-batch's tokens are split over
-    (context parallelism), so router statistics are those of the whole micro-batch.
+    (context parallelism, and tp under sequence parallelism), so router statistics are those of
+    the whole micro-batch.
     """
 
     attention_backend: str = "sdpa"
@@ -406,6 +407,20 @@ class Transformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Multi-token prediction modules by global layer index (`pipeline.core.model.mtp`); the
+        # last block's output (before `norm`) is kept for them after each forward.
+        self.mtp: nn.ModuleDict | None = None
+        self.mtp_input: torch.Tensor | None = None
+        if config.mtp_num_layers:
+            from pipeline.core.model.mtp import MTPLayer
+
+            first = config.num_layers
+            self.mtp = nn.ModuleDict(
+                {
+                    str(i): MTPLayer(config, self.options, i)
+                    for i in range(first, first + config.mtp_num_layers)
+                }
+            )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -439,6 +454,8 @@ class Transformer(nn.Module):
         rope = self.rope(position_ids)
         for layer in self.layers.values():
             h = layer(h, rope, document_ids)
+        if self.mtp is not None:
+            self.mtp_input = h
         return self.norm(h) if self.norm is not None else h
 
     def logits(
@@ -476,10 +493,13 @@ class Transformer(nn.Module):
             yield "norm", self.norm, self.norm.init_weights
         if self.output is not None and not c.tie_word_embeddings:
             yield "output", self.output, functools.partial(init_linear, self.output, std)
+        for i, layer in (self.mtp or {}).items():
+            yield f"mtp.{i}", layer, functools.partial(layer.init_weights, std, out_std)
 
     def moe_layers(self) -> dict[str, MoE]:
-        """The MoE modules of the layers this model (or pipeline stage) holds, by layer index."""
-        return moe_layers(self.layers)
+        """The MoE modules of the layers this model (or pipeline stage) holds, by layer index
+        (multi-token prediction modules after the main layers)."""
+        return moe_layers({**self.layers, **(self.mtp or {})})
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum over layers of the load-balancing and z-losses of the last forward (already

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.core.model.transformer import Attention
+from pipeline.core.model.transformer import Attention, LatentAttention
 
 
 def _chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -188,13 +188,14 @@ class ContextParallelAttention(nn.Module):
 def apply_context_parallel(
     model: nn.Module, cp_group: dist.ProcessGroup | None, cp_rank: int, cp_size: int
 ) -> nn.Module:
-    """Make every `Attention` in `model` attend over the whole cp-sharded context, in place, by
-    swapping its kernel for a `ContextParallelAttention`.
+    """Make every attention module in `model` (grouped-query or latent: each calls its
+    `kernel`) attend over the whole cp-sharded context, in place, by swapping its kernel for a
+    `ContextParallelAttention`.
 
     The model's inputs must then be this rank's shards (`shard_sequence`) with global
     `position_ids` (`cp_position_ids`).
     """
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, LatentAttention)):
             module.kernel = ContextParallelAttention(cp_group, cp_rank, cp_size)
     return model

@@ -11,10 +11,10 @@ outermost split. Every dimension is built, degree-1 ones included, so callers ne
 whether a name exists.
 
 Expert parallelism borrows ranks rather than adding a mesh dimension: as in Megatron-LM with an
-expert tensor-parallel size of 1, the dp x cp ranks of one pipeline stage (those holding
-different tokens) are regrouped into (edp, ep), ep innermost, so `ep` must divide dp * cp and
-tensor parallelism is refused beside it (experts are not split over tp). That regrouping is a
-second mesh over the same ranks, named ("pp", "edp", "ep").
+expert tensor-parallel size of 1, the dp x cp ranks of one pipeline stage and one tensor-parallel
+index (those holding different tokens) are regrouped into (edp, ep), ep innermost, so `ep` must
+divide dp * cp; experts are whole on every rank, never split over tp. That regrouping is a
+second mesh over the same ranks, named ("pp", "edp", "ep", "tp").
 
 Every rule lives in `pipeline.core.parallel.layout_rules` (torch-free, so the config can check
 a layout without importing torch): the constructor and `validate_for_model` raise its
@@ -146,7 +146,9 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The ("pp", "dp", "cp", "tp") mesh over all ranks, plus the flattened "dp_cp" mesh
-        (FSDP shards over it) and, with ep > 1, the ("pp", "edp", "ep") expert mesh.
+        (FSDP shards over it), with tp > 1 the flattened "cp_tp" mesh (the ranks one
+        micro-batch's tokens are split over under sequence parallelism) and, with ep > 1, the
+        ("pp", "edp", "ep", "tp") expert mesh.
 
         Needs an initialised default process group of `world_size` ranks; every rank must call it.
         """
@@ -156,11 +158,13 @@ class ParallelDims:
         )
         self._meshes = {"world": mesh}
         self._meshes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")
+        if self.tp > 1:
+            self._meshes["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp")
         if self.ep > 1:
             edp = self.dp * self.cp // self.ep
-            ranks = mesh.mesh.reshape(self.pp, edp, self.ep)
+            ranks = mesh.mesh.reshape(self.pp, edp, self.ep, self.tp)
             self._meshes["expert"] = DeviceMesh(
-                device_type, ranks, mesh_dim_names=("pp", "edp", "ep")
+                device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp")
             )
         return mesh
 
@@ -171,17 +175,20 @@ class ParallelDims:
         return self._meshes["world"]
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """The 1-D mesh named "pp", "dp", "cp", "tp", "dp_cp", or (ep > 1) "ep" / "edp"."""
+        """The 1-D mesh named "pp", "dp", "cp", "tp", "dp_cp", (tp > 1) "cp_tp", or (ep > 1)
+        "ep" / "edp"."""
         world = self.world_mesh
         if name in MESH_DIMS:
             return world[name]
-        if name == "dp_cp":
-            return self._meshes["dp_cp"]
+        if name in ("dp_cp", "cp_tp") and name in self._meshes:
+            return self._meshes[name]
         if name in ("ep", "edp"):
             if "expert" not in self._meshes:
                 raise ValueError(f"no {name!r} mesh: ep is {self.ep}")
             return self._meshes["expert"][name]
-        raise ValueError(f"unknown mesh {name!r}; have {', '.join(MESH_DIMS)}, dp_cp, ep, edp")
+        raise ValueError(
+            f"unknown mesh {name!r}; have {', '.join(MESH_DIMS)}, dp_cp, cp_tp, ep, edp"
+        )
 
     # -- this process's place, and the groups named for their use ---------------------------
 
@@ -220,6 +227,14 @@ class ParallelDims:
     def context_group(self) -> dist.ProcessGroup | None:
         """The cp ranks one micro-batch's sequences are split over (None without cp)."""
         return self._group("cp", self.cp)
+
+    def micro_batch_group(self, sequence_parallel: bool) -> dist.ProcessGroup | None:
+        """The ranks one micro-batch's tokens are split over: cp, and under sequence
+        parallelism tp too (each tp rank's MoE layers route only its share of the sequence);
+        None when this rank holds whole micro-batches."""
+        if sequence_parallel and self.tp > 1:
+            return self.get_mesh("cp_tp").get_group()
+        return self.context_group
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:

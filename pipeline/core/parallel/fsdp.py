@@ -23,6 +23,7 @@ parameters stay registered from the root's forward until its gradients are reduc
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -192,9 +193,9 @@ def global_token_count(
 
 @torch.no_grad()
 def copy_full_weights_(model: nn.Module, full_state: dict[str, torch.Tensor]) -> None:
-    """Fill the parameters of a sharded/replicated model named in `full_state` (all of them, or
-    some) from full (unsharded) tensors; each rank keeps its own shard. Every rank of a
-    parameter's mesh must pass the same tensor for it.
+    """Fill the parameters and buffers (e.g. DeepSeek's expert bias) of a sharded/replicated
+    model named in `full_state` (all of them, or some) from full (unsharded) tensors; each rank
+    keeps its own shard. Every rank of a parameter's mesh must pass the same tensor for it.
 
     Why: on a CPU mesh DTensor has no RNG tracker (torch supports it only on CUDA-like
     devices), so `init_weights()` after `to_empty` draws every rank's shard from the same
@@ -203,7 +204,7 @@ def copy_full_weights_(model: nn.Module, full_state: dict[str, torch.Tensor]) ->
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for name, param in model.named_parameters():
+    for name, param in itertools.chain(model.named_parameters(), model.named_buffers()):
         if name not in full_state:
             continue
         full = full_state[name].to(device=param.device, dtype=param.dtype)

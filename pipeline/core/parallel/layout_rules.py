@@ -5,9 +5,10 @@
 union of both with the config-level rules (schedule names, stage sizes, data-parallel mode,
 batch divisibility), among its other problems. Messages name the config fields to change.
 
-The expert-parallel rule: experts are spread over the ranks holding different tokens (dp x cp),
-so ep must divide dp * cp, and ep > 1 is refused beside tp > 1 (no expert tensor parallelism):
-this is what `ExpertParallelMoE` and the FSDP grouping implement and the layout tests prove.
+The expert-parallel rule: experts are spread over the ranks holding different tokens (dp x cp)
+of one tensor-parallel index, so ep must divide dp * cp; experts are never split over tp (an
+expert tensor-parallel size of 1, as in Megatron): this is what `ExpertParallelMoE` and the
+FSDP grouping implement and the layout tests prove.
 """
 
 from __future__ import annotations
@@ -43,18 +44,12 @@ def degree_problems(
             problems.append(
                 f"tp*pp*cp*dp = {dp * model_parallel} does not match world size {world_size}"
             )
-    if ep > 1:
-        if world_size is not None or dp != -1:
-            token_ranks = resolve_dp(dp, tp * pp * cp, world_size) * cp
-            if token_ranks % ep:
-                problems.append(
-                    f"parallel.ep ({ep}) must divide dp * cp ({token_ranks}): experts are spread "
-                    "over the ranks holding different tokens"
-                )
-        if tp > 1:
+    if ep > 1 and (world_size is not None or dp != -1):
+        token_ranks = resolve_dp(dp, tp * pp * cp, world_size) * cp
+        if token_ranks % ep:
             problems.append(
-                "parallel.ep > 1 with tp > 1 (expert tensor parallelism) is not supported; "
-                "experts are split over the data- and context-parallel ranks only"
+                f"parallel.ep ({ep}) must divide dp * cp ({token_ranks}): experts are spread "
+                "over the ranks holding different tokens"
             )
     return problems
 
@@ -93,6 +88,11 @@ def model_problems(
             problems.append(f"parallel.ep = {ep} needs a MoE model; {model_name} is dense")
         elif model.moe.num_experts % ep:
             problems.append(f"parallel.ep ({ep}) must divide num_experts ({model.moe.num_experts})")
+    if getattr(model, "mtp_num_layers", 0) and (tp > 1 or pp > 1 or cp > 1):
+        problems.append(
+            "model.mtp_num_layers > 0 (multi-token prediction) runs with dp and ep only; "
+            "set parallel.tp, pp and cp to 1"
+        )
     if cp > 1 and seq_length % (2 * cp):
         problems.append(f"data.seq_length ({seq_length}) must be divisible by 2 * cp = {2 * cp}")
     if sequence_parallel and tp > 1:

@@ -94,10 +94,34 @@ def build_stages(
     by a metadata exchange, so micro-batch shapes may change between runs of `build_schedule`."""
     if len(modules) != len(stage_indices):
         raise ValueError(f"{len(modules)} modules for {len(stage_indices)} stage indices")
-    return [
+    stages = [
         PipelineStage(module, index, num_stages, device, group=group)
         for module, index in zip(modules, stage_indices, strict=True)
     ]
+    for stage in stages:
+        _keep_expert_loads_out_of_metadata_inference(stage)
+    return stages
+
+
+def _keep_expert_loads_out_of_metadata_inference(stage: PipelineStage) -> None:
+    """The first step's metadata inference runs each stage's forward once more, on the first
+    micro-batch or (later stages) on uninitialised tensors of the right shape. Its routing must
+    not count in the expert loads that move DeepSeek's balancing bias: each MoE's load is put
+    back as it was before that forward. (A private torch method; without it nothing is done.)"""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    moes = [m for m in stage.submod.modules() if hasattr(m, "expert_load")]
+    if infer is None or not moes:
+        return
+
+    def without_loads(*args, **kwargs):
+        saved = [m.expert_load for m in moes]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for moe, load in zip(moes, saved, strict=True):
+                moe.expert_load = load
+
+    stage._forward_metadata_inference = without_loads
 
 
 def masked_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

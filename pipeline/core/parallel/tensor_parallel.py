@@ -18,8 +18,13 @@ all-gathers its input and reduce-scatters its output. The stream stays a DTensor
 local shard because `Transformer.forward` derives default position ids from the hidden states'
 sequence length, which must be the global one.
 
-MoE blocks are not split: experts stay replicated on every tp rank, which computes the whole MoE
-on the whole (gathered) sequence. Expert parallelism is a separate step.
+MoE blocks are not split: router, experts and shared experts are whole on every tp rank (an
+expert tensor-parallel size of 1, as in Megatron). Without sequence parallelism every tp rank
+computes the same MoE on the same tokens. With it, each tp rank routes (and, under expert
+parallelism, dispatches) only its own share of the sequence, so the MoE's parameters get
+gradients from that share only: `sum_moe_gradients` sums them over tp once after backward.
+Expert parallelism is a separate step, applied before this one (the MoE it swaps in is the one
+planned here).
 
 The output layer's weight becomes a vocabulary-sharded DTensor, which the single-device chunked
 loss cannot take; `tp_linear_cross_entropy` computes the same loss from the local vocabulary
@@ -135,8 +140,7 @@ def _block_plan(
         plan["ffn_norm"] = SequenceParallel()
     if block.is_moe:
         if sequence_parallel:
-            # Replicated experts see the whole sequence; the output is re-sharded for the stream.
-            plan["moe"] = _gather_then_reshard(stream)
+            plan["moe"] = _LocalTokens()
         return plan
     prepare = _styles(block, "feed_forward.w1", "feed_forward.w3")[2]
     plan["feed_forward"] = prepare(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
@@ -241,16 +245,46 @@ class _SettledRowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def _gather_then_reshard(stream: Shard) -> ParallelStyle:
-    """Gather a replicated module's input over the sequence and shard its output back onto it."""
-    return PrepareModuleInputOutput(
-        input_layouts=(stream,),
-        desired_input_layouts=(Replicate(),),
-        output_layouts=(Replicate(),),
-        desired_output_layouts=(stream,),
-        use_local_input=True,
-        use_local_output=False,
-    )
+class _LocalTokens(PrepareModuleInputOutput):
+    """A whole (not split) MoE under sequence parallelism: it runs on this rank's sequence shard
+    (the local tensor of its input) and its output is that shard of the stream. Its parameters
+    then hold this shard's gradient only, so the module is marked (`tp_grad_group`) for
+    `sum_moe_gradients`."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Shard(1),),
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(Shard(1),),
+            use_local_input=True,
+            use_local_output=False,
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_grad_group = device_mesh.get_group()
+        return super()._apply(module, device_mesh)
+
+
+@torch.no_grad()
+def sum_moe_gradients(model: nn.Module) -> None:
+    """Sum, over tp, the gradients of every MoE that routed only this rank's sequence shard
+    (see `_LocalTokens`); call once after a step's backward (gradients of all micro-batches
+    accumulated, after FSDP's reduction: each tp rank holds the same shard layout). One
+    all-reduce per such layer; a no-op for other models."""
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else {}
+    for moe in layers.values():
+        group = getattr(moe, "tp_grad_group", None)
+        grads = [p.grad for p in moe.parameters() if p.grad is not None]
+        if group is None or not grads:
+            continue
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flat = torch.cat([g.reshape(-1) for g in local])
+        torch.distributed.all_reduce(flat, group=group)
+        offset = 0
+        for g in local:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 # ---------------------------------------------------------------------------------------------
