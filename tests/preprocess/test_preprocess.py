@@ -320,6 +320,12 @@ def test_missing_inputs_and_tokenizer_are_named(tmp_path, tiny_tokenizer_dir):
     assert result.exit_code == 1 and "missing_tok" in result.output
 
 
+def _default_sigint() -> None:
+    """SIGINT at its default in a child, as from a terminal: a suite run as a background job
+    passes SIGINT on ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _open_fifo_for_writing(path: Path, proc: subprocess.Popen) -> int:
     """The write end of FIFO `path`, once `proc` has opened it for reading (fails if it exits)."""
     deadline = time.time() + 60
@@ -349,7 +355,8 @@ def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir
     out_dir.mkdir()
     command = [sys.executable, "-m", "pipeline", "preprocess", "-i", str(src), "-q", "--workers",
                "2", "--tokenizer", str(tiny_tokenizer_dir), "-o", str(out_dir / "c")]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=_default_sigint)  # fmt: skip
     with os.fdopen(_open_fifo_for_writing(src, proc), "w") as feed:
         line = json.dumps({"text": " ".join(SAMPLE_TEXTS) * 40}) + "\n"
         feed.write(line * 200)
