@@ -46,6 +46,14 @@ _GIGATOKEN = (
     "ids = tok.encode_files(gigatoken.JsonlFileSource([sys.argv[2]])); "
     "print(time.perf_counter() - t, int(ids.layout.offsets.data[-1]))"
 )
+# Runs a command and prints its wall seconds and own peak RSS (KiB). Started from this small
+# process rather than from the benchmark: Linux charges a child started by vfork + exec with
+# the peak RSS of the process that started it, and the benchmark's own grows past a gigabyte.
+_MEASURED = (
+    "import os, subprocess, sys, time; t = time.perf_counter(); "
+    "p = subprocess.Popen(sys.argv[1:], stdout=sys.stderr); _, s, u = os.wait4(p.pid, 0); "
+    "print(time.perf_counter() - t, u.ru_maxrss); sys.exit(os.waitstatus_to_exitcode(s))"
+)
 _LOAD = (
     "import sys, time; from pipeline.tokenizer.tokenizer import load_tokenizer; "
     "t = time.perf_counter(); load_tokenizer(sys.argv[1]); print(time.perf_counter() - t)"
@@ -131,16 +139,14 @@ def run_pipe(src: Path, tokenizer_dir: Path, out: Path, workers: int, env: dict)
     cmd += ["--workers", str(workers), "--overwrite", "--quiet"]
     QUIET.wait()
     with tempfile.TemporaryFile() as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS, no wrapper
-        elapsed = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
+        launcher = subprocess.run([sys.executable, "-c", _MEASURED, *cmd], stdout=subprocess.PIPE,
+                                  stderr=log, env=env, text=True)  # fmt: skip
+        if launcher.returncode != 0:
             log.seek(0)
             sys.exit(f"pipe preprocess failed:\n{log.read().decode(errors='replace')}")
+    elapsed, rss = launcher.stdout.split()
     manifest = json.loads(Path(f"{out}.json").read_text())
-    return elapsed, usage.ru_maxrss, manifest
+    return float(elapsed), int(rss), manifest
 
 
 def load_seconds(tokenizer_dir: Path, env: dict) -> float:
