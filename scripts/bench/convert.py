@@ -34,6 +34,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 GB = 1e9
+# Runs a command and prints its wall seconds and own peak RSS (KiB). Started from this small
+# process rather than from the benchmark: Linux charges a child started by vfork + exec with
+# the peak RSS of the process that started it, and the benchmark's grows while it writes.
+_MEASURED = (
+    "import os, subprocess, sys, time; t = time.perf_counter(); "
+    "p = subprocess.Popen(sys.argv[1:], stdout=sys.stderr); _, s, u = os.wait4(p.pid, 0); "
+    "print(time.perf_counter() - t, u.ru_maxrss); sys.exit(os.waitstatus_to_exitcode(s))"
+)
 NO_VERIFY = ["--no-verify-checksums"]
 
 
@@ -88,19 +96,17 @@ def copy_files(source: Path, target: Path) -> None:
 def run_child(what: str, arguments: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in GB) of `python -m pipeline ARGUMENTS` in a fresh process."""
     with tempfile.TemporaryFile("w+") as output:
-        start = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-m", "pipeline", *arguments], cwd=ROOT,
-                                 stdout=output, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage
-        child.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.perf_counter() - start
+        command = [sys.executable, "-m", "pipeline", *arguments]
+        launcher = subprocess.run([sys.executable, "-c", _MEASURED, *command], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=output, text=True)  # fmt: skip
         output.seek(0)
         text = output.read().strip()
-    if child.returncode != 0:
+    if launcher.returncode != 0:
         raise SystemExit(f"{what} failed:\n{text}")
     print(text)
     os.sync()
-    return seconds, usage.ru_maxrss * 1024 / GB
+    seconds, rss_kib = launcher.stdout.split()
+    return float(seconds), int(rss_kib) * 1024 / GB
 
 
 def report(what: str, seconds: float, peak_gb: float, size: int, copy_s: float) -> None:
