@@ -1,16 +1,17 @@
 """Read a megatron-core `torch_dist` checkpoint (GPT/Llama) as a `TensorSource`, without Megatron.
 
-A torch_dist checkpoint (docs/formats.md, "Megatron torch_dist checkpoints") is a DCP directory
-whose keys are TP- and PP-independent global tensors: per-layer weights are stacked on a leading
-layer axis (`decoder.layers.self_attention.linear_qkv.weight` is `[L, rows, hidden]`), attention's
-q/k/v are fused group by group, SwiGLU's gate and up are fused as `[gate; up]`, and the embedding
-and output rows are padded to a multiple of 128 * TP. `MegatronSource` reads `.metadata` with a
-restricted unpickler, derives our `ModelConfig` from the tensor shapes plus Megatron's stored
-`args`, and reads one layer's box of one key at a time with DCP (`no_dist=True`), so memory stays
-near one layer's tensor rather than the `[L, ...]` stack. DCP reads every saved item overlapping
-the box whole (pytorch#76331); Megatron saves one item per layer and TP shard, so that is at most
-one layer's tensor, and for the embedding one vocabulary shard per TP rank. Un-fusing q/k/v or
-gate/up keeps the last layer's fused parts, so each fused tensor is read once.
+A torch_dist checkpoint (described in this repository's docs/formats.md, section "Megatron
+torch_dist checkpoints") is a DCP directory whose keys are TP- and PP-independent global tensors:
+per-layer weights are stacked on a leading layer axis
+(`decoder.layers.self_attention.linear_qkv.weight` is `[L, rows, hidden]`), attention's q/k/v are
+fused group by group, SwiGLU's gate and up are fused as `[gate; up]`, and the embedding and output
+rows are padded to a multiple of 128 * TP. `MegatronSource` reads `.metadata` with a restricted
+unpickler, derives our `ModelConfig` from the tensor shapes plus Megatron's stored `args`, and
+reads one layer's box of one key at a time with DCP (`no_dist=True`), so memory stays near one
+layer's tensor rather than the `[L, ...]` stack. DCP reads every saved item overlapping the box
+whole (pytorch#76331); Megatron saves one item per layer and TP shard, so that is at most one
+layer's tensor, and for the embedding one vocabulary shard per TP rank. Un-fusing q/k/v or gate/up
+keeps the last layer's fused parts, so each fused tensor is read once.
 
 Handled keys (TE names; the local spec saves its norms under the same keys):
 `embedding.word_embeddings.weight`, `decoder.layers.self_attention.linear_qkv.layer_norm_weight`

@@ -1,5 +1,6 @@
 """FP8 in NVIDIA Model Optimizer's "unified Hugging Face checkpoint" format, which the
-TensorRT-LLM PyTorch backend, vLLM and SGLang load (docs/formats.md, "FP8 Hugging Face export").
+TensorRT-LLM PyTorch backend, vLLM and SGLang load (this repository's docs/formats.md, section
+"FP8 Hugging Face export").
 
 The checkpoint is the `pipe convert --to hf` one with the Hugging Face tensor names unchanged
 (experts one tensor per expert). Each quantized linear `M` stores `M.weight` in float8_e4m3fn
