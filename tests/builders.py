@@ -221,6 +221,29 @@ def disk_tensors(directory: Path) -> dict:
     return out
 
 
+def cli_hf_round_trip(directory: Path, work: Path) -> Path:
+    """`pipe convert --from hf` then `--to hf` with default flags, each step verifying its
+    logits against transformers; returns the directory written back, whose tensors are
+    checked bit-identical to `directory`'s (the caller compares the configs)."""
+    import torch
+    from click.testing import CliRunner
+
+    from pipeline.convert.commands import convert
+
+    ckpt, back = work / "ckpt", work / "back"
+    result = CliRunner().invoke(convert, [str(directory), "--from", "hf", "-o", str(ckpt), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "bit-identical" in result.output and "logits match transformers" in result.output
+    result = CliRunner().invoke(convert, [str(ckpt), "--to", "hf", "-o", str(back), "-q"])
+    assert result.exit_code == 0, result.output
+    assert "logits match transformers" in result.output
+    original, converted = disk_tensors(directory), disk_tensors(back)
+    assert original.keys() == converted.keys()
+    for tensor_name, tensor in original.items():
+        assert torch.equal(converted[tensor_name], tensor), tensor_name
+    return back
+
+
 def load_from_source(source):
     """Our model from a `TensorSource`; a tied source lists only the embedding, so tie it here."""
     model = build_model(source.model_config)

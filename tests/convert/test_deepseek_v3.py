@@ -18,7 +18,15 @@ from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, YarnScaling
 from pipeline.core.model.flavors import get_flavor, num_parameters
 from pipeline.core.model.hf_names import from_hf_state_dict
-from tests.builders import SEQ, SHARD_BYTES, VOCAB, disk_tensors, hf_config_dict, load_from_source
+from tests.builders import (
+    SEQ,
+    SHARD_BYTES,
+    VOCAB,
+    cli_hf_round_trip,
+    disk_tensors,
+    hf_config_dict,
+    load_from_source,
+)
 from tests.builders import build_model as build
 
 transformers = pytest.importorskip("transformers")
@@ -280,22 +288,8 @@ def test_hf_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_pa
 def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:
     """`pipe convert --from hf` then `--to hf` with default flags: bit-identical files, and
     each step verifies its logits against transformers."""
-    from click.testing import CliRunner
-
-    from pipeline.convert.commands import convert
-
     directory, _ = hf_dir
-    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    result = CliRunner().invoke(convert, [str(directory), "--from", "hf", "-o", str(ckpt), "-q"])
-    assert result.exit_code == 0, result.output
-    assert "bit-identical" in result.output and "logits match transformers" in result.output
-    result = CliRunner().invoke(convert, [str(ckpt), "--to", "hf", "-o", str(back), "-q"])
-    assert result.exit_code == 0, result.output
-    assert "logits match transformers" in result.output
-    original, converted = disk_tensors(directory), disk_tensors(back)
-    assert original.keys() == converted.keys()
-    for tensor_name, tensor in original.items():
-        assert torch.equal(converted[tensor_name], tensor), tensor_name
+    back = cli_hf_round_trip(directory, tmp_path)
     assert _without_hub_keys(hf_config_dict(back)) == hf_config_dict(directory)
 
 
