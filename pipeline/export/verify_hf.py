@@ -54,7 +54,7 @@ def verify_hf_export(
     from pipeline.export.block_fp8 import uses_block_fp8
     from pipeline.export.block_fp8_reader import BlockFP8Checkpoint
     from pipeline.export.modelopt_reader import ModelOptCheckpoint
-    from pipeline.export.run import fp8_figures, verification_tokens
+    from pipeline.export.verify_figures import fp8_figures, verification_tokens
 
     if not options.fp8:
         if importlib.util.find_spec("transformers") is None:
