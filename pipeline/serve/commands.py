@@ -17,6 +17,8 @@ from typing import Any
 
 import click
 
+from pipeline.core.parallel.process_group import destroy_process_group
+
 DTYPES = ("auto", "fp32", "bf16")
 
 
@@ -113,6 +115,8 @@ def generate(
         run_generation(gen, prompts, params, echo=click.echo if first_rank else _silent)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+    finally:
+        destroy_process_group()
 
 
 def _silent(*_args: Any, **_kwargs: Any) -> None:

@@ -12,7 +12,6 @@ already is one of torchrun's (LOCAL_RANK set); each rank then builds its share o
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ import click
 from click.core import ParameterSource
 
 from pipeline.core.kernels.fp8 import FP8_BACKENDS, FP8_RECIPES
+from pipeline.core.parallel.process_group import destroy_process_group
 
 EXIT_SIGINT = 130  # the shell's convention for "interrupted by Ctrl-C"
 
@@ -203,7 +203,7 @@ def _run(cfg: object) -> None:
     except (ConfigError, CheckpointError, NonFiniteStop) as e:
         raise click.ClickException(str(e)) from None
     finally:
-        _destroy_process_group()
+        destroy_process_group()
     if result.stop_reason == "SIGINT":
         click.echo(
             f"interrupted at iteration {result.iteration}; saved {result.checkpoint}", err=True
@@ -215,17 +215,6 @@ def _run(cfg: object) -> None:
             "(resume with --load)",
             err=True,
         )
-
-
-def _destroy_process_group() -> None:
-    """Tear down the process group a data-parallel run initialised (no-op otherwise)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        # Free leftover async work (e.g. from checkpoint saves) while the interpreter is fully
-        # alive: gloo threads releasing it during interpreter teardown abort the process.
-        gc.collect()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":  # `python -m pipeline.train.commands ...` (tests, debugging)
