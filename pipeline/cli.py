@@ -8,6 +8,8 @@ is instant and never imports torch.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import click
 
@@ -33,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "export": (
         "pipeline.export.commands:export",
-        "Export a checkpoint as a TensorRT-LLM checkpoint (bf16/fp16, FP8; any TP/PP).",
+        "Export a checkpoint for TensorRT-LLM, vLLM or SGLang (bf16/fp16, FP8).",
     ),
     "checkpoint": (
         "pipeline.checkpoint.commands:checkpoint",
@@ -88,13 +90,33 @@ def cli() -> None:
     pipe train       train a model from a recipe on preprocessed data
     pipe checkpoint  verify a checkpoint
     pipe convert     checkpoints <-> Hugging Face, from Megatron, between layouts
-    pipe export      a checkpoint -> TensorRT-LLM (trtllm-build's input)
+    pipe export      a checkpoint -> TensorRT-LLM, vLLM, SGLang (Hugging Face, FP8)
     pipe plot        curves of one or more runs
     pipe generate    text from a checkpoint, at the terminal
     pipe serve       text from a checkpoint, over an OpenAI-compatible HTTP API
     """
 
 
+# Commands whose work is finished, every output closed and renamed, when they return. The
+# process then ends without the interpreter's teardown: for `pipe preprocess` that teardown is
+# the tokenizer engine freeing its caches, 0.1-0.2 s of a run that takes seconds.
+EXIT_AT_ONCE = frozenset({"preprocess", "merge"})
+
+
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="pipe")
+    try:
+        cli(prog_name="pipe")
+    except SystemExit as done:
+        if done.code in (None, 0) and sys.argv[1:2] and sys.argv[1] in EXIT_AT_ONCE:
+            _exit_now()
+        raise
+
+
+def _exit_now() -> None:
+    """End the process with status 0 after flushing what Python still buffers."""
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
