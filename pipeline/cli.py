@@ -7,6 +7,7 @@ is instant and never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -117,6 +118,8 @@ def _exit_now() -> None:
     """End the process with status 0 after flushing what Python still buffers."""
     if "logging" in sys.modules:
         sys.modules["logging"].shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        # A reader that went away, or a stream already closed, does not undo the success.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
     os._exit(0)
