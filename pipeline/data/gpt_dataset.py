@@ -505,9 +505,13 @@ class GPTDataset:
         lengths = self.dataset.sequence_lengths
         tokens = int(lengths[self.indices].sum(dtype=np.int64)) if len(self.indices) else 0
         wanted = self.num_samples
-        if tokens == 0 and wanted is not None and wanted * config.sequence_length + self.add_extra:
+        if tokens == 0 and wanted:
             raise ValueError(self._empty_split_message())
-        plan = plan_epochs(tokens, self.num_samples, config.sequence_length, self.add_extra)
+        # A split with no tokens and no samples asked of it (a small dataset's test split) is
+        # an empty dataset: one epoch of nothing.
+        plan = plan_epochs(
+            tokens, wanted if tokens else None, config.sequence_length, self.add_extra
+        )
         rng = np.random.RandomState(config.random_seed)
         document_index = build_document_index(
             self.indices, plan.num_epochs, rng, plan.separate_final_epoch

@@ -440,6 +440,8 @@ def test_zero_token_split_is_refused_not_looped(tmp_path):
     message = str(error.value)
     for part in (prefix, "test split", "no sequences", "969,30,1", "--split"):
         assert part in message
+    # No test sample asked of it: an empty test dataset, not an error about "0 samples".
+    assert len(build_gpt_datasets(prefix, our_config(8, "969,30,1"), [100, 10, 0])[2]) == 0
 
 
 @pytest.mark.timeout(30)
