@@ -128,13 +128,34 @@ class GigatokenEngine:
         return flat, offsets
 
     def _encode_batch(self, texts: list[str], parallel: bool) -> tuple[np.ndarray, np.ndarray]:
-        layout = self.tokenizer.encode_batch(texts, parallel=parallel).layout
+        layout = self.tokenizer.encode_batch(_utf8_array(texts), parallel=parallel).layout
         flat = np.asarray(layout.content.data)
         offsets = np.asarray(layout.offsets.data, dtype=np.int64)
         return flat[offsets[0] : offsets[-1]], offsets - offsets[0]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(np.asarray(ids, dtype=np.uint32)).decode("utf-8", "replace")
+
+
+def _utf8_array(texts: list[str]) -> Any:
+    """`texts` as one awkward string array: a single UTF-8 buffer plus offsets.
+
+    Handed a list of `str`, gigatoken takes the GIL back for every text it reads, so an encoding
+    thread stalls whenever the main thread is parsing (measured: a third more CPU and half its
+    time waiting); handed this array, it reads the buffer with the GIL released throughout.
+    awkward is gigatoken's own dependency, imported by its first batch call anyway.
+    """
+    import awkward as ak
+
+    encoded = [t.encode("utf-8") for t in texts]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    content = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    chars = ak.contents.NumpyArray(content, parameters={"__array__": "char"})
+    strings = ak.contents.ListOffsetArray(
+        ak.index.Index64(offsets), chars, parameters={"__array__": "string"}
+    )
+    return ak.Array(strings)
 
 
 def gigatoken_from_json(text: str, post_processor: dict | None) -> GigatokenEngine:
