@@ -1,9 +1,10 @@
 """The `config.json` of a legacy TensorRT-LLM checkpoint, written from our `ModelConfig` and
 read back; `ExportOptions`, which every export takes.
 
-The keys (this repository's docs/formats.md, section "TensorRT-LLM export (legacy)") are those of
-TRT-LLM's `PretrainedConfig` and `LLaMAConfig` / `QWenConfig`: `architecture` picks the model class
-(Llama, Mistral and Mixtral share LLaMA's; Qwen2 is QWen's, with `qwen_type` and q/k/v biases),
+The keys (this repository's docs/file_formats.md, section "TensorRT-LLM export (legacy)") are
+those of TRT-LLM's `PretrainedConfig` and `LLaMAConfig` / `QWenConfig`: `architecture` picks the
+model class (Llama, Mistral and Mixtral share LLaMA's; Qwen2 is QWen's, with `qwen_type` and q/k/v
+biases),
 `vocab_size` is the true size (the padded `lm_head` rows are the builder's business),
 `rotary_scaling` is the Hugging Face `rope_scaling` dict verbatim, and `mapping` / `quantization`
 say how the rank files were cut and quantized."""
