@@ -221,10 +221,11 @@ def disk_tensors(directory: Path) -> dict:
     return out
 
 
-def cli_hf_round_trip(directory: Path, work: Path) -> Path:
+def cli_hf_round_trip(directory: Path, work: Path) -> tuple[Path, str]:
     """`pipe convert --from hf` then `--to hf` with default flags, each step verifying its
     logits against transformers; returns the directory written back, whose tensors are
-    checked bit-identical to `directory`'s (the caller compares the configs)."""
+    checked bit-identical to `directory`'s, dtype included (the caller compares the configs),
+    and what the second command printed."""
     import torch
     from click.testing import CliRunner
 
@@ -240,8 +241,9 @@ def cli_hf_round_trip(directory: Path, work: Path) -> Path:
     original, converted = disk_tensors(directory), disk_tensors(back)
     assert original.keys() == converted.keys()
     for tensor_name, tensor in original.items():
+        assert converted[tensor_name].dtype == tensor.dtype, tensor_name
         assert torch.equal(converted[tensor_name], tensor), tensor_name
-    return back
+    return back, result.output
 
 
 def load_from_source(source):

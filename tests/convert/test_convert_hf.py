@@ -18,6 +18,7 @@ from tests.builders import (
     SEQ,
     SHARD_BYTES,
     VOCAB,
+    cli_hf_round_trip,
     disk_tensors,
     hf_case,
     hf_config_dict,
@@ -218,29 +219,15 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, dtype, tmp_path) -> No
     """`pipe convert --from hf` then `--to hf` with default flags: the files transformers saved
     (fp32 or bf16) come back bit-identical in their own dtype, config.json says that dtype, and
     each step verifies itself (tensors, and logits against transformers)."""
-    from click.testing import CliRunner
-
-    from pipeline.convert.commands import convert
-
     directory, hf, _ = hf_dir
     if dtype != torch.float32:
         directory = tmp_path / "hf"
         hf.to(dtype).save_pretrained(directory, max_shard_size=SHARD_BYTES)
         hf.float()  # the module-scoped fixture's model stays fp32 for the other tests
-    ckpt, back = tmp_path / "ckpt", tmp_path / "back"
-    result = CliRunner().invoke(convert, [str(directory), "--from", "hf", "-o", str(ckpt), "-q"])
-    assert result.exit_code == 0, result.output
-    assert "bit-identical" in result.output and "logits match transformers" in result.output
-    result = CliRunner().invoke(convert, [str(ckpt), "--to", "hf", "-o", str(back), "--quiet"])
-    assert result.exit_code == 0, result.output
-    original, converted = disk_tensors(directory), disk_tensors(back)
-    assert original.keys() == converted.keys()
-    for tensor_name, tensor in original.items():
-        assert converted[tensor_name].dtype == dtype, tensor_name
-        assert torch.equal(converted[tensor_name], tensor), tensor_name
+    back, output = cli_hf_round_trip(directory, tmp_path)
+    assert {t.dtype for t in disk_tensors(back).values()} == {dtype}
     name = str(dtype).removeprefix("torch.")
-    assert f"in {name}, as the Hugging Face weights it came from" in result.output
-    assert "logits match transformers" in result.output
+    assert f"in {name}, as the Hugging Face weights it came from" in output
     assert hf_config_dict(back) == hf_config_dict(directory)
     assert transformers.AutoConfig.from_pretrained(back).dtype == dtype
     assert json.loads((back / "config.json").read_text())["torch_dtype"] == name

@@ -223,7 +223,7 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:
     """`pipe convert --from hf` then `--to hf` with default flags: bit-identical files, and
     each step verifies its logits against transformers."""
     directory, _ = hf_dir
-    back = cli_hf_round_trip(directory, tmp_path)
+    back, _ = cli_hf_round_trip(directory, tmp_path)
     assert hf_config_dict(back) == hf_config_dict(directory)
 
 
