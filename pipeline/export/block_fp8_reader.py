@@ -48,8 +48,7 @@ class BlockFP8Checkpoint:
             if t.dtype == torch.float8_e4m3fn
         )
         self._check_kinds()
-        for module in self.quantized:
-            self.scale(module)
+        self._scales = {module: self._checked_scale(module) for module in self.quantized}
 
     def _fail(self, message: str) -> None:
         raise ValueError(f"{self.directory}: {message}")
@@ -69,7 +68,11 @@ class BlockFP8Checkpoint:
         return block[0], block[1]
 
     def scale(self, module: str) -> torch.Tensor:
-        """`{module}.weight_scale_inv`, checked: fp32, one entry per block, positive, finite."""
+        """`{module}.weight_scale_inv` (checked on opening: fp32, one entry per block, positive,
+        finite)."""
+        return self._scales[module]
+
+    def _checked_scale(self, module: str) -> torch.Tensor:
         weight = self.tensors[f"{module}.weight"]
         scale = self.tensors.get(module + _SCALE)
         if scale is None:
