@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "block_fp8_oracle",
     "check_no_saturation",
-    "transformers_readable",
+    "transformers_misread",
     "verify_hf_export",
 ]
 
@@ -78,10 +78,10 @@ def verify_hf_export(
     return f"format checks passed; {model} vs the source: {figures}"
 
 
-def transformers_readable(checkpoint: BlockFP8Checkpoint) -> str | None:
-    """None when transformers' CPU dequantization reads every weight right, else the first
-    weight it would misread: it takes the block size to be a dimension / its number of scales,
-    which holds only for dimensions within one block or made of whole blocks."""
+def transformers_misread(checkpoint: BlockFP8Checkpoint) -> str | None:
+    """The first weight transformers' CPU dequantization would misread, or None when it reads
+    them all right: it takes the block size to be a dimension / its number of scales, which
+    holds only for dimensions within one block or made of whole blocks."""
     for module in checkpoint.quantized:
         shape = checkpoint.tensors[f"{module}.weight"].shape
         if any(n > b and n % b for n, b in zip(shape, checkpoint.block, strict=True)):
@@ -99,7 +99,7 @@ def block_fp8_oracle(checkpoint: BlockFP8Checkpoint) -> tuple[Callable, str]:
     from pipeline.common.quiet import import_transformers
 
     missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
-    misread = transformers_readable(checkpoint)
+    misread = transformers_misread(checkpoint)
     if missing or misread:
         why = (
             f"{' and '.join(missing)} not installed: pip install 'pipe-llm[hf]'"

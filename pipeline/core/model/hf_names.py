@@ -66,6 +66,9 @@ MTP_SHARED_COPIES = {
     "shared_head.head.weight": "output.weight",
 }
 _LAYER = re.compile(r"(layers|mtp)\.(\d+)\.(.*)")
+_MTP_SHARED_COPY = re.compile(
+    r"model\.layers\.\d+\.(" + "|".join(map(re.escape, MTP_SHARED_COPIES)) + ")"
+)
 
 
 def mtp_name(name: str, num_layers: int) -> str:
@@ -86,10 +89,8 @@ def as_layer_name(name: str) -> str:
 def mtp_shared_copy(hf_name: str) -> str | None:
     """For an MTP layer's copy of the embedding or output layer (`model.layers.{i}.
     embed_tokens.weight`, `...shared_head.head.weight`), the shared tensor's name; else None."""
-    for suffix, ours in MTP_SHARED_COPIES.items():
-        if re.fullmatch(rf"model\.layers\.\d+\.{re.escape(suffix)}", hf_name):
-            return ours
-    return None
+    m = _MTP_SHARED_COPY.fullmatch(hf_name)
+    return MTP_SHARED_COPIES[m.group(1)] if m else None
 
 
 def _regex(template: str) -> re.Pattern[str]:
