@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from pipeline.preprocess.readers import Batch, file_line
+from pipeline.tokenizer.engines import POOL
 from pipeline.tokenizer.tokenizer import TextTokenizer
 
 _UTF8_BOM = b"\xef\xbb\xbf"
@@ -90,9 +91,9 @@ class DocumentEncoder:
         self.dtype = np.dtype(options.dtype)
         self.eod = tokenizer.eod if options.append_eod else None
 
-    def __call__(self, batch: Batch) -> EncodedBatch:
+    def __call__(self, batch: Batch, threads: str = POOL) -> EncodedBatch:
         parsed = self.parse(batch)
-        return self.pack(parsed, self.encode(parsed))
+        return self.pack(parsed, self.encode(parsed, threads))
 
     # ----------------------------------------------------------------------------- parsing
 
@@ -184,12 +185,12 @@ class DocumentEncoder:
     # ----------------------------------------------------------------------------- encoding
 
     def encode(
-        self, parsed: ParsedBatch, parallel: bool = True
+        self, parsed: ParsedBatch, threads: str = POOL
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Flat ids and offsets per key (the engine releases the GIL while it works; see
-        TextTokenizer.encode_packed for `parallel`)."""
+        TextTokenizer.encode_packed for `threads`)."""
         empty = (np.empty(0, np.int64), np.zeros(1, np.int64))
-        return [self.tokenizer.encode_packed(t, parallel) if t else empty for t in parsed.texts]
+        return [self.tokenizer.encode_packed(t, threads) if t else empty for t in parsed.texts]
 
     def pack(
         self, parsed: ParsedBatch, encoded: list[tuple[np.ndarray, np.ndarray]]

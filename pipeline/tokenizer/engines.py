@@ -1,12 +1,12 @@
 """Encoding engines behind `TextTokenizer`: gigatoken (fast), and the reference libraries
 (`tokenizers`, `sentencepiece`) it must agree with.
 
-Every engine has the same small interface: `name`, `vocab_size`, `encode_packed(texts, parallel)`
+Every engine has the same small interface: `name`, `vocab_size`, `encode_packed(texts, threads)`
 giving all ids back to back plus offsets (no Python list per document on the fast path),
 `encode(text)` for one text, and `decode(ids)`. Engines release the GIL while encoding a batch, so
-the runner overlaps encoding with reading and parsing in one process. `serial_batches` says
-whether `parallel=False` encodes on the calling thread alone; the runner then has each of its
-workers encode its own batch, instead of spreading every batch over the engine's thread pool.
+the runner overlaps encoding with reading and parsing. `threads` says where a batch may run
+(POOL, SHARED, ALONE below); engines with `serial_batches` honour SHARED and ALONE, others always
+use their own pool. `forks` says whether ALONE is safe in a forked copy of the process.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# Where a batch may be encoded (`encode_packed`'s `threads`):
+POOL = "pool"  # spread over the engine's own thread pool
+SHARED = "shared"  # on the calling thread; other threads may be encoding beside it
+ALONE = "alone"  # on the calling thread, the only one encoding in this process
 
 # Batches no larger than this are encoded without gigatoken's batch call (see GigatokenEngine).
 _SMALL_BATCH_TEXTS = 64
@@ -32,6 +37,7 @@ class TokenizersEngine:
 
     name = "tokenizers"
     serial_batches = False  # a batch always runs on tokenizers' own thread pool
+    forks = False  # its pool, once used, turns itself off in a forked copy, with a warning
 
     def __init__(self, tokenizer: Any, add_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
@@ -41,9 +47,7 @@ class TokenizersEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
 
-    def encode_packed(
-        self, texts: list[str], parallel: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_packed(self, texts: list[str], threads: str = POOL) -> tuple[np.ndarray, np.ndarray]:
         # encode_batch_fast (tokenizers >= 0.21) skips offset tracking: same ids, ~20% faster.
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         ids = [e.ids for e in encode(texts, add_special_tokens=self.add_special_tokens)]
@@ -62,6 +66,7 @@ class SentencePieceEngine:
 
     name = "sentencepiece"
     serial_batches = False
+    forks = False
 
     def __init__(self, processor: Any, prefix: list[int]) -> None:
         self.processor = processor
@@ -71,9 +76,7 @@ class SentencePieceEngine:
     def encode(self, text: str) -> list[int]:
         return self.prefix + self.processor.encode(text)
 
-    def encode_packed(
-        self, texts: list[str], parallel: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_packed(self, texts: list[str], threads: str = POOL) -> tuple[np.ndarray, np.ndarray]:
         return _pack([self.prefix + x for x in self.processor.encode(texts)])
 
     def decode(self, ids: list[int]) -> str:
@@ -89,16 +92,19 @@ class SentencePieceEngine:
 class GigatokenEngine:
     """gigatoken's Rust BPE, plus the fixed ids a post-processor adds around each text.
 
-    Batches go through gigatoken's batch call: on its thread pool (`parallel`), or on the
-    calling thread alone, which lets several threads encode a batch each with no pool barrier
-    between batches. The batch call costs a large import on first use (its result type, an
-    awkward Array), so a small batch on the pool path (a tiny input) is encoded one call per
-    text instead. Never with `parallel=False`: gigatoken refuses a one-text call while another
-    thread is inside a batch call ("Already borrowed").
+    POOL and SHARED go through gigatoken's batch call, on its thread pool or on the calling
+    thread (so that several threads can encode a batch each with no pool barrier between
+    batches). The batch call builds its result as an awkward Array, whose import costs about
+    0.25 s on first use, so ALONE, and a small batch under POOL (a tiny input), make one call
+    per text instead: as fast serially on documents of a few kilobytes, and no import.
+    One-text calls are refused while another thread is inside a batch call ("Already
+    borrowed"): hence never under SHARED.
+    ALONE never touches the thread pool, so it also runs in a forked copy of the process.
     """
 
     name = "gigatoken"
     serial_batches = True
+    forks = True
 
     def __init__(self, tokenizer: Any, prefix: list[int], suffix: list[int]) -> None:
         self.tokenizer = tokenizer
@@ -108,14 +114,12 @@ class GigatokenEngine:
     def encode(self, text: str) -> list[int]:
         return self.prefix + self.tokenizer.encode(text).tolist() + self.suffix
 
-    def encode_packed(
-        self, texts: list[str], parallel: bool = True
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def encode_packed(self, texts: list[str], threads: str = POOL) -> tuple[np.ndarray, np.ndarray]:
         small = len(texts) <= _SMALL_BATCH_TEXTS and sum(map(len, texts)) <= _SMALL_BATCH_CHARS
-        if parallel and small:
+        if threads == ALONE or (threads == POOL and small):
             flat, offsets = self._encode_each(texts)
         else:
-            flat, offsets = self._encode_batch(texts, parallel)
+            flat, offsets = self._encode_batch(texts, parallel=threads == POOL)
         if self.prefix or self.suffix:
             return _add_affixes(flat, offsets, self.prefix, self.suffix)
         return flat, offsets

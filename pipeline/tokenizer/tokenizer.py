@@ -50,16 +50,21 @@ class TextTokenizer:
     _sha256: dict[Path, str] = field(default_factory=dict, repr=False)
 
     def encode_packed(
-        self, texts: list[str], parallel: bool = True
+        self, texts: list[str], threads: str = engines.POOL
     ) -> tuple[np.ndarray, np.ndarray]:
         """Token ids of all texts back to back, and offsets (len(texts) + 1) into them;
-        `parallel=False` keeps an engine with `serial_batches` on the calling thread."""
-        return self._encoder.encode_packed(texts, parallel)
+        `threads` says where the batch may run (engines.POOL, SHARED or ALONE)."""
+        return self._encoder.encode_packed(texts, threads)
 
     @property
     def serial_batches(self) -> bool:
         """Whether batches encode on the calling thread (so threads can encode side by side)."""
         return self._encoder.serial_batches
+
+    @property
+    def forks(self) -> bool:
+        """Whether the engine encodes (with engines.ALONE) in a forked copy of the process."""
+        return self._encoder.forks
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, as lists."""
