@@ -115,7 +115,8 @@ def _user_errors() -> Iterator[None]:
     type=click.IntRange(min=1),
     default=os.cpu_count() or 1,
     show_default=True,
-    help="Encoding threads.",
+    help="Encoding workers: processes forked after the tokenizer load (gigatoken on Linux), "
+    "else threads.",
 )
 @click.option(
     "--skip-bad-lines",

@@ -1,11 +1,12 @@
 """`pipe preprocess`: stream inputs through the tokenizer into one Megatron indexed dataset per
 JSON key, in input order, with a provenance manifest.
 
-One process, overlapped: the main thread reads, parses, validates and writes while encoding
-threads run the engine, which releases the GIL. With gigatoken each of `--workers` threads
-encodes a batch of its own; another engine gets one thread and spreads each batch over
-`--workers` threads of its own. At most a few batches are in flight, so memory stays bounded
-whatever the input size.
+Overlapped: the main thread reads, hashes and writes while `--workers` others encode. With
+gigatoken on Linux these are processes forked once the tokenizer is loaded, each parsing and
+encoding whole batches (the main process takes a batch too when all are busy); elsewhere the
+main thread also parses, and threads run the engine, which releases the GIL (with gigatoken each
+thread encodes a batch of its own; another engine spreads each batch over its own pool). At most
+a few batches are in flight, so memory stays bounded whatever the input size.
 Every output is written under a temporary name and renamed at the end, so an interrupted run
 leaves no final-named file; SIGTERM is turned into a clean exit so that the temporary files are
 removed too.
@@ -36,6 +37,7 @@ from pipeline.data.indexed import (
 from pipeline.data.manifest import manifest_path
 from pipeline.data.manifest import read as read_manifest
 from pipeline.data.sources import SourcesWriter
+from pipeline.preprocess import forked
 from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
 from pipeline.preprocess.progress import Progress
@@ -48,6 +50,7 @@ from pipeline.preprocess.readers import (
     streams_hash,
 )
 from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
+from pipeline.tokenizer.engines import POOL, SHARED
 from pipeline.tokenizer.tokenizer import TextTokenizer
 
 MAX_REPORTED_BAD_LINES = 10
@@ -69,7 +72,7 @@ class PreprocessConfig:
     skip_bad_lines: bool = False
     overwrite: bool = False
     record_sources: bool = False  # write {prefix}.sources beside each .bin/.idx
-    batch_bytes: int = 4 << 20
+    batch_bytes: int = 1 << 20  # small enough that no worker is left long with the last one
     log_interval: float = 10.0
     show_progress: bool = True
     shard: ShardSpec | None = None  # None: the whole input; see pipeline.preprocess.shards
@@ -172,10 +175,9 @@ def _run(
             on_hashed=hashes.streamed.__setitem__,
         )
         try:
-            # An input of one batch gets one thread: a small batch then avoids gigatoken's
-            # batch call and the import it costs on first use (see GigatokenEngine).
-            threads = config.workers if total_bytes > config.batch_bytes else 1
-            for result in _encode_in_order(batches, encoder, threads):
+            # An input of one batch gets one worker: nothing to share, and no process to start.
+            workers = 1 if _fits_one_batch(parts, config.batch_bytes) else config.workers
+            for result in _encoded(batches, encoder, workers):
                 _write(result, writers, outputs, summary, config.skip_bad_lines)
                 for writer in sources:
                     writer.add(global_index[result.part], result.lines)
@@ -301,11 +303,31 @@ _LOOKAHEAD = 3
 _MAX_BATCH_ITEMS = 16384
 
 
+def _fits_one_batch(parts: list[InputRange], batch_bytes: int) -> bool:
+    """Whether the input is known to fit in one batch (a pipe's size is not known)."""
+    paths = [Path(p.file.path) for p in parts]
+    if any(path.is_fifo() or path.is_char_device() for path in paths):
+        return False
+    return sum(p.size for p in parts) <= batch_bytes
+
+
 def _set_engine_threads(workers: int) -> None:
     """Size the engines' thread pools (gigatoken's and tokenizers' Rust pools read these when
     first used; a pool already started in this process keeps its size)."""
     os.environ["RAYON_NUM_THREADS"] = str(workers)
     os.environ["RAYON_RS_NUM_CPUS"] = str(workers)  # tokenizers' own name for it
+
+
+def _encoded(batches: Iterable, encoder: DocumentEncoder, workers: int) -> Iterator[EncodedBatch]:
+    """Encoded batches in input order: from forked encoding processes where the engine allows
+    it (pipeline.preprocess.forked), else from threads of this process."""
+    if workers > 1 and encoder.tokenizer.forks and forked.can_fork():
+        try:
+            yield from forked.encode_forked(batches, encoder, workers)
+        except forked.EncoderDied as e:
+            raise PreprocessError(str(e)) from None
+    else:
+        yield from _encode_in_order(batches, encoder, workers)
 
 
 def _encode_in_order(
@@ -320,12 +342,13 @@ def _encode_in_order(
     which spreads each batch over its own pool."""
     serial = encoder.tokenizer.serial_batches and workers > 1
     threads = workers if serial else 1
+    where = SHARED if serial else POOL
     pending: deque = deque()
     pool = ThreadPoolExecutor(threads, thread_name_prefix="pipe-encode")
     try:
         for batch in batches:
             parsed = encoder.parse(batch)
-            pending.append((parsed, pool.submit(encoder.encode, parsed, not serial)))
+            pending.append((parsed, pool.submit(encoder.encode, parsed, where)))
             if len(pending) > _LOOKAHEAD + threads - 1:
                 parsed, future = pending.popleft()
                 yield encoder.pack(parsed, future.result())

@@ -356,7 +356,7 @@ def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir
     command = [sys.executable, "-m", "pipeline", "preprocess", "-i", str(src), "-q", "--workers",
                "2", "--tokenizer", str(tiny_tokenizer_dir), "-o", str(out_dir / "c")]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_default_sigint)  # fmt: skip
+                            preexec_fn=_default_sigint, start_new_session=True)  # fmt: skip
     with os.fdopen(_open_fifo_for_writing(src, proc), "w") as feed:
         line = json.dumps({"text": " ".join(SAMPLE_TEXTS) * 40}) + "\n"
         feed.write(line * 200)
@@ -367,6 +367,8 @@ def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir
         ):
             time.sleep(0.05)
         assert proc.poll() is None, "the run ended before its input did"
+        if sys.platform.startswith("linux"):
+            assert len(_group_members(proc.pid)) == 2  # the run and its forked worker
         proc.send_signal(sig)
         try:
             output, _ = proc.communicate(timeout=20)
@@ -378,6 +380,19 @@ def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir
             feed.close()
     assert proc.returncode != 0, output
     assert sorted(p.name for p in out_dir.iterdir()) == [], output
+    if sys.platform.startswith("linux"):
+        assert _group_members(proc.pid) == []  # no worker outlives the run
+
+
+def _group_members(group: int) -> list[int]:
+    """Processes in process group `group` (Linux /proc; field 5 of stat is the group)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+    return members
 
 
 def test_merge_matches_megatron_add_index(tmp_path, tiny_tokenizer_dir):

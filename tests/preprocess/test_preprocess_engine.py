@@ -146,16 +146,19 @@ def test_gpt2_files_run_on_gigatoken(tmp_path):
     assert load_tokenizer(tmp_path / "vocab.json").engine == "gigatoken"
 
 
-def test_gigatoken_workers_each_encode_a_batch_of_their_own(
+def test_gigatoken_threads_each_encode_a_batch_of_their_own(
     tmp_path, tiny_tokenizer_dir, monkeypatch
 ):
-    """With gigatoken, `workers` threads encode different batches at the same time, each on its
-    own thread (never gigatoken's pool, whose per-batch barrier idles cores), and the output is
-    byte for byte that of one worker."""
+    """Where no process can be forked (macOS, Windows), `workers` threads encode different
+    batches at the same time with gigatoken, each on its own thread (never gigatoken's pool,
+    whose per-batch barrier idles cores), and the output is byte for byte that of one worker."""
     import threading
 
+    from pipeline.preprocess import forked
     from pipeline.preprocess.runner import PreprocessConfig, preprocess
     from pipeline.tokenizer import engines
+
+    monkeypatch.setattr(forked, "can_fork", lambda: False)
 
     records = [{"text": f"document {i}: value={i * 7} " + "abc " * (i % 40)} for i in range(600)]
     src = write_jsonl(tmp_path / "in.jsonl", records)
