@@ -34,14 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 GB = 1e9
-# Runs a command and prints its wall seconds and own peak RSS (KiB). Started from this small
-# process rather than from the benchmark: Linux charges a child started by vfork + exec with
-# the peak RSS of the process that started it, and the benchmark's grows while it writes.
-_MEASURED = (
-    "import os, subprocess, sys, time; t = time.perf_counter(); "
-    "p = subprocess.Popen(sys.argv[1:], stdout=sys.stderr); _, s, u = os.wait4(p.pid, 0); "
-    "print(time.perf_counter() - t, u.ru_maxrss); sys.exit(os.waitstatus_to_exitcode(s))"
-)
+MEASURED_RUN = Path(__file__).with_name("measured_run.py")  # wall seconds, peak RSS
 NO_VERIFY = ["--no-verify-checksums"]
 
 
@@ -97,7 +90,7 @@ def run_child(what: str, arguments: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in GB) of `python -m pipeline ARGUMENTS` in a fresh process."""
     with tempfile.TemporaryFile("w+") as output:
         command = [sys.executable, "-m", "pipeline", *arguments]
-        launcher = subprocess.run([sys.executable, "-c", _MEASURED, *command], cwd=ROOT,
+        launcher = subprocess.run([sys.executable, MEASURED_RUN, *command], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=output, text=True)  # fmt: skip
         output.seek(0)
         text = output.read().strip()
