@@ -1,6 +1,6 @@
 """Read a megatron-core `torch_dist` checkpoint (GPT/Llama) as a `TensorSource`, without Megatron.
 
-A torch_dist checkpoint (described in this repository's docs/file_formats.md, section "Megatron
+A torch_dist checkpoint (described in this repository's docs/file_layouts.md, section "Megatron
 torch_dist checkpoints") is a DCP directory whose keys are TP- and PP-independent global tensors:
 per-layer weights are stacked on a leading layer axis
 (`decoder.layers.self_attention.linear_qkv.weight` is `[L, rows, hidden]`), attention's q/k/v are

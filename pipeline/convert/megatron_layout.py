@@ -1,5 +1,5 @@
 """Megatron's fused weight layouts and their inverses: q/k/v fused group by group under GQA,
-SwiGLU's gate and up fused as `[gate; up]` (this repository's docs/file_formats.md, section
+SwiGLU's gate and up fused as `[gate; up]` (this repository's docs/file_layouts.md, section
 "Megatron torch_dist checkpoints").
 Pure functions, exact inverses of each other (tests check it), shared by the reader and any future
 writer."""

@@ -1,7 +1,7 @@
 """Weighted blends of GPT datasets, in megatron-core 0.16.1's exact sample order.
 
 `build_datasets` turns a blend (see `blend_spec`) into the train, valid and test datasets exactly
-as megatron-core's `BlendedMegatronDatasetBuilder` does (docs/file_formats.md, "Training samples"):
+as megatron-core's `BlendedMegatronDatasetBuilder` does (docs/file_layouts.md, "Training samples"):
 each prefix becomes a `GPTDataset` sized with Megatron's target/buffer rule, and a
 `BlendedDataset` interleaves them with Megatron's deterministic greedy schedule
 (`blending_indices`).

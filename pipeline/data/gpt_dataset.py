@@ -8,7 +8,7 @@ built once and cached, make every sample an O(1) lookup:
 - sample index: for each sample boundary, (position in the document index, token offset);
 - shuffle index: a permutation of the samples.
 
-Everything here reproduces megatron-core's `GPTDataset` (docs/file_formats.md, "Training samples"):
+Everything here reproduces megatron-core's `GPTDataset` (docs/file_layouts.md, "Training samples"):
 the same split rounding, epoch count, separate final epoch, random stream, dtypes, partial
 last sample (including its float32 rounding) and masks, so a run can switch between the two
 mid-way. Deliberate differences: a split with no tokens is refused instead of looping forever

@@ -1,5 +1,5 @@
 """FP8 in DeepSeek-V3's own block format, which TensorRT-LLM, vLLM, SGLang and transformers read
-for `DeepseekV3ForCausalLM` (docs/file_formats.md, "DeepSeek-V3 block FP8").
+for `DeepseekV3ForCausalLM` (docs/file_layouts.md, "DeepSeek-V3 block FP8").
 
 Each quantized linear `M` stores `M.weight` in float8_e4m3fn and `M.weight_scale_inv`, an fp32
 grid of shape [ceil(out / 128), ceil(in / 128)]: one dequantization scale per 128 x 128 block

@@ -1,5 +1,5 @@
 """Read a DeepSeek-V3 block-FP8 checkpoint back, from the format's description alone
-(docs/file_formats.md, "DeepSeek-V3 block FP8"), check it, and run it.
+(docs/file_layouts.md, "DeepSeek-V3 block FP8"), check it, and run it.
 
 `BlockFP8Checkpoint(directory)` reads config.json's `quantization_config` and every tensor and
 refuses, with a one-line `ValueError`, what an engine would misread: a quantization_config that

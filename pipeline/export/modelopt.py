@@ -1,5 +1,5 @@
 """FP8 in NVIDIA Model Optimizer's "unified Hugging Face checkpoint" format, which the
-TensorRT-LLM PyTorch backend, vLLM and SGLang load (this repository's docs/file_formats.md, section
+TensorRT-LLM PyTorch backend, vLLM and SGLang load (this repository's docs/file_layouts.md, section
 "FP8 Hugging Face export").
 
 The checkpoint is the `pipe convert --to hf` one with the Hugging Face tensor names unchanged

@@ -1,5 +1,5 @@
 """Read an FP8 ModelOpt Hugging Face checkpoint back, from the format's description alone
-(docs/file_formats.md, "FP8 Hugging Face export"), check it, and run it.
+(docs/file_layouts.md, "FP8 Hugging Face export"), check it, and run it.
 
 `ModelOptCheckpoint(directory)` parses both quantization configs and every safetensors header
 and refuses, with a one-line `ValueError`, a checkpoint an engine would misread: the two configs

@@ -1,7 +1,7 @@
 """The `config.json` of a legacy TensorRT-LLM checkpoint, written from our `ModelConfig` and
 read back; `ExportOptions`, which every export takes.
 
-The keys (this repository's docs/file_formats.md, section "TensorRT-LLM export (legacy)") are
+The keys (this repository's docs/file_layouts.md, section "TensorRT-LLM export (legacy)") are
 those of TRT-LLM's `PretrainedConfig` and `LLaMAConfig` / `QWenConfig`: `architecture` picks the
 model class (Llama, Mistral and Mixtral share LLaMA's; Qwen2 is QWen's, with `qwen_type` and q/k/v
 biases),

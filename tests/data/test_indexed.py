@@ -1,4 +1,4 @@
-"""The .bin/.idx format: byte layout from docs/file_formats.md; megatron-core checks both ways."""
+"""The .bin/.idx format: byte layout from docs/file_layouts.md; megatron-core checks both ways."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def write_megatron(prefix, documents, dtype):
 
 
 def test_idx_layout_byte_by_byte(tmp_path):
-    """Header, lengths, pointers and document indices as docs/file_formats.md lays them out."""
+    """Header, lengths, pointers and document indices as docs/file_layouts.md lays them out."""
     write_ours(tmp_path / "d", DOCUMENTS, np.uint16)
     idx = (tmp_path / "d.idx").read_bytes()
     lengths = [3, 1, 2, 10]

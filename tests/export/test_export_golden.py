@@ -1,6 +1,6 @@
 """Golden listings of every tensor (name, shape, safetensors dtype) of fixed tiny exports, read
 from the files' own headers: the legacy TensorRT-LLM rank files of two exports, reviewed against
-docs/file_formats.md, "TensorRT-LLM export (legacy)" (names, splits, stage-local numbering,
+docs/file_layouts.md, "TensorRT-LLM export (legacy)" (names, splits, stage-local numbering,
 first/last stage ownership, FP8 scale tensors), and one ModelOpt FP8 Hugging Face export with
 its ignore list, reviewed against "FP8 Hugging Face export" (HF names, one tensor per expert,
 fp8 weights with fp32 scalar weight_scale / input_scale, k_scale / v_scale, routers and norms

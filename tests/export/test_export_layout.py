@@ -1,4 +1,4 @@
-"""TensorRT-LLM rank layout (docs/file_formats.md, "Rank files"), checked against layouts built by
+"""TensorRT-LLM rank layout (docs/file_layouts.md, "Rank files"), checked against layouts built by
 hand here, not by the functions' own inverses: q then k then v per rank (never Megatron's group
 interleave), kv heads replicated when fewer than tp, zero padding rows, TRT-LLM's layer split
 and MoE rank numbering, and the fused expert fc as cat(up, gate)."""

@@ -263,7 +263,7 @@ def test_reference_refuses_non_zero_padding_and_unreplicated_kv(tmp_path) -> Non
 
 
 def test_config_keys_follow_the_spec(tmp_path) -> None:
-    """docs/file_formats.md's config.json keys one by one, for a Llama 3.1-style model, tp2 bf16."""
+    """docs/file_layouts.md's config.json keys one by one, for a Llama 3.1-style model, tp2 bf16."""
     model = hf_model("llama3")
     model.save_pretrained(tmp_path / "hf")
     source = HFSource(tmp_path / "hf")
