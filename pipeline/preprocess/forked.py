@@ -207,8 +207,10 @@ def _read(fd: int) -> list | None:
     if head is None:
         return None
     (count,) = struct.unpack("<Q", head)
-    sizes = struct.unpack(f"<{count}Q", _read_exactly(fd, 8 * count) or b"")
-    parts = [_read_exactly(fd, size) for size in sizes]
+    sizes = _read_exactly(fd, 8 * count)
+    if sizes is None:
+        return None
+    parts = [_read_exactly(fd, size) for size in struct.unpack(f"<{count}Q", sizes)]
     if any(part is None for part in parts):
         return None
     return parts

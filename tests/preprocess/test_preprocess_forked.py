@@ -14,6 +14,7 @@ import pytest
 from pipeline.preprocess import forked
 from pipeline.preprocess.encode import DocumentEncoder
 from pipeline.preprocess.runner import PreprocessConfig, PreprocessError, preprocess
+from pipeline.tokenizer.engines import POOL
 from pipeline.tokenizer.tokenizer import load_tokenizer
 from tests.builders import file_bytes, write_jsonl
 
@@ -34,7 +35,7 @@ def encoders_log(tmp_path, monkeypatch) -> Path:
     log = tmp_path / "encoded-by.txt"
     real_call = DocumentEncoder.__call__
 
-    def logged(self, batch, threads=forked.ALONE):
+    def logged(self, batch, threads=POOL):
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {batch.index}\n")
         return real_call(self, batch, threads)
@@ -118,7 +119,7 @@ def test_killed_worker_stops_the_run_cleanly(tmp_path, tok, monkeypatch):
     pids = tmp_path / "pids.txt"
     real_call = DocumentEncoder.__call__
 
-    def dies_in_a_copy(self, batch, threads=forked.ALONE):
+    def dies_in_a_copy(self, batch, threads=POOL):
         if os.getpid() != runner_pid:
             pids.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -137,7 +138,7 @@ def test_error_inside_a_worker_is_reported_in_one_line(tmp_path, tok, monkeypatc
     runner_pid = os.getpid()
     real_call = DocumentEncoder.__call__
 
-    def fails_in_a_copy(self, batch, threads=forked.ALONE):
+    def fails_in_a_copy(self, batch, threads=POOL):
         if os.getpid() != runner_pid:
             raise RuntimeError("no more memory for the cache")
         return real_call(self, batch, threads)
