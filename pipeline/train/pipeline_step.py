@@ -78,12 +78,11 @@ class PipelineRunner:
         kwargs = _model_kwargs(batch)
         target = masked_labels(batch["labels"], batch["loss_mask"]) if self.is_last else None
         losses: list[torch.Tensor] = []
-        with autocast or contextlib.nullcontext():
+        with autocast or contextlib.nullcontext(), self.loss_fn.normalised_by(num_tokens):
             run(  # type: ignore[operator]
                 *args,
                 target=target,
                 losses=losses if self.is_last else None,
-                loss_kwargs={"num_tokens": num_tokens},
                 return_outputs=False,
                 **kwargs,
             )

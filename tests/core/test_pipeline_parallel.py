@@ -146,9 +146,8 @@ def _run_schedule(rank: int, world_size: int, tmp: Path, schedule: str) -> dict:
     indices = local_stage_indices(rank, world_size, schedule)
     modules = [split_model(copy.deepcopy(model), i, num_stages, ranges) for i in indices]
     stages = build_stages(modules, indices, num_stages, torch.device("cpu"))
-    sched = build_schedule(
-        stages, N_MICROBATCHES, make_loss_fn(modules), schedule, scale_grads=False
-    )
+    loss_fn = make_loss_fn(modules)
+    sched = build_schedule(stages, N_MICROBATCHES, loss_fn, schedule, scale_grads=False)
 
     tokens, labels, loss_mask = batch
     is_first = 0 in indices
@@ -156,13 +155,13 @@ def _run_schedule(rank: int, world_size: int, tmp: Path, schedule: str) -> dict:
     args = (tokens,) if is_first else ()
     target = masked_labels(labels, loss_mask) if is_last else None
     losses: list[torch.Tensor] = []
-    sched.step(
-        *args,
-        target=target,
-        losses=losses if is_last else None,
-        loss_kwargs={"num_tokens": loss_mask.sum().item()},
-        position_ids=torch.arange(SEQ).expand(BATCH, -1),  # kwargs reach every stage
-    )
+    with loss_fn.normalised_by(loss_mask.sum().item()):
+        sched.step(
+            *args,
+            target=target,
+            losses=losses if is_last else None,
+            position_ids=torch.arange(SEQ).expand(BATCH, -1),  # kwargs reach every stage
+        )
 
     checked, max_diff = [], 0.0
     for module in modules:

@@ -10,21 +10,24 @@ stage it holds, wraps it in a `PipelineStage`, and hands the stages to one of to
     modules = [split_model(copy.deepcopy(meta_model), i, num_stages, ranges) for i in indices]
     ... materialise and initialise `modules` ...
     stages = build_stages(modules, indices, num_stages, device, pp_group)
-    schedule = build_schedule(stages, n_microbatches, make_loss_fn(modules), "Interleaved1F1B")
-    schedule.step(tokens, position_ids=pos, target=masked_labels(labels, loss_mask),
-                  losses=losses, loss_kwargs={"num_tokens": global_loss_tokens})
+    loss_fn = make_loss_fn(modules)
+    schedule = build_schedule(stages, n_microbatches, loss_fn, "Interleaved1F1B")
+    with loss_fn.normalised_by(global_loss_tokens):
+        schedule.step(tokens, position_ids=pos, target=masked_labels(labels, loss_mask),
+                      losses=losses)
 
 The last stage returns hidden states after the final norm; the loss function owns the output
 projection through the chunked linear cross-entropy (its vocabulary-parallel form under tensor
 parallelism), so full logits are never materialised. It divides each micro-batch's loss sum by
-the global loss-token count, so the micro-batch losses add up to the single-device,
-token-normalised loss; build the schedule with `scale_grads=False` for that (`scale_grads=True`
-would divide the gradients again by the number of micro-batches).
+the global loss-token count (stated with `normalised_by`), so the micro-batch losses add up to
+the single-device, token-normalised loss; build the schedule with `scale_grads=False` for that
+(`scale_grads=True` would divide the gradients again by the number of micro-batches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,7 @@ from pipeline.core.parallel.stage_placement import (  # noqa: F401 (re-exported)
     stages_per_rank,
 )
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
+from pipeline.core.torch_compat import drop_self_p2p_warmup, keep_graph_until_weight_backward
 
 # Label value for positions that do not count in the loss (the loss mask travels inside the
 # target tensor, since a schedule's loss function receives exactly one target per micro-batch).
@@ -98,8 +102,10 @@ def build_stages(
         PipelineStage(module, index, num_stages, device, group=group)
         for module, index in zip(modules, stage_indices, strict=True)
     ]
+    keep_graph_until_weight_backward()
     for stage in stages:
         _keep_expert_loads_out_of_metadata_inference(stage)
+        drop_self_p2p_warmup(stage)
     return stages
 
 
@@ -130,29 +136,59 @@ def masked_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor
     return torch.where(loss_mask > 0, labels, torch.full_like(labels, IGNORE_INDEX))
 
 
-def make_loss_fn(
-    modules: Sequence[nn.Module], chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-) -> Callable[..., torch.Tensor]:
-    """The schedule's loss function: `loss_fn(hidden, target, num_tokens)` ->
-    chunked linear cross-entropy of the last stage's hidden states against `target`
-    (see `masked_labels`), summed over the micro-batch and divided by `num_tokens`, the loss
-    tokens of the whole batch (passed as `step(..., loss_kwargs={"num_tokens": n})`).
+class TokenNormalisedLoss:
+    """The schedule's loss function: `loss_fn(hidden, target)` -> the chunked linear
+    cross-entropy of the last stage's hidden states against `target` (see `masked_labels`),
+    summed over the micro-batch and divided by the loss tokens of the whole batch.
 
-    The output weight is looked up among `modules` (the rank's stage modules) when called; only
-    the rank holding the last stage ever calls it.
+    That count changes every step, so the caller states it around the schedule's call:
+    `with loss_fn.normalised_by(n): schedule.step(...)`. (torch 2.13's `step` also takes
+    `loss_kwargs` for this; torch 2.11's passes every unknown keyword to the model, so pipe
+    does not use it, and one code path serves both.) The output weight is looked up among
+    `modules` (the rank's stage modules) when called; only the rank holding the last stage
+    ever calls it.
     """
 
-    def loss_fn(hidden: torch.Tensor, target: torch.Tensor, num_tokens: float) -> torch.Tensor:
-        output = next((m.output for m in modules if m.output is not None), None)
+    def __init__(
+        self, modules: Sequence[nn.Module], chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    ) -> None:
+        self.modules = list(modules)
+        self.chunk_tokens = chunk_tokens
+        self.num_tokens: float | torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def normalised_by(self, num_tokens: float | torch.Tensor) -> Iterator[None]:
+        """Divide every micro-batch's loss sum by `num_tokens` inside this block."""
+        self.num_tokens = num_tokens
+        try:
+            yield
+        finally:
+            self.num_tokens = None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        num_tokens: float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        if num_tokens is None:
+            raise RuntimeError("the pipeline loss was called outside `normalised_by(n)`")
+        output = next((m.output for m in self.modules if m.output is not None), None)
         if output is None:
             raise RuntimeError("loss_fn called on a rank that does not hold the output layer")
         # The tensor-parallel loss falls back to the plain one for a plain weight.
         loss_sum, _ = tp_linear_cross_entropy(
-            hidden, output.weight, target, target != IGNORE_INDEX, chunk_tokens
+            hidden, output.weight, target, target != IGNORE_INDEX, self.chunk_tokens
         )
         return loss_sum / num_tokens  # the caller clamps it to >= 1 (a tensor: no host sync)
 
-    return loss_fn
+
+def make_loss_fn(
+    modules: Sequence[nn.Module], chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> TokenNormalisedLoss:
+    """The schedule's token-normalised loss function over this rank's stage `modules`."""
+    return TokenNormalisedLoss(modules, chunk_tokens)
 
 
 def build_schedule(

@@ -1,0 +1,74 @@
+"""Where the supported torch releases (2.11 through 2.13) differ, and what pipe does about it.
+
+Every version-dependent workaround lives here, so the rest of pipe is written against one API:
+
+- Pipeline schedules. torch 2.13's `schedule.step` takes `loss_kwargs`; 2.11's passes every
+  unknown keyword to the first stage's model. pipe never uses it: the loss function is told the
+  batch's token count around the call (`pipeline.core.parallel.pipeline.TokenNormalisedLoss`),
+  which both releases accept.
+- Pipeline warm-up. Before its first step, torch 2.11's multi-stage schedules exchange a dummy
+  tensor between every pair of neighbouring stages, also when both stages sit on the same rank
+  (the "V" placement of ZBVZeroBubble puts stages r and 2*pp-1-r together, so the middle pair
+  is local). NCCL accepts a send to oneself; gloo does not ("Pair is not connected"). 2.13
+  warms up without those self-exchanges; `drop_self_p2p_warmup` does the same on 2.11.
+- Zero-bubble backward. The zero-bubble schedules split a backward into an input part (B) and
+  a weight part (W) that runs later. torch 2.11 detaches the stage output (or loss) after B and
+  keeps only the autograd nodes where the two parts meet; a node of a custom
+  `autograd.Function` (pipe's fused cross-entropy, the MoE auxiliary loss, the expert all-to-all)
+  is not kept alive by its Python handle, so W fails with "Attribute '_input_metadata' is
+  invalid". `keep_graph_until_weight_backward` holds a view of each output until W is done.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TORCH_VERSION", "drop_self_p2p_warmup", "keep_graph_until_weight_backward"]
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.11.0+cu130'."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION = _release(torch.__version__)
+
+
+def drop_self_p2p_warmup(stage: object) -> None:
+    """Leave out of `stage`'s warm-up exchange the sends and receives to its own rank (torch
+    before 2.13 only; later releases neither call nor need this private hook)."""
+    warmup_ops = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if TORCH_VERSION >= (2, 13) or warmup_ops is None:
+        return
+    own_rank = dist.get_rank(stage.group)  # type: ignore[attr-defined]
+
+    def without_self_exchanges() -> list[dist.P2POp]:
+        return [op for op in warmup_ops() if op.group_peer != own_rank]
+
+    stage._get_init_p2p_neighbors_ops = without_self_exchanges  # type: ignore[attr-defined]
+
+
+def keep_graph_until_weight_backward() -> None:
+    """On torch before 2.13, make the pipeline stages' input backward (B) keep the autograd graph
+    of the outputs it differentiates until the weight backward (W) of the same micro-batch has
+    run: a view of each output rides along with the parameter groups that W consumes and frees.
+    Idempotent; a no-op on later releases."""
+    if TORCH_VERSION >= (2, 13):
+        return
+    from torch.distributed.pipelining import stage as stage_module
+
+    backward_input = stage_module.stage_backward_input
+    if getattr(backward_input, "keeps_graph", False):
+        return
+
+    def backward_input_keeping_graph(stage_outputs_or_loss, *args, **kwargs):
+        views = [t.view_as(t) for t in stage_outputs_or_loss if t.grad_fn is not None]
+        dinputs, param_groups = backward_input(stage_outputs_or_loss, *args, **kwargs)
+        for group in param_groups:
+            group["pipe_graph_keepalive"] = views
+        return dinputs, param_groups
+
+    backward_input_keeping_graph.keeps_graph = True  # type: ignore[attr-defined]
+    stage_module.stage_backward_input = backward_input_keeping_graph
