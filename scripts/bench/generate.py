@@ -12,12 +12,13 @@ with each side warmed up once first. It prints tokens/s per side and the ratio p
 and checks that both sides produce the same tokens at batch 1. CPU in fp32 by default; on a GPU
 (`--device cuda`) both run in bf16.
 
-    python scripts/bench/generate.py [--device cpu|cuda] [--batch 16] [--new-tokens 64]
+    python scripts/bench/generate.py [--device cpu|cuda] [--batch 16] [--new-tokens 64] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
 
     import torch
@@ -110,6 +112,7 @@ def main() -> None:
     params = sum(p.numel() for p in ours.parameters()) / 1e6
     print(f"device {device} ({dtype}), {params:.0f}M params, {args.new_tokens} new tokens, "
           f"torch threads {torch.get_num_threads()}")  # fmt: skip
+    figures = []
     for label, batch in (("batch 1", prompts[:1]), (f"batch {args.batch}", prompts)):
         tokens = len(batch) * args.new_tokens
         hf_s, hf_out = timed(lambda b=batch: hf_generate(theirs, b, args.new_tokens))
@@ -119,6 +122,13 @@ def main() -> None:
             same = f"{sum(a == b for a, b in zip(pipe_out, hf_out))}/{len(batch)} rows equal"
         print(f"{label:>9}: transformers {tokens / hf_s:8.1f} tok/s | pipe {tokens / pipe_s:8.1f}"
               f" tok/s | pipe / transformers {hf_s / pipe_s:5.2f}x | {same}")  # fmt: skip
+        figures.append(
+            {"batch": len(batch), "transformers_tok_s": tokens / hf_s,
+             "pipe_tok_s": tokens / pipe_s, "ratio": hf_s / pipe_s, "same": same}
+        )  # fmt: skip
+    if args.json:
+        record = {"device": str(device), "dtype": str(dtype), "params_m": params, "runs": figures}
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

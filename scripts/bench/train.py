@@ -14,10 +14,13 @@ steps on mock data (the trainer's loader). Printed per run:
   or an unlisted GPU);
 - peak memory: CUDA max allocated, or on a CPU the process's peak RSS;
 
-and then the FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layouts: not yet).
+and then each FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layouts: not yet).
 
-    python scripts/bench/train.py --recipe llama3_8b --fp8 torchao [--warmup 5] [--steps 20]
-        [--set model.num_layers=8 ...] [--device cpu]
+    python scripts/bench/train.py --recipe llama3_8b --fp8 torchao[,torchao:rowwise] [--warmup 5]
+        [--steps 20] [--set model.num_layers=8 ...] [--device cpu] [--json FILE]
+
+`--fp8` takes several recipes, comma-separated, each timed in its own child against the one bf16
+run, or `none` for bf16 alone; `--json FILE` writes every figure to FILE as well.
 
 `--device cpu` is a smoke run: it sets `fp8.emulate=true` and
 `fp8.linear_filter=all` (torchao's emulated FP8 on every aligned linear), so it checks the path,
@@ -107,26 +110,54 @@ def _run_child(argv: list[str], fp8: str | None) -> dict:
             command += ["--child-fp8", fp8]
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"benchmark run ({fp8 or 'bf16'}) failed:\n{done.stderr[-4000:]}")
+        print(f"benchmark run ({fp8 or 'bf16'}) failed:\n{done.stderr[-4000:]}", file=sys.stderr)
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _line(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"{name:28s} failed: {r['error']}"
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
     return (
-        f"{name:5s} {r['tokens_per_s']:12,.0f} tokens/s  {r['tflops']:8.3f} model TFLOP/s  "
+        f"{name:28s} {r['tokens_per_s']:12,.0f} tokens/s  {r['tflops']:8.3f} model TFLOP/s  "
         f"MFU {mfu:>6s}  peak mem {r['peak_gib']:.2f} GiB  ({r['step_s'] * 1e3:.0f} ms/step)"
     )
+
+
+def _fp8_recipes(value: str) -> list[str]:
+    """The `--fp8` list: comma-separated recipes, or `none` for the bf16 run alone."""
+    recipes = [r.strip() for r in value.split(",") if r.strip()]
+    return [] if recipes in ([], ["none"]) else recipes
+
+
+def _child_argv(argv: list[str]) -> list[str]:
+    """The parent's arguments less `--fp8` and `--json` (the parent's alone)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--fp8", "--json"):
+            skip = True
+        elif not arg.startswith(("--fp8=", "--json=")):
+            kept.append(arg)
+    return kept
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="tiny", help="shipped recipe name or .toml")
-    parser.add_argument("--fp8", default="torchao", help="torchao[:rowwise] or te[:current]")
+    parser.add_argument(
+        "--fp8",
+        default="torchao",
+        help="FP8 recipe(s) to time against bf16, comma-separated (torchao[:rowwise], "
+        "te[:current], ...), or none for bf16 alone",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-fp8", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -139,25 +170,32 @@ def main() -> None:
         print(json.dumps(_measure(args)))
         return
 
-    argv = sys.argv[1:]
-    flag = "--fp8"
-    if flag in argv:  # the parent's --fp8 goes to the FP8 child only
-        i = argv.index(flag)
-        del argv[i : i + 2]
-    argv = [a for a in argv if not a.startswith("--fp8=")]
-    fp8 = _run_child(argv, args.fp8)
+    argv = _child_argv(sys.argv[1:])
+    runs = {recipe: _run_child(argv, recipe) for recipe in _fp8_recipes(args.fp8)}
     bf16 = _run_child(argv, None)
     print(
-        f"recipe {args.recipe} on {fp8['device']}: {args.warmup} warm-up + {args.steps} timed "
-        f"steps, mock data; {' '.join(args.sets) or 'no overrides'}"
+        f"recipe {args.recipe} on {bf16.get('device', args.device)}: {args.warmup} warm-up + "
+        f"{args.steps} timed steps, mock data; {' '.join(args.sets) or 'no overrides'}"
     )
-    if args.device == "cpu":
+    if args.device == "cpu" and runs:
         print("CPU smoke run: emulated FP8 (fp8.emulate, linear_filter=all): not FP8 speed")
     print("model FLOPs: Megatron's causal count (flops_per_token), the same for FP8 and bf16")
-    print(f"fp8: {fp8['fp8']}")
-    print(_line("fp8", fp8))
+    for recipe, figures in runs.items():
+        print(f"{recipe}: {figures.get('fp8', 'failed')}")
+    for recipe, figures in runs.items():
+        print(_line(recipe, figures))
     print(_line("bf16", bf16))
-    print(f"fp8/bf16 tokens/s ratio: {fp8['tokens_per_s'] / bf16['tokens_per_s']:.2f}")
+    for recipe, figures in runs.items():
+        if "error" in figures or "error" in bf16:
+            continue
+        ratio = figures["tokens_per_s"] / bf16["tokens_per_s"]
+        figures["ratio_to_bf16"] = ratio
+        print(f"{recipe}/bf16 tokens/s ratio: {ratio:.2f}")
+    if args.json:
+        record = {"recipe": args.recipe, "sets": args.sets, "bf16": bf16, "fp8": runs}
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+    if any("error" in r for r in [bf16, *runs.values()]):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

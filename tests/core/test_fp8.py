@@ -45,7 +45,13 @@ needs_torchao = pytest.mark.skipif(
 
 
 def test_recipe_names_and_defaults():
-    assert FP8_RECIPES == ("torchao:tensorwise", "torchao:rowwise", "te:delayed", "te:current")
+    assert FP8_RECIPES == (
+        "torchao:tensorwise",
+        "torchao:rowwise",
+        "torchao:rowwise_with_gw_hp",
+        "te:delayed",
+        "te:current",
+    )
     assert normalize_recipe("torchao") == "torchao:tensorwise"
     assert normalize_recipe("te") == "te:delayed"
     assert normalize_recipe("torchao:rowwise") == "torchao:rowwise"
@@ -163,7 +169,9 @@ def _train(model, fp8, batches, dp_group=None) -> list[float]:
 
 
 @needs_torchao
-@pytest.mark.parametrize("recipe", ["torchao:tensorwise", "torchao:rowwise"])
+@pytest.mark.parametrize(
+    "recipe", ["torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp"]
+)
 def test_torchao_training_tracks_fp32(recipe):
     from torch import nn
     from torchao.float8.float8_linear import Float8Linear

@@ -3,7 +3,8 @@ convert, and the backend object the trainer drives.
 
 A recipe is `backend:scaling` (`fp8.recipe`; `--fp8 torchao` takes the backend's default):
 
-- `torchao:tensorwise`, `torchao:rowwise`: torchao float8 training (`fp8_torchao.py`). Composes
+- `torchao:tensorwise`, `torchao:rowwise`, `torchao:rowwise_with_gw_hp` (rowwise, with the weight
+  gradient's GEMM kept in high precision): torchao float8 training (`fp8_torchao.py`). Composes
   with DTensor tensor parallelism (torchao's float8 TP styles for tensorwise) and FSDP2 (fp8
   all-gather of the weights for tensorwise).
 - `te:delayed`, `te:current`: Transformer Engine linears under `fp8_autocast` with delayed or
@@ -38,7 +39,10 @@ __all__ = [
 
 FP8_BACKENDS = ("torchao", "te")
 DEFAULT_SCALING = {"torchao": "tensorwise", "te": "delayed"}
-_SCALINGS = {"torchao": ("tensorwise", "rowwise"), "te": ("delayed", "current")}
+_SCALINGS = {
+    "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    "te": ("delayed", "current"),
+}
 FP8_RECIPES = tuple(f"{b}:{s}" for b in FP8_BACKENDS for s in _SCALINGS[b])
 LINEAR_FILTERS = ("auto", "all")
 # Linears that always keep high precision, by the last part of their name: the output layer
@@ -93,8 +97,9 @@ def high_precision_reason(
     FP8 tensor-core kernels need that). With `linear_filter="auto"` also small GEMMs, by the
     thresholds torchao measured on an H100 (torchao/float8 README; `_auto_filter_for_*`), where
     the casts cost more than the faster GEMM saves: tensorwise (and TE's per-tensor scalings)
-    keeps in <= 4096 and out <= 1024; rowwise keeps out <= 2048, in <= 1024, or out <= 4096 with
-    in <= 2048. `"all"` converts every aligned linear (tests; or where measured faster).
+    keeps in <= 4096 and out <= 1024; rowwise (either form) keeps out <= 2048, in <= 1024, or
+    out <= 4096 with in <= 2048. `"all"` converts every aligned linear (tests; or where measured
+    faster).
     """
     if fqn.rsplit(".", 1)[-1] in _ALWAYS_HIGH_PRECISION:
         return "output layer" if fqn.endswith("output") else "router"
@@ -105,7 +110,7 @@ def high_precision_reason(
     if linear_filter != "auto":
         raise ValueError(f"fp8.linear_filter must be one of {LINEAR_FILTERS}: {linear_filter!r}")
     n, k = out_features, in_features
-    if scaling == "rowwise":
+    if scaling.startswith("rowwise"):
         small = n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
     else:
         small = k <= 4096 and n <= 1024

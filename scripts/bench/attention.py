@@ -1,0 +1,207 @@
+"""Attention kernels with document masking: forward + backward time of each backend, one run.
+
+A packed training sequence holds several documents, and a token may attend only to earlier
+tokens of its own document (Megatron's `reset_attention_mask`). This benchmark times, on the
+same q/k/v and the same documents, every way torch (and flash-attn, where installed) offers to
+compute that:
+
+- `sdpa:<kernel>` for each of SDPA's kernels (cuDNN, flash, memory-efficient, math) forced with
+  `sdpa_kernel`, given the boolean document mask pipe's `sdpa` backend builds. A kernel that
+  refuses the mask (flash takes none) is listed with torch's reason, not left out.
+- `flex`: `flex_attention` with a block mask built from the document ids (compiled).
+- `flash_attn:varlen`: flash-attn's variable-length kernel on the documents' cumulative lengths.
+- `pipe:auto`: what pipe's model runs today (`attention(..., backend=resolve_backend("auto"))`).
+- `sdpa:causal` (plain causal, no document mask): the speed bound the masked kernels chase.
+
+Each is warmed up, then timed over `--repeat` forward + backward passes; printed in ms and as the
+ratio to the fastest masked kernel. Shapes default to Llama 3 8B's attention (32 query heads,
+8 kv heads, head dim 128) at sequence 8192 in bf16 on CUDA.
+
+    python scripts/bench/attention.py [--seq 8192] [--heads 32 --kv-heads 8 --head-dim 128]
+        [--doc-len 1024] [--device cuda|cpu] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def document_ids(seq: int, mean_len: int, device: torch.device) -> torch.Tensor:
+    """`[1, seq]` ids of documents with lengths drawn around `mean_len` (seeded)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    lengths: list[int] = []
+    while sum(lengths) < seq:
+        lengths.append(int(torch.randint(mean_len // 4, 2 * mean_len, (1,), generator=generator)))
+    lengths[-1] -= sum(lengths) - seq
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[None].to(device)
+
+
+def _sdpa_kernel(kernel_name: str, masked: bool) -> Callable:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pipeline.core.kernels.attention import document_causal_mask
+
+    kernel = getattr(SDPBackend, kernel_name)
+
+    def run(q, k, v, docs):
+        with sdpa_kernel([kernel]):
+            if not masked:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            mask = document_causal_mask(docs)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    return run
+
+
+def _flex() -> Callable:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q, k, v, docs):
+        ids = docs[0]
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
+
+        seq = q.shape[2]
+        block = create_block_mask(same_document_causal, None, None, seq, seq, device=q.device)
+        return compiled(q, k, v, block_mask=block, enable_gqa=True)
+
+    return run
+
+
+def _flash_attn_varlen() -> Callable:
+    import torch
+    from flash_attn import flash_attn_varlen_func
+
+    def run(q, k, v, docs):
+        lengths = torch.unique_consecutive(docs[0], return_counts=True)[1]
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        longest = int(lengths.max())
+        out = flash_attn_varlen_func(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+            cu, cu, longest, longest, causal=True,
+        )  # fmt: skip
+        return out.transpose(0, 1)[None]
+
+    return run
+
+
+def _pipe_auto() -> Callable:
+    from pipeline.core.kernels.attention import attention, resolve_backend
+
+    def run(q, k, v, docs):
+        backend = resolve_backend("auto", device=q.device, document_masking=True)
+        return attention(q, k, v, document_ids=docs, backend=backend)
+
+    return run
+
+
+def candidates() -> dict[str, Callable[[], Callable]]:
+    """Name -> a factory of `run(q, k, v, document_ids)`; a factory or run may raise."""
+    kernels = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    found: dict[str, Callable[[], Callable]] = {
+        f"sdpa:{name.split('_')[0].lower()}": (lambda n=name: _sdpa_kernel(n, masked=True))
+        for name in kernels
+    }
+    found["flex"] = _flex
+    found["flash_attn:varlen"] = _flash_attn_varlen
+    found["pipe:auto"] = _pipe_auto
+    found["sdpa:causal (no document mask)"] = lambda: _sdpa_kernel("FLASH_ATTENTION", False)
+    return found
+
+
+def time_one(run: Callable, q, k, v, docs, repeat: int) -> float:
+    """Seconds per forward + backward, after two warm-up passes."""
+    import torch
+
+    def once() -> None:
+        out = run(q, k, v, docs)
+        out.backward(torch.ones_like(out))
+
+    for _ in range(2):
+        once()
+    if q.device.type == "cuda":
+        torch.cuda.synchronize(q.device)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        once()
+    if q.device.type == "cuda":
+        torch.cuda.synchronize(q.device)
+    return (time.perf_counter() - start) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--doc-len", type=int, default=1024, help="mean document length")
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+
+    import torch
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(heads: int) -> torch.Tensor:
+        shape = (1, heads, args.seq, args.head_dim)
+        return torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_()
+
+    q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
+    docs = document_ids(args.seq, args.doc_len, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"attention fwd+bwd on {name} ({dtype}): seq {args.seq}, "
+        f"{args.heads}/{args.kv_heads} heads, head dim {args.head_dim}, "
+        f"{int(docs.max()) + 1} documents (mean length {args.doc_len})"
+    )
+    results: dict[str, dict] = {}
+    for name, factory in candidates().items():
+        try:
+            seconds = time_one(factory(), q, k, v, docs, args.repeat)
+            results[name] = {"ms": seconds * 1e3}
+        except Exception as e:  # a backend that cannot run here is reported, not skipped
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            results[name] = {"error": f"{type(e).__name__}: {reason}"[:300]}
+        finally:
+            q.grad = k.grad = v.grad = None
+    masked = [r["ms"] for n, r in results.items() if "ms" in r and "no document" not in n]
+    best = min(masked) if masked else None
+    for name, r in results.items():
+        if "ms" in r:
+            ratio = f"{r['ms'] / best:6.2f}x the fastest masked" if best else ""
+            print(f"  {name:32s} {r['ms']:10.2f} ms  {ratio}")
+        else:
+            print(f"  {name:32s} unavailable: {r['error']}")
+    if args.json:
+        record = {"device": str(device), "dtype": str(dtype), **vars(args), "results": results}
+        record["json"] = str(args.json)
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Bring-up checks for a CUDA GPU: each piece of pipe's GPU path against its CPU reference.
+
+All are marked `gpu` and skip without CUDA (`scripts/gpu/run.sh` runs them first on the GPU
+machine). Tolerances are those of bf16 against fp32 where bf16 is involved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.builders import build_model, micro_model_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_model_loss_and_gradients_on_cuda_match_the_cpu():
+    """One forward + backward of the micro model: fp32 on CUDA equals fp32 on the CPU, and bf16
+    autocast on CUDA stays within bf16's error."""
+    from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    model = build_model(micro_model_config())
+    tokens = torch.randint(0, 128, (2, 64))
+    labels = torch.randint(0, 128, (2, 64))
+
+    def loss_and_grads(device: str, autocast: bool) -> tuple[float, torch.Tensor]:
+        copy = build_model(micro_model_config()).to(device)
+        copy.load_state_dict(model.state_dict())
+        with torch.autocast(device, torch.bfloat16, enabled=autocast):
+            hidden = copy(tokens.to(device))
+            loss_sum, count = chunked_linear_cross_entropy(
+                hidden, copy.output.weight, labels.to(device)
+            )
+        loss = loss_sum / count
+        loss.backward()
+        return loss.item(), copy.layers["0"].attention.wq.weight.grad.float().cpu()
+
+    cpu_loss, cpu_grad = loss_and_grads("cpu", autocast=False)
+    cuda_loss, cuda_grad = loss_and_grads("cuda", autocast=False)
+    bf16_loss, bf16_grad = loss_and_grads("cuda", autocast=True)
+    assert cuda_loss == pytest.approx(cpu_loss, rel=1e-5)
+    torch.testing.assert_close(cuda_grad, cpu_grad, rtol=1e-4, atol=1e-6)
+    assert bf16_loss == pytest.approx(cpu_loss, rel=2e-2)
+    torch.testing.assert_close(bf16_grad, cpu_grad, rtol=5e-2, atol=5e-3)
+
+
+def test_fused_loss_at_a_128k_vocabulary_matches_cross_entropy():
+    """The chunked linear cross-entropy at Llama 3's vocabulary (128,256) in bf16 against the
+    full-logit fp32 loss."""
+    from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(128256, 512, device="cuda", dtype=torch.bfloat16) * 0.02
+    weight.requires_grad_()
+    labels = torch.randint(0, 128256, (2048,), device="cuda")
+    loss_sum, count = chunked_linear_cross_entropy(hidden, weight, labels)
+    reference = torch.nn.functional.cross_entropy(
+        hidden.float() @ weight.float().T, labels, reduction="sum"
+    )
+    assert int(count) == 2048
+    assert loss_sum.item() == pytest.approx(reference.item(), rel=1e-2)
+
+
+def test_document_masked_attention_on_cuda_matches_the_cpu():
+    """pipe's attention with document ids (the sdpa backend's boolean mask) on CUDA in bf16
+    against the same on the CPU in fp32."""
+    from pipeline.core.kernels.attention import attention
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 512, 64)
+    k = torch.randn(1, 2, 512, 64)
+    v = torch.randn(1, 2, 512, 64)
+    docs = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 200, 12, 200]))[None]
+    reference = attention(q, k, v, document_ids=docs)
+    on_gpu = attention(
+        *(t.cuda().bfloat16() for t in (q, k, v)), document_ids=docs.cuda(), backend="sdpa"
+    )
+    torch.testing.assert_close(on_gpu.float().cpu(), reference, atol=3e-2, rtol=3e-2)
+
+
+def test_nccl_process_group_all_reduces(tmp_path: Path):
+    """A one-process NCCL group initialises and all-reduces on the GPU (what every multi-GPU
+    layout stands on)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        value = torch.full((4,), 3.0, device="cuda")
+        dist.all_reduce(value)
+        torch.cuda.synchronize()
+        assert value.tolist() == [3.0] * 4
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 GEMMs need compute capability 8.9 or later",
+)
+@pytest.mark.parametrize(
+    "recipe", ["torchao:tensorwise", "torchao:rowwise", "torchao:rowwise_with_gw_hp"]
+)
+def test_torchao_fp8_linears_track_bf16_on_the_gpu(recipe: str):
+    """A model with every aligned linear in real FP8 (no emulation) gives a loss within FP8's
+    error of the same model in bf16."""
+    pytest.importorskip("torchao")
+    from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
+    from pipeline.core.kernels.fp8 import build_fp8
+
+    config = micro_model_config(hidden_size=256, ffn_hidden_size=512, vocab_size=256)
+    torch.manual_seed(0)
+    reference = build_model(config).cuda()
+    fp8 = build_fp8(recipe, torch.device("cuda"), linear_filter="all")
+    converted = fp8.convert(build_model(config)).cuda()
+    converted.load_state_dict(reference.state_dict())
+    tokens = torch.randint(0, 256, (4, 128), device="cuda")
+
+    def loss(model: torch.nn.Module) -> float:
+        with torch.autocast("cuda", torch.bfloat16):
+            loss_sum, count = chunked_linear_cross_entropy(
+                model(tokens), model.output.weight, tokens.roll(-1, dims=1)
+            )
+        return (loss_sum / count).item()
+
+    assert "linears in fp8" in fp8.describe()
+    assert loss(converted) == pytest.approx(loss(reference), rel=5e-2)
