@@ -17,14 +17,32 @@ Every version-dependent workaround lives here, so the rest of pipe is written ag
   `autograd.Function` (pipe's fused cross-entropy, the MoE auxiliary loss, the expert all-to-all)
   is not kept alive by its Python handle, so W fails with "Attribute '_input_metadata' is
   invalid". `keep_graph_until_weight_backward` holds a view of each output until W is done.
+- Shape inference. Before its first step a stage runs its forward once to learn its output
+  shapes: `_forward_metadata_inference` on 2.13, `_shape_inference` on 2.11 (both private).
+  `stage_shape_inference_name` says which one a stage has, for the code that must keep that
+  forward's side effects (MoE expert loads) out of the run.
+- Compiled expert dispatch. Under `torch.compile`, torch 2.11 loses the expert weights'
+  gradients through expert parallelism's token exchange (all-to-all in an `autograd.Function`,
+  DTensor expert shards): they come out zero, while the same code runs right eagerly and
+  compiled on 2.13. `eager_before_2_13` runs such a function outside the compiled graph there
+  (the dispatch already breaks the graph for its host sync, so little is lost).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["TORCH_VERSION", "drop_self_p2p_warmup", "keep_graph_until_weight_backward"]
+__all__ = [
+    "TORCH_VERSION",
+    "drop_self_p2p_warmup",
+    "eager_before_2_13",
+    "keep_graph_until_weight_backward",
+    "stage_shape_inference_name",
+]
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -34,6 +52,25 @@ def _release(version: str) -> tuple[int, int]:
 
 
 TORCH_VERSION = _release(torch.__version__)
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def eager_before_2_13(fn: _F) -> _F:
+    """`fn` itself on torch 2.13 and later; before, `fn` run eagerly even inside a compiled
+    module (a graph break), where torch's compiler gets its gradients wrong (see above)."""
+    if TORCH_VERSION >= (2, 13):
+        return fn
+    return torch._dynamo.disable(fn)  # type: ignore[return-value]
+
+
+def stage_shape_inference_name(stage: object) -> str | None:
+    """The name of the method a pipeline stage runs its shape-inference forward in (torch 2.13,
+    then 2.11), or None if it has neither."""
+    for name in ("_forward_metadata_inference", "_shape_inference"):
+        if hasattr(stage, name):
+            return name
+    return None
 
 
 def drop_self_p2p_warmup(stage: object) -> None:

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from pipeline.core.model.moe import GroupedExperts, MoE, grouped_swiglu
+from pipeline.core.torch_compat import eager_before_2_13
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 # torch 2.13 renamed all_gather_into_tensor (and deprecated the old name).
@@ -126,6 +127,7 @@ class ExpertParallelMoE(MoE):
         start = self.ep_rank * self.num_local_experts
         return start, start + self.num_local_experts
 
+    @eager_before_2_13
     def _dispatch_and_combine(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -47,7 +47,11 @@ from pipeline.core.parallel.stage_placement import (  # noqa: F401 (re-exported)
     stages_per_rank,
 )
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
-from pipeline.core.torch_compat import drop_self_p2p_warmup, keep_graph_until_weight_backward
+from pipeline.core.torch_compat import (
+    drop_self_p2p_warmup,
+    keep_graph_until_weight_backward,
+    stage_shape_inference_name,
+)
 
 # Label value for positions that do not count in the loss (the loss mask travels inside the
 # target tensor, since a schedule's loss function receives exactly one target per micro-batch).
@@ -113,11 +117,13 @@ def _keep_expert_loads_out_of_metadata_inference(stage: PipelineStage) -> None:
     """The first step's metadata inference runs each stage's forward once more, on the first
     micro-batch or (later stages) on uninitialised tensors of the right shape. Its routing must
     not count in the expert loads that move DeepSeek's balancing bias: each MoE's load is put
-    back as it was before that forward. (A private torch method; without it nothing is done.)"""
-    infer = getattr(stage, "_forward_metadata_inference", None)
+    back as it was before that forward. (A private torch method, named by torch_compat; without
+    it nothing is done.)"""
+    name = stage_shape_inference_name(stage)
     moes = [m for m in stage.submod.modules() if hasattr(m, "expert_load")]
-    if infer is None or not moes:
+    if name is None or not moes:
         return
+    infer = getattr(stage, name)
 
     def without_loads(*args, **kwargs):
         saved = [m.expert_load for m in moes]
@@ -127,7 +133,7 @@ def _keep_expert_loads_out_of_metadata_inference(stage: PipelineStage) -> None:
             for moe, load in zip(moes, saved, strict=True):
                 moe.expert_load = load
 
-    stage._forward_metadata_inference = without_loads
+    setattr(stage, name, without_loads)
 
 
 def masked_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
