@@ -42,6 +42,14 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = 
     `load_dir` may itself be a checkpoint directory. Raises `CheckpointError` naming the
     directory when it is missing or not a complete checkpoint.
     """
+    return resolve_checkpoint(load_dir, iteration)[0]
+
+
+def resolve_checkpoint(
+    load_dir: str | os.PathLike, iteration: int | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """(the directory `resolve_checkpoint_dir` names, its whole `pipe_metadata.json`), the
+    record read once."""
     root = Path(load_dir)
     if iteration is not None:
         target = root / iteration_dir_name(iteration)
@@ -62,15 +70,12 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = 
             f"checkpoint {target} is incomplete (no complete {PIPE_METADATA}); "
             "it was probably interrupted while saving and will not be loaded"
         )
-    return target
+    return target, record
 
 
 def read_checkpoint_record(directory: str | os.PathLike) -> dict[str, Any]:
     """The whole `pipe_metadata.json` of a complete checkpoint directory."""
-    target = resolve_checkpoint_dir(directory)
-    record = read_pipe_metadata(target)
-    assert record is not None  # resolve_checkpoint_dir checked it
-    return record
+    return resolve_checkpoint(directory)[1]
 
 
 def verified_files(
@@ -116,9 +121,7 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    target = resolve_checkpoint_dir(load_dir, iteration)
-    record = read_pipe_metadata(target)
-    assert record is not None
+    target, record = resolve_checkpoint(load_dir, iteration)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     if state:

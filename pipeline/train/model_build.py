@@ -104,7 +104,7 @@ def build_model(
             return Transformer(config, options)
 
     try:
-        parts, stage_indices, num_stages = build_model_parts(build, layout, cfg)
+        parts, stage_indices, num_stages = build_model_parts(build, layout, cfg, config.num_layers)
         parts = [parallelize(part, layout, cfg, fp8=fp8) for part in parts]
     except (ValueError, NotImplementedError) as e:  # a layout or recipe we cannot build
         raise ConfigError(str(e)) from e
