@@ -365,7 +365,7 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 
 def nan_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batch calls (all of them when None)."""
-    import pipeline.train.train_step as ts
+    import pipeline.train.step_runner as ts
 
     original = ts.micro_batch_loss
     calls = {"n": 0}
@@ -492,7 +492,7 @@ def _probe_gradients(trainer) -> float:
     trainer.optimizer.zero_grad(set_to_none=True)
     loss_sum, tokens = forward_backward(
         trainer.model, micro_batches, autocast=trainer.autocast,
-        dp_group=layout.batch_group, pipeline=trainer.pipeline,
+        dp_group=layout.batch_group, runner=trainer.step_runner,
     )  # fmt: skip
     reduce_loss_sum(loss_sum, layout.batch_group, layout.pipeline_group)
     return float(loss_sum) / max(float(tokens), 1.0)

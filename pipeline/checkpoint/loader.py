@@ -42,6 +42,14 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = 
     `load_dir` may itself be a checkpoint directory. Raises `CheckpointError` naming the
     directory when it is missing or not a complete checkpoint.
     """
+    return resolve_checkpoint(load_dir, iteration)[0]
+
+
+def resolve_checkpoint(
+    load_dir: str | os.PathLike, iteration: int | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """(the directory `resolve_checkpoint_dir` names, its whole `pipe_metadata.json`), the
+    record read once."""
     root = Path(load_dir)
     if iteration is not None:
         target = root / iteration_dir_name(iteration)
@@ -62,15 +70,12 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = 
             f"checkpoint {target} is incomplete (no complete {PIPE_METADATA}); "
             "it was probably interrupted while saving and will not be loaded"
         )
-    return target
+    return target, record
 
 
 def read_checkpoint_record(directory: str | os.PathLike) -> dict[str, Any]:
     """The whole `pipe_metadata.json` of a complete checkpoint directory."""
-    target = resolve_checkpoint_dir(directory)
-    record = read_pipe_metadata(target)
-    assert record is not None  # resolve_checkpoint_dir checked it
-    return record
+    return resolve_checkpoint(directory)[1]
 
 
 def verified_files(
@@ -93,6 +98,34 @@ def verified_files(
     return files, metadata
 
 
+def _read_tensors(
+    target: Path,
+    record: dict[str, Any],
+    tensors: dict[str, Any],
+    verify: bool,
+    process_group: Any | None,
+) -> None:
+    """Fill `tensors` in place from checkpoint `target` through DCP (re-sharding as needed),
+    every file checked against `record`'s SHA-256 unless not `verify`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    world_size = dist.get_world_size(process_group) if distributed else 1
+    # Read the DCP metadata ourselves first, so an unsafe file is refused with our error
+    # rather than wrapped in DCP's rank-failure report.
+    files, dcp_metadata = verified_files(target, record, verify, rank=rank, world_size=world_size)
+    reader = safe_file_system_reader(target, dcp_metadata, files, finish_files=True)
+    try:
+        dcp.load(
+            tensors, storage_reader=reader, process_group=process_group, no_dist=not distributed
+        )
+    except CheckpointException as error:
+        raise dcp_error(error, f"loading checkpoint {target}") from None
+
+
 def load(
     load_dir: str | os.PathLike,
     iteration: int | None = None,
@@ -113,34 +146,15 @@ def load(
     rank), unless `verify_checksums` is False; a mismatch raises `CheckpointError` naming it.
     """
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    target = resolve_checkpoint_dir(load_dir, iteration)
-    record = read_pipe_metadata(target)
-    assert record is not None
+    target, record = resolve_checkpoint(load_dir, iteration)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     if state:
         resolved = resolve_stateful(state)
         tensors, _ = split_state(resolved)
         if tensors:
-            # Read the DCP metadata ourselves first, so an unsafe file is refused with our error
-            # rather than wrapped in DCP's rank-failure report.
-            world_size = dist.get_world_size(process_group) if distributed else 1
-            files, dcp_metadata = verified_files(
-                target, record, verify_checksums, rank=rank, world_size=world_size
-            )
-            reader = safe_file_system_reader(target, dcp_metadata, files, finish_files=True)
-            try:
-                dcp.load(
-                    tensors,
-                    storage_reader=reader,
-                    process_group=process_group,
-                    no_dist=not distributed,
-                )
-            except CheckpointException as error:
-                raise dcp_error(error, f"loading checkpoint {target}") from None
+            _read_tensors(target, record, tensors, verify_checksums, process_group)
         merge_json_leaves(resolved, record.get("non_tensor_state") or [])
         for key, value in state.items():
             if is_stateful(value):

@@ -1,7 +1,8 @@
 """`CheckpointManager`: the trainer's one object for periodic saves, rotation and resume.
 
-It holds the save directory and policy, allows one background save at a time (a new save
-first waits for the pending one) and loads from a separate directory when resuming elsewhere.
+It holds the save directory and policy (which iterations are due a save, how many to keep),
+allows one background save at a time (a new save first waits for the pending one) and loads
+from a separate directory when resuming elsewhere.
 With a process group, background saves share one gloo group of their own (made on the first).
 """
 
@@ -17,8 +18,9 @@ from pipeline.checkpoint.saver import AsyncSave, new_background_group, save
 
 
 class CheckpointManager:
-    """Save to `save_dir` keeping the last `keep_last`; load from `load_dir` (default: same),
-    checking every file read against its recorded SHA-256 unless not `verify_checksums`."""
+    """Save to `save_dir` every `save_interval` iterations (0: only when asked) keeping the last
+    `keep_last`; load from `load_dir` (default: same), checking every file read against its
+    recorded SHA-256 unless not `verify_checksums`."""
 
     def __init__(
         self,
@@ -28,8 +30,12 @@ class CheckpointManager:
         load_dir: str | os.PathLike | None = None,
         process_group: Any | None = None,
         verify_checksums: bool = True,
+        save_interval: int = 0,
     ) -> None:
         self.save_dir = Path(save_dir)
+        self.save_interval = save_interval
+        self.last_saved: int | None = None
+        """The iteration this manager last saved (None before its first save)."""
         self.load_dir = Path(load_dir) if load_dir is not None else self.save_dir
         self.keep_last = keep_last
         self.async_save = async_save
@@ -37,6 +43,14 @@ class CheckpointManager:
         self.verify_checksums = verify_checksums
         self._pending: AsyncSave | None = None
         self._background_group: Any | None = None
+
+    def save_due(self, iteration: int) -> bool:
+        """Whether `iteration` is one that `save_interval` saves."""
+        return bool(self.save_interval) and iteration % self.save_interval == 0
+
+    def saved(self, iteration: int) -> bool:
+        """Whether this manager's last save was of `iteration`."""
+        return self.last_saved == iteration
 
     def save(self, iteration: int, state: dict[str, Any], metadata: dict[str, Any]) -> None:
         """Save (in the background when `async_save`), after finishing any pending save.
@@ -56,6 +70,7 @@ class CheckpointManager:
             process_group=self.process_group,
             background_group=self._background_group,
         )
+        self.last_saved = iteration
         if isinstance(result, AsyncSave):
             self._pending = result
 

@@ -288,6 +288,36 @@ def _start_async_write(tensors: dict[str, Any], writer: Any, group: Any) -> Any:
     return future
 
 
+def _uncommitted_record(
+    iteration: int,
+    world_size: int,
+    metadata: dict[str, Any],
+    json_leaves: Any,
+    rng: list[Any] | None,
+) -> dict[str, Any]:
+    """The `pipe_metadata.json` record of a checkpoint being written (`complete` is false until
+    the commit); `CheckpointError` when it is not JSON."""
+    import torch
+
+    record = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "complete": False,
+        "iteration": iteration,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "torch_version": torch.__version__,
+        "world_size": world_size,
+        "metadata": metadata,
+        "non_tensor_state": json_leaves,
+        "rng": rng,
+    }
+    try:
+        json.dumps(record, allow_nan=True)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {error}") from error
+    return record
+
+
 def save(
     save_dir: str | os.PathLike,
     iteration: int,
@@ -313,7 +343,6 @@ def save(
     group, such a save runs its collectives on `background_group` (one from
     `new_background_group`, reused across saves; a new one is made when None).
     """
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -325,23 +354,7 @@ def save(
     distributed, rank, world_size = _dist_context(process_group)
     tensors, json_leaves = split_state(resolve_stateful(state))
     rng = _gather(capture_rng_state(), distributed, process_group) if save_rng else None
-    record = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "complete": False,
-        "iteration": iteration,
-        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "torch_version": torch.__version__,
-        "world_size": world_size,
-        "metadata": metadata or {},
-        "non_tensor_state": json_leaves,
-        "rng": rng,
-    }
-    try:
-        json.dumps(record, allow_nan=True)
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable: {error}") from error
-
+    record = _uncommitted_record(iteration, world_size, metadata or {}, json_leaves, rng)
     root.mkdir(parents=True, exist_ok=True)
     temporary = root / _broadcast_name(temporary_dir_name(iteration), distributed, process_group)
     # DCP's writer keeps every tensor of a file alive until the file is closed; a streaming
@@ -357,12 +370,9 @@ def save(
     job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
     try:
         dcp.save(
-            tensors,
-            storage_writer=writer,
-            planner=planner,
-            process_group=process_group,
+            tensors, storage_writer=writer, planner=planner, process_group=process_group,
             no_dist=not distributed,
-        )
+        )  # fmt: skip
     except CheckpointException as error:
         # DCP's exception derives from BaseException; turn it into an ordinary, named error
         # (a source's own CheckpointError, e.g. a damaged input shard, passes through as is).

@@ -11,13 +11,16 @@ Face model directory. click is the only import at module level, so `--help` stay
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
-from pipeline.core.parallel.process_group import destroy_process_group
+from pipeline.core.parallel.process_group import (
+    destroy_process_group,
+    launched_by_torchrun,
+    relaunch_under_torchrun,
+)
 
 DTYPES = ("auto", "fp32", "bf16")
 
@@ -50,20 +53,25 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
     click error."""
     import torch
 
+    from pipeline.core.parallel.process_group import (
+        NoCudaDevice,
+        choose_device,
+        launched_world_size,
+        rank_device,
+    )
     from pipeline.serve.loading import LoadError, open_generator
-    from pipeline.serve.tensor_parallel import launched_ranks, rank_device, tensor_parallel_mesh
+    from pipeline.serve.tensor_parallel import tensor_parallel_mesh
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(device)
+        chosen = choose_device(device)
+    except NoCudaDevice:
+        raise click.ClickException("--device cuda: no CUDA GPU is available here") from None
     except RuntimeError:
         raise click.BadParameter(f"--device {device!r}: use cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise click.ClickException("--device cuda: no CUDA GPU is available here")
     torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    device = rank_device(device)
-    mesh = tensor_parallel_mesh(device) if launched_ranks() > 1 else None
+    split = launched_world_size() > 1
+    device = rank_device(chosen) if split else chosen
+    mesh = tensor_parallel_mesh(device) if split else None
     try:
         return open_generator(
             checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype, tp_mesh=mesh
@@ -101,8 +109,9 @@ def generate(
     if not prompts:
         raise click.UsageError("give a --prompt or a --prompt-file")
     params = _sampling(options)
-    if options.pop("nproc_per_node") > 1 and "LOCAL_RANK" not in os.environ:
-        _relaunch_under_torchrun()
+    nproc_per_node = options.pop("nproc_per_node")
+    if nproc_per_node > 1 and not launched_by_torchrun():
+        relaunch_under_torchrun(nproc_per_node, "generate")
     gen = open_for_generation(checkpoint, options["tokenizer"], options["device"], options["dtype"])
     if gen.tokenizer is None:
         raise click.ClickException(
@@ -121,24 +130,6 @@ def generate(
 
 def _silent(*_args: Any, **_kwargs: Any) -> None:
     """The other ranks' echo: only the first rank writes the text."""
-
-
-def _relaunch_under_torchrun() -> None:
-    """Replace this process by torchrun running the same command on N processes."""
-    args, nproc = [], "1"
-    it = iter(sys.argv[1:])
-    for arg in it:
-        if arg == "--nproc-per-node":
-            nproc = next(it)
-        elif arg.startswith("--nproc-per-node="):
-            nproc = arg.split("=", 1)[1]
-        else:
-            args.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc,
-               "-m", "pipeline", *args]  # fmt: skip
-    click.echo(" ".join(command), err=True)
-    sys.stdout.flush()
-    os.execv(sys.executable, command)
 
 
 def _sampling(options: dict[str, Any]):

@@ -6,36 +6,19 @@ Every rank runs the same schedule and samples the same tokens from the same logi
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pipeline.core.model.transformer import Transformer
-
-
-def launched_ranks() -> int:
-    """The world size when this process is one of torchrun's, else 1."""
-    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return 1
-
-
-def rank_device(device: torch.device) -> torch.device:
-    """This rank's device: its own GPU (LOCAL_RANK) on CUDA."""
-    if device.type == "cuda" and launched_ranks() > 1:
-        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    return device
+from pipeline.core.parallel.process_group import start_process_group
 
 
 def tensor_parallel_mesh(device: torch.device):
-    """The process group and a one-dimensional device mesh over all ranks."""
+    """The process group (`start_process_group`) and a one-dimensional device mesh over all
+    ranks; `device` is this rank's (`rank_device`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    start_process_group(device)
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
 
 

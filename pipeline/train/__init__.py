@@ -1,5 +1,8 @@
 """Training: config sections and recipes, LR schedules, optimizer, dry-run estimates, trainer.
 
-Submodules are imported where used (`pipeline.train.config`, `.config_loader`, `.schedules`,
-`.optimizer`, `.estimates`), so importing this package stays cheap and never imports torch.
+The config (`config`: the schema; `config_checks`, `model_overrides`; `config_loader` layers it
+and reads the loaded checkpoint's model once) reads no file itself. The trainer's loop
+(`trainer`) runs each step through `train_step` and a step runner (`step_runner`, or
+`pipeline_step` for pipeline stages). Submodules are imported where used, so importing this
+package stays cheap and never imports torch.
 """

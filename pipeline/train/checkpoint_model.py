@@ -1,7 +1,8 @@
 """The model a checkpoint records, for runs that take theirs from it or must match it.
 
 Every pipe checkpoint (saved by `pipe train` or written by `pipe convert`) records its model
-config in `pipe_metadata.json`, a small JSON file, so both uses below cost no tensor read:
+config in `pipe_metadata.json`, a small JSON file, so both uses below cost no tensor read, and
+`resolve_config` reads it once per run (`read_recorded_model`) into `TrainConfig.recorded_model`:
 
 - `model.flavor = "checkpoint"` builds the model recorded by the checkpoint `checkpoint.load`
   resumes from (other `model.*` settings still apply on top). `resolve_config` picks it when
@@ -20,7 +21,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.train.config import ConfigError
+from pipeline.train.config import CHECKPOINT_FLAVOR, ConfigError, RecordedModel
 
 if TYPE_CHECKING:
     from pipeline.core.model.config import ModelConfig
@@ -29,23 +30,20 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKPOINT_FLAVOR",
     "check_checkpoint_model",
-    "checkpoint_to_load",
-    "model_from_checkpoint",
+    "read_recorded_model",
 ]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FLAVOR = "checkpoint"
 
-
-def checkpoint_to_load(
+def _checkpoint_record(
     load_dir: str | os.PathLike | None, iteration: int | None = None
-) -> Path | None:
-    """The checkpoint directory `--load load_dir` resumes from (an `iter_*` directory given
-    directly, `iteration`'s, or the tracker's), or None when there is none yet: a run that
-    saves where it loads starts from scratch the first time."""
+) -> tuple[Path, dict[str, Any]] | None:
+    """(the checkpoint directory `--load load_dir` resumes from: an `iter_*` directory given
+    directly, `iteration`'s, or the tracker's; its `pipe_metadata.json`), or None when there is
+    none yet: a run that saves where it loads starts from scratch the first time."""
     from pipeline.checkpoint.layout import PIPE_METADATA, CheckpointError, read_tracker
-    from pipeline.checkpoint.loader import resolve_checkpoint_dir
+    from pipeline.checkpoint.loader import resolve_checkpoint
 
     if load_dir is None:
         return None
@@ -57,37 +55,33 @@ def checkpoint_to_load(
             and read_tracker(root) is None
         ):
             return None
-        return resolve_checkpoint_dir(root, iteration)
+        return resolve_checkpoint(root, iteration)
     except CheckpointError as e:
         raise ConfigError(str(e)) from e
 
 
-def _recorded_model(directory: Path) -> ModelConfig:
-    """The model config `directory`'s `pipe_metadata.json` records."""
-    from pipeline.checkpoint.layout import PIPE_METADATA, read_pipe_metadata
+def read_recorded_model(
+    load_dir: str | os.PathLike | None, iteration: int | None = None
+) -> RecordedModel | None:
+    """The model config recorded by the checkpoint `load_dir` resumes from (one read of its
+    `pipe_metadata.json`), or None when there is no checkpoint yet. A record without a usable
+    model config gives a `RecordedModel` whose `problem` says so."""
+    from pipeline.checkpoint.layout import PIPE_METADATA
     from pipeline.core.model.config import model_config_from_dict
 
-    record = read_pipe_metadata(directory) or {}
+    found = _checkpoint_record(load_dir, iteration)
+    if found is None:
+        return None
+    directory, record = found
     recorded = (record.get("metadata") or {}).get("model")
     if not isinstance(recorded, dict):
-        raise ConfigError(f"checkpoint {directory} records no model config in {PIPE_METADATA}")
+        problem = f"checkpoint {directory} records no model config in {PIPE_METADATA}"
+        return RecordedModel(directory, problem=problem)
     try:
-        return model_config_from_dict(recorded)
+        return RecordedModel(directory, model_config_from_dict(recorded))
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"checkpoint {directory}: unreadable model config: {e}") from e
-
-
-def model_from_checkpoint(load_dir: str | None) -> ModelConfig:
-    """The model recorded by the checkpoint `load_dir` resumes from (`model.flavor =
-    "checkpoint"`); `ConfigError` when there is none to read."""
-    directory = checkpoint_to_load(load_dir)
-    if directory is None:
-        where = f"{load_dir} holds no checkpoint yet" if load_dir else "no checkpoint.load is set"
-        raise ConfigError(
-            f"model.flavor = {CHECKPOINT_FLAVOR} takes the model from the loaded checkpoint, "
-            f"but {where}; name a model flavor instead"
-        )
-    return _recorded_model(directory)
+        problem = f"checkpoint {directory}: unreadable model config: {e}"
+        return RecordedModel(directory, problem=problem)
 
 
 def _shapes(config: ModelConfig) -> dict[str, Any]:
@@ -134,11 +128,15 @@ def _differences(saved: dict[str, Any], run: dict[str, Any]) -> tuple[str, str]:
 
 def check_checkpoint_model(cfg: TrainConfig, iteration: int | None = None) -> None:
     """Refuse a run whose model does not have the shapes of the checkpoint it loads (one
-    `ConfigError` line naming the fields); log shape-preserving changes. No-op without one."""
-    directory = checkpoint_to_load(cfg.checkpoint.load, iteration)
-    if directory is None:
+    `ConfigError` line naming the fields); log shape-preserving changes. No-op without one.
+    The checkpoint `resolve_config` found is not read again (`cfg.recorded_model`)."""
+    recorded = cfg.recorded_model if iteration is None else None
+    if recorded is None:
+        recorded = read_recorded_model(cfg.checkpoint.load, iteration)
+    if recorded is None:
         return
-    saved, run = _recorded_model(directory), cfg.model_config()
+    directory = recorded.directory
+    saved, run = recorded.model_config(), cfg.model_config()
     fields, values = _differences(_shapes(saved), _shapes(run))
     if fields:
         raise ConfigError(

@@ -6,69 +6,34 @@ silently replaces a recipe's value. click is the only import at module level; to
 inside the callback, so `pipe train --help` stays instant.
 
 `--nproc-per-node N` (N > 1) re-launches the same command under torchrun
-(`python -m torch.distributed.run --nproc-per-node N -m pipeline train ARGS`) unless this process
-already is one of torchrun's (LOCAL_RANK set); each rank then builds its share of the run.
+(`python -m torch.distributed.run --nproc-per-node N -m pipeline train ARGS`,
+`pipeline.core.parallel.process_group`) unless this process already is one of torchrun's;
+each rank then builds its share of the run.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
 from pipeline.core.kernels.fp8 import FP8_BACKENDS, FP8_RECIPES
-from pipeline.core.parallel.process_group import destroy_process_group
+from pipeline.core.parallel.process_group import (
+    destroy_process_group,
+    launched_by_torchrun,
+    launched_world_size,
+    relaunch_under_torchrun,
+)
 
 EXIT_SIGINT = 130  # the shell's convention for "interrupted by Ctrl-C"
 
 
-def _launched_by_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def _world_size(nproc_per_node: int) -> int:
     """The run's world size: torchrun's WORLD_SIZE inside a launched rank, else N."""
-    if _launched_by_torchrun():
-        return int(os.environ["WORLD_SIZE"])
-    return nproc_per_node
-
-
-def strip_nproc(args: Sequence[str]) -> list[str]:
-    """`args` without `--nproc-per-node N` / `--nproc-per-node=N` (and a leading `train`)."""
-    args = list(args)
-    if args and args[0] == "train":
-        args = args[1:]
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == "--nproc-per-node":
-            skip = True
-        elif not arg.startswith("--nproc-per-node="):
-            out.append(arg)
-    return out
-
-
-def torchrun_command(nproc_per_node: int, args: Sequence[str]) -> list[str]:
-    """The command that runs `pipe train ARGS` on `nproc_per_node` local processes."""
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
-        "-m", "pipeline", "train", *strip_nproc(args),
-    ]  # fmt: skip
-
-
-def _relaunch_under_torchrun(nproc_per_node: int) -> None:
-    """Replace this process by torchrun running the same command (never returns)."""
-    command = torchrun_command(nproc_per_node, sys.argv[1:])
-    click.echo(" ".join(command), err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, command)
+    return launched_world_size() if launched_by_torchrun() else nproc_per_node
 
 
 def _default_run_dir(recipe: str | None) -> str:
@@ -167,8 +132,8 @@ def train(
         click.echo(cfg.to_toml())
         click.echo("\n".join(dry_run_report(cfg, world_size=world_size, gpu=gpu)))
         return
-    if nproc_per_node > 1 and not _launched_by_torchrun():
-        _relaunch_under_torchrun(nproc_per_node)
+    if nproc_per_node > 1 and not launched_by_torchrun():
+        relaunch_under_torchrun(nproc_per_node, "train")
     _run(cfg)
 
 

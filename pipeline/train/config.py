@@ -4,7 +4,12 @@ A run is described by `TrainConfig`, whose sections (`model`, `data`, `training`
 `scheduler`, `checkpoint`, `parallel`, `fp8`, `logging`) map one to one onto the tables of a recipe
 TOML file and onto the `section.key` names that `--set` accepts. Values are layered
 defaults < recipe < `--set` < first-class CLI flags by `pipeline.train.config_loader`; this module
-only holds the schema, its typed setter and the cross-field checks.
+only holds the schema and its typed setter. A field with a fixed set of values is a `Literal`,
+checked by the setter (`pipeline.train.config_types`); the cross-field checks are in
+`pipeline.train.config_checks` and the model overrides in `pipeline.train.model_overrides`.
+
+The config reads no file. A run that takes its model from a checkpoint (`model.flavor =
+"checkpoint"`) finds it in `recorded_model`, which the config loader reads once.
 
 `None` means "not set" everywhere: every field that may be `None` defaults to `None`, so dropping
 `None` values when writing TOML (which has no null) loses nothing on reload.
@@ -15,15 +20,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from pathlib import Path
+from typing import Any, Literal
 
-from pipeline.core.kernels.fp8 import LINEAR_FILTERS, normalize_recipe
-from pipeline.core.model.config import ModelConfig, MoEConfig
+from pipeline.core.model.config import ModelConfig
+from pipeline.train.config_checks import config_problems
+from pipeline.train.config_types import ConfigError, coerce, field_types
+from pipeline.train.model_overrides import apply_model_overrides, lookup_flavor
 
 __all__ = [
+    "CHECKPOINT_FLAVOR",
     "CheckpointSection",
     "ConfigError",
     "DataSection",
@@ -32,14 +39,15 @@ __all__ = [
     "ModelSection",
     "OptimizerSection",
     "ParallelSection",
+    "RecordedModel",
     "SchedulerSection",
     "TrainConfig",
     "TrainingSection",
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type, or inconsistent with another."""
+# `model.flavor` of a run that trains the model its loaded checkpoint records.
+CHECKPOINT_FLAVOR = "checkpoint"
 
 
 @dataclass
@@ -148,13 +156,6 @@ class DataSection:
 class TrainingSection:
     """Length of the run, batch geometry, numerics and device."""
 
-    _choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        "device": ("auto", "cpu", "cuda"),
-        "dtype": ("bf16", "fp32"),
-        "activation_checkpointing": ("none", "full", "selective"),
-        "attention_backend": ("auto", "sdpa", "flash_attn"),
-    }
-
     iters: int = 1000
     """Optimizer steps to train for."""
     micro_batch_size: int = 1
@@ -176,16 +177,16 @@ class TrainingSection:
     """Tokens generated per sample prompt."""
     log_interval: int = 10
     """Log metrics every this many iterations."""
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto (CUDA when available), cpu or cuda."""
-    dtype: str = "bf16"
+    dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype: bf16 (fp32 master weights and optimizer state) or fp32."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, full (every block) or selective."""
     compile: bool | None = None
     """torch.compile each transformer block; unset: on for CUDA runs, off on a CPU (false turns
     it off on a GPU too)."""
-    attention_backend: str = "auto"
+    attention_backend: Literal["auto", "sdpa", "flash_attn"] = "auto"
     """auto (flash-attn on CUDA when installed and no document masking, else sdpa), sdpa or
     flash_attn."""
 
@@ -214,22 +215,17 @@ class OptimizerSection:
 class SchedulerSection:
     """Learning-rate schedule, following Megatron's `OptimizerParamScheduler`."""
 
-    _choices: ClassVar[dict[str, tuple[str, ...]]] = {
-        "decay_style": ("cosine", "linear", "wsd", "constant"),
-        "wsd_decay_style": ("linear", "cosine", "exponential", "minus_sqrt"),
-    }
-
     warmup_iters: int = 0
     """Iterations of linear warmup from `warmup_init_lr` to `optimizer.lr`."""
     warmup_init_lr: float = 0.0
     """Learning rate at step 0 (Megatron `--lr-warmup-init`)."""
-    decay_style: str = "cosine"
+    decay_style: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     """cosine, linear, wsd (warmup-stable-decay) or constant."""
     decay_iters: int | None = None
     """Step at which decay reaches `optimizer.min_lr` (unset: `training.iters`)."""
     wsd_decay_iters: int | None = None
     """For wsd: length of the final decay phase, which ends at `decay_iters`."""
-    wsd_decay_style: str = "linear"
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
     """For wsd: shape of the final decay (linear, cosine, exponential, minus_sqrt)."""
 
 
@@ -286,12 +282,10 @@ class ParallelSection:
 class Fp8Section:
     """FP8 training of the block linears (the output layer, routers and small GEMMs keep bf16)."""
 
-    _choices: ClassVar[dict[str, tuple[str, ...]]] = {"linear_filter": LINEAR_FILTERS}
-
     recipe: str | None = None
     """backend:scaling, one of torchao:tensorwise, torchao:rowwise, te:delayed, te:current
     (`--fp8 torchao|te` picks the backend's first); unset: no FP8."""
-    linear_filter: str = "auto"
+    linear_filter: Literal["auto", "all"] = "auto"
     """auto: small GEMMs stay bf16 by torchao's H100-measured size thresholds; all: convert every
     block linear whose dims are multiples of 16."""
     fsdp_float8_all_gather: bool = True
@@ -327,17 +321,23 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingSection,
 }
 
-_MOE_OVERRIDES = {
-    "moe_top_k": "top_k",
-    "moe_ffn_hidden_size": "ffn_hidden_size",
-    "moe_aux_loss_coeff": "aux_loss_coeff",
-    "moe_aux_loss_type": "aux_loss_type",
-    "moe_z_loss_coeff": "z_loss_coeff",
-    "moe_capacity_factor": "capacity_factor",
-    "moe_norm_topk_prob": "norm_topk_prob",
-    "moe_layer_step": "layer_step",
-    "moe_dense_layers": "dense_layers",
-}
+
+@dataclass(frozen=True)
+class RecordedModel:
+    """The model config recorded by the checkpoint `checkpoint.load` resumes from, as the config
+    loader read it (`pipeline.train.checkpoint_model.read_recorded_model`). `problem` says why
+    `config` is missing (no model recorded, or one that does not parse); it is raised only when
+    the run needs the checkpoint's model."""
+
+    directory: Path
+    config: ModelConfig | None = None
+    problem: str | None = None
+
+    def model_config(self) -> ModelConfig:
+        """The recorded model, or `ConfigError` saying why there is none."""
+        if self.config is None:
+            raise ConfigError(self.problem or f"checkpoint {self.directory} records no model")
+        return self.config
 
 
 @dataclass
@@ -353,11 +353,15 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     fp8: Fp8Section = field(default_factory=Fp8Section)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    recorded_model: RecordedModel | None = field(default=None, compare=False, repr=False)
+    """Not a section: the model of the checkpoint `checkpoint.load` resumes from, read once by
+    the config loader (None when it loads none); `model.flavor = "checkpoint"` builds it."""
 
     # ---- typed access -------------------------------------------------------------------------
 
     def set(self, dotted: str, value: Any, source: str = "config") -> None:
-        """Set `section.key` to `value` after checking it against the field's type and choices.
+        """Set `section.key` to `value` after checking it against the field's type (a `Literal`:
+        its values).
 
         `source` (a file name, "--set", "--lr") prefixes error messages so the user knows which
         input to fix. Ints are accepted for float fields; nothing else is converted.
@@ -375,14 +379,7 @@ class TrainConfig:
                 f"{source}: unknown key {key!r} in section [{section_name}]; "
                 f"valid keys: {', '.join(hints)}"
             )
-        coerced = coerce(value, hints[key], f"{source}: {section_name}.{key}")
-        choices = getattr(type(section), "_choices", {}).get(key)
-        if choices and coerced not in choices:
-            raise ConfigError(
-                f"{source}: {section_name}.{key} must be one of {', '.join(choices)}; "
-                f"got {coerced!r}"
-            )
-        setattr(section, key, coerced)
+        setattr(section, key, coerce(value, hints[key], f"{source}: {section_name}.{key}"))
 
     def update(self, tables: dict[str, Any], source: str) -> None:
         """Apply `{section: {key: value}}` (a parsed recipe or config.toml) over this config."""
@@ -440,230 +437,24 @@ class TrainConfig:
         return world_size // (p.tp * p.pp * p.cp)
 
     def model_config(self) -> ModelConfig:
-        """The `ModelConfig` of `model.flavor` with this section's overrides applied."""
-        from pipeline.train.checkpoint_model import CHECKPOINT_FLAVOR, model_from_checkpoint
-
-        if self.model.flavor == CHECKPOINT_FLAVOR:
-            base = model_from_checkpoint(self.checkpoint.load)
-        else:
-            base = _lookup_flavor(self.model.flavor)
-        return apply_model_overrides(base, self.model)
+        """The `ModelConfig` of `model.flavor` with this section's overrides applied (reads no
+        file: the checkpoint flavor takes `recorded_model`)."""
+        if self.model.flavor != CHECKPOINT_FLAVOR:
+            return apply_model_overrides(lookup_flavor(self.model.flavor), self.model)
+        if self.recorded_model is None:
+            load = self.checkpoint.load
+            where = f"{load} holds no checkpoint yet" if load else "no checkpoint.load is set"
+            raise ConfigError(
+                f"model.flavor = {CHECKPOINT_FLAVOR} takes the model from the loaded checkpoint, "
+                f"but {where}; name a model flavor instead"
+            )
+        return apply_model_overrides(self.recorded_model.model_config(), self.model)
 
     # ---- checks -------------------------------------------------------------------------------
 
     def validate(self, world_size: int | None = None) -> TrainConfig:
         """Check cross-field consistency; raise one `ConfigError` listing every problem."""
-        problems = _problems(self, world_size)
+        problems = config_problems(self, world_size)
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
         return self
-
-
-# ---- types ---------------------------------------------------------------------------------------
-
-
-def field_types(cls: type) -> dict[str, Any]:
-    """Field name -> resolved type annotation of a section dataclass (ClassVars excluded)."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def type_name(tp: Any) -> str:
-    """A readable name for an annotation: `int`, `str or None`, `list of int`."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {type_name(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "None"
-    return getattr(tp, "__name__", str(tp))
-
-
-def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Return `value` if it fits annotation `tp` (int widens to float), else raise `ConfigError`."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, where)
-            except ConfigError:
-                continue
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            (item_type,) = typing.get_args(tp)
-            return [coerce(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str and isinstance(value, str):
-        return value
-    raise ConfigError(f"{where} expects {type_name(tp)}, got {type(value).__name__} {value!r}")
-
-
-# ---- model resolution ----------------------------------------------------------------------------
-
-
-def _lookup_flavor(name: str) -> ModelConfig:
-    """A fresh `ModelConfig` of the named flavor from `pipeline.core.model.flavors`."""
-    from pipeline.core.model.flavors import FLAVORS
-
-    if name not in FLAVORS:
-        raise ConfigError(
-            f"unknown model.flavor {name!r}; known flavors: {', '.join(FLAVORS)}, "
-            "or checkpoint (the loaded checkpoint's model)"
-        )
-    return FLAVORS[name]()
-
-
-def apply_model_overrides(base: ModelConfig, section: ModelSection) -> ModelConfig:
-    """`base` with the non-`None` overrides of `section` applied (a new object).
-
-    `head_dim` and `num_kv_heads` are filled in by `ModelConfig.__post_init__`, so they are
-    re-derived when the fields they came from change and they were not overridden themselves.
-    """
-    changes: dict[str, Any] = {}
-    moe_changes: dict[str, Any] = {}
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if f.name == "flavor" or value is None:
-            continue
-        if f.name in _MOE_OVERRIDES:
-            moe_changes[_MOE_OVERRIDES[f.name]] = value
-        elif f.name != "num_experts":
-            changes[f.name] = value
-    reshaped = "hidden_size" in changes or "num_attention_heads" in changes
-    if reshaped and "head_dim" not in changes:
-        derived = base.hidden_size // base.num_attention_heads
-        if base.head_dim == derived:
-            changes["head_dim"] = None
-    heads_changed = "num_attention_heads" in changes and "num_kv_heads" not in changes
-    if heads_changed and base.num_kv_heads == base.num_attention_heads:
-        changes["num_kv_heads"] = None
-    moe = copy.deepcopy(base.moe)
-    if section.num_experts is not None:
-        if section.num_experts == 0:
-            moe = None
-        else:
-            moe = moe or MoEConfig()
-            moe.num_experts = section.num_experts
-    if moe_changes:
-        if moe is None:
-            raise ConfigError(
-                f"model overrides {', '.join('moe_' + k for k in moe_changes)} need a MoE model; "
-                "set model.num_experts too"
-            )
-        moe = dataclasses.replace(moe, **moe_changes)
-    changes["moe"] = moe
-    try:
-        return dataclasses.replace(base, **changes)
-    except ValueError as e:
-        raise ConfigError(f"model overrides give an invalid model: {e}") from e
-
-
-# ---- cross-field checks --------------------------------------------------------------------------
-
-
-def _problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
-    problems: list[str] = []
-    t, d, o, s = cfg.training, cfg.data, cfg.optimizer, cfg.scheduler
-
-    for name in ("iters", "micro_batch_size", "global_batch_size", "log_interval"):
-        if getattr(t, name) <= 0:
-            problems.append(f"training.{name} must be positive, got {getattr(t, name)}")
-    if t.eval_interval < 0 or t.eval_iters < 0:
-        problems.append("training.eval_interval and training.eval_iters must be >= 0")
-    if t.sample_interval < 0 or t.sample_tokens <= 0:
-        problems.append("training.sample_interval must be >= 0 and sample_tokens positive")
-    if d.seq_length <= 0:
-        problems.append(f"data.seq_length must be positive, got {d.seq_length}")
-    if cfg.fp8.recipe is not None:
-        try:
-            normalize_recipe(cfg.fp8.recipe)
-        except ValueError as e:
-            problems.append(str(e))
-    if d.num_workers < 0:
-        problems.append(f"data.num_workers must be >= 0, got {d.num_workers}")
-
-    split_blends = [b for b in (d.train_blend, d.valid_blend, d.test_blend) if b is not None]
-    if d.blend is not None and split_blends:
-        problems.append("data.blend excludes data.train_blend/valid_blend/test_blend")
-    if d.mock and (d.blend is not None or split_blends):
-        problems.append("data.mock is set together with a data blend; set one or the other")
-    if not d.mock and d.blend is None and d.train_blend is None:
-        problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
-    problems += _split_problems(d.split)
-
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
-    if not 0 <= s.warmup_init_lr <= o.lr:
-        problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
-    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
-        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
-
-    decay = cfg.decay_iters
-    if s.warmup_iters < 0:
-        problems.append(f"scheduler.warmup_iters must be >= 0, got {s.warmup_iters}")
-    if decay <= 0 or s.warmup_iters >= decay:
-        # Megatron asserts both: the decay phase must exist and start after warmup.
-        problems.append(
-            f"need 0 <= scheduler.warmup_iters ({s.warmup_iters}) < decay iters ({decay})"
-        )
-    if s.decay_style == "wsd":
-        if s.wsd_decay_iters is None:
-            problems.append("scheduler.decay_style = wsd needs scheduler.wsd_decay_iters")
-        elif not 0 < s.wsd_decay_iters <= decay - s.warmup_iters:
-            problems.append(
-                f"scheduler.wsd_decay_iters ({s.wsd_decay_iters}) must be in "
-                f"(0, decay iters - warmup_iters = {decay - s.warmup_iters}]"
-            )
-
-    problems += _layout_problems(cfg, world_size)
-    return problems
-
-
-def _layout_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
-    """The layout rules (`pipeline.core.parallel.layout_rules`, their one home) for
-    this run's parallel section, model, sequence and batch."""
-    from pipeline.core.parallel.layout_rules import layout_problems
-
-    problems = []
-    try:
-        model = cfg.model_config()
-    except ConfigError as e:
-        problems.append(str(e))
-        model = None
-    t = cfg.training
-    return problems + layout_problems(
-        cfg.parallel,
-        world_size=world_size,
-        model=model,
-        seq_length=cfg.data.seq_length,
-        micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        model_name=cfg.model.flavor,
-    )
-
-
-def _split_problems(split: str) -> list[str]:
-    parts = [x.strip() for x in split.replace("/", ",").split(",")]
-    try:
-        weights = [float(x) for x in parts]
-    except ValueError:
-        return [f"data.split {split!r} must be up to three comma-separated numbers"]
-    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        return [f"data.split {split!r}: up to three non-negative numbers with a positive sum"]
-    return []

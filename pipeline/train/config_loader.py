@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.train.config import SECTIONS, ConfigError, TrainConfig, field_types
+from pipeline.train.config import CHECKPOINT_FLAVOR, SECTIONS, ConfigError, TrainConfig
+from pipeline.train.config_types import field_types, literal_values
 from pipeline.train.toml_io import load as load_toml
 
 __all__ = [
@@ -163,11 +164,12 @@ def resolve_config(
 ) -> TrainConfig:
     """defaults < `recipe` < each of `sets` in order < `flags`, then validated for `world_size`.
 
-    When nothing names a model (no recipe or one without a `[model]` table, and no
-    `--set model.flavor`) and `checkpoint.load` holds a checkpoint, the run takes that
-    checkpoint's model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it.
+    The checkpoint `checkpoint.load` resumes from, if any, is read here, once: its recorded
+    model goes into `recorded_model`. When nothing names a model (no recipe or one without a
+    `[model]` table, and no `--set model.flavor`) and there is such a checkpoint, the run takes
+    its model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it.
     """
-    from pipeline.train.checkpoint_model import CHECKPOINT_FLAVOR, checkpoint_to_load
+    from pipeline.train.checkpoint_model import read_recorded_model
 
     cfg, tables = TrainConfig(), {}
     if recipe is not None:
@@ -177,8 +179,9 @@ def resolve_config(
     for assignment in sets:
         apply_set(cfg, assignment)
     apply_flags(cfg, flags or {})
+    cfg.recorded_model = read_recorded_model(cfg.checkpoint.load)
     names_model = "model" in tables or any(_assigns(a, "model.flavor") for a in sets)
-    if not names_model and checkpoint_to_load(cfg.checkpoint.load) is not None:
+    if not names_model and cfg.recorded_model is not None:
         cfg.model.flavor = CHECKPOINT_FLAVOR
     if validate:
         cfg.validate(world_size)
@@ -188,6 +191,8 @@ def resolve_config(
 def _accepts_str(tp: Any) -> bool:
     if typing.get_origin(tp) is list:  # list[str] takes a list, not the raw text
         return False
+    if any(isinstance(value, str) for value in literal_values(tp)):
+        return True
     return tp is str or str in getattr(tp, "__args__", ())
 
 

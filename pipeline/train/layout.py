@@ -16,11 +16,17 @@ import torch
 import torch.distributed as dist
 
 from pipeline.core.parallel.dims import ParallelDims
+from pipeline.core.parallel.process_group import (
+    NoCudaDevice,
+    choose_device,
+    rank_device,
+    start_process_group,
+)
 
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
 
-__all__ = ["build_layout", "init_distributed", "wants_distributed"]
+__all__ = ["build_layout", "init_distributed", "resolve_device", "wants_distributed"]
 
 log = logging.getLogger("pipeline.train")
 
@@ -38,6 +44,17 @@ def build_layout(cfg: TrainConfig, device: torch.device) -> tuple[ParallelDims, 
     return layout, device
 
 
+def resolve_device(name: str) -> torch.device:
+    """`training.device`: `auto` -> CUDA when available, else CPU; `cuda` without a GPU is a
+    clear error."""
+    try:
+        return choose_device(name)
+    except NoCudaDevice:
+        from pipeline.train.config import ConfigError
+
+        raise ConfigError("training.device = cuda, but torch sees no CUDA device") from None
+
+
 def wants_distributed(cfg: TrainConfig) -> bool:
     """True when the run is (or must be) multi-process: a process group exists, torchrun
     launched us with WORLD_SIZE > 1, or a parallel degree is > 1."""
@@ -52,9 +69,7 @@ def init_distributed(device: torch.device) -> torch.device:
     """Initialise the default process group if needed (gloo on CPU, nccl on CUDA); returns this
     rank's device (`cuda:LOCAL_RANK` on GPUs). Needs torchrun's RANK / WORLD_SIZE variables
     when no group exists yet."""
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+    device = rank_device(device)
     if dist.is_initialized():
         return device
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -64,5 +79,5 @@ def init_distributed(device: torch.device) -> torch.device:
             "parallel training needs one process per rank: launch with "
             "`pipe train --nproc-per-node N` (torchrun), not a single process"
         )
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    start_process_group(device)
     return device

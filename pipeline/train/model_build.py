@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from pipeline.core.kernels.attention import resolve_backend
 from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
@@ -26,9 +25,10 @@ from pipeline.core.model.transformer import ModelOptions, Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.train.config import ConfigError
-from pipeline.train.model_parts import StageUnion
+from pipeline.train.model_parts import StageUnion, TrainableModel
 from pipeline.train.parallelize import build_model_parts, parallelize
 from pipeline.train.pipeline_step import PipelineRunner
+from pipeline.train.step_runner import LocalStepRunner, StepRunner
 
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
@@ -41,11 +41,12 @@ log = logging.getLogger("pipeline.train")
 @dataclass
 class BuiltModel:
     """This rank's model: `model` (a `Transformer`, or a `StageUnion` of its stages) for the
-    optimizer and checkpoints, `parts` for schedules, `pipeline` (None without pp)."""
+    optimizer and checkpoints, `parts` for schedules, and the `runner` that runs micro-batches
+    through it (`LocalStepRunner`, or a `PipelineRunner` under pp)."""
 
-    model: nn.Module
+    model: TrainableModel
     parts: list[Transformer]
-    pipeline: PipelineRunner | None
+    runner: StepRunner
 
 
 def model_options(
@@ -104,7 +105,7 @@ def build_model(
             return Transformer(config, options)
 
     try:
-        parts, stage_indices, num_stages = build_model_parts(build, layout, cfg)
+        parts, stage_indices, num_stages = build_model_parts(build, layout, cfg, config.num_layers)
         parts = [parallelize(part, layout, cfg, fp8=fp8) for part in parts]
     except (ValueError, NotImplementedError) as e:  # a layout or recipe we cannot build
         raise ConfigError(str(e)) from e
@@ -115,15 +116,15 @@ def build_model(
     init_weights(parts, config, layout, device, cfg.training.seed)
     model = StageUnion(parts) if num_stages > 1 else parts[0]
     model.train()
-    pipeline = None
+    runner: StepRunner = LocalStepRunner(model)
     if num_stages > 1:
-        pipeline = PipelineRunner(
+        runner = PipelineRunner(
             parts, stage_indices, num_stages, cfg.parallel.pipeline_schedule,
             num_micro_batches, device, layout.pipeline_group,
         )  # fmt: skip
     if device.type == "cpu" and cfg.training.dtype == "bf16" and layout.rank == 0:
         log.warning("training.dtype = bf16 on a CPU: real bf16 compute, slower than fp32 here")
-    return BuiltModel(model, parts, pipeline)
+    return BuiltModel(model, parts, runner)
 
 
 def init_weights(

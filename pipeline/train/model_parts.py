@@ -7,18 +7,46 @@ single-device model, so a checkpoint saved under one split loads under any other
 is that module: it registers the stages' layers, embedding, final norm and output layer
 (shared, not copied) and nothing else; the stage modules themselves are kept aside in `parts`
 for the pipeline schedule.
+
+`TrainableModel` is what the trainer, the step runners and the optimizer step use of a model;
+a `Transformer` and a `StageUnion` both satisfy it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
+from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.transformer import Transformer, moe_layers
 
-__all__ = ["StageUnion", "model_parts"]
+__all__ = ["StageUnion", "TrainableModel", "model_parts"]
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    """A model a run trains: its config, its output layer (None on a rank without the last
+    pipeline stage), its parameters under the single-device names, its MoE layers, and the
+    train/eval switch. A `Transformer` is one; so is a `StageUnion` of pipeline stages."""
+
+    config: ModelConfig
+    output: nn.Linear | None
+    training: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def moe_layers(self) -> dict[str, MoE]: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
 
 
 class StageUnion(nn.Module):

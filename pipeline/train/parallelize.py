@@ -45,10 +45,11 @@ def _fsdp_param_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 def build_model_parts(
-    build: Callable[[], Transformer], layout: ParallelDims, cfg: TrainConfig
+    build: Callable[[], Transformer], layout: ParallelDims, cfg: TrainConfig, num_layers: int
 ) -> tuple[list[Transformer], list[int], int]:
-    """This rank's pipeline stages, each cut from a fresh `build()` (a model on `meta`):
-    (parts, stage indices, number of stages). Without pipeline parallelism: ([build()], [0], 1)."""
+    """This rank's pipeline stages of a `num_layers` model, each cut from a fresh `build()` (a
+    model on `meta`): (parts, stage indices, number of stages). Without pipeline parallelism:
+    ([build()], [0], 1)."""
     if not layout.pp_enabled:
         return [build()], [0], 1
     from pipeline.core.parallel.pipeline import (
@@ -61,7 +62,7 @@ def build_model_parts(
     p = cfg.parallel
     num_stages = layout.pp * stages_per_rank(p.pipeline_schedule)
     ranges = stage_layer_ranges(
-        cfg.model_config().num_layers,
+        num_layers,
         num_stages,
         first_stage_layers=p.first_stage_layers,
         last_stage_layers=p.last_stage_layers,

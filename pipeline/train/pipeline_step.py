@@ -1,9 +1,10 @@
 """Forward and backward of a global batch through a pipeline schedule (pipeline parallelism).
 
-`PipelineRunner` wraps this rank's stages in `PipelineStage`s and one torch schedule, and turns
-the trainer's list of micro-batches into the schedule's whole-batch call: the first stage feeds
-tokens, the last gets the targets (labels with the loss mask folded in) and computes the loss,
-every stage gets the position (and document) ids. The loss function divides by the loss tokens
+`PipelineRunner`, the pipeline-parallel `StepRunner` (`pipeline.train.step_runner`), wraps this
+rank's stages in `PipelineStage`s and one torch schedule, and turns the trainer's list of
+micro-batches into the schedule's whole-batch call: the first stage feeds tokens, the last gets
+the targets (labels with the loss mask folded in) and computes the loss, every stage gets the
+position (and document) ids. The loss function divides by the loss tokens
 of the global batch, so the per-micro-batch losses add up to the single-device loss and the
 gradients are those of one device (`scale_grads=False`).
 
@@ -16,7 +17,7 @@ overlap, which evaluation does not need).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,10 @@ __all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
-    """Runs global batches of `n_microbatches` micro-batches through this rank's stages."""
+    """Runs global batches of `n_microbatches` micro-batches through this rank's stages.
+
+    `loss_fn` is the schedule's loss (default: `make_loss_fn(parts)`, the token-normalised
+    cross-entropy); another objective plugs in here."""
 
     def __init__(
         self,
@@ -45,11 +49,12 @@ class PipelineRunner:
         n_microbatches: int,
         device: torch.device,
         pp_group: dist.ProcessGroup,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.parts = list(parts)
         self.is_first = 0 in stage_indices
         self.is_last = num_stages - 1 in stage_indices
-        self.loss_fn = make_loss_fn(self.parts)
+        self.loss_fn = loss_fn or make_loss_fn(self.parts)
         stages = build_stages(self.parts, stage_indices, num_stages, device, pp_group)
         self.schedule = build_schedule(
             stages, n_microbatches, self.loss_fn, schedule, scale_grads=False

@@ -9,9 +9,10 @@ are not added here. The output projection is fused with the loss in chunks (the 
 parallel form under tensor parallelism), so full-vocabulary fp32 logits never exist.
 
 Under a parallel layout the same function runs on every rank: `dp_group` is the group whose
-ranks hold different tokens of the global batch (data x context parallel), `pipeline` runs the
-micro-batches through a pipeline schedule instead of the plain loop, and `pp_group` makes the
-gradient norm and the reported loss those of the whole model.
+ranks hold different tokens of the global batch (data x context parallel), the step runner
+(`pipeline.train.step_runner`: the whole model, or this rank's pipeline stages under a schedule)
+does the forward and backward work, and `pp_group` makes the gradient norm and the reported loss
+those of the whole model.
 
 A step never waits for the device: loss, gradient norm, token count and the skip decision stay
 tensors (`StepResult`), and a non-finite step is skipped by the fused AdamW kernel itself
@@ -21,24 +22,28 @@ tensors (`StepResult`), and a non-finite step is skipped by the fused AdamW kern
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from pipeline.core.model.mtp import mtp_loss_sum
 from pipeline.core.parallel.fsdp import global_token_count
 from pipeline.core.parallel.grad_norm import clip_grad_norm_
-from pipeline.core.parallel.tensor_parallel import sum_moe_gradients, tp_linear_cross_entropy
+from pipeline.core.parallel.tensor_parallel import sum_moe_gradients
 from pipeline.train.expert_bias import update_expert_biases
+from pipeline.train.model_parts import TrainableModel
+from pipeline.train.step_runner import Batch, LocalStepRunner, StepRunner
+
+if TYPE_CHECKING:
+    from pipeline.core.kernels.fp8 import Fp8Training
+    from pipeline.train.optimizer import MegatronLR
 
 __all__ = [
     "StepResult",
     "autocast_context",
     "batch_to_device",
-    "evaluate",
     "forward_backward",
     "reduce_loss_sum",
     "train_step",
@@ -58,7 +63,7 @@ class StepResult:
 
 
 def autocast_context(
-    device: torch.device, dtype: str, fp8: Any = None
+    device: torch.device, dtype: str, fp8: Fp8Training | None = None
 ) -> contextlib.AbstractContextManager:
     """bf16 autocast on `device` (CUDA or CPU) when `dtype` is bf16 (weights, grads and
     optimizer state stay fp32); plain fp32 otherwise. With an FP8 backend (`Fp8Training`) its
@@ -75,7 +80,11 @@ def autocast_context(
 class _Nested(contextlib.AbstractContextManager):
     """`base` and then a fresh `inner()` context on each `with` (reusable, unlike ExitStack)."""
 
-    def __init__(self, base: contextlib.AbstractContextManager, inner: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        base: contextlib.AbstractContextManager,
+        inner: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
         self.base, self.inner = base, inner
         self._stacks: list[contextlib.ExitStack] = []
 
@@ -98,7 +107,7 @@ def document_ids_from_tokens(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
 
 def batch_to_device(
     batch: dict[str, torch.Tensor], device: torch.device, eod_id: int | None = None
-) -> dict[str, torch.Tensor]:
+) -> Batch:
     """The model's inputs from a loader batch, on `device`; with `eod_id` also `document_ids`
     so attention stops at document boundaries (the dataset's dense mask is not used)."""
     out = {
@@ -110,32 +119,17 @@ def batch_to_device(
     return out
 
 
-def micro_batch_loss(
-    model: Any, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of masked token losses, number of loss tokens) of one micro-batch. With
-    multi-token prediction (training only) the MTP loss joins the gradient, not the value."""
-    hidden = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
-    loss_sum, tokens = tp_linear_cross_entropy(
-        hidden, model.output.weight, batch["labels"], batch["loss_mask"]
-    )
-    if getattr(model, "mtp", None) is not None and torch.is_grad_enabled():
-        mtp = mtp_loss_sum(model, model.mtp_input, batch, tp_linear_cross_entropy)
-        loss_sum = loss_sum + (mtp - mtp.detach())
-    return loss_sum, tokens
-
-
 def train_step(
-    model: Any,
+    model: TrainableModel,
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    micro_batches: Sequence[dict[str, torch.Tensor]],
+    scheduler: MegatronLR,
+    micro_batches: Sequence[Batch],
     *,
     clip_grad: float,
     autocast: contextlib.AbstractContextManager | None = None,
-    dp_group: Any = None,
-    pipeline: Any = None,
-    pp_group: Any = None,
+    dp_group: dist.ProcessGroup | None = None,
+    runner: StepRunner | None = None,
+    pp_group: dist.ProcessGroup | None = None,
     after_optimizer_step: Callable[[], None] | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
@@ -145,11 +139,12 @@ def train_step(
     `skipped`; the caller counts it and holds the learning rate back (`MegatronLR.rewind`).
     Every rank divides by the loss tokens of the whole global batch (summed over `dp_group`,
     whose gradients are summed as `apply_fsdp` does) and reports the global loss, so every rank
-    takes the same skip decision and any layout equals one device.
+    takes the same skip decision and any layout equals one device. `runner` (default: the
+    whole `model`, `LocalStepRunner`) does the forward and backward work.
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, global_tokens = forward_backward(
-        model, micro_batches, autocast=autocast, dp_group=dp_group, pipeline=pipeline
+        model, micro_batches, autocast=autocast, dp_group=dp_group, runner=runner
     )
     max_norm = clip_grad if clip_grad > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group)
@@ -169,7 +164,7 @@ def train_step(
     return StepResult(loss.detach(), grad_norm.detach(), global_tokens, skipped=~finite)
 
 
-def _balance_experts(model: Any, finite: torch.Tensor) -> None:
+def _balance_experts(model: TrainableModel, finite: torch.Tensor) -> None:
     """DeepSeek-V3's expert-bias update after the step (`pipeline.train.expert_bias`), unless
     the step was skipped; the loads are summed over every rank of the run."""
     config = getattr(model, "config", None)
@@ -179,7 +174,11 @@ def _balance_experts(model: Any, finite: torch.Tensor) -> None:
     update_expert_biases(config, model.moe_layers(), world, apply=finite)
 
 
-def reduce_loss_sum(loss_sum: torch.Tensor, dp_group: Any, pp_group: Any) -> torch.Tensor:
+def reduce_loss_sum(
+    loss_sum: torch.Tensor,
+    dp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
     """Sum a rank's loss sum, in place, over the ranks holding other tokens (`dp_group`) and
     other pipeline stages (`pp_group`; only the last one has a loss); tensor-parallel ranks
     already hold the same value."""
@@ -190,52 +189,20 @@ def reduce_loss_sum(loss_sum: torch.Tensor, dp_group: Any, pp_group: Any) -> tor
 
 
 def forward_backward(
-    model: Any,
-    micro_batches: Sequence[dict[str, torch.Tensor]],
+    model: TrainableModel,
+    micro_batches: Sequence[Batch],
     *,
     autocast: contextlib.AbstractContextManager | None = None,
-    dp_group: Any = None,
-    pipeline: Any = None,
-) -> tuple[torch.Tensor, float]:
-    """Accumulate the gradients of one global batch (this rank's share): returns this rank's
-    loss sum (0 on pipeline stages without the loss) and the global loss-token count (a
-    tensor)."""
-    autocast = autocast or contextlib.nullcontext()
+    dp_group: dist.ProcessGroup | None = None,
+    runner: StepRunner | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate the gradients of one global batch (this rank's share) through `runner`
+    (default: `LocalStepRunner(model)`): returns this rank's loss sum (0 on pipeline stages
+    without the loss) and the global loss-token count, both 0-dim tensors."""
+    runner = runner or LocalStepRunner(model)
     local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()
-    if pipeline is not None:
-        loss_sum_total = pipeline.forward_backward(micro_batches, denominator, autocast)
-    else:
-        device = micro_batches[0]["tokens"].device
-        loss_sum_total = torch.zeros((), dtype=torch.float32, device=device)
-        for batch in micro_batches:
-            with autocast:
-                loss_sum, _ = micro_batch_loss(model, batch)
-            (loss_sum / denominator).backward()
-            loss_sum_total += loss_sum.detach()
+    loss_sum = runner.forward_backward(micro_batches, denominator, autocast)
     sum_moe_gradients(model)  # MoE layers that routed this tp rank's tokens only
-    return loss_sum_total, global_tokens
-
-
-@torch.no_grad()
-def evaluate(
-    model: Any,
-    batches: Iterable[dict[str, torch.Tensor]],
-    autocast: contextlib.AbstractContextManager | None = None,
-) -> tuple[float, int]:
-    """Token-normalised loss over `batches` (the model is put in eval mode, then back)."""
-    autocast = autocast or contextlib.nullcontext()
-    was_training = model.training
-    model.eval()
-    loss_sum = 0.0
-    tokens = 0.0
-    try:
-        for batch in batches:
-            with autocast:
-                batch_loss, batch_tokens = micro_batch_loss(model, batch)
-            loss_sum += float(batch_loss)
-            tokens += float(batch_tokens)
-    finally:
-        model.train(was_training)
-    return loss_sum / max(tokens, 1.0), int(tokens)
+    return loss_sum, global_tokens

@@ -6,7 +6,8 @@ Build order (docs/architecture.md), each step a function returning what it built
 -> model options and FP8 backend -> the model (`build_model`: on `meta`, this rank's pipeline
 stages, `parallelize` each, `to_empty`, initialised as one device would) -> optimizer and
 scheduler -> data -> checkpoints and resume -> loaders -> run directory and metrics. `train` is
-the loop, `train_step` (in `train_step.py`) one step.
+the loop, `train_step` (in `train_step.py`) one step, whose forward and backward work a step
+runner does (`step_runner.py`: the whole model, or this rank's pipeline stages).
 
 Parallel runs (launched by torchrun, `pipe train --nproc-per-node N`): each data-parallel rank
 loads its slice of each global batch and each context-parallel rank keeps its chunks of every
@@ -31,7 +32,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +52,18 @@ from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.train import train_data
 from pipeline.train.checkpoint_model import check_checkpoint_model
-from pipeline.train.config import ConfigError, TrainConfig
+from pipeline.train.config import TrainConfig
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
-from pipeline.train.layout import build_layout
+from pipeline.train.layout import build_layout, resolve_device
+from pipeline.train.loop_state import LogWindow, LoopState, TrainResult
 from pipeline.train.metrics import MetricsLogger, router_statistics
 from pipeline.train.model_build import build_fp8_backend, build_model, model_options
 from pipeline.train.model_parts import model_parts
 from pipeline.train.optimizer import build_optimizer, build_scheduler
 from pipeline.train.perf import memory_gib, peak_tflops
 from pipeline.train.samples import TrainingSamples, sample_tokenizer_path
-from pipeline.train.train_step import (
-    StepResult,
-    autocast_context,
-    batch_to_device,
-    evaluate,
-    train_step,
-)
+from pipeline.train.step_runner import Batch, evaluation_mode
+from pipeline.train.train_step import StepResult, autocast_context, batch_to_device, train_step
 
 __all__ = ["TrainResult", "Trainer", "seed_everything"]
 
@@ -83,64 +80,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def resolve_device(name: str) -> torch.device:
-    """`auto` -> CUDA when available, else CPU; `cuda` without a GPU is a clear error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device = cuda, but torch sees no CUDA device")
-    return torch.device(name)
-
-
 def micro_batches_per_step(cfg: TrainConfig, layout: ParallelDims) -> int:
     """Micro-batches each data-parallel rank runs per optimizer step (gradient accumulation)."""
     t = cfg.training
     return t.global_batch_size // (t.micro_batch_size * layout.dp)
-
-
-@dataclass
-class TrainResult:
-    """How `Trainer.train` ended."""
-
-    iteration: int
-    stop_reason: str
-    """"finished", or the signal's name (SIGTERM, SIGINT) when stopped by one."""
-    checkpoint: Path | None = None
-    skipped: int = 0
-    losses: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class _Window:
-    """Training steps since the last log line. Their results stay on the device (`pending`)
-    until `read_pending`, which fills `losses` and `grad_norms` (of the steps not skipped)."""
-
-    pending: list[StepResult] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    tokens: int = 0
-    seconds: float = 0.0
-
-    def add(self, result: StepResult, tokens: int, seconds: float) -> None:
-        self.pending.append(result)
-        self.tokens += tokens
-        self.seconds += seconds
-
-    def read_pending(self) -> list[tuple[float, float, bool]]:
-        """(loss, grad norm, skipped) of each pending step, read from the device in one go."""
-        if not self.pending:
-            return []
-        rows = torch.stack(
-            [torch.stack([s.loss.double(), s.grad_norm.double().to(s.loss.device),
-                          s.skipped.double()]) for s in self.pending]
-        ).tolist()  # fmt: skip
-        self.pending = []
-        out = [(loss, norm, bool(skipped)) for loss, norm, skipped in rows]
-        for loss, norm, skipped in out:
-            if not skipped:
-                self.losses.append(loss)
-                self.grad_norms.append(norm)
-        return out
 
 
 class Trainer:
@@ -167,7 +110,7 @@ class Trainer:
             cfg, self.model_config, options, self.layout, self.device, self.fp8,
             self.num_micro_batches,
         )  # fmt: skip
-        self.model, self.pipeline = built.model, built.pipeline
+        self.model, self.step_runner = built.model, built.runner
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         data = train_data.build_run_data(cfg, self.model_config)
@@ -183,10 +126,12 @@ class Trainer:
         self._resume(load_iteration)
         self.train_loader = self._build_loader(0, "train")
         self.valid_loader = self._build_loader(1, "valid")
-        self._valid_iterator: Any = None
+        self._valid_iterator: Iterator[Any] | None = None
+        self._evaluated_at: int | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
         self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
@@ -216,6 +161,7 @@ class Trainer:
             load_dir=c.load,
             process_group=self.process_group,
             verify_checksums=c.verify_checksums,
+            save_interval=c.save_interval,
         )
 
     def _build_logging(self, console: bool) -> MetricsLogger:
@@ -348,7 +294,7 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def next_global_batch(self, iterator: Any) -> list[dict[str, torch.Tensor]]:
+    def next_global_batch(self, iterator: Iterator[Any]) -> list[Batch]:
         """This rank's micro-batches of the next global batch (its context-parallel chunks)."""
         return [
             self.layout.shard_batch(
@@ -357,13 +303,13 @@ class Trainer:
             for _ in range(self.num_micro_batches)
         ]
 
-    def train_one_step(self, iterator: Any) -> StepResult:
+    def train_one_step(self, iterator: Iterator[Any]) -> StepResult:
         """One optimizer step on the next global batch of `iterator` (forward, backward, clip,
         step, FP8 post-step work), without logging or checkpointing; benchmarks time this."""
         return train_step(
             self.model, self.optimizer, self.scheduler, self.next_global_batch(iterator),
             clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
-            dp_group=self.layout.batch_group, pipeline=self.pipeline,
+            dp_group=self.layout.batch_group, runner=self.step_runner,
             pp_group=self.layout.pipeline_group, after_optimizer_step=self._after_optimizer_step,
         )  # fmt: skip
 
@@ -374,62 +320,75 @@ class Trainer:
         `checkpoint.async_save`; the next save, a signal, the end of training and an error all
         wait for such a save to commit."""
         t = self.cfg.training
-        result = TrainResult(self.iteration, "finished")
-        window = _Window()
-        saved_at = evaluated_at = None
+        loop = LoopState(TrainResult(self.iteration, "finished"), bar=self._progress_bar())
         iterator = iter(self.train_loader)
-        tokens_per_step = t.global_batch_size * self.cfg.data.seq_length
-        bar = self._progress_bar()
         try:
             with StopSignals() as signals:
                 while self.iteration < t.iters:
-                    start = time.perf_counter()
-                    step = self.train_one_step(iterator)
-                    window.add(step, tokens_per_step, time.perf_counter() - start)
-                    self.iteration += 1
-                    self.consumed["train"] += t.global_batch_size
-                    if bar is not None:
-                        bar.update(1)
-                    if self.iteration % t.log_interval == 0 or self.iteration == t.iters:
-                        self._account(window, result)
-                        self._log_train(window, bar)
-                        window = _Window()
-                        self._stop_if_diverged()
-                    if t.eval_interval and self.iteration % t.eval_interval == 0:
+                    self._timed_step(iterator, loop)
+                    if self._due(t.log_interval) or self.iteration == t.iters:
+                        self._log_window(loop)
+                    if self._due(t.eval_interval):
                         self.run_evaluation()
-                        evaluated_at = self.iteration
-                    if self.samples and self.iteration % t.sample_interval == 0:
+                    if self.samples is not None and self._due(t.sample_interval):
                         self.log_samples()
-                    interval = self.cfg.checkpoint.save_interval
-                    saving = bool(interval) and self.iteration % interval == 0
-                    if signals.received is not None or saving:
-                        self._account(window, result)  # skip counts and lr into the checkpoint
-                    self._collect_background_save()
-                    if signals.received is not None:
-                        result.stop_reason = signals.name or "signal"
-                        log.warning("%s received: saving and exiting", result.stop_reason)
-                        result.checkpoint = self.save_checkpoint()
-                        saved_at = self.iteration
+                    if self._save_if_due(loop, signals):
                         break
-                    if saving:
-                        result.checkpoint = self.save_checkpoint()
-                        saved_at = self.iteration
-                if result.stop_reason == "finished":
-                    if t.eval_interval and evaluated_at != self.iteration:
-                        self.run_evaluation()
-                    if saved_at != self.iteration:
-                        result.checkpoint = self.save_checkpoint()
+                if loop.result.stop_reason == "finished":
+                    self._finish(loop)
                 self._collect_background_save(block=True)  # a resumable point before exiting
         except Exception:
             self._finish_background_save_after_error()
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            loop.close()
             self.metrics.close()
-        result.iteration = self.iteration
-        result.skipped = self.guard.total
-        return result
+        loop.result.iteration, loop.result.skipped = self.iteration, self.guard.total
+        return loop.result
+
+    def _due(self, interval: int) -> bool:
+        """Whether the current iteration is a multiple of `interval` (0: never)."""
+        return bool(interval) and self.iteration % interval == 0
+
+    def _timed_step(self, iterator: Iterator[Any], loop: LoopState) -> None:
+        """Take one step, note it (unread) in the log window, and count it."""
+        start = time.perf_counter()
+        step = self.train_one_step(iterator)
+        loop.window.add(step, self.tokens_per_step, time.perf_counter() - start)
+        self.iteration += 1
+        self.consumed["train"] += self.cfg.training.global_batch_size
+        if loop.bar is not None:
+            loop.bar.update(1)
+
+    def _log_window(self, loop: LoopState) -> None:
+        """A log step: read the window's steps, log them, start a new window; stop (after
+        saving) when too many steps in a row were skipped."""
+        self._account(loop.window, loop.result)
+        self._log_train(loop.window, loop.bar)
+        loop.window = LogWindow()
+        self._stop_if_diverged()
+
+    def _save_if_due(self, loop: LoopState, signals: StopSignals) -> bool:
+        """Save when the checkpoint manager says the iteration is due or a stop signal came
+        (the window's steps read first, so skip counts and the lr go into the checkpoint);
+        collect a background save that has committed. True: a signal, stop now."""
+        stop, due = signals.received is not None, self.checkpoints.save_due(self.iteration)
+        if stop or due:
+            self._account(loop.window, loop.result)
+        self._collect_background_save()
+        if stop:
+            loop.result.stop_reason = signals.name or "signal"
+            log.warning("%s received: saving and exiting", loop.result.stop_reason)
+        if stop or due:
+            loop.result.checkpoint = self.save_checkpoint()
+        return stop
+
+    def _finish(self, loop: LoopState) -> None:
+        """The end of a finished run: evaluate and save the last iteration unless done already."""
+        if self.cfg.training.eval_interval and self._evaluated_at != self.iteration:
+            self.run_evaluation()
+        if not self.checkpoints.saved(self.iteration):
+            loop.result.checkpoint = self.save_checkpoint()
 
     def _progress_bar(self) -> Any:
         """A terminal progress bar on rank 0 (None elsewhere or off a terminal)."""
@@ -438,7 +397,7 @@ class Trainer:
         t = self.cfg.training
         return terminal_bar(t.iters, desc="train", initial=self.iteration, unit="it", leave=False)
 
-    def _account(self, window: _Window, result: TrainResult) -> None:
+    def _account(self, window: LogWindow, result: TrainResult) -> None:
         """Read the window's unread steps from the device (the one host sync of a log step):
         record each loss, count and report skipped steps and hold the learning rate back for
         them (the scheduler stepped for every step on the host)."""
@@ -470,7 +429,7 @@ class Trainer:
             f"from iteration {first} had a NaN/Inf loss or gradient norm; state saved in {path}"
         )
 
-    def _log_train(self, window: _Window, bar: Any) -> None:
+    def _log_train(self, window: LogWindow, bar: Any) -> None:
         seconds = max(window.seconds, 1e-9)
         tflops = self.flops_per_token * window.tokens / seconds / 1e12
         metrics = {
@@ -492,6 +451,7 @@ class Trainer:
 
     def run_evaluation(self) -> float | None:
         """`eval_iters` global batches of the valid split; logs and returns the loss."""
+        self._evaluated_at = self.iteration
         if self.valid_loader is None or self.cfg.training.eval_iters == 0:
             return None
         if self._valid_iterator is None:
@@ -499,28 +459,14 @@ class Trainer:
         self.consumed["valid"] += self.cfg.training.eval_iters * self.cfg.training.global_batch_size
         loss_sum, tokens = 0.0, 0.0
         for _ in range(self.cfg.training.eval_iters):
-            batch_sum, batch_tokens = self._eval_global_batch(
-                self.next_global_batch(self._valid_iterator)
-            )
-            loss_sum, tokens = loss_sum + batch_sum, tokens + batch_tokens
+            micro_batches = self.next_global_batch(self._valid_iterator)
+            with evaluation_mode(self.model):
+                batch_sum, batch_tokens = self.step_runner.evaluate(micro_batches, self.autocast)
+            loss_sum, tokens = loss_sum + float(batch_sum), tokens + batch_tokens
         loss = self._global_eval_loss(loss_sum, tokens)
         ppl = math.exp(loss) if loss < 700 else math.inf
         self.metrics.log(self.iteration, {"loss": loss, "ppl": ppl}, split="valid")
         return loss
-
-    def _eval_global_batch(
-        self, micro_batches: list[dict[str, torch.Tensor]]
-    ) -> tuple[float, float]:
-        """(loss sum, loss tokens) of this rank's share of one global batch."""
-        if self.pipeline is not None:
-            self.model.eval()
-            try:
-                loss_sum, tokens = self.pipeline.evaluate(micro_batches, self.autocast)
-            finally:
-                self.model.train()
-            return float(loss_sum), tokens
-        loss, tokens = evaluate(self.model, micro_batches, self.autocast)
-        return loss * tokens, float(tokens)
 
     def _global_eval_loss(self, loss_sum: float, tokens: float) -> float:
         """The token-normalised loss over every rank's evaluation batches: token counts are

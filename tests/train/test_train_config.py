@@ -447,3 +447,36 @@ def test_dry_run_report_moe_shows_active_parameters():
     text = "\n".join(dry_run_report(load_recipe("tiny_moe")))
     assert "active per token" in text
     assert "assuming 1" in text
+
+
+def test_choice_fields_are_literals_checked_by_the_setter():
+    """A field with fixed values is a `Literal`; FP8's linear filters are the backend's own."""
+    from pipeline.core.kernels.fp8 import LINEAR_FILTERS
+    from pipeline.train.config import Fp8Section, TrainingSection
+    from pipeline.train.config_types import literal_values
+
+    assert literal_values(field_types(Fp8Section)["linear_filter"]) == LINEAR_FILTERS
+    assert literal_values(field_types(TrainingSection)["device"]) == ("auto", "cpu", "cuda")
+    cfg = TrainConfig()
+    apply_set(cfg, "training.activation_checkpointing=none")  # not Python's None
+    assert cfg.training.activation_checkpointing == "none"
+    with pytest.raises(ConfigError, match="training.device expects str, got int 5"):
+        cfg.set("training.device", 5)
+    with pytest.raises(ConfigError, match="training.device must be one of auto, cpu, cuda"):
+        apply_set(cfg, "training.device=5")
+
+
+def test_the_config_module_neither_reads_files_nor_imports_the_checkpoint_reader():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeline.train.config as c\n"
+        "cfg = c.TrainConfig()\n"
+        "cfg.data.mock = True\n"
+        "cfg.validate(1).model_config()\n"
+        "assert not [m for m in sys.modules if m.startswith('pipeline.checkpoint')], sys.modules\n"
+        "assert 'pipeline.train.checkpoint_model' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -145,3 +145,19 @@ def test_shape_preserving_changes_are_logged_not_refused(imported, caplog) -> No
     wider = resolve_config(None, ["model.num_layers=3"], {"load": str(imported)}, validate=False)
     with pytest.raises(ConfigError, match=r"model.num_layers=2; this run has 3 \("):
         check_checkpoint_model(wider)
+
+
+def test_the_loaded_checkpoint_is_read_once(imported, monkeypatch) -> None:
+    """`resolve_config` reads the checkpoint's `pipe_metadata.json` once; validating, the model,
+    the shape check and the dry-run report read it no more."""
+    import pipeline.checkpoint.loader as loader
+    from pipeline.train.estimates import dry_run_report
+
+    reads, original = [], loader.read_pipe_metadata
+    monkeypatch.setattr(loader, "read_pipe_metadata", lambda d: reads.append(d) or original(d))
+    cfg = resolve_config(None, ["data.mock=true"], {"load": str(imported)})
+    cfg.validate(world_size=1)
+    check_checkpoint_model(cfg)
+    assert cfg.model_config().hidden_size == HF_SIZES["hidden_size"]
+    dry_run_report(cfg, world_size=1)
+    assert reads == [imported / "iter_0000000"]

@@ -124,9 +124,9 @@ def test_dp2_async_saves_commit_and_load_in_one_process(tmp_path: Path) -> None:
 
 
 def test_torchrun_command_drops_nproc() -> None:
-    from pipeline.train.commands import torchrun_command
+    from pipeline.core.parallel.process_group import torchrun_command
 
     argv = ["train", "--nproc-per-node", "2", "--dp", "2", "--nproc-per-node=2", "--iters", "3"]
-    command = torchrun_command(2, argv)
+    command = torchrun_command(2, "train", argv)
     assert command[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
     assert command[6:] == ["pipeline", "train", "--dp", "2", "--iters", "3"]

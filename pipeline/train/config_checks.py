@@ -1,0 +1,114 @@
+"""The training config's cross-field checks: what no single field's type can say.
+
+`TrainConfig.validate` calls `config_problems`, which lists every problem at once (batch
+geometry, data sources, optimizer and schedule ranges, FP8 recipe) and adds the layout rules of
+`pipeline.core.parallel.layout_rules` for the run's model, so one `ConfigError` names them all.
+Reads no file: a model taken from a checkpoint was read once by the config loader.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.core.kernels.fp8 import normalize_recipe
+from pipeline.core.parallel.layout_rules import layout_problems
+from pipeline.train.config_types import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
+
+__all__ = ["config_problems"]
+
+
+def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
+    """Every cross-field problem of `cfg` for `world_size` (None: not known yet), as lines."""
+    problems: list[str] = []
+    t, d, o, s = cfg.training, cfg.data, cfg.optimizer, cfg.scheduler
+
+    for name in ("iters", "micro_batch_size", "global_batch_size", "log_interval"):
+        if getattr(t, name) <= 0:
+            problems.append(f"training.{name} must be positive, got {getattr(t, name)}")
+    if t.eval_interval < 0 or t.eval_iters < 0:
+        problems.append("training.eval_interval and training.eval_iters must be >= 0")
+    if t.sample_interval < 0 or t.sample_tokens <= 0:
+        problems.append("training.sample_interval must be >= 0 and sample_tokens positive")
+    if d.seq_length <= 0:
+        problems.append(f"data.seq_length must be positive, got {d.seq_length}")
+    if cfg.fp8.recipe is not None:
+        try:
+            normalize_recipe(cfg.fp8.recipe)
+        except ValueError as e:
+            problems.append(str(e))
+    if d.num_workers < 0:
+        problems.append(f"data.num_workers must be >= 0, got {d.num_workers}")
+
+    split_blends = [b for b in (d.train_blend, d.valid_blend, d.test_blend) if b is not None]
+    if d.blend is not None and split_blends:
+        problems.append("data.blend excludes data.train_blend/valid_blend/test_blend")
+    if d.mock and (d.blend is not None or split_blends):
+        problems.append("data.mock is set together with a data blend; set one or the other")
+    if not d.mock and d.blend is None and d.train_blend is None:
+        problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
+    problems += _split_problems(d.split)
+
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
+    if not 0 <= s.warmup_init_lr <= o.lr:
+        problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
+    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
+        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+
+    decay = cfg.decay_iters
+    if s.warmup_iters < 0:
+        problems.append(f"scheduler.warmup_iters must be >= 0, got {s.warmup_iters}")
+    if decay <= 0 or s.warmup_iters >= decay:
+        # Megatron asserts both: the decay phase must exist and start after warmup.
+        problems.append(
+            f"need 0 <= scheduler.warmup_iters ({s.warmup_iters}) < decay iters ({decay})"
+        )
+    if s.decay_style == "wsd":
+        if s.wsd_decay_iters is None:
+            problems.append("scheduler.decay_style = wsd needs scheduler.wsd_decay_iters")
+        elif not 0 < s.wsd_decay_iters <= decay - s.warmup_iters:
+            problems.append(
+                f"scheduler.wsd_decay_iters ({s.wsd_decay_iters}) must be in "
+                f"(0, decay iters - warmup_iters = {decay - s.warmup_iters}]"
+            )
+
+    problems += _layout_problems(cfg, world_size)
+    return problems
+
+
+def _layout_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
+    """The layout rules (`pipeline.core.parallel.layout_rules`, their one home) for
+    this run's parallel section, model, sequence and batch."""
+    problems = []
+    try:
+        model = cfg.model_config()
+    except ConfigError as e:
+        problems.append(str(e))
+        model = None
+    t = cfg.training
+    return problems + layout_problems(
+        cfg.parallel,
+        world_size=world_size,
+        model=model,
+        seq_length=cfg.data.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        model_name=cfg.model.flavor,
+    )
+
+
+def _split_problems(split: str) -> list[str]:
+    """`data.split` must be up to three non-negative numbers with a positive sum."""
+    parts = [x.strip() for x in split.replace("/", ",").split(",")]
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        return [f"data.split {split!r} must be up to three comma-separated numbers"]
+    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        return [f"data.split {split!r}: up to three non-negative numbers with a positive sum"]
+    return []

@@ -1,0 +1,80 @@
+"""What `Trainer.train` carries from step to step, and what it returns.
+
+`LogWindow` holds the steps since the last log line: their results stay on the device until a
+log step reads them all at once (the one host sync between log steps). `LoopState` is one
+`train` call's state (the result so far, the window, the progress bar); `TrainResult` is how
+the call ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.train.train_step import StepResult
+
+__all__ = ["LogWindow", "LoopState", "TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    """How `Trainer.train` ended."""
+
+    iteration: int
+    stop_reason: str
+    """"finished", or the signal's name (SIGTERM, SIGINT) when stopped by one."""
+    checkpoint: Path | None = None
+    skipped: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class LogWindow:
+    """Training steps since the last log line. Their results stay on the device (`pending`)
+    until `read_pending`, which fills `losses` and `grad_norms` (of the steps not skipped)."""
+
+    pending: list[StepResult] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, result: StepResult, tokens: int, seconds: float) -> None:
+        """Note a step (unread), the tokens it trained on and the seconds it took."""
+        self.pending.append(result)
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def read_pending(self) -> list[tuple[float, float, bool]]:
+        """(loss, grad norm, skipped) of each pending step, read from the device in one go."""
+        if not self.pending:
+            return []
+        rows = torch.stack(
+            [torch.stack([s.loss.double(), s.grad_norm.double().to(s.loss.device),
+                          s.skipped.double()]) for s in self.pending]
+        ).tolist()  # fmt: skip
+        self.pending = []
+        out = [(loss, norm, bool(skipped)) for loss, norm, skipped in rows]
+        for loss, norm, skipped in out:
+            if not skipped:
+                self.losses.append(loss)
+                self.grad_norms.append(norm)
+        return out
+
+
+@dataclass
+class LoopState:
+    """What one `Trainer.train` call carries from step to step: how the run is ending, the
+    steps since the last log line, and the progress bar (None off rank 0 or a terminal)."""
+
+    result: TrainResult
+    window: LogWindow = field(default_factory=LogWindow)
+    bar: Any = None
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        if self.bar is not None:
+            self.bar.close()
