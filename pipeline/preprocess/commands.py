@@ -46,8 +46,8 @@ class _ListOptionsCommand(click.Command):
 def _user_errors() -> Iterator[None]:
     """Show the toolkit's own errors as one clean line (`Error: file:line: problem`)."""
     from pipeline.data.indexed import IndexFormatError
+    from pipeline.preprocess.inputs import InputError
     from pipeline.preprocess.merge import MergeError
-    from pipeline.preprocess.readers import InputError
     from pipeline.preprocess.runner import PreprocessError
     from pipeline.preprocess.shards import ShardError
     from pipeline.tokenizer.tokenizer import TokenizerError
