@@ -40,9 +40,7 @@ from pipeline.data.gpt_dataset import (
     GPTDataset,
     GPTDatasetConfig,
     build_splits,
-    count_samples,
     parse_split,
-    plan_epochs,
     split_sequence_indices,
 )
 from pipeline.data.index_cache import IndexCache, remap, state_without_mapped
@@ -50,6 +48,7 @@ from pipeline.data.indexed import (
     IndexedDataset,
     normalize_prefix,
 )
+from pipeline.data.sample_index import count_samples, plan_epochs
 
 logger = logging.getLogger(__name__)
 
