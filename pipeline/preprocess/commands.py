@@ -361,8 +361,8 @@ def _inspect_blend(prefix, data, seq_length, samples, split, as_json) -> None:
         raise click.UsageError("give either a dataset PREFIX or --data, not both")
     if seq_length is None:
         raise click.UsageError("--data needs --seq-length")
+    from pipeline.data.blend_description import describe_blend, format_blend_description
     from pipeline.data.blend_spec import check_compatible, parse_blend
-    from pipeline.data.blended import describe_blend, format_blend_description
 
     try:
         blend = parse_blend(data)
