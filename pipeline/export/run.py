@@ -91,9 +91,10 @@ def run_export(
 ) -> str:
     """Export and verify; returns a one-paragraph summary. Raises `ExportError`.
 
-    `target` is "hf" or "legacy" (see the module docstring); `options.dtype` None means the
-    source's (`dtype_choice.default_dtype`); `verify` is auto (when the model fits in memory),
-    on or off.
+    `target` is "hf" or "legacy" (see the module docstring); the legacy target takes
+    `LegacyExportOptions` (plain `ExportOptions` give one rank file). `options.dtype` None means
+    the source's (`dtype_choice.default_dtype`); `verify` is auto (when the model fits in
+    memory), on or off.
     """
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.export.block_fp8 import uses_block_fp8
