@@ -99,16 +99,10 @@ def run_export(
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.export.block_fp8 import uses_block_fp8
     from pipeline.export.calibration import calibrate
-    from pipeline.export.legacy_trtllm.config import LegacyExportOptions
     from pipeline.weights.checks import VerifyError
     from pipeline.weights.model import model_from_source
 
-    if target not in TARGETS:
-        raise ExportError(f"unknown export target {target!r}: use one of {', '.join(TARGETS)}")
-    if target == "legacy":
-        options = LegacyExportOptions.from_options(options)
-    elif isinstance(options, LegacyExportOptions) and options.mapping.world_size != 1:
-        raise ExportError("a Hugging Face export is not split: engines shard it when loading")
+    options = _options_for(target, options)
     try:
         with quiet_dcp():
             fmt = detect_format(source_path) if from_format == "auto" else from_format
@@ -140,6 +134,20 @@ def run_export(
         raise ExportError(str(e)) from e
     fp8 = ", FP8" if options.fp8 else ""
     return f"wrote {output} ({what}, {dtype_note}{fp8}, in {seconds:.1f} s); {verdict}"
+
+
+def _options_for(target: str, options: ExportOptions) -> ExportOptions:
+    """`options` as `target` takes them (`LegacyExportOptions` for the legacy rank files); an
+    `ExportError` for an unknown target or a Hugging Face export asked to be split."""
+    from pipeline.export.legacy_trtllm.config import LegacyExportOptions
+
+    if target not in TARGETS:
+        raise ExportError(f"unknown export target {target!r}: use one of {', '.join(TARGETS)}")
+    if target == "legacy":
+        return LegacyExportOptions.from_options(options)
+    if isinstance(options, LegacyExportOptions) and options.mapping.world_size != 1:
+        raise ExportError("a Hugging Face export is not split: engines shard it when loading")
+    return options
 
 
 def _write(
