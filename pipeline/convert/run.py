@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.common.progress import byte_progress, increments
 from pipeline.common.quiet import quiet_dcp
-from pipeline.convert.formats import ConversionError, open_source
+from pipeline.weights.formats import ConversionError, open_source
 
 if TYPE_CHECKING:
-    from pipeline.convert.source import TensorSource
+    from pipeline.weights.source import TensorSource
 
 __all__ = ["ConversionError", "run_conversion"]
 
@@ -45,9 +45,9 @@ def run_conversion(
 ) -> str:
     """Convert and verify; returns a one-paragraph summary. Raises `ConversionError`."""
     from pipeline.checkpoint.layout import CheckpointError
-    from pipeline.convert.dtype_choice import choose_dtype
-    from pipeline.convert.source import CastSource
-    from pipeline.convert.verify import VerifyError
+    from pipeline.weights.checks import VerifyError
+    from pipeline.weights.dtype_choice import choose_dtype
+    from pipeline.weights.source import CastSource
 
     try:
         source = open_source(
@@ -89,10 +89,10 @@ def _write(
 ) -> Path:
     """Write `source` as `to_format` under `output`; returns what was written."""
     if to_format == "pipe":
-        from pipeline.convert.pipe_checkpoint import TargetLayout, write_pipe_checkpoint
+        from pipeline.weights.pipe_checkpoint import TargetLayout, write_pipe_checkpoint
 
         return write_pipe_checkpoint(source, output, layout=TargetLayout(*layout), progress=advance)
-    from pipeline.convert.hf_writer import recorded_tokenizer_dir, write_hf
+    from pipeline.weights.hf_writer import recorded_tokenizer_dir, write_hf
 
     tokenizer_dir = tokenizer_dir or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
     return write_hf(
@@ -115,13 +115,14 @@ def _verify(
     layers: int | None,
 ) -> str:
     """Check the output against the source as `mode` asks; returns what was checked."""
-    from pipeline.convert.verify import compare_hf_logits, compare_tensors, fits_in_memory
+    from pipeline.convert.verify import compare_tensors
+    from pipeline.weights.checks import compare_hf_logits, fits_in_memory
 
     if mode == "off":
         return "not verified (--verify off)"
     notes = []
     if to_format == "pipe":
-        from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+        from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 
         output_source = PipeCheckpointSource(written)
         count = compare_tensors(source, output_source)

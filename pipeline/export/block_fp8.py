@@ -22,11 +22,11 @@ import re
 
 import torch
 
-from pipeline.convert.hf_config import choose_architecture
-from pipeline.convert.hf_writer import HFPiece
-from pipeline.convert.source import TensorSource
 from pipeline.export.fp8 import FP8_MAX
-from pipeline.export.trtllm_config import ExportOptions
+from pipeline.export.options import ExportOptions
+from pipeline.weights.hf_config import choose_architecture
+from pipeline.weights.hf_writer import HFPiece
+from pipeline.weights.source import TensorSource
 
 __all__ = [
     "BLOCK",

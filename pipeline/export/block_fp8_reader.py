@@ -123,10 +123,10 @@ class BlockFP8Checkpoint:
     def model(self) -> torch.nn.Module:
         """Our fp32 `Transformer` on the dequantized weights (activations unrounded: the
         engine quantizes them at run time, per token and 128 channels)."""
-        from pipeline.convert.hf_config import config_from_hf
-        from pipeline.convert.source import InMemorySource
-        from pipeline.convert.verify import our_model
         from pipeline.export.modelopt_reader import our_names
+        from pipeline.weights.hf_config import config_from_hf
+        from pipeline.weights.model import model_from_source
+        from pipeline.weights.source import InMemorySource
 
         config = config_from_hf(self.config)
-        return our_model(InMemorySource(config, our_names(self.dequantized())))
+        return model_from_source(InMemorySource(config, our_names(self.dequantized())))

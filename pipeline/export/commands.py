@@ -14,9 +14,12 @@ the only import at module level, so `pipe export --help` stays instant.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from pipeline.export.options import ExportOptions
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -114,22 +117,9 @@ def export(source: Path, output: Path, **options: Any) -> None:
     if options["fp8_kv_cache"] and not options["fp8"]:
         raise click.UsageError("--fp8-kv-cache needs --fp8")
     from pipeline.export.run import CalibrationSettings, ExportError, run_export
-    from pipeline.export.trtllm_config import ExportOptions
-    from pipeline.export.trtllm_layout import TrtllmMapping
 
     try:
-        export_options = ExportOptions(
-            dtype=options["dtype"],
-            mapping=TrtllmMapping(tp=options["tp"], pp=options["pp"], moe_ep=options["moe_ep"]),
-            use_parallel_embedding=options["use_parallel_embedding"],
-            embedding_sharding_dim=int(options["embedding_sharding_dim"]),
-            fp8=options["fp8"],
-            fp8_kv_cache=options["fp8_kv_cache"],
-            exclude_modules=(
-                *(() if options["fp8_lm_head"] else ("lm_head",)),
-                *options["fp8_exclude"],
-            ),  # fmt: skip
-        )
+        export_options = _export_options(target, options)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     calibration = CalibrationSettings(
@@ -146,6 +136,33 @@ def export(source: Path, output: Path, **options: Any) -> None:
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     click.echo(summary)
+
+
+def _export_options(target: str, options: dict[str, Any]) -> ExportOptions:
+    """The `ExportOptions` of the command line (`LegacyExportOptions` for the legacy target,
+    which adds the rank layout); a ValueError for an invalid combination."""
+    from pipeline.export.options import ExportOptions
+
+    common: dict[str, Any] = dict(
+        dtype=options["dtype"],
+        fp8=options["fp8"],
+        fp8_kv_cache=options["fp8_kv_cache"],
+        exclude_modules=(
+            *(() if options["fp8_lm_head"] else ("lm_head",)),
+            *options["fp8_exclude"],
+        ),  # fmt: skip
+    )
+    if target != "legacy":
+        return ExportOptions(**common)
+    from pipeline.export.legacy_trtllm.config import LegacyExportOptions
+    from pipeline.export.legacy_trtllm.layout import TrtllmMapping
+
+    return LegacyExportOptions(
+        mapping=TrtllmMapping(tp=options["tp"], pp=options["pp"], moe_ep=options["moe_ep"]),
+        use_parallel_embedding=options["use_parallel_embedding"],
+        embedding_sharding_dim=int(options["embedding_sharding_dim"]),
+        **common,
+    )
 
 
 _LEGACY_ONLY = {  # option -> its value when not given

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.convert.hf_writer import TOKENIZER_FILES, plan_hf_shards, write_hf
-from pipeline.convert.source import TensorSource
 from pipeline.export.block_fp8 import (
     QUANT_CONFIG,
     DeepSeekBlockFP8,
@@ -25,7 +23,9 @@ from pipeline.export.block_fp8 import (
     uses_block_fp8,
 )
 from pipeline.export.modelopt import ModelOptFP8, modelopt_configs
-from pipeline.export.trtllm_config import ExportOptions
+from pipeline.export.options import ExportOptions
+from pipeline.weights.hf_writer import TOKENIZER_FILES, plan_hf_shards, write_hf
+from pipeline.weights.source import TensorSource
 
 __all__ = ["QUANT_CONFIG_FILE", "source_tokenizer_dir", "write_hf_export"]
 
@@ -35,7 +35,7 @@ QUANT_CONFIG_FILE = "hf_quant_config.json"
 def source_tokenizer_dir(source_path: Path, source: TensorSource) -> Path | None:
     """Where the source's tokenizer files are: beside Hugging Face weights, or the tokenizer a
     pipe checkpoint recorded (when still unchanged); None when there are none."""
-    from pipeline.convert.hf_writer import recorded_tokenizer_dir
+    from pipeline.weights.hf_writer import recorded_tokenizer_dir
 
     if any((source_path / name).is_file() for name in TOKENIZER_FILES):
         return source_path

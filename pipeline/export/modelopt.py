@@ -21,9 +21,9 @@ from fnmatch import fnmatch
 
 import torch
 
-from pipeline.convert.hf_writer import HFPiece
-from pipeline.convert.source import TensorSource
 from pipeline.export.fp8 import quantize, scales_from_amax
+from pipeline.weights.hf_writer import HFPiece
+from pipeline.weights.source import TensorSource
 
 __all__ = ["ModelOptFP8", "modelopt_configs"]
 

@@ -134,12 +134,12 @@ class ModelOptCheckpoint:
     def model(self) -> torch.nn.Module:
         """Our fp32 `Transformer` on the dequantized weights, rounding the inputs of quantized
         linears (and the KV cache) through fp8 as the stored scales say."""
-        from pipeline.convert.hf_config import config_from_hf
-        from pipeline.convert.source import InMemorySource
-        from pipeline.convert.verify import our_model
+        from pipeline.weights.hf_config import config_from_hf
+        from pipeline.weights.model import model_from_source
+        from pipeline.weights.source import InMemorySource
 
         config = config_from_hf(self.config)
-        model = our_model(InMemorySource(config, our_names(self.dequantized())))
+        model = model_from_source(InMemorySource(config, our_names(self.dequantized())))
         for i, layer in model.layers.items():
             self._quantize_inputs(int(i), layer)
         return model

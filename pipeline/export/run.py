@@ -3,7 +3,7 @@
 `pipe export` (commands.py) parses the command line and calls `run_export`; tests and scripts
 may call it directly. `target` "hf" writes the Hugging Face checkpoint current engines load
 (`hf_export.py`; FP8 in ModelOpt's format), "legacy" the TensorRT-LLM rank files of releases up
-to 1.3 (`trtllm_writer.py`, features frozen).
+to 1.3 (`legacy_trtllm/`, features frozen).
 
 Hugging Face exports are verified against our model on the source: bf16/fp16/fp32 by
 transformers loading the directory (logits equal to the source rounded to the export dtype,
@@ -13,16 +13,9 @@ logits reaching `MIN_FP8_TOP1` top-1 agreement on held-out real text. DeepSeek-V
 out in DeepSeek's block FP8 format, which needs no calibration (activations are scaled at run
 time): `--calib-data`, if given, is only the verification text.
 
-Legacy exports run the reference forward (`reference.py`) on the written directory and our own
-model on the source, on the same tokens:
-
-- bf16/fp16/fp32 exports are compared with our model on the source weights rounded to the
-  export dtype (`CastSource`; the router kept in fp32, as exported), computed in fp32: any
-  difference beyond rounding of the arithmetic is a layout mistake, so the bar is
-  `LOGIT_TOLERANCE`.
-- FP8 exports are compared with our model on the unrounded source: the figures are the largest
-  logit difference and how often the top-1 next token agrees; on real text (`--calib-data`,
-  held-out sequences) at least `MIN_FP8_TOP1` agreement is required.
+Legacy exports run the reference forward over the written rank files against our own model on
+the source (`legacy_trtllm/verify.py`). `run_export` dispatches on the target for the writer and
+the check; opening, the dtype choice and FP8 calibration are the same for both.
 """
 
 from __future__ import annotations
@@ -35,26 +28,16 @@ from typing import TYPE_CHECKING
 
 from pipeline.common.progress import byte_progress, increments
 from pipeline.common.quiet import quiet_dcp
-from pipeline.convert.formats import detect_format, open_source
-from pipeline.export.verify_figures import (
-    ExportError,
-    fp8_figures,
-    logit_figures,
-    verification_tokens,
-)
+from pipeline.export.verify_figures import ExportError
+from pipeline.weights.formats import detect_format, open_source
 
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.convert.source import TensorSource
-    from pipeline.export.trtllm_config import ExportOptions
+    from pipeline.export.options import ExportOptions
+    from pipeline.weights.source import TensorSource
 
-__all__ = [
-    "CalibrationSettings",
-    "ExportError",
-    "run_export",
-    "verify_export",
-]
+__all__ = ["CalibrationSettings", "ExportError", "run_export"]
 
 
 @dataclass(frozen=True)
@@ -88,45 +71,6 @@ def _calibration_tokens(settings: CalibrationSettings, vocab_size: int) -> torch
     return tokens
 
 
-def verify_export(
-    source: TensorSource,
-    directory: Path,
-    options: ExportOptions,
-    *,
-    text: Path | None = None,
-    skip_tokens: int = 0,
-    source_model: torch.nn.Module | None = None,
-) -> str:
-    """Check `directory` against `source` (see the module docstring) on real text from the
-    dataset prefix `text` after its first `skip_tokens`, or on random tokens; returns what was
-    checked, raises `ExportError` on a mismatch. `source_model`: our fp32 model of `source`
-    when the caller already built one (FP8 calibration did), so it is not read again."""
-    import torch
-
-    from pipeline.convert.source import CastSource
-    from pipeline.convert.verify import LOGIT_TOLERANCE, our_model
-    from pipeline.export.reference import ReferenceModel
-    from pipeline.export.trtllm_writer import ROUTER_SUFFIX
-
-    tokens, what, real_text = verification_tokens(text, skip_tokens, source.model_config.vocab_size)
-    if not options.fp8:  # as stored: rounded to the export dtype, the router kept in fp32
-        dtype = getattr(torch, options.dtype)
-        source_model = our_model(CastSource(source, dtype, keep=(ROUTER_SUFFIX,)))
-    elif source_model is None:
-        source_model = our_model(source)
-    with torch.no_grad():
-        expected = source_model.logits(tokens)
-    actual = ReferenceModel(directory).logits(tokens)
-    if not options.fp8:
-        figures = logit_figures(actual, expected, what)
-        diff = float((actual - expected).abs().max())
-        if diff > LOGIT_TOLERANCE * max(1.0, float(expected.abs().max())):
-            raise ExportError(f"the export does not reproduce the source: {figures}")
-        return f"reference forward matches the source: {figures}"
-    figures = fp8_figures(actual, expected, what, real_text)
-    return f"FP8 reference forward vs the unquantized source: {figures}"
-
-
 TARGETS = ("hf", "legacy")
 
 
@@ -147,19 +91,18 @@ def run_export(
 ) -> str:
     """Export and verify; returns a one-paragraph summary. Raises `ExportError`.
 
-    `target` is "hf" or "legacy" (see the module docstring); `options.dtype` None means the
-    source's (`dtype_choice.default_dtype`); `verify` is auto (when the model fits in memory),
-    on or off.
+    `target` is "hf" or "legacy" (see the module docstring); the legacy target takes
+    `LegacyExportOptions` (plain `ExportOptions` give one rank file). `options.dtype` None means
+    the source's (`dtype_choice.default_dtype`); `verify` is auto (when the model fits in
+    memory), on or off.
     """
     from pipeline.checkpoint.layout import CheckpointError
-    from pipeline.convert.verify import VerifyError, our_model
     from pipeline.export.block_fp8 import uses_block_fp8
     from pipeline.export.calibration import calibrate
+    from pipeline.weights.checks import VerifyError
+    from pipeline.weights.model import model_from_source
 
-    if target not in TARGETS:
-        raise ExportError(f"unknown export target {target!r}: use one of {', '.join(TARGETS)}")
-    if target == "hf" and options.mapping.world_size != 1:
-        raise ExportError("a Hugging Face export is not split: engines shard it when loading")
+    options = _options_for(target, options)
     try:
         with quiet_dcp():
             fmt = detect_format(source_path) if from_format == "auto" else from_format
@@ -175,7 +118,7 @@ def run_export(
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
-                model = our_model(source)
+                model = model_from_source(source)
                 amax = calibrate(model, tokens, batch_size=calibration.batch_size)
                 calibrated = tokens.numel()  # verification text starts after these
             total = sum(info.nbytes for info in source.tensors().values())
@@ -193,6 +136,20 @@ def run_export(
     return f"wrote {output} ({what}, {dtype_note}{fp8}, in {seconds:.1f} s); {verdict}"
 
 
+def _options_for(target: str, options: ExportOptions) -> ExportOptions:
+    """`options` as `target` takes them (`LegacyExportOptions` for the legacy rank files); an
+    `ExportError` for an unknown target or a Hugging Face export asked to be split."""
+    from pipeline.export.legacy_trtllm.config import LegacyExportOptions
+
+    if target not in TARGETS:
+        raise ExportError(f"unknown export target {target!r}: use one of {', '.join(TARGETS)}")
+    if target == "legacy":
+        return LegacyExportOptions.from_options(options)
+    if isinstance(options, LegacyExportOptions) and options.mapping.world_size != 1:
+        raise ExportError("a Hugging Face export is not split: engines shard it when loading")
+    return options
+
+
 def _write(
     source: TensorSource,
     source_path: Path,
@@ -205,7 +162,7 @@ def _write(
 ) -> str:
     """Write the export; returns what was written, in a few words."""
     if target == "legacy":
-        from pipeline.export.trtllm_writer import write_trtllm
+        from pipeline.export.legacy_trtllm.writer import write_trtllm
 
         write_trtllm(source, output, options, amax=amax, progress=advance, overwrite=overwrite)
         m = options.mapping
@@ -228,7 +185,7 @@ def _resolved(options: ExportOptions, source: TensorSource) -> tuple[ExportOptio
     the dtype with the reason for it (`DtypeChoice.describe`)."""
     import dataclasses
 
-    from pipeline.convert.dtype_choice import DtypeChoice, choose_dtype
+    from pipeline.weights.dtype_choice import DtypeChoice, choose_dtype
 
     choice = choose_dtype(options.dtype, source)
     if options.fp8 and choice.name == "float32" and not choice.requested:
@@ -250,7 +207,7 @@ def _verify(
     source_model: torch.nn.Module | None,
     target: str = "legacy",
 ) -> str:
-    from pipeline.convert.verify import fits_in_memory
+    from pipeline.weights.checks import fits_in_memory
 
     if mode == "off":
         return "not verified (--verify off)"
@@ -259,11 +216,9 @@ def _verify(
             raise ExportError("the model does not fit in memory for the reference forward")
         return "not verified (too large for the reference forward in memory)"
     if target == "hf":
-        from pipeline.export.verify_hf import verify_hf_export
-
-        return verify_hf_export(
-            source, output, options, text=text, skip_tokens=skip_tokens, source_model=source_model
-        )
+        from pipeline.export.verify_hf import verify_hf_export as verify_export
+    else:
+        from pipeline.export.legacy_trtllm.verify import verify_export
     return verify_export(
         source, output, options, text=text, skip_tokens=skip_tokens, source_model=source_model
     )

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.convert.formats import ConversionError
+from pipeline.weights.formats import ConversionError
 
 if TYPE_CHECKING:
     import torch

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.convert.source import TensorSource
     from pipeline.export.block_fp8_reader import BlockFP8Checkpoint
     from pipeline.export.modelopt_reader import ModelOptCheckpoint
-    from pipeline.export.trtllm_config import ExportOptions
+    from pipeline.export.options import ExportOptions
+    from pipeline.weights.source import TensorSource
 
 __all__ = [
     "block_fp8_oracle",
@@ -49,12 +49,13 @@ def verify_hf_export(
 
     import torch
 
-    from pipeline.convert.source import CastSource
-    from pipeline.convert.verify import compare_hf_logits, our_model
     from pipeline.export.block_fp8 import uses_block_fp8
     from pipeline.export.block_fp8_reader import BlockFP8Checkpoint
     from pipeline.export.modelopt_reader import ModelOptCheckpoint
     from pipeline.export.verify_figures import fp8_figures, verification_tokens
+    from pipeline.weights.checks import compare_hf_logits
+    from pipeline.weights.model import model_from_source
+    from pipeline.weights.source import CastSource
 
     if not options.fp8:
         if importlib.util.find_spec("transformers") is None:
@@ -66,7 +67,7 @@ def verify_hf_export(
     checkpoint = BlockFP8Checkpoint(directory) if block else ModelOptCheckpoint(directory)
     check_no_saturation(source, checkpoint)
     tokens, what, real_text = verification_tokens(text, skip_tokens, source.model_config.vocab_size)
-    source_model = source_model if source_model is not None else our_model(source)
+    source_model = source_model if source_model is not None else model_from_source(source)
     if block:
         logits, model = block_fp8_oracle(checkpoint)
     else:
@@ -121,8 +122,8 @@ def check_no_saturation(
 ) -> None:
     """ValueError naming the first quantized weight whose source values exceed 448 x its scale
     (per tensor, or per block in DeepSeek's format): they would have been clipped."""
-    from pipeline.convert.hf_config import choose_architecture
     from pipeline.core.model.hf_names import pipe_to_hf_names
+    from pipeline.weights.hf_config import choose_architecture
 
     config = source.model_config
     experts = config.moe.num_experts if config.moe is not None else None

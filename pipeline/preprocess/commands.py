@@ -46,8 +46,8 @@ class _ListOptionsCommand(click.Command):
 def _user_errors() -> Iterator[None]:
     """Show the toolkit's own errors as one clean line (`Error: file:line: problem`)."""
     from pipeline.data.indexed import IndexFormatError
+    from pipeline.preprocess.inputs import InputError
     from pipeline.preprocess.merge import MergeError
-    from pipeline.preprocess.readers import InputError
     from pipeline.preprocess.runner import PreprocessError
     from pipeline.preprocess.shards import ShardError
     from pipeline.tokenizer.tokenizer import TokenizerError
@@ -361,8 +361,8 @@ def _inspect_blend(prefix, data, seq_length, samples, split, as_json) -> None:
         raise click.UsageError("give either a dataset PREFIX or --data, not both")
     if seq_length is None:
         raise click.UsageError("--data needs --seq-length")
+    from pipeline.data.blend_description import describe_blend, format_blend_description
     from pipeline.data.blend_spec import check_compatible, parse_blend
-    from pipeline.data.blended import describe_blend, format_blend_description
 
     try:
         blend = parse_blend(data)

@@ -14,7 +14,7 @@ from pipeline.common.hashing import sha256_file
 from pipeline.data.manifest import MANIFEST_FORMAT
 
 if TYPE_CHECKING:
-    from pipeline.preprocess.readers import InputFile, InputRange
+    from pipeline.preprocess.inputs import InputFile, InputRange
     from pipeline.preprocess.runner import PreprocessConfig, PreprocessSummary
     from pipeline.preprocess.shards import ShardSpec
     from pipeline.tokenizer.tokenizer import TextTokenizer

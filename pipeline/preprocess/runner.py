@@ -40,15 +40,9 @@ from pipeline.data.sources import SourcesWriter
 from pipeline.preprocess import forked
 from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
+from pipeline.preprocess.inputs import InputError, InputFile, InputRange, resolve_inputs
 from pipeline.preprocess.progress import Progress
-from pipeline.preprocess.readers import (
-    InputError,
-    InputFile,
-    InputRange,
-    iter_batches,
-    resolve_inputs,
-    streams_hash,
-)
+from pipeline.preprocess.readers import iter_batches, streams_hash
 from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
 from pipeline.tokenizer.engines import POOL, SHARED
 from pipeline.tokenizer.tokenizer import TextTokenizer

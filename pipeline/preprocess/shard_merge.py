@@ -20,8 +20,8 @@ from pipeline.data.manifest import manifest_path
 from pipeline.data.manifest import read as read_manifest
 from pipeline.data.sources import SourcesWriter, sources_path
 from pipeline.preprocess import manifest as manifest_io
+from pipeline.preprocess.inputs import InputFile
 from pipeline.preprocess.merge import MergeError, merge
-from pipeline.preprocess.readers import InputFile
 from pipeline.preprocess.shards import parse_shard_name, plan_shards, shard_prefix
 
 MAX_BAD_LINE_EXAMPLES = 10

@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeline.preprocess.readers import InputFile, InputRange
+from pipeline.preprocess.inputs import InputFile, InputRange
 
 # Kinds a cut may fall inside: plain JSON lines, read from any byte offset.
 SPLITTABLE_KINDS = frozenset({"jsonl"})

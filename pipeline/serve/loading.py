@@ -55,9 +55,8 @@ def open_generator(
     """Load `path` (pipe checkpoint or Hugging Face directory) for generation (module doc),
     split over `tp_mesh` when given (`pipeline.serve.tensor_parallel`)."""
     from pipeline.common.quiet import quiet_dcp
-    from pipeline.convert.formats import ConversionError, detect_format, open_source
-    from pipeline.convert.hf_writer import recorded_tokenizer_dir
-    from pipeline.convert.verify import our_model
+    from pipeline.weights import ConversionError, detect_format, model_from_source, open_source
+    from pipeline.weights.hf_writer import recorded_tokenizer_dir
 
     path, device = Path(path), torch.device(device)
     if not path.exists():
@@ -68,7 +67,7 @@ def open_generator(
     try:
         with quiet_dcp():
             source = open_source(path, fmt)
-            model = our_model(source)
+            model = model_from_source(source)
     except (ConversionError, OSError, ValueError, RuntimeError) as error:
         raise LoadError(f"{path}: {error}") from None
     model = dropless(model).to(device=device, dtype=dtype or default_dtype(device))

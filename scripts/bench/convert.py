@@ -44,9 +44,9 @@ class RandomSource:
     def __init__(self, flavor: str) -> None:
         import torch
 
-        from pipeline.convert.source import TensorInfo
         from pipeline.core.model.flavors import get_flavor
         from pipeline.core.model.transformer import Transformer
+        from pipeline.weights.source import TensorInfo
 
         self.model_config = get_flavor(flavor)
         self.metadata = {"source": f"random {flavor}"}
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the files written")
     args = parser.parse_args()
 
-    from pipeline.convert.pipe_checkpoint import write_pipe_checkpoint
+    from pipeline.weights.pipe_checkpoint import write_pipe_checkpoint
 
     workdir = Path(tempfile.mkdtemp(prefix="pipe-bench-convert-", dir=args.workdir))
     try:

@@ -15,14 +15,14 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.convert.commands import convert, parse_size, parse_verify
-from pipeline.convert.pipe_checkpoint import (
+from pipeline.convert.verify import compare_tensors
+from pipeline.train.config_loader import resolve_config
+from pipeline.train.trainer import Trainer
+from pipeline.weights.pipe_checkpoint import (
     PipeCheckpointSource,
     TargetLayout,
     tensor_chunks,
 )
-from pipeline.convert.verify import compare_tensors
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
 from tests.builders import micro_sets
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

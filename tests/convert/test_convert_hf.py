@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.convert.hf_config import config_from_hf, config_to_hf
-from pipeline.convert.hf_reader import HFSource
-from pipeline.convert.hf_writer import plan_hf_shards, write_hf
-from pipeline.convert.source import InMemorySource, TensorInfo
+from pipeline.weights.hf_config import config_from_hf, config_to_hf
+from pipeline.weights.hf_reader import HFSource
+from pipeline.weights.hf_writer import plan_hf_shards, write_hf
+from pipeline.weights.source import InMemorySource, TensorInfo
 from tests.builders import (
     SEQ,
     SHARD_BYTES,

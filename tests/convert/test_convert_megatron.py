@@ -21,7 +21,10 @@ import warnings
 import pytest
 import torch
 
-from pipeline.convert.megatron import (
+from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.hf_names import from_hf_state_dict
+from pipeline.core.model.transformer import Transformer
+from pipeline.weights.megatron import (
     MegatronCheckpointError,
     MegatronSource,
     fuse_fc1,
@@ -29,9 +32,6 @@ from pipeline.convert.megatron import (
     split_fc1,
     split_qkv,
 )
-from pipeline.core.model.config import ModelConfig
-from pipeline.core.model.hf_names import from_hf_state_dict
-from pipeline.core.model.transformer import Transformer
 from tests.distributed import run_distributed
 
 VOCAB, PADDED, HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 200, 256, 64, 2, 4, 2, 96
@@ -500,7 +500,7 @@ def test_cli_converts_tp2_checkpoint_to_pipe(megatron_saves, tmp_path) -> None:
     from click.testing import CliRunner
 
     from pipeline.convert.commands import convert
-    from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+    from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 
     hf, _, save_dir = megatron_saves
     args = [str(save_dir), "--from", "megatron", "-o", str(tmp_path / "ckpt"), "--quiet"]

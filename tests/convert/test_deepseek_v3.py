@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.convert.hf_reader import HFSource
-from pipeline.convert.hf_writer import write_hf
-from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, YarnScaling
 from pipeline.core.model.flavors import get_flavor, num_parameters
 from pipeline.core.model.hf_names import from_hf_state_dict
+from pipeline.weights.hf_reader import HFSource
+from pipeline.weights.hf_writer import write_hf
+from pipeline.weights.source import InMemorySource
 from tests.builders import (
     SEQ,
     SHARD_BYTES,
@@ -202,8 +202,8 @@ def test_published_config_gives_the_flavor_and_its_size() -> None:
     """DeepSeek-V3's config.json reads as our `deepseek_v3` flavor, whose parameter count is
     transformers' (no MTP module: 671B) and 37B active per token; our `moonlight_16b_a3b`
     written out as a config.json has transformers' count too, about 16B total and 3B active."""
-    from pipeline.convert.hf_config import config_from_hf, config_to_hf
     from pipeline.train.estimates import parameter_counts
+    from pipeline.weights.hf_config import config_from_hf, config_to_hf
 
     ours = get_flavor("deepseek_v3")
     assert config_from_hf(DEEPSEEK_V3_JSON) == ours
@@ -221,7 +221,7 @@ def test_published_config_gives_the_flavor_and_its_size() -> None:
 def test_config_from_transformers_saved_dicts() -> None:
     """config.json dicts as transformers writes them (5.x rope_parameters, head_dim set to
     qk_rope_head_dim) read back as our hand-written configs."""
-    from pipeline.convert.hf_config import config_from_hf
+    from pipeline.weights.hf_config import config_from_hf
 
     for name in MLA_CASES + MOE_CASES:
         hf_config, expected = _case(name)

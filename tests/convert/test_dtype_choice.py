@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.convert.dtype_choice import choose_dtype, default_dtype
-from pipeline.convert.source import CastSource, InMemorySource
 from pipeline.core.model.config import ModelConfig
+from pipeline.export.options import ExportOptions
 from pipeline.export.run import _resolved
-from pipeline.export.trtllm_config import ExportOptions
+from pipeline.weights.dtype_choice import choose_dtype, default_dtype
+from pipeline.weights.source import CastSource, InMemorySource
 
 CONFIG = ModelConfig(vocab_size=8, hidden_size=4, num_layers=1, num_attention_heads=1)
 

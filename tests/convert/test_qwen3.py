@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.convert.hf_config import config_from_hf
-from pipeline.convert.hf_reader import HFSource
-from pipeline.convert.hf_writer import write_hf
-from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import ModelConfig, MoEConfig
 from pipeline.core.model.flavors import get_flavor, num_parameters
 from pipeline.core.model.hf_names import from_hf_state_dict
 from pipeline.core.model.moe import load_balancing_loss
 from pipeline.core.model.transformer import Transformer
+from pipeline.weights.hf_config import config_from_hf
+from pipeline.weights.hf_reader import HFSource
+from pipeline.weights.hf_writer import write_hf
+from pipeline.weights.source import InMemorySource
 from tests.builders import (
     SEQ,
     SHARD_BYTES,
@@ -245,15 +245,15 @@ def test_our_qwen3_moe_writes_hub_keys(tmp_path) -> None:
 
 
 def test_export_refuses_qwen3_clearly() -> None:
-    from pipeline.export.trtllm_config import ExportOptions, trtllm_config
+    from pipeline.export.legacy_trtllm.config import LegacyExportOptions, trtllm_config
 
     with pytest.raises(ValueError, match="Qwen3ForCausalLM .* not supported"):
-        trtllm_config(get_flavor("tiny_qwen3"), ExportOptions())
+        trtllm_config(get_flavor("tiny_qwen3"), LegacyExportOptions())
 
 
 def test_moe_without_qk_norm_needs_mixtral_shape() -> None:
     """A MoE with dense layers but no q/k norms has no HF architecture: refused, not mangled."""
-    from pipeline.convert.hf_config import choose_architecture
+    from pipeline.weights.hf_config import choose_architecture
 
     config = get_flavor("tiny_moe")
     config.moe.dense_layers = [0]

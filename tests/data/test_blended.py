@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.data import blended, blending_indices
+from pipeline.data.blend_description import describe_blend, format_blend_description
 from pipeline.data.blend_spec import (
     Blend,
     MockData,
@@ -25,8 +26,6 @@ from pipeline.data.blend_spec import (
 from pipeline.data.blended import (
     BlendedDataset,
     build_datasets,
-    describe_blend,
-    format_blend_description,
     normalize_weights,
     samples_per_dataset,
 )

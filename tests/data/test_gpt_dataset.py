@@ -10,20 +10,18 @@ import pickle
 import numpy as np
 import pytest
 
-from pipeline.data import gpt_dataset
+from pipeline.data import sample_index
 from pipeline.data.gpt_dataset import (
     INDEX_NAMES,
     GPTDataset,
     GPTDatasetConfig,
     build_gpt_datasets,
-    build_sample_index,
-    count_samples,
     parse_split,
-    plan_epochs,
     split_sequence_indices,
 )
 from pipeline.data.indexed import IndexedDataset, IndexedDatasetWriter
 from pipeline.data.mock import MockGPTLowLevelDataset, build_mock_gpt_datasets
+from pipeline.data.sample_index import build_sample_index, count_samples, plan_epochs
 from tests.builders import quiet_megatron
 
 VOCAB, EOD, PAD = 1000, 3, 7
@@ -331,7 +329,7 @@ def random_stream(rng, positions: int, max_length: int, last_non_empty: bool):
 def test_sample_index_equals_cpp_helper(megatron, monkeypatch, chunk, add_extra, drop_last):
     """Zero-length sequences, sample lengths below and above the sequence lengths, several
     epochs, chunk boundaries anywhere."""
-    monkeypatch.setattr(gpt_dataset, "_CHUNK", chunk)
+    monkeypatch.setattr(sample_index, "_CHUNK", chunk)
     rng = np.random.default_rng(chunk + 2 * add_extra + int(drop_last))
     for trial in range(40):
         sizes, document_index = random_stream(rng, int(rng.integers(1, 60)), 9, True)

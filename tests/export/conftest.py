@@ -21,9 +21,9 @@ def corpus_prefix(corpus_texts, tmp_path_factory) -> Path:
 def trained_family(corpus_prefix, tmp_path_factory) -> Callable[[str], tuple[str, Path]]:
     """name -> (HF architecture, a Hugging Face directory of that family's tiny model trained
     briefly on the corpus), trained on first use only."""
-    from pipeline.convert.hf_writer import write_hf
-    from pipeline.convert.source import InMemorySource
     from pipeline.export.calibration import calibration_sequences
+    from pipeline.weights.hf_writer import write_hf
+    from pipeline.weights.source import InMemorySource
 
     trained: dict[str, tuple[str, Path]] = {}
 

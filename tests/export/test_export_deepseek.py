@@ -21,21 +21,21 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from pipeline.cli import cli
-from pipeline.convert.hf_writer import write_hf
-from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig
 from pipeline.export.block_fp8 import BLOCK, QUANT_CONFIG
 from pipeline.export.block_fp8_reader import BlockFP8Checkpoint
 from pipeline.export.calibration import calibration_sequences
 from pipeline.export.fp8 import FP8_MAX
 from pipeline.export.hf_export import write_hf_export
+from pipeline.export.options import ExportOptions
 from pipeline.export.run import CalibrationSettings, ExportError, run_export
-from pipeline.export.trtllm_config import ExportOptions
 from pipeline.export.verify_hf import (
     check_no_saturation,
     transformers_misread,
     verify_hf_export,
 )
+from pipeline.weights.hf_writer import write_hf
+from pipeline.weights.source import InMemorySource
 from tests.builders import FP8_VOCAB, build_model, train_briefly
 
 transformers = pytest.importorskip("transformers")

@@ -16,10 +16,10 @@ import torch
 
 from pipeline.export.calibration import calibration_sequences
 from pipeline.export.fp8 import FP8_MAX, dequantize, quantize
-from pipeline.export.reference import ReferenceModel, read_rank_files
+from pipeline.export.legacy_trtllm.config import LegacyExportOptions
+from pipeline.export.legacy_trtllm.layout import TrtllmMapping
+from pipeline.export.legacy_trtllm.reference import ReferenceModel, read_rank_files
 from pipeline.export.run import CalibrationSettings, run_export
-from pipeline.export.trtllm_config import ExportOptions
-from pipeline.export.trtllm_layout import TrtllmMapping
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -39,7 +39,7 @@ def trained_hf(request, trained_family) -> Path:
 
 def test_fp8_export_agrees_with_transformers_on_real_text(trained_hf, corpus_prefix, tmp_path):
     out = tmp_path / "trt_fp8"
-    options = ExportOptions(
+    options = LegacyExportOptions(
         dtype="bfloat16", mapping=TrtllmMapping(tp=2), fp8=True, fp8_kv_cache=True
     )
     calibration = CalibrationSettings(corpus_prefix, CALIB_SEQUENCES, CALIB_LEN)
@@ -68,7 +68,7 @@ def test_fp8_files_are_quantized_as_documented(trained_hf, corpus_prefix, tmp_pa
     """fp8 weights with dequantization scales amax/448: one per fused tensor (qkv; fc with
     gate), one per expert for MoE; activation and KV scales from the calibration amax."""
     out = tmp_path / "trt_fp8"
-    options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
+    options = LegacyExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
     calibration = CalibrationSettings(corpus_prefix, 8, CALIB_LEN)
     run_export(
         trained_hf, out, options, calibration=calibration, verify="off", quiet=True,

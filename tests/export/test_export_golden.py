@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline.convert.source import InMemorySource
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.export.hf_export import write_hf_export
-from pipeline.export.trtllm_config import ExportOptions
-from pipeline.export.trtllm_layout import TrtllmMapping
-from pipeline.export.trtllm_writer import write_trtllm
+from pipeline.export.legacy_trtllm.config import LegacyExportOptions
+from pipeline.export.legacy_trtllm.layout import TrtllmMapping
+from pipeline.export.legacy_trtllm.writer import write_trtllm
+from pipeline.export.options import ExportOptions
+from pipeline.weights.source import InMemorySource
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm_rank_files.txt"
 GOLDEN_FP8 = Path(__file__).parent / "golden" / "modelopt_fp8.txt"
@@ -71,7 +72,7 @@ def _exports(tmp_path: Path) -> list[str]:
     out = write_trtllm(
         _source(dense),
         tmp_path / "dense",
-        ExportOptions(dtype="bfloat16", mapping=TrtllmMapping(tp=2, pp=2)),
+        LegacyExportOptions(dtype="bfloat16", mapping=TrtllmMapping(tp=2, pp=2)),
     )
     lines = _listing(
         out, "Qwen2-style (qkv bias), 3 layers, 4 q / 2 kv heads, vocab 250, bf16, tp2 pp2"
@@ -81,7 +82,7 @@ def _exports(tmp_path: Path) -> list[str]:
         ffn_hidden_size=96, tie_word_embeddings=True, moe=MoEConfig(num_experts=4, top_k=2),
     )  # fmt: skip
     amax = {f"{i}.{k}": 1.0 for i in range(2) for k in ("qkv", "dense", "fc", "proj", "kv")}
-    options = ExportOptions(
+    options = LegacyExportOptions(
         dtype="bfloat16",
         mapping=TrtllmMapping(tp=2, pp=1, moe_ep=2),
         fp8=True,

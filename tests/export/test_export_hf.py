@@ -20,13 +20,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from pipeline.cli import cli
-from pipeline.convert.hf_writer import write_hf
-from pipeline.convert.source import InMemorySource
 from pipeline.export.calibration import calibration_sequences
 from pipeline.export.fp8 import FP8_MAX
 from pipeline.export.modelopt_reader import ModelOptCheckpoint
+from pipeline.export.options import ExportOptions
 from pipeline.export.run import CalibrationSettings, run_export
-from pipeline.export.trtllm_config import ExportOptions
+from pipeline.weights.hf_writer import write_hf
+from pipeline.weights.source import InMemorySource
 from tests.builders import EXPORT_FAMILIES, export_family
 
 transformers = pytest.importorskip("transformers")
@@ -205,8 +205,8 @@ def test_reader_refuses_what_an_engine_would_misread(
 def test_a_scale_too_small_for_its_weight_is_caught(corpus_prefix, tmp_path):
     """Halving o_proj's weight_scale keeps every file check happy (it is still a positive fp32
     scalar) but would clip the source weight: verification names it."""
-    from pipeline.convert.hf_reader import HFSource
     from pipeline.export.verify_hf import check_no_saturation
+    from pipeline.weights.hf_reader import HFSource
 
     out = tmp_path / "fp8"
     hf_dir = _random_hf("qwen3", tmp_path / "hf")

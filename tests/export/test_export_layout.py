@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.export.trtllm_layout import (
+from pipeline.export.legacy_trtllm.layout import (
     TrtllmMapping,
     experts_for_rank,
     merge_experts,

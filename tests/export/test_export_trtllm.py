@@ -15,11 +15,15 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from pipeline.cli import cli
-from pipeline.convert.hf_reader import HFSource
-from pipeline.export.reference import ReferenceModel, read_rank_files
-from pipeline.export.trtllm_config import ExportOptions, read_trtllm_config, trtllm_config
-from pipeline.export.trtllm_layout import TrtllmMapping
-from pipeline.export.trtllm_writer import write_trtllm
+from pipeline.export.legacy_trtllm.config import (
+    LegacyExportOptions,
+    read_trtllm_config,
+    trtllm_config,
+)
+from pipeline.export.legacy_trtllm.layout import TrtllmMapping
+from pipeline.export.legacy_trtllm.reference import ReferenceModel, read_rank_files
+from pipeline.export.legacy_trtllm.writer import write_trtllm
+from pipeline.weights.hf_reader import HFSource
 from tests.builders import EXPORT_VOCAB as VOCAB
 from tests.builders import export_hf_model as hf_model
 
@@ -47,7 +51,7 @@ def _hf_logits(model) -> torch.Tensor:
 
 
 def _export(hf_dir: Path, out: Path, **options) -> Path:
-    return write_trtllm(HFSource(hf_dir), out, ExportOptions(**options))
+    return write_trtllm(HFSource(hf_dir), out, LegacyExportOptions(**options))
 
 
 def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -267,7 +271,7 @@ def test_config_keys_follow_the_spec(tmp_path) -> None:
     model = hf_model("llama3")
     model.save_pretrained(tmp_path / "hf")
     source = HFSource(tmp_path / "hf")
-    config = trtllm_config(source.model_config, ExportOptions(mapping=TrtllmMapping(tp=2)))
+    config = trtllm_config(source.model_config, LegacyExportOptions(mapping=TrtllmMapping(tp=2)))
     assert config == {
         "architecture": "LlamaForCausalLM",
         "dtype": "bfloat16",
@@ -309,11 +313,11 @@ def test_config_keys_follow_the_spec(tmp_path) -> None:
 def test_config_of_qwen2_mixtral_and_fp8(tmp_path) -> None:
     qwen = HFSource(_saved("qwen2", tmp_path / "qwen")).model_config
     mixtral = HFSource(_saved("mixtral", tmp_path / "mixtral")).model_config
-    q = trtllm_config(qwen, ExportOptions(architecture="Qwen2ForCausalLM"))
+    q = trtllm_config(qwen, LegacyExportOptions(architecture="Qwen2ForCausalLM"))
     assert (q["architecture"], q["qwen_type"], q["attn_bias"], q["rotary_scaling"]) == (
         "Qwen2ForCausalLM", "qwen2", True, None,
     )  # fmt: skip
-    fp8 = ExportOptions(mapping=TrtllmMapping(tp=2, moe_ep=2), fp8=True, fp8_kv_cache=True)
+    fp8 = LegacyExportOptions(mapping=TrtllmMapping(tp=2, moe_ep=2), fp8=True, fp8_kv_cache=True)
     m = trtllm_config(mixtral, fp8)
     assert m["architecture"] == "MixtralForCausalLM" and m["hidden_act"] == "swiglu"
     assert m["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
@@ -376,22 +380,22 @@ def test_failed_export_leaves_nothing_under_the_final_name(tmp_path) -> None:
 
     source.read = failing_read
     with pytest.raises(OSError, match="disk went away"):
-        write_trtllm(source, tmp_path / "trt", ExportOptions(mapping=TrtllmMapping(tp=2)))
+        write_trtllm(source, tmp_path / "trt", LegacyExportOptions(mapping=TrtllmMapping(tp=2)))
     assert list(tmp_path.iterdir()) == [hf_dir]
 
 
 def test_export_from_a_sharded_pipe_checkpoint(tmp_path) -> None:
     """Our training checkpoints export too (format detected): a tp2-cut Mixtral checkpoint
     to a tp2 moe_ep2 export, verified by the reference forward against the source."""
-    from pipeline.convert.pipe_checkpoint import TargetLayout, write_pipe_checkpoint
     from pipeline.export.run import run_export
+    from pipeline.weights.pipe_checkpoint import TargetLayout, write_pipe_checkpoint
 
     model = hf_model("mixtral")
     hf_dir = _saved("mixtral", tmp_path / "hf")
     source = HFSource(hf_dir)
     ckpt = tmp_path / "ckpt"
     write_pipe_checkpoint(source, ckpt, layout=TargetLayout(tp=2, ep=2), iteration=7)
-    options = ExportOptions(dtype="float32", mapping=TrtllmMapping(tp=2, moe_ep=2))
+    options = LegacyExportOptions(dtype="float32", mapping=TrtllmMapping(tp=2, moe_ep=2))
     summary = run_export(ckpt, tmp_path / "trt", options, verify="on", quiet=True, target="legacy")
     assert "reference forward matches the source" in summary
     assert (

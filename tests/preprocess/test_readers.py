@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from pipeline.preprocess import readers
+from pipeline.preprocess import byte_streams
 from pipeline.preprocess.readers import Batch, InputError, InputFile, iter_batches, resolve_inputs
 
 DOCS = [{"text": f"document {i} " + "x" * (i % 37), "id": i} for i in range(300)]
@@ -145,7 +145,7 @@ def test_invalid_utf8_passes_through_as_bytes(tmp_path):
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64])
 def test_chunk_boundaries_do_not_change_lines(tmp_path, monkeypatch, chunk):
     """Tiny read chunks put every boundary case (split CRLF, lines longer than a chunk) to work."""
-    monkeypatch.setattr(readers, "_READ_CHUNK", chunk)
+    monkeypatch.setattr(byte_streams, "_READ_CHUNK", chunk)
     raw = b'{"t": 1}\r\n\n' + b"y" * 200 + b"\n\r\n" + _jsonl_bytes(DOCS[:20]) + b"last"
     expected = [ln.removesuffix(b"\r") for ln in raw.split(b"\n")]
     for name, data in [("a.jsonl", raw), ("a.jsonl.zst", _zst(raw, frames=3))]:

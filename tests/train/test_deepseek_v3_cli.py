@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 from tests.builders import ROOT, run_pipe, shared_file, write_jsonl
 
 transformers = pytest.importorskip("transformers")

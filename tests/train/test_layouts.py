@@ -205,9 +205,9 @@ def _assert_tp2_pp2_exports_the_single_device_model(tmp_path: Path, reference: d
     """The tp2 x pp2 run's checkpoint converts to Hugging Face; transformers' logits from it
     equal our single-device model's (from the single-process run's checkpoint)."""
     pytest.importorskip("transformers")
-    from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
     from pipeline.convert.run import run_conversion
-    from pipeline.convert.verify import compare_hf_logits
+    from pipeline.weights.checks import compare_hf_logits
+    from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 
     hf_dir = tmp_path / "tiny_tp2_pp2_hf"
     summary = run_conversion(

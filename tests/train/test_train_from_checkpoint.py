@@ -20,10 +20,10 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
 from pipeline.train.checkpoint_model import check_checkpoint_model
 from pipeline.train.config import ConfigError
 from pipeline.train.config_loader import resolve_config
+from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 from tests.builders import ROOT, write_jsonl
 
 transformers = pytest.importorskip("transformers")

@@ -5,7 +5,8 @@ Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per 
 `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen3-MoE: `mlp.gate`,
 `mlp.experts.{e}.gate_proj/up_proj/down_proj`; all transformers versions) and the in-memory one
 of transformers >= 5 modules (`mlp.gate`, fused 3-D `mlp.experts.gate_up_proj` / `down_proj`).
-Files (`pipeline.convert`) use the on-disk names; the parity tests use the in-memory ones.
+Weight files (read and written by the weights package) use the on-disk names; the parity tests
+use the in-memory ones.
 """
 
 from __future__ import annotations

@@ -37,16 +37,16 @@ import torch
 
 from pipeline.checkpoint.safe_reader import safe_file_system_reader
 from pipeline.common.quiet import quiet_dcp
-from pipeline.convert.megatron_files import (
+from pipeline.core.model.config import ModelConfig, RopeScaling
+from pipeline.weights.megatron_files import (
     MegatronCheckpointError,
     check_torch_dist,
     find_iteration_dir,
     load_megatron_metadata,
     read_megatron_args,
 )
-from pipeline.convert.megatron_layout import fuse_fc1, fuse_qkv, split_fc1, split_qkv
-from pipeline.convert.source import TensorInfo
-from pipeline.core.model.config import ModelConfig, RopeScaling
+from pipeline.weights.megatron_layout import fuse_fc1, fuse_qkv, split_fc1, split_qkv
+from pipeline.weights.source import TensorInfo
 
 __all__ = [
     "MegatronCheckpointError",

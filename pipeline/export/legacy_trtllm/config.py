@@ -1,5 +1,5 @@
 """The `config.json` of a legacy TensorRT-LLM checkpoint, written from our `ModelConfig` and
-read back; `ExportOptions`, which every export takes.
+read back; `LegacyExportOptions`, the export options with the rank layout this target adds.
 
 The keys (this repository's docs/file_layouts.md, section "TensorRT-LLM export (legacy)") are
 those of TRT-LLM's `PretrainedConfig` and `LLaMAConfig` / `QWenConfig`: `architecture` picks the
@@ -11,48 +11,49 @@ say how the rank files were cut and quantized."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any
 
-from pipeline.convert.hf_config import choose_architecture, rope_from_hf, rope_scaling_to_hf
 from pipeline.core.model.config import ModelConfig, MoEConfig
-from pipeline.export.trtllm_layout import TrtllmMapping
+from pipeline.export.legacy_trtllm.layout import TrtllmMapping
+from pipeline.export.options import ExportOptions
+from pipeline.weights.hf_config import choose_architecture, rope_from_hf, rope_scaling_to_hf
 
 __all__ = [
-    "DTYPES",
-    "ExportOptions",
+    "LegacyExportOptions",
     "MOE_RENORMALIZE",
     "read_trtllm_config",
     "trtllm_config",
 ]
 
-DTYPES = ("bfloat16", "float16", "float32")
 # MoeConfig.ExpertScaleNormalizationMode.RENORMALIZE: softmax over all experts, then the top-k
 # weights renormalised to sum to one (Mixtral's routing, and ours).
 MOE_RENORMALIZE = 1
 
 
 @dataclass(frozen=True)
-class ExportOptions:
-    """What an export writes besides the weights' values."""
+class LegacyExportOptions(ExportOptions):
+    """`ExportOptions` plus how the rank files are cut: the tensor/pipeline/expert mapping and
+    whether the embedding table is split too."""
 
-    dtype: str | None = "bfloat16"  # None: decided from the source (`default_dtype`)
     mapping: TrtllmMapping = field(default_factory=TrtllmMapping)
     use_parallel_embedding: bool = False
     embedding_sharding_dim: int = 0  # 0: split the vocabulary, 1: split the hidden size
-    fp8: bool = False
-    fp8_kv_cache: bool = False
-    exclude_modules: tuple[str, ...] = ("lm_head",)
-    architecture: str | None = None  # a preference (e.g. the HF source's); see choose_architecture
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        self._check_dtype()
         if self.embedding_sharding_dim not in (0, 1):
             raise ValueError("embedding_sharding_dim must be 0 (vocabulary) or 1 (hidden)")
-        if self.fp8_kv_cache and not self.fp8:
-            raise ValueError("the FP8 KV cache is part of the FP8 export: pass fp8 as well")
+        self._check_fp8()
+
+    @classmethod
+    def from_options(cls, options: ExportOptions) -> LegacyExportOptions:
+        """`options` as legacy options (one rank file unless `options` already says more)."""
+        if isinstance(options, cls):
+            return options
+        return cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
 
     def excluded(self, module: str) -> bool:
         """Whether `module` (e.g. `lm_head`, `transformer.layers.0.mlp.fc`) stays unquantized:
@@ -60,7 +61,7 @@ class ExportOptions:
         return any(fnmatch(module, pattern) for pattern in self.exclude_modules)
 
 
-def _quantization(options: ExportOptions, moe: bool) -> dict[str, Any]:
+def _quantization(options: LegacyExportOptions, moe: bool) -> dict[str, Any]:
     if not options.fp8:
         return {"quant_algo": None, "kv_cache_quant_algo": None}
     exclude = list(options.exclude_modules)
@@ -73,7 +74,7 @@ def _quantization(options: ExportOptions, moe: bool) -> dict[str, Any]:
     }
 
 
-def trtllm_config(config: ModelConfig, options: ExportOptions) -> dict[str, Any]:
+def trtllm_config(config: ModelConfig, options: LegacyExportOptions) -> dict[str, Any]:
     """The config.json dict of an export of `config` with `options`."""
     architecture = choose_architecture(config, options.architecture)
     if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
@@ -119,7 +120,7 @@ def trtllm_config(config: ModelConfig, options: ExportOptions) -> dict[str, Any]
     return out
 
 
-def read_trtllm_config(raw: dict[str, Any]) -> tuple[ModelConfig, ExportOptions]:
+def read_trtllm_config(raw: dict[str, Any]) -> tuple[ModelConfig, LegacyExportOptions]:
     """Our `ModelConfig` and the export options a TRT-LLM config.json dict describes.
 
     Raises ValueError for what our reference forward cannot compute (another activation, RoPE
@@ -157,7 +158,7 @@ def read_trtllm_config(raw: dict[str, Any]) -> tuple[ModelConfig, ExportOptions]
         qkv_bias=bool(raw.get("attn_bias", False)),
         moe=moe,
     )
-    options = ExportOptions(
+    options = LegacyExportOptions(
         dtype=raw["dtype"],
         mapping=_read_mapping(raw.get("mapping") or {}),
         use_parallel_embedding=bool(raw.get("use_parallel_embedding", False)),

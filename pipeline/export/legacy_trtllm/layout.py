@@ -13,10 +13,10 @@ first `L % pp` stages get one layer more) and numbers them from 0. Within a stag
 - MoE experts are split over `moe_ep` ranks (expert ranges) and `moe_tp` ranks (the expert FFN
   dimension); `mlp.fc` is the fused cat(up, gate) per expert, `[E_local, 2 F / moe_tp, H]`.
 
-The split functions build the files (`pipeline.export.trtllm_writer`); the merge functions undo
-them for the reference forward (`pipeline.export.reference`). They are each other's inverse,
-which the tests check, and the tests also check the split side against layouts built by hand,
-so a mistake made twice cannot cancel out.
+The split functions build the files (`writer.py`); the merge functions undo them for the
+reference forward (`reference.py`). They are each other's inverse, which the tests check, and
+the tests also check the split side against layouts built by hand, so a mistake made twice
+cannot cancel out.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.convert.source import TensorSource
+    from pipeline.weights.source import TensorSource
 
 __all__ = ["OUTPUT_DTYPES", "DtypeChoice", "choose_dtype", "default_dtype"]
 

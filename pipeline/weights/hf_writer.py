@@ -30,9 +30,9 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
-from pipeline.convert.hf_config import choose_architecture, config_to_hf, generation_config
-from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
+from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
+from pipeline.weights.source import TensorInfo, TensorSource
 
 __all__ = [
     "TOKENIZER_FILES",

@@ -2,14 +2,14 @@
 
 The export is a list of `ExportItem`s, each reading a few of our tensors (a layer's q/k/v, or its
 gate and up projections) and producing every rank's TRT-LLM tensors from them
-(`trtllm_layout` says how). Each item's output shapes are learnt by running it once on `meta`
+(`layout.py` says how). Each item's output shapes are learnt by running it once on `meta`
 tensors, so all rank files' headers are written before any weight is read. The weights then
 stream: each item reads its sources once and writes its pieces at their planned offsets in every
 rank file, so peak memory is a few source tensors, whatever the model size. Within a file the
 tensors are laid out by element size (fp32, then bf16/fp16, then fp8), as `safetensors`' own
 writer does, so every tensor's data is aligned to its element size.
 
-FP8 (`ExportOptions.fp8`): every quantized linear gets `weight` in float8_e4m3fn plus fp32 `[1]`
+FP8 (`options.fp8`): every quantized linear gets `weight` in float8_e4m3fn plus fp32 `[1]`
 `weights_scaling_factor` and `activation_scaling_factor` (MoE experts: one weight scale per
 expert, `[E_local, 1]`); the activation scales come from `calibration.calibrate`.
 """
@@ -29,16 +29,16 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
-from pipeline.convert.source import TensorInfo, TensorSource
 from pipeline.core.model.config import ModelConfig
 from pipeline.export.fp8 import fp8_scale, quantize, scales_from_amax
-from pipeline.export.trtllm_config import ExportOptions, trtllm_config
-from pipeline.export.trtllm_layout import (
+from pipeline.export.legacy_trtllm.config import LegacyExportOptions, trtllm_config
+from pipeline.export.legacy_trtllm.layout import (
     experts_for_rank,
     pad_rows,
     qkv_for_rank,
     split_dim,
 )
+from pipeline.weights.source import TensorInfo, TensorSource
 
 __all__ = ["ROUTER_SUFFIX", "ExportItem", "export_items", "plan_rank_files", "write_trtllm"]
 
@@ -59,7 +59,7 @@ class _Builder:
     """Makes the `ExportItem`s of one export (see `export_items`)."""
 
     def __init__(
-        self, config: ModelConfig, options: ExportOptions, amax: dict[str, float] | None
+        self, config: ModelConfig, options: LegacyExportOptions, amax: dict[str, float] | None
     ) -> None:
         if options.fp8 and amax is None:
             raise ValueError("an FP8 export needs calibrated activation ranges (amax)")
@@ -256,7 +256,7 @@ def expert_amax(weights: torch.Tensor) -> torch.Tensor:
 
 
 def export_items(
-    config: ModelConfig, options: ExportOptions, amax: dict[str, float] | None = None
+    config: ModelConfig, options: LegacyExportOptions, amax: dict[str, float] | None = None
 ) -> list[ExportItem]:
     """Every item of an export, embedding first, layers in order, then the final norm and head.
 
@@ -340,7 +340,7 @@ class _RankFile:
 def write_trtllm(
     source: TensorSource,
     output_dir: str | os.PathLike,
-    options: ExportOptions,
+    options: LegacyExportOptions,
     *,
     amax: dict[str, float] | None = None,
     progress: Callable[[int], None] | None = None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.convert.source import TensorInfo, TensorSource
+from pipeline.weights.source import TensorInfo, TensorSource
 
 if TYPE_CHECKING:
     import torch

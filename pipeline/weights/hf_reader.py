@@ -21,12 +21,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
-from pipeline.convert.hf_config import (
-    config_from_hf,
-    dtype_from_hf,
-    hf_architecture,
-)
-from pipeline.convert.source import TensorInfo
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
@@ -34,6 +28,12 @@ from pipeline.core.model.hf_names import (
     mtp_name,
     mtp_shared_copy,
 )
+from pipeline.weights.hf_config import (
+    config_from_hf,
+    dtype_from_hf,
+    hf_architecture,
+)
+from pipeline.weights.source import TensorInfo
 
 __all__ = ["HFSource"]
 

@@ -1,7 +1,8 @@
 """Which format a weights path holds, and the `TensorSource` that reads it.
 
-Both `pipe convert` and `pipe export` open their input here: a pipe checkpoint, a Hugging Face
-directory or a Megatron `torch_dist` save, each read lazily, one tensor at a time.
+`pipe convert`, `pipe export`, `pipe generate` and `pipe serve` open their input here: a pipe
+checkpoint, a Hugging Face directory or a Megatron `torch_dist` save, each read lazily, one
+tensor at a time (`pipeline.weights.model.model_from_source` builds our model from it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.convert.source import TensorSource
+    from pipeline.weights.source import TensorSource
 
 __all__ = ["ConversionError", "detect_format", "open_source"]
 
@@ -31,15 +32,15 @@ def open_source(
     """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron); a pipe checkpoint's
     files are checked against their recorded SHA-256 as read unless not `verify_checksums`."""
     if fmt == "pipe":
-        from pipeline.convert.pipe_checkpoint import PipeCheckpointSource
+        from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 
         return PipeCheckpointSource(path, iteration, verify_checksums=verify_checksums)
     if fmt == "hf":
-        from pipeline.convert.hf_reader import HFSource
+        from pipeline.weights.hf_reader import HFSource
 
         return HFSource(path, allow_pickle=allow_pickle)
     if fmt == "megatron":
-        from pipeline.convert.megatron import MegatronSource
+        from pipeline.weights.megatron import MegatronSource
 
         config = None
         if flavor is not None:

@@ -2,7 +2,7 @@
 
 TensorRT-LLM cannot be installed here, so this is how an export is proven: `ReferenceModel.load`
 reads `config.json` and every `rank{r}.safetensors`, merges the tensor-parallel pieces and
-pipeline stages back into whole tensors (`trtllm_layout`'s merge functions; replicated tensors
+pipeline stages back into whole tensors (`layout.py`'s merge functions; replicated tensors
 must agree across ranks), and `logits` computes the model as TRT-LLM defines it: the SiLU branch
 is `mlp.fc`, `mlp.gate` the linear one, the fused expert `fc` is cat(up, gate), the router
 renormalises its top-k softmax weights. Compared with transformers on the source model, this
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from pipeline.core.model.transformer import apply_rope, rope_inv_freq
 from pipeline.export.fp8 import dequantize, fake_quantize
-from pipeline.export.trtllm_config import ExportOptions, read_trtllm_config
-from pipeline.export.trtllm_layout import merge_dim, merge_experts, merge_qkv
+from pipeline.export.legacy_trtllm.config import LegacyExportOptions, read_trtllm_config
+from pipeline.export.legacy_trtllm.layout import merge_dim, merge_experts, merge_qkv
 
 __all__ = ["ReferenceModel", "read_rank_files"]
 
@@ -99,7 +99,7 @@ def read_rank_files(directory: str | os.PathLike, world_size: int) -> list[dict]
 class _Ranks:
     """Reads one stage's tensors across its ranks, dequantising per rank."""
 
-    def __init__(self, files: list[dict], ranks: range, options: ExportOptions) -> None:
+    def __init__(self, files: list[dict], ranks: range, options: LegacyExportOptions) -> None:
         self.files = [files[r] for r in ranks]
         self.ranks = ranks
         self.options = options
