@@ -1,3 +1,4 @@
-"""Generation and serving: a block KV cache and cached decoding over the training model's own
-weights (`decode`, `kv_cache`), sampling, the continuous-batching engine, and the `pipe generate`
-and `pipe serve` commands (an OpenAI-compatible HTTP server)."""
+"""Generation and serving: a block KV cache and cached decoding that runs the training model's own
+modules through its KV-cache seam (`kv_cache`; `decode`: slots and masks only), sampling, the
+continuous-batching engine, and the `pipe generate` and `pipe serve` commands (an
+OpenAI-compatible HTTP server)."""

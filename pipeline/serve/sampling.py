@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.core.model.greedy import greedy_token
+
 
 class BadSamplingValue(ValueError):
     """A sampling parameter out of range (the message names it)."""
@@ -60,7 +62,7 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """The next token from one row of logits `[vocab]`."""
     if params.is_greedy:
-        return int(logits.argmax())
+        return greedy_token(logits)
     logits = logits.float() / params.temperature
     if 0 < params.top_k < logits.numel():
         threshold = torch.topk(logits, params.top_k).values[-1]

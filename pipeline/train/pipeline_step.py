@@ -17,13 +17,14 @@ overlap, which evaluation does not need).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipeline.core.parallel.pipeline import (
+    TokenNormalisedLoss,
     build_schedule,
     build_stages,
     local_stage_indices,
@@ -49,7 +50,7 @@ class PipelineRunner:
         n_microbatches: int,
         device: torch.device,
         pp_group: dist.ProcessGroup,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
+        loss_fn: TokenNormalisedLoss | None = None,
     ) -> None:
         self.parts = list(parts)
         self.is_first = 0 in stage_indices

@@ -3,7 +3,8 @@ iterations), logged as text next to the loss: reading what the model writes is t
 of a run.
 
 Generation here is the plain quadratic loop (the whole sequence through the model per token, no
-cache): a handful of short prompts, on the training model itself. It runs where the model is one
+cache; `pipeline.core.model.greedy`, whose token choice `pipe generate --greedy` shares): a
+handful of short prompts, on the training model itself. It runs where the model is one
 ordinary module, a one-device run; under a parallel layout the samples are skipped with one
 warning (`pipe generate` on a checkpoint works for any layout).
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.train.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -64,14 +66,10 @@ class TrainingSamples:
         finally:
             model.train(was_training)
 
-    @torch.no_grad()
     def _greedy(self, model: torch.nn.Module, prompt: list[int], device: torch.device) -> list:
-        tokens = torch.tensor([prompt or [self.tokenizer.eod or 0]], device=device)
-        output: list[int] = []
-        for _ in range(self.max_new_tokens):
-            token = int(model.logits(tokens)[0, -1].argmax())
-            if token == self.tokenizer.eod:
-                break
-            output.append(token)
-            tokens = torch.cat((tokens, torch.tensor([[token]], device=device)), dim=1)
-        return output
+        """The continuation of `prompt` up to (not including) the end-of-document token."""
+        eod = self.tokenizer.eod
+        ends = frozenset() if eod is None else frozenset({eod})
+        prompt = prompt or [eod or 0]
+        output = greedy_without_cache(model, prompt, self.max_new_tokens, ends, device)
+        return output[:-1] if output and output[-1] in ends else output

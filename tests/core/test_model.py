@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
+from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 from pipeline.core.model.flavors import (
     FLAVORS,
     flops_per_token,
@@ -134,6 +134,45 @@ def test_document_masking_equals_separate_documents(moe: MoEConfig | None) -> No
         together = model(packed, position_ids=position_ids, document_ids=document_ids)
         apart = torch.cat([model(d) for d in docs], dim=1)
     assert (together - apart).abs().max() < 1e-5
+
+
+class _GrowingCache:
+    """The simplest `KVCache` (`pipeline.core.model.kv_seam`) for one forward of `new` tokens
+    after `start` cached ones, every row as long: each layer's entries in `store`, one tensor per
+    kind, appended to."""
+
+    def __init__(self, store: dict[int, list[torch.Tensor]], start: int, new: int) -> None:
+        self.store = store
+        positions = torch.arange(start, start + new)
+        self.mask = (torch.arange(start + new)[None, :] <= positions[:, None])[None, None]
+
+    def layer(self, index: int) -> _GrowingCache:
+        self.index = index  # the model asks for each layer in turn
+        return self
+
+    def update(self, *new: torch.Tensor) -> list[torch.Tensor]:
+        old = self.store.get(self.index)
+        both = list(new) if old is None else [torch.cat(p, dim=1) for p in zip(old, new)]
+        self.store[self.index] = both
+        return both
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_cached_decoding_equals_full_forward(kind: str) -> None:
+    """The attention's cache seam: a prompt, then one token at a time through a cache, gives
+    the hidden states of the whole sequence in one forward."""
+    mla = MLAConfig(32, 24, 16, 8, 16) if kind == "mla" else None
+    torch.manual_seed(0)
+    model = build(_small(mla=mla, qk_norm=kind == "gqa"))
+    tokens = torch.randint(0, 512, (2, 9))
+    store: dict[int, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        whole = model(tokens)
+        steps = [model(tokens[:, :6], cache=_GrowingCache(store, 0, 6))]
+        for p in range(6, 9):
+            cache = _GrowingCache(store, p, 1)
+            steps.append(model(tokens[:, p : p + 1], torch.full((2, 1), p), cache=cache))
+    assert (torch.cat(steps, dim=1) - whole).abs().max() < 1e-5
 
 
 def test_num_parameters_matches_module() -> None:

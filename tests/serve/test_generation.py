@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
 from pipeline.serve.loading import open_generator
-from pipeline.serve.reference import greedy_without_cache
 from pipeline.serve.sampling import SamplingParams
 from tests.builders import run_pipe, save_hf
 

@@ -36,8 +36,11 @@ def _sdpa(
     *,
     causal: bool,
     document_ids: torch.Tensor | None,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     if not causal:
@@ -53,6 +56,7 @@ def _flash_attn(
     *,
     causal: bool,
     document_ids: torch.Tensor | None,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
     try:
         from flash_attn import flash_attn_func
@@ -60,6 +64,8 @@ def _flash_attn(
         raise ImportError("attention backend flash_attn needs: pip install 'pipe-llm[gpu]'") from e
     if document_ids is not None:
         raise ValueError("attention backend flash_attn has no document masking yet; use sdpa")
+    if mask is not None:
+        raise ValueError("attention backend flash_attn takes no explicit mask; use sdpa")
     # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself.
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
     return out.transpose(1, 2)
@@ -94,12 +100,15 @@ def attention(
     *,
     causal: bool = True,
     document_ids: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
     backend: str = "sdpa",
 ) -> torch.Tensor:
     """Softmax attention with 1/sqrt(head_dim) scaling; returns `[batch, heads, seq, head_dim]`.
 
     `document_ids` (`[batch, seq]`, any integer ids) restricts attention to tokens of the same
-    document; without it the mask is plain causal (or none when `causal=False`).
+    document; without it the mask is plain causal (or none when `causal=False`). An explicit
+    boolean `mask` (`[batch, 1, q_seq, k_seq]`, True: may attend) replaces both: cached decoding,
+    where the queries are the last of the keys and rows have their own lengths.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -109,4 +118,4 @@ def attention(
         raise ValueError(
             f"unknown attention backend {backend!r}; have {sorted(_BACKENDS)}"
         ) from None
-    return fn(q, k, v, causal=causal, document_ids=document_ids)
+    return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)

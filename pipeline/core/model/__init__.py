@@ -1,3 +1,4 @@
-"""One transformer definition (`transformer.py`, `moe.py`) and its configurations
+"""One transformer definition (`transformer.py`, `moe.py`, `rope.py`; `kv_seam.py`: how a KV
+cache feeds its attention; `greedy.py`: greedy decoding) and its configurations
 (`config.py`, named sizes in `flavors.py`). Import the submodules directly; this package file stays
 empty so that reading a config does not import torch."""

@@ -39,8 +39,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn."""
-        return grouped_swiglu(x, tokens_per_expert, self.w1, self.w3, self.w2)
+        """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn.
+        The one place the expert projections are applied, whatever holds the weights."""
+        return grouped_swiglu(x, tokens_per_expert, *self.gate_up_down())
+
+    def gate_up_down(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked weights (w1, w3, w2) of the experts this module runs."""
+        return self.w1, self.w3, self.w2
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, mean=0.0, std=std)

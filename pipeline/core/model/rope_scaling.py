@@ -1,6 +1,6 @@
 """YaRN RoPE scaling (DeepSeek-V3's long-context extension): the inverse frequencies and the two
 attention-scale corrections ("mscale") that go with them. Llama 3.1's frequency scaling is
-`pipeline.core.model.transformer.rope_inv_freq`, which dispatches here for `YarnScaling`."""
+`pipeline.core.model.rope.rope_inv_freq`, which dispatches here for `YarnScaling`."""
 
 from __future__ import annotations
 

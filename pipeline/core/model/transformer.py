@@ -30,15 +30,13 @@ import torch
 from torch import nn
 
 from pipeline.core.kernels.attention import attention
-from pipeline.core.model.config import ModelConfig, RopeScaling, YarnScaling
+from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
+from pipeline.core.model.kv_seam import KVCache, LayerKVCache
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
-from pipeline.core.model.rope_scaling import (
-    yarn_cos_sin_factor,
-    yarn_inv_freq,
-    yarn_softmax_factor,
-)
+from pipeline.core.model.rope import RotaryEmbedding, apply_rope, deinterleave
+from pipeline.core.model.rope_scaling import yarn_softmax_factor
 
 
 @dataclass(frozen=True)
@@ -85,78 +83,6 @@ class RMSNorm(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Rotary position embedding
-# ---------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(
-    head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None
-) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]`, with Llama 3.1 or YaRN scaling if configured.
-
-    Llama 3.1 leaves high frequencies (wavelength < original_max / high_freq_factor) alone,
-    divides low frequencies (wavelength > original_max / low_freq_factor) by `factor`, and
-    interpolates linearly in between.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    if scaling is None:
-        return inv_freq
-    if isinstance(scaling, YarnScaling):
-        return yarn_inv_freq(head_dim, theta, scaling)
-    orig = scaling.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = orig / scaling.low_freq_factor
-    high_freq_wavelen = orig / scaling.high_freq_factor
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (orig / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(in_between, interpolated, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """Produces cos/sin `[batch, 1, seq, rope_dim]` for given positions (rope_dim: head_dim, or
-    latent attention's decoupled RoPE part); YaRN scales both by its mscale ratio.
-
-    Only the inverse frequencies are kept (a non-persistent buffer, rebuilt by `init_weights`),
-    so no table sized by the maximum context is stored and any position id works.
-    """
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.register_buffer("inv_freq", torch.empty(config.rope_dim // 2), persistent=False)
-        scaling = config.rope_scaling
-        self.magnitude = yarn_cos_sin_factor(scaling) if isinstance(scaling, YarnScaling) else 1.0
-
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        c = self.config
-        device = buffer_device or self.inv_freq.device
-        self.inv_freq = rope_inv_freq(c.rope_dim, c.rope_theta, c.rope_scaling).to(device)
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].float() * self.inv_freq  # [batch, seq, rope_dim // 2]
-        angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-        if self.magnitude == 1.0:
-            return angles.cos(), angles.sin()
-        return angles.cos() * self.magnitude, angles.sin() * self.magnitude
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[batch, heads, seq, head_dim]` in the "rotate half" convention.
-
-    Dimension i is paired with i + head_dim/2 (not with its neighbour as in Meta's original
-    code), matching Hugging Face checkpoints so their q/k weights load without permutation.
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------------
 
@@ -166,7 +92,7 @@ class AttentionKernel(nn.Module):
 
     A module (without parameters) so that a parallel layout swaps it in the open: context
     parallelism puts its own kernel at `Attention.kernel` (`pipeline.core.parallel.
-    context_parallel`)."""
+    context_parallel`). `over_cache` attends new tokens' queries over a KV cache's keys."""
 
     def __init__(self, backend: str = "sdpa") -> None:
         super().__init__()
@@ -176,6 +102,13 @@ class AttentionKernel(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
     ) -> torch.Tensor:
         return attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
+
+    def over_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Queries of new tokens over every cached key and value, under the cache's `mask`
+        (None: each query sees every key)."""
+        return attention(q, k, v, causal=False, mask=mask, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend}"
@@ -187,7 +120,9 @@ class Attention(nn.Module):
     weight shared by all heads, so tensor parallelism replicates them).
 
     `kind` names the attention family for code that treats families differently (tensor
-    parallel plans, converters); "gqa" is this one."""
+    parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
+    kv_seam`) it caches each token's key (after RoPE) and value and attends over the cached ones.
+    """
 
     kind = "gqa"
 
@@ -211,6 +146,8 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
+        *,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
@@ -220,7 +157,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
-        out = self.kernel(q, k, v, document_ids)
+        if cache is None:
+            out = self.kernel(q, k, v, document_ids)
+        else:  # the cache holds [batch, tokens, kv_heads, head_dim]
+            k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
+            out = self.kernel.over_cache(q, k, v, cache.mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -237,13 +178,6 @@ class Attention(nn.Module):
 _LATENT_NORM_EPS = 1e-6
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Reorder the last dimension from neighbouring pairs (x0, x1), (x2, x3) ... to halves
-    (x0, x2, ...), (x1, x3, ...), so "rotate half" RoPE rotates the pairs DeepSeek rotates.
-    q and k get the same order, so their dot products are those of the interleaved layout."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
-
 class LatentAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3; `config.mla`, see `MLAConfig`).
 
@@ -252,7 +186,9 @@ class LatentAttention(nn.Module):
     through `kv_a_norm` and `wkv_b` to each head's non-RoPE key part and value. Per head, the key is
     [non-RoPE part, shared RoPE key]. Tensor parallelism splits heads (`wq`/`wq_b`, `wkv_b`,
     `wo`) and replicates the down projections. The softmax scale is 1/sqrt(qk_head_dim) times
-    YaRN's mscale^2, applied to q so any attention kernel (and context parallelism's) serves."""
+    YaRN's mscale^2, applied to q so any attention kernel (and context parallelism's) serves.
+    With a `cache` (`pipeline.core.model.kv_seam`) it caches each token's normalised latent and
+    RoPE key, and recomputes the heads' keys and values from the cached ones."""
 
     kind = "mla"
 
@@ -284,6 +220,8 @@ class LatentAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
+        *,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         mla = self.mla
         batch, seq, _ = x.shape
@@ -291,18 +229,25 @@ class LatentAttention(nn.Module):
         q = q.view(batch, seq, -1, mla.qk_head_dim).transpose(1, 2)  # -1: this rank's heads
         q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.wkv_a(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_a_norm(latent))
-        kv = kv.view(batch, seq, -1, mla.qk_nope_head_dim + mla.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        latent = self.kv_a_norm(latent)
         k_rope = self.rope_key(k_rope.unsqueeze(1))  # [batch, 1, seq, rope]: one for all heads
         if mla.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q = torch.cat((q_nope, apply_rope(q_rope, *rope)), dim=-1)
-        k_rope = apply_rope(k_rope, *rope).expand(-1, k_nope.shape[1], -1, -1)
-        k = torch.cat((k_nope, k_rope), dim=-1)
+        k_rope = apply_rope(k_rope, *rope)
+        if cache is not None:  # from here on, the keys of every token so far
+            latent, k_rope = cache.update(latent, k_rope[:, 0])
+            k_rope = k_rope.unsqueeze(1)
+        kv = self.wkv_b(latent)
+        kv = kv.view(batch, latent.shape[1], -1, mla.qk_nope_head_dim + mla.v_head_dim)
+        k_nope, v = kv.transpose(1, 2).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = self.kernel(q, k, v, document_ids)
+        if cache is None:
+            out = self.kernel(q, k, v, document_ids)
+        else:
+            out = self.kernel.over_cache(q, k, v, cache.mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -362,16 +307,19 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        return recompute(self.recompute, self._forward, x, rope, document_ids)
+        return recompute(self.recompute, self._forward, x, rope, document_ids, cache)
 
     def _forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         document_ids: torch.Tensor | None,
+        cache: LayerKVCache | None,
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, document_ids)
+        # `cache` by keyword: tensor-parallel plans prepare the positional inputs only.
+        x = x + self.attention(self.attention_norm(x), rope, document_ids, cache=cache)
         return x + self.mlp(self.ffn_norm(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -441,19 +389,21 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens `[batch, seq]` (or hidden states `[batch, seq, hidden]` on a pipeline stage
         without embeddings) -> hidden states `[batch, seq, hidden]`, after the final norm.
 
         position_ids `[batch, seq]` default to 0..seq-1; document_ids `[batch, seq]` restrict
-        attention to tokens of the same document.
+        attention to tokens of the same document. With a `cache` (`pipeline.core.model.kv_seam`)
+        the tokens are the new ones of each row, attending to the cached earlier ones too.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         rope = self.rope(position_ids)
-        for layer in self.layers.values():
-            h = layer(h, rope, document_ids)
+        for index, layer in self.layers.items():
+            h = layer(h, rope, document_ids, None if cache is None else cache.layer(int(index)))
         if self.mtp is not None:
             self.mtp_input = h
         return self.norm(h) if self.norm is not None else h

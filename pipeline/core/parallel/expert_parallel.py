@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from pipeline.core.model.moe import GroupedExperts, MoE, grouped_swiglu
+from pipeline.core.model.moe import GroupedExperts, MoE
 from pipeline.core.torch_compat import eager_before_2_13
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -216,10 +216,10 @@ class ShardedGroupedExperts(GroupedExperts):
             )
             setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        # The single-device kernel on the local shards: one definition of the expert maths.
-        weights = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
-        return grouped_swiglu(x, tokens_per_expert, *weights)
+    def gate_up_down(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's shards: `GroupedExperts.forward` runs its experts on them."""
+        w1, w3, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
+        return w1, w3, w2
 
 
 def apply_expert_parallel(

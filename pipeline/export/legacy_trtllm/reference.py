@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.core.model.transformer import apply_rope, rope_inv_freq
+from pipeline.core.model.rope import apply_rope, rope_inv_freq
 from pipeline.export.fp8 import dequantize, fake_quantize
 from pipeline.export.legacy_trtllm.config import LegacyExportOptions, read_trtllm_config
 from pipeline.export.legacy_trtllm.layout import merge_dim, merge_experts, merge_qkv

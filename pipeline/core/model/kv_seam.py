@@ -1,0 +1,44 @@
+"""The seam through which cached decoding feeds attention: where keys and values come from.
+
+Training passes no cache: each attention module attends over the keys and values of the tokens it
+is given. A generation engine (`pipeline.serve`) passes a `KVCache` through
+`Transformer.forward`: each attention module then hands its layer's cache what it keeps per token
+for the new tokens, gets back every token's entries for each row so far (the new ones included),
+and attends over those under the cache's mask. The model's own modules run either way; the cache
+only stores and gathers tensors, so decoding holds no second copy of the attention math.
+
+What a layer keeps per token is the attention's business: grouped-query attention its keys (after
+RoPE) and values, `[kv_heads, head_dim]` each; latent attention its normalised latent
+`[kv_lora_rank]` and its shared RoPE key `[qk_rope_head_dim]` (DeepSeek's memory saving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class LayerKVCache(Protocol):
+    """One layer's view of a `KVCache` for one batch of new tokens."""
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """`[batch, 1, new, length]`, True where a new token may attend to a cached one; None
+        when each sees every one (one new token per row, all rows as long)."""
+        ...
+
+    def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
+        """Store the new tokens' entries (`[batch, new, *entry_shape]` each) and return each
+        kind's entries for every token so far, `[batch, length, *entry_shape]`, in the dtype of
+        `new`."""
+        ...
+
+
+class KVCache(Protocol):
+    """Cached keys and values of the model's layers for one batch (module docstring)."""
+
+    def layer(self, index: int) -> LayerKVCache:
+        """The view of layer `index` (its global layer index)."""
+        ...
