@@ -17,14 +17,17 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 OUT_DIR="${OUT:-$ROOT/runs/gpu-report}"
 ARGS=()
+DRY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT_DIR="$2"; shift 2 ;;
+        --dry) DRY=1; ARGS+=("$1"); shift ;;
         *) ARGS+=("$1"); shift ;;
     esac
 done
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+# The rehearsal (--dry) runs in the current environment; carried wheels are for the GPU image.
+if [ -z "$DRY" ] && compgen -G ".whl/*.whl" > /dev/null; then
     SITE="${PIPE_WHEEL_TARGET:-/tmp/pipe-site}"
     echo "[gpu] installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE (no network)"
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
