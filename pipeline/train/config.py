@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -411,12 +410,6 @@ class TrainConfig:
         from pipeline.train.toml_io import dumps
 
         return dumps(self.to_dict())
-
-    def save_toml(self, path: str | os.PathLike[str]) -> None:
-        """Write `to_toml()` to `path` atomically (a temporary file, then a rename)."""
-        from pipeline.common.atomic import write_text
-
-        write_text(path, self.to_toml())
 
     # ---- derived values -----------------------------------------------------------------------
 

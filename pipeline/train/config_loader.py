@@ -19,6 +19,7 @@ from pipeline.train.config_types import field_types, literal_values
 from pipeline.train.toml_io import load as load_toml
 
 __all__ = [
+    "save_config_toml",
     "FLAG_TARGETS",
     "RECIPES_DIR",
     "apply_flags",
@@ -80,6 +81,14 @@ def _recipe_tables(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
         return path, load_toml(path)
     except ValueError as e:  # tomllib.TOMLDecodeError subclasses ValueError
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+
+
+def save_config_toml(cfg: TrainConfig, path: str | Path) -> None:
+    """Write `cfg.to_toml()` to `path` atomically (a temporary file, then a rename): the run
+    directory's `config.toml`, which `load_recipe` reads back to the same config."""
+    from pipeline.common.atomic import write_text
+
+    write_text(path, cfg.to_toml())
 
 
 def load_recipe(name_or_path: str | Path) -> TrainConfig:

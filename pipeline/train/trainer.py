@@ -53,6 +53,7 @@ from pipeline.core.parallel.dims import ParallelDims
 from pipeline.train import train_data
 from pipeline.train.checkpoint_model import check_checkpoint_model
 from pipeline.train.config import TrainConfig
+from pipeline.train.config_loader import save_config_toml
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
 from pipeline.train.layout import build_layout, resolve_device
 from pipeline.train.loop_state import LogWindow, LoopState, TrainResult
@@ -168,7 +169,7 @@ class Trainer:
         """The run directory with the resolved `config.toml`, and the metrics logger."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
-            self.cfg.save_toml(self.run_dir / "config.toml")
+            save_config_toml(self.cfg, self.run_dir / "config.toml")
         lg = self.cfg.logging
         return MetricsLogger(
             self.run_dir,

@@ -17,6 +17,7 @@ from pipeline.train.config_loader import (
     load_recipe,
     parse_set_value,
     resolve_config,
+    save_config_toml,
 )
 from pipeline.train.estimates import dry_run_report, estimate_memory, parameter_counts
 from pipeline.train.toml_io import dumps, loads
@@ -276,7 +277,7 @@ def test_to_toml_round_trips(name, tmp_path):
     cfg = resolve_config(name, sets=["data.tokenizer=tok/dir"], validate=False)
     assert loads(cfg.to_toml()) == cfg.to_dict()
     path = tmp_path / "run" / "config.toml"
-    cfg.save_toml(path)
+    save_config_toml(cfg, path)
     assert load_recipe(path) == cfg
     assert [p.name for p in path.parent.iterdir()] == ["config.toml"]  # no temporary left
 
