@@ -246,7 +246,8 @@ def _bench_train(run: Run, name: str, recipe: str, fp8: str, sets: list[str], bu
     figures = {"bf16": record.get("bf16"), **(record.get("fp8") or {})}
     note = f"recipe {recipe} {' '.join(s for s in sets if s != '--set')}"
     if not run.on_gpu:
-        note += "; CPU: emulated FP8, tiny sizes: checks the path, not speed"
+        note += "; CPU, tiny sizes" + (", emulated FP8" if fp8 != "none" else "")
+        note += ": checks the path, not speed"
     if code != 0:
         note += f"; {_last_line(output)}"
     return {"status": _status(code), "figures": figures, "note": note}
