@@ -19,6 +19,6 @@ python -m pytest -m "not gpu" -q -p no:cacheprovider \
     tests/train/test_layouts.py tests/train/test_gpu_defaults_on_cpu.py \
     tests/checkpoint tests/core/test_fp8.py tests/core/test_tensor_parallel.py \
     tests/core/test_fsdp.py tests/core/test_context_parallel.py \
-    tests/core/test_expert_parallel.py "$@"
+    tests/core/test_expert_parallel.py tests/core/test_torch_compat.py "$@"
 echo "[test torch $VERSION] scripts/gpu/run.sh --dry"
 bash scripts/gpu/run.sh --dry --out "$ROOT/runs/gpu-dry-torch-$VERSION"
