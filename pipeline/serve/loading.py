@@ -111,15 +111,17 @@ def _tokenizer(path: str | Path) -> TextTokenizer:
 
 
 def _eos_ids(metadata: dict[str, Any], tokenizer: TextTokenizer | None) -> frozenset[int]:
+    """The ids that end a generation: the model's end-of-text ids (config.json's, else the
+    end-of-document id a pipe checkpoint's data recorded, else the tokenizer's), together with
+    generation_config.json's, as transformers and vLLM stop on both."""
     eos = metadata.get("eos_token_id")
     recorded = metadata.get("tokenizer") or {}
     if eos is None:  # a pipe checkpoint records the data's end-of-document id
         eos = recorded.get("eod_id", recorded.get("eod"))
     if eos is None and tokenizer is not None:
         eos = tokenizer.eod
-    if eos is None:
-        return frozenset()
-    return frozenset(eos if isinstance(eos, list) else [eos])
+    ids = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+    return frozenset(ids | set(metadata.get("generation_eos_token_id", [])))
 
 
 def _chat_template(tokenizer_path: str | Path | None) -> str | None:

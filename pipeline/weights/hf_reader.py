@@ -56,8 +56,10 @@ class HFSource:
 
     `metadata` holds `source` (the directory), `hf_architecture` (so writing back picks the
     same architecture), `hf_dtype` (the declared dtype's name, e.g. `bfloat16`, or the stored
-    embedding's when the config declares none), and `bos_token_id` / `eos_token_id` when the
-    config has them.
+    embedding's when the config declares none), `bos_token_id` / `eos_token_id` when the
+    config has them, and `generation_eos_token_id`: the end-of-turn ids of
+    `generation_config.json` when it names any (an instruct model's `<|eot_id|>` or
+    `<|im_end|>`: transformers and vLLM stop generation on them as well as on the config's).
     """
 
     def __init__(
@@ -83,6 +85,9 @@ class HFSource:
         for key in ("bos_token_id", "eos_token_id"):
             if hf_config.get(key) is not None:
                 self.metadata[key] = hf_config[key]
+        generation_eos = _generation_eos_ids(self.directory / "generation_config.json")
+        if generation_eos:
+            self.metadata["generation_eos_token_id"] = generation_eos
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}
@@ -227,6 +232,18 @@ class HFSource:
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
             return parts[0].clone()
         return torch.stack(parts)
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    """The `eos_token_id` (one id or a list) of a `generation_config.json`, [] without one; a
+    damaged file is a ValueError naming it, an id that is no integer names the field."""
+    if not path.is_file():
+        return []
+    eos = _json_object(path).get("eos_token_id")
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be an integer or a list of them, got {eos!r}")
+    return ids
 
 
 def _json_object(path: Path) -> dict[str, Any]:

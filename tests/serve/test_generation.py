@@ -12,7 +12,7 @@ import torch
 
 from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
-from pipeline.serve.loading import open_generator
+from pipeline.serve.loading import LoadError, open_generator
 from pipeline.serve.sampling import SamplingParams
 from tests.builders import run_pipe, save_hf
 
@@ -86,6 +86,41 @@ def test_from_a_pipe_checkpoint(tmp_path) -> None:
     params = SamplingParams(max_new_tokens=NEW, greedy=True, stop_token_ids=gen.eos_ids)
     out = Engine(gen.model).generate(PROMPTS, params)
     assert [r.output for r in out] == [_hf_greedy(hf, p, gen.eos_ids) for p in PROMPTS]
+
+
+def test_generation_config_end_of_turn_ids_stop_as_in_transformers(tmp_path) -> None:
+    """An instruct model's end-of-turn id lives in generation_config.json only (Llama 3's
+    <|eot_id|>): pipe stops on it as transformers' `generate` does when it loads the directory."""
+    import json
+
+    _, hf = save_hf("llama", tmp_path)
+    prompt = PROMPTS[1]
+    free_run = _hf_greedy(hf, prompt, frozenset())
+    end_of_turn = free_run[3]  # a token greedy decoding reaches, not config.json's eos
+    assert end_of_turn != hf.config.eos_token_id
+    path = tmp_path / "generation_config.json"
+    generation = json.loads(path.read_text()) | {"eos_token_id": [end_of_turn]}
+    path.write_text(json.dumps(generation))
+
+    gen = open_generator(tmp_path)
+    assert gen.eos_ids == frozenset({end_of_turn, hf.config.eos_token_id} - {None})
+    params = SamplingParams(max_new_tokens=NEW, greedy=True, stop_token_ids=gen.eos_ids)
+    ours = Engine(gen.model).generate([prompt], params)[0].output
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = theirs.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    assert ours == out[0, len(prompt) :].tolist() == free_run[: free_run.index(end_of_turn) + 1]
+
+
+def test_a_damaged_generation_config_is_named(tmp_path) -> None:
+    save_hf("llama", tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "eot"}')
+    with pytest.raises(LoadError, match="generation_config.json: eos_token_id must be an integer"):
+        open_generator(tmp_path)
 
 
 @pytest.fixture(scope="module")
