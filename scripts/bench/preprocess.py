@@ -9,7 +9,7 @@ its proof cached by an earlier run), reading, parsing, encoding, writing `.bin/.
 manifest. Start-up (command to first batch beyond the tokenizer load) is measured on a
 one-line input, with the engine proof cached and not.
 
-Input: ../shared/data/corpus/linux_docs.jsonl.zst (unique text), decompressed for the plain-JSONL
+Input: $PIPE_BENCH_DATA/corpus/linux_docs.jsonl.zst (unique text), decompressed for the plain-JSONL
 case. `--memory-gb N` also runs pipe on the corpus concatenated to N GB, for peak memory only.
 
 On a shared machine, `--quiet-wait S` waits up to S seconds before each timed run for no other
@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared" / "data"
+# The benchmark corpora and tokenizers: a folder with corpus/ and tokenizers/ (PIPE_BENCH_DATA).
+SHARED = Path(os.environ.get("PIPE_BENCH_DATA", ROOT.parent / "shared" / "data"))
 CORPUS = SHARED / "corpus" / "linux_docs.jsonl.zst"
 TARGET_VS_GIGATOKEN = 1.33  # pipe wall / gigatoken load + encode_files
 TARGET_ZST_VS_PLAIN = 1.2
@@ -250,7 +251,7 @@ def main() -> None:
     args = parser.parse_args()
     QUIET.wait_s = args.quiet_wait
     if not CORPUS.exists():
-        sys.exit(f"{CORPUS} not found: the benchmark needs ../shared/data beside the checkout")
+        sys.exit(f"{CORPUS} not found: set PIPE_BENCH_DATA (corpus/, tokenizers/)")
     import zstandard
 
     with tempfile.TemporaryDirectory(prefix="pipe-bench-") as tmp_name:

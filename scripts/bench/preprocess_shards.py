@@ -5,9 +5,9 @@ Both are timed end to end as a user runs them (process start, tokenizer load, re
 with `--append-eod`, writing, manifests; the sharded side includes the merge). The merged
 `.bin/.idx` must equal the unsharded run's byte for byte.
 
-Input: ../shared/data/corpus/python_docs.jsonl.zst decompressed to plain JSONL and concatenated
+Input: $PIPE_BENCH_DATA/corpus/python_docs.jsonl.zst decompressed to plain JSONL and concatenated
 --repeat times (plain, so that the two shards split the one file by byte ranges; throughput does
-not depend on the text being unique). Tokenizer: Llama 3 from ../shared/data/tokenizers/llama3.
+not depend on the text being unique). Tokenizer: Llama 3 from $PIPE_BENCH_DATA/tokenizers/llama3.
 
     python scripts/bench/preprocess_shards.py [--repeat 25] [--rounds 1]
 """
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared" / "data"
+# The benchmark corpora and tokenizers: a folder with corpus/ and tokenizers/ (PIPE_BENCH_DATA).
+SHARED = Path(os.environ.get("PIPE_BENCH_DATA", ROOT.parent / "shared" / "data"))
 TARGET = 1.10  # sharded total / unsharded wall time
 
 
@@ -98,7 +99,7 @@ def main() -> None:
     corpus = SHARED / "corpus" / "python_docs.jsonl.zst"
     tokenizer = SHARED / "tokenizers" / "llama3"
     if not corpus.exists() or not tokenizer.exists():
-        sys.exit(f"{SHARED} not found: the benchmark needs ../shared/data beside the checkout")
+        sys.exit(f"{SHARED} not found: set PIPE_BENCH_DATA (corpus/, tokenizers/)")
     with tempfile.TemporaryDirectory(prefix="pipe-bench-shards-") as tmp:
         src = Path(tmp) / "input.jsonl"
         size = make_input(corpus, args.repeat, src)
