@@ -25,7 +25,14 @@ import torch
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.decode import CachedBatch, forward_cached
 from pipeline.serve.kv_cache import BlockKVCache
-from pipeline.serve.sampling import SamplingParams, make_generator, sample
+from pipeline.serve.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    adjust,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from pipeline.serve.text import TextStream
 
 
@@ -51,6 +58,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +77,8 @@ class Event:
     token: int
     text: str
     finished: bool
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class Engine:
@@ -219,11 +229,31 @@ class Engine:
         events = []
         with self._lock:
             for index, (request, new) in enumerate(rows):
+                prompting = request.computed < len(request.prompt)
+                if prompting and request.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(request, hidden[index, :new])
                 request.computed += new
                 if request.computed == len(request.tokens) and not request.finished:
-                    token = sample(logits[index], request.params, request.generator)
-                    events.append(self._emit(request, token))
+                    params = request.params
+                    row = adjust(logits[index], params, request.tokens, request.output)
+                    token = sample(row, params, request.generator)
+                    chosen = None
+                    if params.logprobs is not None:
+                        chosen = token_logprobs(logits[index], token, params.logprobs)
+                    events.append(self._emit(request, token, chosen))
         return events
+
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens after this chunk's positions."""
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]
+        logits = self.model.output(hidden).float()
+        for offset in range(hidden.shape[0]):
+            position = request.computed + offset + 1
+            if position < len(request.prompt):
+                token = request.prompt[position]
+                entry = token_logprobs(logits[offset], token, request.params.prompt_logprobs)
+                request.prompt_logprobs.append(entry)
 
     def _batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
         new = max(n for _, n in rows)
@@ -243,7 +273,8 @@ class Engine:
         to = self.device
         return CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
 
-    def _emit(self, request: Request, token: int) -> Event:
+    def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> Event:
+        first = not request.output
         request.output.append(token)
         params, text = request.params, ""
         if token in params.stop_token_ids:
@@ -259,7 +290,10 @@ class Engine:
             if request.text is not None:
                 text += request.text.finish()
             self._finish(request, reason)
-        return Event(request, token, text, reason is not None)
+        prompt = tuple(request.prompt_logprobs or ()) if first else None
+        if prompt is not None and request.params.prompt_logprobs is None:
+            prompt = None
+        return Event(request, token, text, reason is not None, logprobs, prompt)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

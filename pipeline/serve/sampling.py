@@ -29,6 +29,12 @@ class SamplingParams:
     greedy: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -45,6 +51,39 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's logprob and the best alternatives, (token id, logprob) best first."""
+
+    token_logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """`token`'s logprob under `logits` `[vocab]` and the `top` most likely tokens."""
+    logprobs = logits.float().log_softmax(-1)
+    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist())))
+
+
+def adjust(logits: torch.Tensor, params: SamplingParams, tokens: list[int], output: list[int]):
+    """Logits after the penalties (repetition over all tokens, presence and frequency over the
+    output) and the logit bias."""
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1.0 and tokens:
+        seen = torch.tensor(sorted(set(tokens)), device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                   values * params.repetition_penalty)  # fmt: skip
+    if (params.presence_penalty or params.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=logits.device),
+                                minlength=logits.numel()).float()  # fmt: skip
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    for token, bias in params.logit_bias:
+        logits[token] += bias
+    return logits
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
