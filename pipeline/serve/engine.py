@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # when it left the queue (time.monotonic)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
@@ -217,6 +220,7 @@ class Engine:
                 return  # first come, first served: wait for blocks
             request.blocks = self.cache.allocate(need)
             request.slots = self.cache.slots(request.blocks, torch.arange(need))
+            request.admitted = time.monotonic()
             self._running.append(self._waiting.popleft())
 
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:

@@ -1,92 +1,390 @@
 """The OpenAI-compatible request bodies and response objects of `pipe serve`.
 
-Bodies are pydantic models that forbid unknown fields, so a misspelt parameter is a 400 rather
-than silently ignored. Chat messages become a prompt through the tokenizer's chat template, run
-in jinja2's sandbox (a template is data from a file: it must not run code), or through a plain
-"role: content" layout when the tokenizer has none.
+Bodies follow OpenAI's documented fields, plus the extras vLLM accepts (`top_k`,
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`). They forbid unknown fields, as OpenAI does
+(vLLM only warns): a misspelt parameter is a 400 naming it rather than silently ignored. `null`
+for an optional field means its default. Errors are OpenAI's `{"error": {...}}` body with vLLM's
+type names ("BadRequestError", "NotFoundError") and the field at fault as `param`.
+
+Chat messages become a prompt through the tokenizer's chat template, run in jinja2's sandbox (a
+template is data from a file: it must not run code), or through a plain "role: content" layout
+when the tokenizer has none.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.serve.sampling import SamplingParams
 
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    499: "ClientClosedRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+# JSON has no -inf: a token the model rules out reports this, as vLLM does
+LOWEST_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """A request the server answers with `status` and OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
+    """OpenAI's error object: message, type, the field at fault (or None) and the status code."""
+    kind = ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+# ---- request bodies ---------------------------------------------------------------------------
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
+
 
 class _Body(BaseModel):
+    """The fields completions and chat share."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int | None = Field(default=None, ge=1, le=128)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: off
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
-    def sampling(self, eos_ids: frozenset[int]) -> SamplingParams:
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check(self, vocab_size: int) -> None:
+        """What one field's type cannot say: `APIError` naming the field at fault."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is allowed only with stream: true", param="stream_options")
+        for key in self.logit_bias or {}:
+            _token_id(key, vocab_size, "logit_bias")
+        for token in self.stop_token_ids or []:
+            _token_id(token, vocab_size, "stop_token_ids")
+
+    def requested_tokens(self) -> int | None:
+        """max_tokens as asked (None: up to the context)."""
+        raise NotImplementedError
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per generated token to report (None: no logprobs)."""
+        raise NotImplementedError
+
+    def sampling(
+        self, prompt_tokens: int, token_budget: int, eos_ids: frozenset[int], index: int = 0
+    ) -> SamplingParams:
+        """The engine parameters of choice `index` for a prompt of `prompt_tokens` tokens.
+
+        `token_budget` bounds prompt + output (the context, or the cache if smaller); a choice
+        beyond the first gets its own seed, so n seeded choices differ yet repeat."""
+        max_new = self.requested_tokens()
+        if max_new is None:
+            max_new = max(1, token_budget - prompt_tokens)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop_ids = set(self.stop_token_ids or [])
+        if not self.ignore_eos:
+            stop_ids |= eos_ids
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        top_k = self.top_k if self.top_k and self.top_k > 0 else 0
+        bias = tuple(sorted((int(k), v) for k, v in (self.logit_bias or {}).items()))
         return SamplingParams(
-            max_new_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-            top_p=self.top_p, seed=self.seed, stop=tuple(stop), stop_token_ids=eos_ids,
-        )  # fmt: skip
+            max_new_tokens=max_new,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=seed,
+            stop=tuple(stop),
+            stop_token_ids=frozenset(stop_ids),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=bias,
+            logprobs=self.logprobs_wanted(),
+            prompt_logprobs=self.prompt_logprobs_wanted(),
+        )
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return None
+
+
+def _token_id(value: Any, vocab_size: int, param: str) -> int:
+    """`value` (an int or its decimal string) as a token id of the vocabulary, else APIError."""
+    try:
+        token = int(value)
+    except (TypeError, ValueError):
+        raise APIError(f"{param}: {value!r} is not a token id", param=param) from None
+    if not 0 <= token < vocab_size:
+        raise APIError(
+            f"{param}: token id {token} is out of the vocabulary (0..{vocab_size - 1})",
+            param=param,
+        )
+    return token
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Prompt = str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
+    list[TokenIds], Field(min_length=1)
+]
 
 
 class CompletionBody(_Body):
     """POST /v1/completions."""
 
-    prompt: str = Field(min_length=1)
+    prompt: Prompt
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1, le=128)
+
+    def check(self, vocab_size: int) -> None:
+        super().check(vocab_size)
+        if self.best_of is not None:
+            if self.best_of < self.choices_per_prompt:
+                raise APIError(
+                    f"best_of ({self.best_of}) must be at least n ({self.choices_per_prompt})",
+                    param="best_of",
+                )
+            if self.stream:
+                raise APIError("best_of is not supported with stream: true", param="best_of")
+
+    @property
+    def generations_per_prompt(self) -> int:
+        """Engine requests per prompt: best_of when given (the n best are kept), else n."""
+        return self.best_of or self.choices_per_prompt
+
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        # best_of ranks by cumulative logprob, so it needs the chosen tokens' logprobs
+        if self.logprobs is None and self.generations_per_prompt > self.choices_per_prompt:
+            return 0
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
+    """One message; `content` is text or a list of parts (only text parts are supported)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    # what a client sends back with an earlier assistant message; not given to the template
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatBody(_Body):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def check(self, vocab_size: int) -> None:
+        super().check(vocab_size)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def generations_per_prompt(self) -> int:
+        return self.choices_per_prompt
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def chat_prompt(messages: list[ChatMessage], template: str | None) -> str:
-    """The prompt text for `messages`, ending where the assistant's reply begins."""
-    plain = [m.model_dump() for m in messages]
+class TokenizeBody(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeBody(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+
+def completion_prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completion body: each a text or a list of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def template_messages(messages: Sequence[ChatMessage], template: str | None) -> list[dict]:
+    """Messages as the plain dicts a chat template reads: text content (text parts joined), and
+    `name`, `tool_calls`, `tool_call_id` where given. A `developer` message is a `system` one
+    unless the template names the developer role (OpenAI treats them alike for models that
+    predate it)."""
+    developer = "developer" if template is not None and "developer" in template else "system"
+    plain = []
+    for index, message in enumerate(messages):
+        entry = {
+            "role": developer if message.role == "developer" else message.role,
+            "content": _text_content(message.content, index),
+        }
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(message, key) is not None:
+                entry[key] = getattr(message, key)
+        plain.append(entry)
+    return plain
+
+
+def _text_content(content: str | list[dict] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise APIError(
+                f"messages[{index}]: content part of type {kind!r} is not supported "
+                "(only text parts)",
+                param="messages",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_prompt(messages: list[dict], template: str | None) -> str:
+    """The prompt text for `messages` (plain dicts), ending where the assistant's reply begins."""
     if template is None:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(messages=plain, add_generation_prompt=True)
+    return environment.from_string(template).render(messages=messages, add_generation_prompt=True)
 
 
-def error_body(message: str, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind}}
+# ---- responses --------------------------------------------------------------------------------
 
 
-def completion_object(
-    ident: str, model: str, text: str, finish: str | None, usage: dict | None, chat: bool
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(ident: str, model: str, kind: str, choices: list[dict]) -> dict:
+    """The object around choices: id, object type, creation time, model."""
+    return {"id": ident, "object": kind, "created": int(time.time()), "model": model,
+            "choices": choices}  # fmt: skip
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOWEST_LOGPROB
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[Any],
+    top: int,
+    token_text: Callable[[int], str],
+    offset: int = 0,
 ) -> dict:
-    """A whole response (`usage` given) or one streamed chunk (`usage` None)."""
-    if chat:
-        piece = (
-            {"message": {"role": "assistant", "content": text}}
-            if usage
-            else {"delta": {"content": text}}
-        )
-        kind = "chat.completion" if usage else "chat.completion.chunk"
-    else:
-        piece, kind = {"text": text}, "text_completion"
-    body = {
-        "id": ident, "object": kind, "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, **piece, "finish_reason": finish}],
-    }  # fmt: skip
-    if usage:
-        body["usage"] = usage
-    return body
+    """The legacy completions `logprobs` object of `token_ids`: each token's text, logprob, its
+    `top` best alternatives (with the chosen token, as vLLM reports) and where it starts in the
+    choice's text. An entry None (the first prompt token) has no logprob."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token, entry in zip(token_ids, entries):
+        text = token_text(token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        logprobs.append(_finite(entry.token_logprob))
+        best = {token_text(t): _finite(lp) for t, lp in entry.top[:top]}
+        best.setdefault(text, _finite(entry.token_logprob))
+        tops.append(best)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], entries: Sequence[Any], top: int, token_text: Callable[[int], str]
+) -> dict:
+    """The chat `logprobs` object: per token its text, logprob, UTF-8 bytes and `top` best
+    alternatives."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    content = [
+        {**one(token, entry.token_logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top[:top]]}
+        for token, entry in zip(token_ids, entries)
+    ]
+    return {"content": content}
