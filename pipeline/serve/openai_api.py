@@ -96,7 +96,9 @@ class _Body(BaseModel):
     def check(self, vocab_size: int) -> None:
         """What one field's type cannot say: `APIError` naming the field at fault."""
         if self.stream_options is not None and not self.stream:
-            raise APIError("stream_options is allowed only with stream: true", param="stream_options")
+            raise APIError(
+                "stream_options is allowed only with stream: true", param="stream_options"
+            )
         for key in self.logit_bias or {}:
             _token_id(key, vocab_size, "logit_bias")
         for token in self.stop_token_ids or []:
@@ -162,9 +164,12 @@ def _token_id(value: Any, vocab_size: int, param: str) -> int:
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-Prompt = str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
-    list[TokenIds], Field(min_length=1)
-]
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class CompletionBody(_Body):
@@ -314,14 +319,20 @@ def _text_content(content: str | list[dict] | None, index: int) -> str:
     return "".join(texts)
 
 
-def chat_prompt(messages: list[dict], template: str | None) -> str:
-    """The prompt text for `messages` (plain dicts), ending where the assistant's reply begins."""
+def chat_prompt(
+    messages: list[dict], template: str | None, add_generation_prompt: bool = True
+) -> str:
+    """The prompt text for `messages` (plain dicts), ending where the assistant's reply begins
+    (or after the last message, without `add_generation_prompt`)."""
     if template is None:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(messages=messages, add_generation_prompt=True)
+    return environment.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt
+    )
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -384,7 +395,10 @@ def chat_logprobs(
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     content = [
-        {**one(token, entry.token_logprob), "top_logprobs": [one(t, lp) for t, lp in entry.top[:top]]}
+        {
+            **one(token, entry.token_logprob),
+            "top_logprobs": [one(t, lp) for t, lp in entry.top[:top]],
+        }
         for token, entry in zip(token_ids, entries)
     ]
     return {"content": content}

@@ -1,102 +1,94 @@
 """`pipe serve`: the engine behind an OpenAI-compatible HTTP API on FastAPI + uvicorn.
 
-One thread runs `Engine.step` while there is work and hands each event to the waiting request's
-asyncio queue. Over capacity (every batch slot busy and `max_waiting` queued) a request gets 503
-with Retry-After instead of a longer queue; a malformed body (bad JSON, unknown fields, values out
-of range, a prompt too long for the context) gets 400 with a message. A client that disconnects
-has its request aborted, which frees its batch slot and cache blocks at the next token boundary.
-On SIGTERM uvicorn stops accepting connections and waits for the requests in flight; then the
-engine thread stops.
+Routes turn a body into prompt token ids and `SamplingParams` (`pipeline.serve.openai_api`),
+hand each (prompt, choice) to the engine client's `submit` and build the answer, whole or
+streamed, from the deltas that come back. A body asking for n choices of p prompts is p x n
+engine requests (best_of: p x best_of, the n best kept); choice `i` of prompt `p` has index
+p * n + i, as OpenAI numbers them.
+
+Over capacity (every batch slot busy and `max_waiting` queued) a request gets 503 with
+Retry-After instead of a longer queue. Every error is OpenAI's `{"error": {...}}` body: 400 for a
+malformed body (bad JSON, unknown fields, values out of range, a prompt too long for the context)
+with the field at fault as `param`, 404 for an unknown model or path, 405 for a wrong method. A
+client that disconnects has its requests aborted, which frees their batch slots and cache blocks
+at the next token boundary. On SIGTERM uvicorn stops accepting connections and waits for the
+requests in flight; then the engine stops.
+
+Besides the OpenAI routes: vLLM's /tokenize, /detokenize and /version, Prometheus' /metrics and
+/health.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and those
 # name classes imported inside `create_app`.
 import asyncio
+import functools
 import itertools
 import json
 import logging
-import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
-from pipeline.serve.engine import Engine, Event, PromptTooLong, QueueFull, Request
+from pipeline import __version__
+from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
 from pipeline.serve.kv_cache import BlockKVCache
 from pipeline.serve.loading import Generator
+from pipeline.serve.local_client import LocalEngineClient
 from pipeline.serve.openai_api import (
+    APIError,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    chat_logprobs,
     chat_prompt,
-    completion_object,
+    completion_logprobs,
+    completion_prompts,
+    envelope,
     error_body,
+    template_messages,
+    usage,
 )
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1
 
 
-class EngineLoop:
-    """Runs the engine on its own thread and routes events to asyncio queues by request."""
+@dataclass
+class Job:
+    """One engine request of a body: generation `number` for prompt `prompt_index`."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pipe-engine", daemon=True)
+    prompt_index: int
+    number: int
+    prompt_ids: list[int]
+    params: object  # SamplingParams
 
-    def start(self) -> None:
-        self._thread.start()
 
-    def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join()
+@dataclass
+class Generation:
+    """What one engine request produced, gathered from its deltas."""
 
-    def submit(self, prompt: list[int], params) -> tuple[Request, asyncio.Queue]:
-        """Queue a request (QueueFull, PromptTooLong pass through) and its event queue."""
-        queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            request = self.engine.add(prompt, params)
-            self._queues[request.id] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
-        return request, queue
+    job: Job
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
 
-    def release(self, request: Request) -> None:
-        """The client is gone or done: abort the request if it still runs, forget its queue."""
-        self.engine.abort(request)
-        with self._lock:
-            self._queues.pop(request.id, None)
+    def add(self, delta) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        self.logprobs += delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.completion_tokens = delta.completion_tokens
 
-    def _run(self) -> None:
-        while not self._stopping:
-            if not self.engine.busy:
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            try:
-                events = self.engine.step()
-            except Exception as error:  # noqa: BLE001 - every waiting client must hear of it
-                log.exception("generation step failed")
-                self._fail_all(error)
-                continue
-            with self._lock:
-                for event in events:
-                    self._deliver(event.request.id, event)
-                    if event.finished:  # even if its consumer never started
-                        self._queues.pop(event.request.id, None)
-
-    def _deliver(self, request_id: int, item: Event | Exception) -> None:
-        target = self._queues.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _fail_all(self, error: Exception) -> None:
-        with self._lock:
-            for request_id in list(self._queues):
-                self._deliver(request_id, error)
-        self.engine.abort_all()
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry.token_logprob for entry in self.logprobs)
 
 
 def create_app(gen: Generator, engine: Engine, model_name: str):
@@ -104,118 +96,384 @@ def create_app(gen: Generator, engine: Engine, model_name: str):
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-    loop_holder = EngineLoop(engine)
+    from pipeline.serve.metrics import ServeMetrics
+
+    client = LocalEngineClient(engine)
+    metrics = ServeMetrics(model_name, lambda: client.load)
+    max_model_len = engine.max_context
+    token_budget = min(engine.max_context, engine.capacity)  # what max_tokens null may use
+    vocab_size = gen.model.config.vocab_size
     ids = itertools.count()
+    started = int(time.time())
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(token: int) -> str:
+        return gen.decode([token])
 
     @asynccontextmanager
     async def lifespan(_app):
-        loop_holder.start()
+        client.start()
         yield
-        loop_holder.stop()
+        client.stop()
 
     app = FastAPI(lifespan=lifespan)
-    app.state.engine_loop = loop_holder
+    app.state.engine_client = client
+
+    # ---- errors -----------------------------------------------------------------------------
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request, error: RequestValidationError):
+        errors = error.errors()
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-            for e in error.errors()
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors
         )
-        return JSONResponse(error_body(problems), status_code=400)
+        loc = errors[0]["loc"] if errors else ()
+        param = loc[1] if len(loc) > 1 and isinstance(loc[1], str) else None
+        return JSONResponse(error_body(problems, 400, param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, error: APIError):
+        return JSONResponse(error_body(str(error), error.status, error.param), error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, error: HTTPException):
+        body = error_body(str(error.detail), error.status_code)
+        return JSONResponse(body, error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(QueueFull)
+    async def overloaded(_request, error: QueueFull):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return JSONResponse(error_body(str(error), 503), 503, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def failed(_request, error: Exception):
+        log.error("request failed", exc_info=error)
+        return JSONResponse(error_body(f"internal error: {error}", 500), status_code=500)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(f"The model `{name}` does not exist.", 404, "model")
+
+    # ---- engine requests --------------------------------------------------------------------
+
+    def jobs_for(body, prompts: list[list[int]]) -> list[Job]:
+        """Each prompt's engine requests, with their parameters (400 for a bad value)."""
+        jobs = []
+        for index, prompt in enumerate(prompts):
+            for number in range(body.generations_per_prompt):
+                try:
+                    params = body.sampling(len(prompt), token_budget, gen.eos_ids, number)
+                except ValueError as error:
+                    raise APIError(str(error)) from None
+                jobs.append(Job(index, number, prompt, params))
+        return jobs
+
+    def submit(jobs: list[Job], prompt_param: str) -> list:
+        """The jobs' streams; none is left running if one is refused."""
+        streams = []
+        try:
+            for job in jobs:
+                streams.append(metrics.track(client.submit(job.prompt_ids, job.params)))
+        except PromptTooLong as error:
+            _abort(streams)
+            raise APIError(str(error), param=prompt_param) from None
+        except BaseException:
+            _abort(streams)
+            raise
+        return streams
+
+    async def gathered(http: HTTPRequest, jobs: list[Job], streams: list):
+        """Every generation whole, or None when the client disconnected meanwhile."""
+        task = asyncio.ensure_future(
+            asyncio.gather(*(_collect(job, s) for job, s in zip(jobs, streams)))
+        )
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await http.is_disconnected():
+                    task.cancel()
+                    return None
+            return task.result()
+        finally:
+            _abort(streams)
+
+    def disconnected():
+        return JSONResponse(error_body("client disconnected", 499), status_code=499)
+
+    def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+    # ---- routes -----------------------------------------------------------------------------
 
     @app.get("/health")
     async def health():
-        running, waiting = engine.load
-        finished = dict(engine.finish_counts)
+        running, waiting = client.load
+        finished = dict(client.finish_counts)
         return {"status": "ok", "running": running, "waiting": waiting, "finished": finished}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")
     async def models():
-        entry = {"id": model_name, "object": "model", "owned_by": "pipe"}
+        entry = {"id": model_name, "object": "model", "created": started, "owned_by": "pipe",
+                 "root": model_name, "max_model_len": max_model_len}  # fmt: skip
         return {"object": "list", "data": [entry]}
-
-    async def answer(http: HTTPRequest, body, prompt_text: str, chat: bool):
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}"
-        try:
-            params = body.sampling(gen.eos_ids)
-            prompt = gen.encode(prompt_text)
-            request, queue = loop_holder.submit(prompt, params)
-        except QueueFull as error:
-            headers = {"Retry-After": str(RETRY_AFTER_S)}
-            return JSONResponse(error_body(str(error), "overloaded"), 503, headers=headers)
-        except (PromptTooLong, ValueError) as error:
-            return JSONResponse(error_body(str(error)), status_code=400)
-        stream = _events(loop_holder, request, queue)
-        if body.stream:
-            chunks = _sse(stream, ident, model_name, chat)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        return await _whole(http, loop_holder, request, stream, ident, model_name, chat)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
-        return await answer(http, body, body.prompt, chat=False)
+        check_model(body.model)
+        body.check(vocab_size)
+        prompts = [encode_prompt(p, gen, vocab_size) for p in completion_prompts(body.prompt)]
+        jobs = jobs_for(body, prompts)
+        streams = submit(jobs, "prompt")
+        ident = f"cmpl-{next(ids)}"
+        writer = CompletionWriter(body, prompts, token_text)
+        if body.stream:
+            return sse(writer.chunks(ident, model_name, jobs, streams))
+        generations = await gathered(http, jobs, streams)
+        if generations is None:
+            return disconnected()
+        return writer.whole(ident, model_name, generations)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
-        try:
-            prompt = chat_prompt(body.messages, gen.chat_template)
-        except Exception as error:  # noqa: BLE001 - a template's own error, reported as such
-            return JSONResponse(error_body(f"chat template: {error}"), status_code=400)
-        return await answer(http, body, prompt, chat=True)
+        check_model(body.model)
+        body.check(vocab_size)
+        prompt = gen.encode(render_chat(body.messages, gen.chat_template))
+        jobs = jobs_for(body, [prompt])
+        streams = submit(jobs, "messages")
+        ident = f"chatcmpl-{next(ids)}"
+        writer = ChatWriter(body, len(prompt), token_text)
+        if body.stream:
+            return sse(writer.chunks(ident, model_name, jobs, streams))
+        generations = await gathered(http, jobs, streams)
+        if generations is None:
+            return disconnected()
+        return writer.whole(ident, model_name, generations)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            text = body.prompt
+        else:
+            generation = body.add_generation_prompt is not False
+            text = render_chat(body.messages, gen.chat_template, generation)
+        tokens = gen.encode(text)
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        check_model(body.model)
+        encode_prompt(body.tokens, gen, vocab_size, param="tokens")  # checks the ids
+        return {"prompt": gen.decode(body.tokens)}
 
     return app
 
 
-async def _events(loop: EngineLoop, request: Request, queue: asyncio.Queue) -> AsyncIterator:
-    """The request's events until it finishes; aborts it if the consumer stops early."""
+def encode_prompt(prompt: str | list[int], gen: Generator, vocab_size: int, param="prompt"):
+    """A prompt's token ids: a text encoded, or ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError("the prompt is empty", param=param)
+        return gen.encode(prompt)
+    bad = [t for t in prompt if t >= vocab_size]
+    if bad:
+        raise APIError(f"token id {bad[0]} is out of the vocabulary (0..{vocab_size - 1})",
+                       param=param)  # fmt: skip
+    return list(prompt)
+
+
+def render_chat(messages, template: str | None, add_generation_prompt: bool = True) -> str:
+    """The chat prompt text (a template's own error is a 400 naming it)."""
+    plain = template_messages(messages, template)
     try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, Exception):
+        return chat_prompt(plain, template, add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 - a template's own error, reported as such
+        raise APIError(f"chat template: {error}", param="messages") from None
+
+
+def _abort(streams: list) -> None:
+    for stream in streams:
+        stream.abort()
+
+
+async def _collect(job: Job, stream) -> Generation:
+    generation = Generation(job)
+    async for delta in stream:
+        generation.add(delta)
+    return generation
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(stream index, delta) from all `streams` as they come; aborts them all if stopped early."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+        except Exception as error:  # noqa: BLE001 - raised to the consumer below
+            queue.put_nowait((index, error))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
                 raise item
-            yield item
-            if item.finished:
-                return
+            else:
+                yield index, item
     finally:
-        loop.release(request)
+        for task in tasks:
+            task.cancel()
+        _abort(streams)
 
 
-async def _sse(events: AsyncIterator, ident: str, model: str, chat: bool) -> AsyncIterator[str]:
-    async for event in events:
-        finish = event.request.finish_reason if event.finished else None
-        chunk = completion_object(ident, model, event.text, finish, None, chat)
-        yield f"data: {json.dumps(chunk)}\n\n"
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as error:  # noqa: BLE001 - the stream has begun: report in-band
+        log.exception("generation failed mid-stream")
+        yield f"data: {json.dumps(error_body(str(error), 500))}\n\n"
     yield "data: [DONE]\n\n"
 
 
-async def _whole(http, loop: EngineLoop, request: Request, events, ident, model, chat):
-    """The complete answer; a client that disconnects meanwhile has its request aborted."""
-    from fastapi.responses import JSONResponse
+class CompletionWriter:
+    """The /v1/completions answer of one body, whole or as chunks."""
 
-    text = []
-    consumer = asyncio.ensure_future(_collect(events, text))
-    while not consumer.done():
-        await asyncio.wait({consumer}, timeout=0.25)
-        if not consumer.done() and await http.is_disconnected():
-            consumer.cancel()
-            loop.release(request)
-            return JSONResponse(error_body("client disconnected"), status_code=499)
-    consumer.result()
-    usage = {
-        "prompt_tokens": len(request.prompt),
-        "completion_tokens": len(request.output),
-        "total_tokens": len(request.prompt) + len(request.output),
-    }
-    body = completion_object(ident, model, "".join(text), request.finish_reason, usage, chat)
-    return JSONResponse(body)
+    def __init__(self, body: CompletionBody, prompts: list[list[int]], token_text: Callable):
+        self.body, self.prompts, self.token_text = body, prompts, token_text
+        texts = completion_prompts(body.prompt)
+        # an echoed token-id prompt is its decoded text
+        self.prompt_texts = [t if isinstance(t, str) else "".join(map(token_text, t))
+                             for t in texts] if body.echo else []  # fmt: skip
+
+    def choice_index(self, job: Job, rank: int) -> int:
+        return job.prompt_index * self.body.choices_per_prompt + rank
+
+    def _echo(self, job: Job, prompt_logprobs: list | None) -> tuple[str, list[int], list]:
+        """What echo prepends: the prompt's text, ids and logprobs (the first one None)."""
+        if not self.body.echo:
+            return "", [], []
+        ids = self.prompts[job.prompt_index]
+        entries = list(prompt_logprobs or [])
+        entries += [None] * (len(ids) - len(entries))
+        return self.prompt_texts[job.prompt_index], ids, entries
+
+    def _logprobs(self, ids: list[int], entries: list, offset: int) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        return completion_logprobs(ids, entries, self.body.logprobs, self.token_text, offset)
+
+    def _choice(self, index: int, text: str, logprobs, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def whole(self, ident: str, model: str, generations: list[Generation]) -> dict:
+        """The whole answer: per prompt its n choices (the n best of best_of)."""
+        choices = []
+        for index in range(len(self.prompts)):
+            mine = [g for g in generations if g.job.prompt_index == index]
+            if len(mine) > self.body.choices_per_prompt:
+                mine.sort(key=lambda g: g.cumulative_logprob, reverse=True)
+            for rank, g in enumerate(mine[: self.body.choices_per_prompt]):
+                text, ids, entries = self._echo(g.job, g.prompt_logprobs)
+                logprobs = self._logprobs(ids + g.token_ids, entries + g.logprobs, 0)
+                choice = self._choice(self.choice_index(g.job, rank), text + g.text, logprobs,
+                                      g.finish_reason)  # fmt: skip
+                choices.append(choice)
+        answer = envelope(ident, model, "text_completion", choices)
+        # every generated token counts, also best_of's discarded ones
+        generated = sum(g.completion_tokens for g in generations)
+        answer["usage"] = usage(sum(map(len, self.prompts)), generated)
+        return answer
+
+    async def chunks(self, ident: str, model: str, jobs: list[Job], streams: list):
+        """The streamed answer: a chunk per delta, then usage if asked."""
+        offsets = [0] * len(jobs)
+        started = [False] * len(jobs)
+        generated = [0] * len(jobs)
+        async for k, delta in _merged(streams):
+            job, text = jobs[k], delta.text
+            ids, entries = list(delta.token_ids), list(delta.logprobs)
+            if not started[k]:
+                started[k] = True
+                echo_text, echo_ids, echo_entries = self._echo(job, delta.prompt_logprobs)
+                text, ids, entries = echo_text + text, echo_ids + ids, echo_entries + entries
+            logprobs = self._logprobs(ids, entries, offsets[k])
+            offsets[k] += sum(len(self.token_text(t)) for t in ids)
+            generated[k] = delta.completion_tokens
+            choice = self._choice(self.choice_index(job, job.number), text, logprobs,
+                                  delta.finish_reason)  # fmt: skip
+            yield envelope(ident, model, "text_completion", [choice])
+        if self.body.include_usage:
+            last = envelope(ident, model, "text_completion", [])
+            last["usage"] = usage(sum(map(len, self.prompts)), sum(generated))
+            yield last
 
 
-async def _collect(events: AsyncIterator, text: list[str]) -> None:
-    async for event in events:
-        text.append(event.text)
+class ChatWriter:
+    """The /v1/chat/completions answer of one body, whole or as chunks."""
+
+    def __init__(self, body: ChatBody, prompt_tokens: int, token_text: Callable) -> None:
+        self.body, self.prompt_tokens, self.token_text = body, prompt_tokens, token_text
+
+    def _logprobs(self, ids: list[int], entries: list) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(ids, entries, self.body.top_logprobs or 0, self.token_text)
+
+    def whole(self, ident: str, model: str, generations: list[Generation]) -> dict:
+        choices = [
+            {
+                "index": g.job.number,
+                "message": {"role": "assistant", "content": g.text},
+                "logprobs": self._logprobs(g.token_ids, g.logprobs),
+                "finish_reason": g.finish_reason,
+            }
+            for g in generations
+        ]
+        answer = envelope(ident, model, "chat.completion", choices)
+        generated = sum(g.completion_tokens for g in generations)
+        answer["usage"] = usage(self.prompt_tokens, generated)
+        return answer
+
+    async def chunks(self, ident: str, model: str, jobs: list[Job], streams: list):
+        """A first chunk per choice with the role, then one per delta (the last with the
+        finish reason), then usage if asked."""
+        kind = "chat.completion.chunk"
+        for job in jobs:
+            first = {"index": job.number, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}  # fmt: skip
+            yield envelope(ident, model, kind, [first])
+        generated = [0] * len(jobs)
+        async for k, delta in _merged(streams):
+            generated[k] = delta.completion_tokens
+            content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            choice = {"index": jobs[k].number, "delta": content,
+                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
+                      "finish_reason": delta.finish_reason}  # fmt: skip
+            yield envelope(ident, model, kind, [choice])
+        if self.body.include_usage:
+            last = envelope(ident, model, kind, [])
+            last["usage"] = usage(self.prompt_tokens, sum(generated))
+            yield last
 
 
 def build_engine(gen: Generator, *, kv_cache_bytes: int, block_size: int, **limits) -> Engine:

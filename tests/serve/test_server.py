@@ -116,7 +116,7 @@ def test_models_health_and_a_completion(server) -> None:
 
 
 def test_chat_uses_the_tokenizer_template(server, tiny_hf_dir) -> None:
-    from pipeline.serve.openai_api import ChatMessage, chat_prompt
+    from pipeline.serve.openai_api import chat_prompt
     from pipeline.tokenizer.tokenizer import load_tokenizer
     from tests.serve.conftest import CHAT_TEMPLATE
 
@@ -125,7 +125,7 @@ def test_chat_uses_the_tokenizer_template(server, tiny_hf_dir) -> None:
     status, _, answer = server.post("/v1/chat/completions", body)
     assert status == 200 and answer["object"] == "chat.completion"
     assert answer["choices"][0]["message"]["role"] == "assistant"
-    prompt = chat_prompt([ChatMessage(**m) for m in messages], CHAT_TEMPLATE)
+    prompt = chat_prompt(messages, CHAT_TEMPLATE)
     assert prompt == "<|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
     tokenizer = load_tokenizer(tiny_hf_dir)
     assert answer["usage"]["prompt_tokens"] == len(tokenizer.encode_batch([prompt])[0])
@@ -137,7 +137,7 @@ def test_chat_uses_the_tokenizer_template(server, tiny_hf_dir) -> None:
     ("path", "body", "message"),
     [
         ("/v1/completions", '{"prompt": "x", ', "JSON decode error"),
-        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of: Extra inputs"),
+        ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature: Extra inputs"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),

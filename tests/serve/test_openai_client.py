@@ -1,0 +1,392 @@
+"""`pipe serve` through the official `openai` client: each field OpenAI documents (and the vLLM
+extras pipe accepts), whole and streamed; errors as the client types them; vLLM's /tokenize,
+/detokenize and /version; Prometheus' /metrics. One server process for the module."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from tests.serve.test_server import Server
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+parser = pytest.importorskip("prometheus_client.parser")
+
+PROMPT = "line 3: value"
+NO_EOS = {"ignore_eos": True}  # vLLM's extra: exactly max_tokens, whatever is sampled
+
+
+@pytest.fixture(scope="module")
+def server(tiny_hf_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("openai_server") / "stderr.txt"
+    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--block-size", "8")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                         max_retries=0, timeout=120)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_hf_dir):
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_hf_dir)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode_batch([text])[0]
+
+
+def raw(server, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    data = None if body is None else json.dumps(body)
+    conn.request(method, path, data, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+# ---- models and errors ------------------------------------------------------------------------
+
+
+def test_models_and_an_unknown_model(client) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny_hf0"]
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    error = caught.value.body
+    assert error["param"] == "model" and error["code"] == 404 and "`nope`" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2)
+    assert answer.model == "tiny_hf0"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"logit_bias": {"7": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"best_of": 1, "n": 2}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"extra_body": {"temprature": 0.5}}, "temprature"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [10**6]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "word " * 1500, "max_tokens": 8}, "prompt"),
+    ],
+)
+def test_bad_completion_values_name_their_field(client, fields, param) -> None:
+    fields = {"prompt": PROMPT, "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny_hf0", **fields)
+    error = caught.value.body
+    assert error["param"] == param and error["code"] == 400, error
+    assert error["type"] == "BadRequestError" and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+            "messages",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_chat_values_name_their_field(client, fields, param) -> None:
+    fields = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny_hf0", **fields)
+    error = caught.value.body
+    assert error["param"] == param and error["code"] == 400, error
+    if "image_url" in json.dumps(fields):
+        assert "image_url" in error["message"]
+
+
+def test_unknown_paths_and_methods_answer_in_the_error_shape(server) -> None:
+    status, body = raw(server, "GET", "/v1/nothing")
+    assert status == 404 and body["error"]["code"] == 404 and body["error"]["message"]
+    status, body = raw(server, "GET", "/v1/completions")
+    assert status == 405 and body["error"]["type"] == "MethodNotAllowedError"
+
+
+# ---- completions ------------------------------------------------------------------------------
+
+
+def test_null_fields_mean_their_defaults(client) -> None:
+    answer = client.completions.create(
+        model=None, prompt=PROMPT, max_tokens=3, temperature=None, top_p=None, seed=None,
+        stop=None, n=None, presence_penalty=None, logprobs=None, echo=None, user="someone",
+    )  # fmt: skip
+    assert answer.usage.completion_tokens == 3 and len(answer.choices) == 1
+
+
+def test_null_max_tokens_runs_to_a_stop(client) -> None:
+    """max_tokens null: up to the context, here ended by a stop token the bias makes certain."""
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=None, temperature=0,
+        logit_bias={"7": 100}, extra_body={"stop_token_ids": [7]},
+    )  # fmt: skip
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == 1
+
+
+def test_logit_bias_and_penalties(client, tokenizer) -> None:
+    biased = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"42": 100}
+    )
+    assert biased.choices[0].text == tokenizer.decode([42] * 4)
+    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=12,
+                                      temperature=0)  # fmt: skip
+    penalised = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=12, temperature=0, presence_penalty=2,
+        frequency_penalty=2, extra_body={"repetition_penalty": 1.5, "top_k": 5},
+    )  # fmt: skip
+    assert penalised.usage.completion_tokens == 12
+    assert penalised.choices[0].text != plain.choices[0].text
+
+
+def test_n_choices_with_a_seed_differ_and_repeat(client) -> None:
+    fields = {"model": "tiny_hf0", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
+              "seed": 3, "n": 3, "extra_body": NO_EOS}  # fmt: skip
+    first = client.completions.create(**fields)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len({c.text for c in first.choices}) > 1
+    assert [c.text for c in client.completions.create(**fields).choices] == [
+        c.text for c in first.choices
+    ]
+    assert first.usage.completion_tokens == 24
+
+
+def test_completion_logprobs_in_the_legacy_shape(client) -> None:
+    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=4,
+                                       temperature=0, logprobs=2)  # fmt: skip
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
+    assert "".join(logprobs.tokens) == answer.choices[0].text
+    assert logprobs.text_offset == [0] + [sum(map(len, logprobs.tokens[: i + 1])) for i in range(3)]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                   logprobs.top_logprobs):  # fmt: skip
+        assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
+        assert logprob == pytest.approx(max(top.values()))  # greedy took the best
+
+
+def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
+    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
+                                      temperature=0)  # fmt: skip
+    echoed = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
+                                       temperature=0, echo=True)  # fmt: skip
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    scored = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
+                                       temperature=0, echo=True, logprobs=1)  # fmt: skip
+    logprobs = scored.choices[0].logprobs
+    prompt_ids = encode(tokenizer, PROMPT)
+    assert len(logprobs.tokens) == len(prompt_ids) + 2
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert scored.usage.prompt_tokens == len(prompt_ids)
+
+
+def test_best_of_keeps_the_most_likely(client) -> None:
+    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=6,
+                                       temperature=1.0, seed=1, n=2, best_of=4,
+                                       logprobs=0, extra_body=NO_EOS)  # fmt: skip
+    assert [c.index for c in answer.choices] == [0, 1]
+    totals = [sum(c.logprobs.token_logprobs) for c in answer.choices]
+    assert totals == sorted(totals, reverse=True)
+    assert answer.usage.completion_tokens == 4 * 6  # every generated token counts
+    alone = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=6,
+                                      temperature=1.0, seed=1, n=4, logprobs=0,
+                                      extra_body=NO_EOS)  # fmt: skip
+    best = max(sum(c.logprobs.token_logprobs) for c in alone.choices)
+    assert totals[0] == pytest.approx(best)  # the same four, seeded alike
+
+
+def test_prompt_lists_and_token_ids(client, tokenizer) -> None:
+    prompts = [PROMPT, "line 9: value"]
+    answer = client.completions.create(model="tiny_hf0", prompt=prompts, max_tokens=3,
+                                       temperature=0, n=2)  # fmt: skip
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in answer.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy
+    ids = [encode(tokenizer, p) for p in prompts]
+    assert answer.usage.prompt_tokens == sum(map(len, ids))
+    by_ids = client.completions.create(model="tiny_hf0", prompt=ids, max_tokens=3, temperature=0)
+    assert [c.text for c in by_ids.choices] == [texts[0], texts[2]]
+    one = client.completions.create(model="tiny_hf0", prompt=ids[1], max_tokens=3, temperature=0)
+    assert one.choices[0].text == texts[2]
+    echoed = client.completions.create(model="tiny_hf0", prompt=ids[0], max_tokens=1,
+                                       temperature=0, echo=True)  # fmt: skip
+    assert echoed.choices[0].text.startswith(PROMPT)
+
+
+def test_streamed_completions_match_whole_ones(client) -> None:
+    fields = {"model": "tiny_hf0", "prompt": [PROMPT, "x"], "max_tokens": 5, "temperature": 0,
+              "n": 2, "logprobs": 1}  # fmt: skip
+    whole = client.completions.create(**fields)
+    chunks = list(client.completions.create(**fields, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    texts, tokens, finish = {}, {}, {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        tokens[choice.index] = tokens.get(choice.index, []) + choice.logprobs.tokens
+        finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.text
+        assert tokens[choice.index] == choice.logprobs.tokens
+        assert finish[choice.index] == choice.finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+# ---- chat -------------------------------------------------------------------------------------
+
+
+def test_chat_accepts_what_clients_send(client, tokenizer) -> None:
+    from pipeline.serve.openai_api import chat_prompt
+    from tests.serve.conftest import CHAT_TEMPLATE
+
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
+                                                                        "text": "there"}],
+         "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "clock", "arguments": "{}"}}]},
+        {"role": "tool", "content": "noon", "tool_call_id": "call_1"},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(model="tiny_hf0", messages=messages,
+                                            max_completion_tokens=3, temperature=0,
+                                            user="ann")  # fmt: skip
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.usage.completion_tokens == 3
+    # developer is system for a template that does not name it; parts are joined
+    prompt = chat_prompt(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+         {"role": "assistant", "content": ""}, {"role": "tool", "content": "noon"}],
+        CHAT_TEMPLATE,
+    )  # fmt: skip
+    assert answer.usage.prompt_tokens == len(encode(tokenizer, prompt))
+
+
+def test_chat_n_and_logprobs(client) -> None:
+    answer = client.chat.completions.create(
+        model="tiny_hf0", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, n=2, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    assert [c.index for c in answer.choices] == [0, 1]
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 3
+    assert "".join(t.token for t in content) == answer.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    assert client.chat.completions.create(
+        model="tiny_hf0", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        logprobs=False,
+    ).choices[0].logprobs is None  # fmt: skip
+
+
+def test_streamed_chat_deltas(client) -> None:
+    fields = {"model": "tiny_hf0", "messages": [{"role": "user", "content": "Hi"}],
+              "max_tokens": 4, "temperature": 0, "n": 2}  # fmt: skip
+    whole = client.chat.completions.create(**fields)
+    usage = {"include_usage": True}
+    chunks = list(client.chat.completions.create(**fields, stream=True, stream_options=usage))
+    by_index: dict[int, list] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        by_index[choice.index].append(choice)
+    for index, choices in by_index.items():
+        assert choices[0].delta.role == "assistant" and choices[0].delta.content == ""
+        assert all(c.delta.role is None for c in choices[1:])
+        assert all(c.finish_reason is None for c in choices[:-1])
+        assert choices[-1].finish_reason == "length"
+        text = "".join(c.delta.content or "" for c in choices)
+        assert text == whole.choices[index].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+# ---- vLLM's extra routes and /metrics ---------------------------------------------------------
+
+
+def test_tokenize_detokenize_and_version(server, tokenizer) -> None:
+    from pipeline import __version__
+    from pipeline.serve.openai_api import chat_prompt
+    from tests.serve.conftest import CHAT_TEMPLATE
+
+    status, body = raw(server, "POST", "/tokenize", {"model": "tiny_hf0", "prompt": PROMPT})
+    ids = encode(tokenizer, PROMPT)
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 2048, "tokens": ids}
+    status, body = raw(server, "POST", "/detokenize", {"model": "tiny_hf0", "tokens": ids})
+    assert status == 200 and body == {"prompt": PROMPT}
+    messages = [{"role": "user", "content": "Hi"}]
+    for generation in (True, False):
+        request = {"messages": messages, "add_generation_prompt": generation}
+        status, body = raw(server, "POST", "/tokenize", request)
+        expected = encode(tokenizer, chat_prompt(messages, CHAT_TEMPLATE, generation))
+        assert status == 200 and body["tokens"] == expected
+    assert raw(server, "POST", "/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
+    status, body = raw(server, "POST", "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    assert raw(server, "GET", "/version") == (200, {"version": __version__})
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics by name and labels."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/metrics")
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("content-type").startswith("text/plain")
+    samples = {}
+    for family in parser.text_string_to_metric_families(response.read().decode()):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" not in sample.labels:
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_metrics_move_with_requests(server, client) -> None:
+    model = "model_name=tiny_hf0"
+    before = metrics(server)
+    assert before[f"pipe:num_requests_running{{{model}}}"] >= 0
+    assert f"pipe:num_requests_waiting{{{model}}}" in before
+    client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=5, temperature=0, n=2)
+    after = metrics(server)
+
+    def moved(name: str) -> float:
+        return after[f"{name}{{{model}}}"] - before.get(f"{name}{{{model}}}", 0)
+
+    success = f"pipe:request_success_total{{finished_reason=length,{model}}}"
+    assert after[success] - before.get(success, 0) == 2
+    assert moved("pipe:generation_tokens_total") == 10
+    assert moved("pipe:prompt_tokens_total") > 0
+    assert moved("pipe:time_to_first_token_seconds_count") == 2
+    assert moved("pipe:e2e_request_latency_seconds_count") == 2
+    assert moved("pipe:request_queue_time_seconds_count") == 2
+    assert moved("pipe:inter_token_latency_seconds_count") == 8
