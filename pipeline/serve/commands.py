@@ -53,21 +53,11 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
     click error."""
     import torch
 
-    from pipeline.core.parallel.process_group import (
-        NoCudaDevice,
-        choose_device,
-        launched_world_size,
-        rank_device,
-    )
+    from pipeline.core.parallel.process_group import launched_world_size, rank_device
     from pipeline.serve.loading import LoadError, open_generator
     from pipeline.serve.tensor_parallel import tensor_parallel_mesh
 
-    try:
-        chosen = choose_device(device)
-    except NoCudaDevice:
-        raise click.ClickException("--device cuda: no CUDA GPU is available here") from None
-    except RuntimeError:
-        raise click.BadParameter(f"--device {device!r}: use cpu, cuda, cuda:N or auto") from None
+    chosen = _device(device)
     torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     split = launched_world_size() > 1
     device = rank_device(chosen) if split else chosen
@@ -78,6 +68,21 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
         )
     except LoadError as error:
         raise click.ClickException(str(error)) from None
+
+
+def _device(device: str):
+    """The torch device `--device` names, or a one-line click error."""
+    from pipeline.core.parallel.process_group import NoCudaDevice, choose_device
+
+    try:
+        return choose_device(device)
+    except NoCudaDevice:
+        raise click.ClickException("--device cuda: no CUDA GPU is available here") from None
+    except RuntimeError:
+        raise click.BadParameter(f"--device {device!r}: use cpu, cuda, cuda:N or auto") from None
+
+
+_DTYPE_NAMES = {"auto": None, "fp32": "fp32", "bf16": "bf16"}
 
 
 @click.command()
@@ -150,41 +155,43 @@ def _sampling(options: dict[str, Any]):
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option(
-    "--max-batch",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Requests at once.",
-)
+    "--max-batch", type=click.IntRange(min=0), default=0, show_default=True,
+    help="Requests at once; 0: as many as the KV cache holds (up to 256).",
+)  # fmt: skip
 @click.option(
     "--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
-    help="Queued requests beyond which new ones get 503 + Retry-After.",
+    help="Requests in flight beyond the batch after which new ones get 503 + Retry-After.",
 )  # fmt: skip
 @click.option(
     "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
     help="Memory for the KV cache, in MB (how many tokens all requests together may hold).",
 )  # fmt: skip
 @click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option(
+    "--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+    help="Prompt tokens per engine step (longer prompts are split over steps).",
+)  # fmt: skip
 @click.option("--model-name", default=None, help="The name /v1/models reports.")
 def serve(checkpoint: Path, **options: Any) -> None:
-    """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn)."""
-    budget = options.pop("kv_cache_mb") * 2**20
+    """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
+    in a process of its own."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
         raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
-    gen = open_for_generation(
-        checkpoint, options.pop("tokenizer"), options.pop("device"), options.pop("dtype")
-    )
-    if gen.tokenizer is None:
-        raise click.ClickException(
-            f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
-        )
+    from pipeline.serve.engine_process import EngineSpec
+    from pipeline.serve.loading import LoadError
     from pipeline.serve.server import run_server
 
+    tokenizer = options.pop("tokenizer")
+    spec = EngineSpec(
+        checkpoint=str(checkpoint), tokenizer=None if tokenizer is None else str(tokenizer),
+        device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
+        kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
+        max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
+    )  # fmt: skip
     try:
-        run_server(gen, kv_cache_bytes=budget, **options)
-    except ValueError as error:
+        run_server(spec, **options)
+    except (LoadError, ValueError) as error:
         raise click.ClickException(str(error)) from None

@@ -45,6 +45,23 @@ class PromptTooLong(ValueError):
     """A request that can never fit the model's context or the cache (the message says why)."""
 
 
+def fit_problem(
+    prompt_tokens: int, max_new_tokens: int, max_context: int, block_size: int, num_blocks: int
+) -> str | None:
+    """Why a request can never run on an engine of these limits, or None if it can."""
+    if prompt_tokens == 0:
+        return "the prompt is empty (no tokens)"
+    total = prompt_tokens + max_new_tokens
+    if total > max_context:
+        return (
+            f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} "
+            f"exceeds the model's context of {max_context} tokens"
+        )
+    if -(-total // block_size) > num_blocks:
+        return f"{total} tokens do not fit the KV cache's {num_blocks * block_size} slots"
+    return None
+
+
 @dataclass(eq=False)  # a request is itself: compared by identity
 class Request:
     """One generation: its prompt, parameters and progress."""
@@ -127,16 +144,10 @@ class Engine:
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         """Queue a request; `QueueFull` over the bound, `PromptTooLong` if it can never fit."""
-        if not prompt:
-            raise PromptTooLong("the prompt is empty (no tokens)")
-        total = len(prompt) + params.max_new_tokens
-        if total > self.max_context:
-            raise PromptTooLong(
-                f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} "
-                f"exceeds the model's context of {self.max_context} tokens"
-            )
-        if self.cache.blocks_needed(total) > self.cache.num_blocks:
-            raise PromptTooLong(f"{total} tokens do not fit the KV cache's {self.capacity} slots")
+        problem = fit_problem(len(prompt), params.max_new_tokens, self.max_context,
+                              self.cache.block_size, self.cache.num_blocks)  # fmt: skip
+        if problem is not None:
+            raise PromptTooLong(problem)
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")

@@ -29,6 +29,7 @@ class Generator:
     name: str
     chat_template: str | None = None
     tp: int = 1  # tensor-parallel ranks the model is split over
+    tokenizer_path: Path | None = None  # where `tokenizer` was loaded from
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -84,7 +85,18 @@ def open_generator(
     tokenizer_path = tokenizer_path or recorded_tokenizer_dir(source.metadata.get("tokenizer"))
     tok = _tokenizer(tokenizer_path) if tokenizer_path is not None else None
     eos = _eos_ids(source.metadata, tok)
-    return Generator(model, tok, eos, path.name, _chat_template(tokenizer_path), tp)
+    template = _chat_template(tokenizer_path)
+    return Generator(model, tok, eos, path.name, template, tp, _path_or_none(tokenizer_path))
+
+
+def _path_or_none(path: str | Path | None) -> Path | None:
+    return None if path is None else Path(path)
+
+
+def open_tokenizer(path: str | Path) -> tuple[TextTokenizer, str | None]:
+    """The tokenizer at `path` and its chat template: what `pipe serve`'s HTTP process needs
+    while the model lives in the engine process."""
+    return _tokenizer(path), _chat_template(path)
 
 
 def dropless(model: Transformer) -> Transformer:

@@ -1,5 +1,7 @@
 """`pipe serve`: the engine behind an OpenAI-compatible HTTP API on FastAPI + uvicorn.
 
+The engine runs in its own process (`pipeline.serve.engine_process`); this process holds the HTTP
+server and an `EngineClient`, which hands requests over and turns the engine's tokens into text.
 Routes turn a body into prompt token ids and `SamplingParams` (`pipeline.serve.openai_api`),
 hand each (prompt, choice) to the engine client's `submit` and build the answer, whole or
 streamed, from the deltas that come back. A body asking for n choices of p prompts is p x n
@@ -12,7 +14,7 @@ malformed body (bad JSON, unknown fields, values out of range, a prompt too long
 with the field at fault as `param`, 404 for an unknown model or path, 405 for a wrong method. A
 client that disconnects has its requests aborted, which frees their batch slots and cache blocks
 at the next token boundary. On SIGTERM uvicorn stops accepting connections and waits for the
-requests in flight; then the engine stops.
+requests in flight; then the engine process is told to stop.
 
 Besides the OpenAI routes: vLLM's /tokenize, /detokenize and /version, Prometheus' /metrics and
 /health.
@@ -32,9 +34,10 @@ from dataclasses import dataclass, field
 
 from pipeline import __version__
 from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine_client import EngineClient
+from pipeline.serve.engine_process import EngineSpec, batch_for_cache
 from pipeline.serve.kv_cache import BlockKVCache
 from pipeline.serve.loading import Generator
-from pipeline.serve.local_client import LocalEngineClient
 from pipeline.serve.openai_api import (
     APIError,
     ChatBody,
@@ -91,8 +94,8 @@ class Generation:
         return sum(entry.token_logprob for entry in self.logprobs)
 
 
-def create_app(gen: Generator, engine: Engine, model_name: str):
-    """The FastAPI application serving `engine` (module docstring)."""
+def create_app(client: EngineClient, model_name: str):
+    """The FastAPI application serving the engine behind `client` (module docstring)."""
     from fastapi import FastAPI
     from fastapi import Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -101,21 +104,23 @@ def create_app(gen: Generator, engine: Engine, model_name: str):
 
     from pipeline.serve.metrics import ServeMetrics
 
-    client = LocalEngineClient(engine)
+    ready, tokenizer = client.ready, client.tokenizer
     metrics = ServeMetrics(model_name, lambda: client.load)
-    max_model_len = engine.max_context
-    token_budget = min(engine.max_context, engine.capacity)  # what max_tokens null may use
-    vocab_size = gen.model.config.vocab_size
+    max_model_len = ready.max_context
+    # what max_tokens null may use: a request reserves its whole length in the cache
+    token_budget = min(ready.max_context, ready.cache_blocks * ready.block_size)
+    vocab_size = ready.vocab_size
+    text_codec = Codec(tokenizer, client.chat_template, vocab_size)
     ids = itertools.count()
     started = int(time.time())
 
     @functools.lru_cache(maxsize=1 << 16)
     def token_text(token: int) -> str:
-        return gen.decode([token])
+        return tokenizer.decode([token])
 
     @asynccontextmanager
     async def lifespan(_app):
-        client.start()
+        client.attach(asyncio.get_running_loop())
         yield
         client.stop()
 
@@ -165,7 +170,7 @@ def create_app(gen: Generator, engine: Engine, model_name: str):
         for index, prompt in enumerate(prompts):
             for number in range(body.generations_per_prompt):
                 try:
-                    params = body.sampling(len(prompt), token_budget, gen.eos_ids, number)
+                    params = body.sampling(len(prompt), token_budget, ready.eos_ids, number)
                 except ValueError as error:
                     raise APIError(str(error)) from None
                 jobs.append(Job(index, number, prompt, params))
@@ -232,7 +237,7 @@ def create_app(gen: Generator, engine: Engine, model_name: str):
     async def completions(http: HTTPRequest, body: CompletionBody):
         check_model(body.model)
         body.check(vocab_size)
-        prompts = [encode_prompt(p, gen, vocab_size) for p in completion_prompts(body.prompt)]
+        prompts = [text_codec.prompt(p) for p in completion_prompts(body.prompt)]
         jobs = jobs_for(body, prompts)
         streams = submit(jobs, "prompt")
         ident = f"cmpl-{next(ids)}"
@@ -248,7 +253,7 @@ def create_app(gen: Generator, engine: Engine, model_name: str):
     async def chat_completions(http: HTTPRequest, body: ChatBody):
         check_model(body.model)
         body.check(vocab_size)
-        prompt = gen.encode(render_chat(body.messages, gen.chat_template))
+        prompt = text_codec.encode(text_codec.chat(body.messages))
         jobs = jobs_for(body, [prompt])
         streams = submit(jobs, "messages")
         ident = f"chatcmpl-{next(ids)}"
@@ -269,39 +274,47 @@ def create_app(gen: Generator, engine: Engine, model_name: str):
             text = body.prompt
         else:
             generation = body.add_generation_prompt is not False
-            text = render_chat(body.messages, gen.chat_template, generation)
-        tokens = gen.encode(text)
+            text = text_codec.chat(body.messages, generation)
+        tokens = text_codec.encode(text)
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
         check_model(body.model)
-        encode_prompt(body.tokens, gen, vocab_size, param="tokens")  # checks the ids
-        return {"prompt": gen.decode(body.tokens)}
+        text_codec.prompt(body.tokens, param="tokens")  # checks the ids
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
 
 
-def encode_prompt(prompt: str | list[int], gen: Generator, vocab_size: int, param="prompt"):
-    """A prompt's token ids: a text encoded, or ids checked against the vocabulary."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError("the prompt is empty", param=param)
-        return gen.encode(prompt)
-    bad = [t for t in prompt if t >= vocab_size]
-    if bad:
-        raise APIError(f"token id {bad[0]} is out of the vocabulary (0..{vocab_size - 1})",
-                       param=param)  # fmt: skip
-    return list(prompt)
+class Codec:
+    """Text and chat messages to token ids and back, with the tokenizer of the served model."""
 
+    def __init__(self, tokenizer, chat_template: str | None, vocab_size: int) -> None:
+        self.tokenizer, self.template, self.vocab_size = tokenizer, chat_template, vocab_size
 
-def render_chat(messages, template: str | None, add_generation_prompt: bool = True) -> str:
-    """The chat prompt text (a template's own error is a 400 naming it)."""
-    plain = template_messages(messages, template)
-    try:
-        return chat_prompt(plain, template, add_generation_prompt)
-    except Exception as error:  # noqa: BLE001 - a template's own error, reported as such
-        raise APIError(f"chat template: {error}", param="messages") from None
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode_batch([text])[0]
+
+    def prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """A prompt's token ids: a text encoded, or ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError("the prompt is empty", param=param)
+            return self.encode(prompt)
+        bad = [t for t in prompt if t >= self.vocab_size]
+        if bad:
+            limit = self.vocab_size - 1
+            raise APIError(f"token id {bad[0]} is out of the vocabulary (0..{limit})", param=param)
+        return list(prompt)
+
+    def chat(self, messages, add_generation_prompt: bool = True) -> str:
+        """The chat prompt text (a template's own error is a 400 naming it)."""
+        plain = template_messages(messages, self.template)
+        try:
+            return chat_prompt(plain, self.template, add_generation_prompt)
+        except Exception as error:  # noqa: BLE001 - a template's own error, reported as such
+            raise APIError(f"chat template: {error}", param="messages") from None
 
 
 def _abort(streams: list) -> None:
@@ -476,35 +489,27 @@ class ChatWriter:
             yield last
 
 
-def build_engine(gen: Generator, *, kv_cache_bytes: int, block_size: int, **limits) -> Engine:
-    """An engine whose KV cache fits `kv_cache_bytes`."""
+def build_engine(gen: Generator, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,
+                 **limits) -> Engine:  # fmt: skip
+    """An engine whose KV cache fits `kv_cache_bytes`; `max_batch` 0 sizes the batch from the
+    cache (`batch_for_cache`)."""
     param = next(gen.model.parameters())
     blocks = BlockKVCache.blocks_for_budget(gen.model.config, kv_cache_bytes, block_size,
                                             param.dtype, gen.tp)  # fmt: skip
     if blocks < 1:
         raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds not one block")
-    return Engine(gen.model, cache_blocks=blocks, block_size=block_size, decode=gen.decode,
-                  tp=gen.tp, **limits)  # fmt: skip
+    # No `decode`: the server process makes the text, off the engine's path.
+    return Engine(gen.model, cache_blocks=blocks, block_size=block_size, tp=gen.tp,
+                  max_batch=max_batch or batch_for_cache(blocks), **limits)  # fmt: skip
 
 
-def run_server(
-    gen: Generator,
-    *,
-    host: str,
-    port: int,
-    kv_cache_bytes: int,
-    block_size: int,
-    max_batch: int,
-    max_waiting: int,
-    prefill_chunk: int,
-    model_name: str | None,
-) -> None:
-    """Serve until SIGTERM / Ctrl-C, then drain the requests in flight and return."""
+def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
+               model_name: str | None) -> None:  # fmt: skip
+    """Load the model in the engine process, then serve until SIGTERM / Ctrl-C, drain the
+    requests in flight and return. `LoadError` if the model cannot be loaded."""
     import uvicorn
 
-    engine = build_engine(
-        gen, kv_cache_bytes=kv_cache_bytes, block_size=block_size, max_batch=max_batch,
-        max_waiting=max_waiting, prefill_chunk=prefill_chunk,
-    )  # fmt: skip
-    app = create_app(gen, engine, model_name or gen.name)
+    client = EngineClient(spec, max_waiting)
+    ready = client.start()
+    app = create_app(client, model_name or ready.name)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,249 @@
+"""The HTTP server's side of the engine process: submit requests, receive their tokens as text.
+
+`EngineClient` starts the engine process (`pipeline.serve.engine_process`), waits until the model
+is loaded, and then lives in the server's event loop. A reader thread turns each message of the
+engine (one per step, for the whole batch) into one callback on the loop, which appends each
+token to its request's `RequestStream`. The text is made when the stream's consumer asks for it:
+incremental detokenisation and stop strings run in the server process, off the engine's path,
+and a consumer slower than the engine gets every token that arrived meanwhile in one `Delta`
+(several tokens per streamed chunk instead of a growing backlog).
+
+Admission is checked here, with the limits the engine reported when it started: a prompt that
+can never fit is refused at once (`PromptTooLong`), and so is a request beyond the engine's batch
+plus `max_waiting` requests in flight (`QueueFull`: 503 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pipeline.serve.engine import PromptTooLong, QueueFull, fit_problem
+from pipeline.serve.engine_process import EngineSpec, Failed, Output, Ready, run_engine
+from pipeline.serve.loading import LoadError, open_tokenizer
+from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.text import TextStream
+
+
+class EngineFailed(RuntimeError):
+    """The engine process failed a step or died; the requests in flight are lost."""
+
+
+@dataclass
+class Delta:
+    """What one request gained since its consumer last looked."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list = field(default_factory=list)  # one per token, when the request asked
+    prompt_logprobs: object = None  # on the first delta, when the request asked
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+
+
+class RequestStream:
+    """One request's output, an async iterator of `Delta`s ending with the one that carries a
+    finish reason. `abort()` stops it (a client that went away)."""
+
+    def __init__(self, client: EngineClient, request_id: int, prompt: list[int],
+                 params: SamplingParams) -> None:  # fmt: skip
+        self.client, self.request_id, self.prompt, self.params = client, request_id, prompt, params
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._text = TextStream(client.tokenizer.decode, params.stop)
+        self._arrived: list[Output] = []
+        self._error: Exception | None = None
+        self._wake = asyncio.Event()
+        self._first = True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.finish_reason is not None and not self._arrived:
+            raise StopAsyncIteration
+        while not self._arrived and self._error is None:
+            self._wake.clear()
+            await self._wake.wait()
+        if self._error is not None:
+            self._close("abort")
+            raise self._error
+        arrived, self._arrived = self._arrived, []
+        return self._delta(arrived)
+
+    def abort(self) -> None:
+        """Stop the request now; its engine slot and cache blocks are freed at the next step."""
+        if self.finish_reason is None:
+            self.client._abort(self.request_id)
+            self._close("abort")
+
+    def _delta(self, arrived: list[Output]) -> Delta:
+        tokens, text, finish = [], "", None
+        for output in arrived:
+            tokens.append(output.token)
+            finish = output.finish_reason
+            if not (finish == "stop" and output.token in self.params.stop_token_ids):
+                text += self._text.push(output.token)
+            if self._text.stopped and finish is None:
+                finish = "stop"  # a stop string: the engine need not go on
+                self.client._abort(self.request_id)
+            if finish is not None:
+                text += self._text.finish()
+                break
+        self.completion_tokens += len(tokens)
+        delta = Delta(
+            tokens, text, [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],
+            arrived[0].prompt_logprobs if self._first else None, finish, len(self.prompt),
+            self.completion_tokens,
+        )  # fmt: skip
+        self._first = False
+        if finish is not None:
+            self._close(finish)
+        return delta
+
+    def _close(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.client._forget(self.request_id, reason)
+
+    def _receive(self, output: Output) -> None:
+        self._arrived.append(output)
+        self._wake.set()
+
+    def _fail(self, error: Exception) -> None:
+        self._error = error
+        self._wake.set()
+
+
+class EngineClient:
+    """The engine process seen from the HTTP server (module docstring)."""
+
+    def __init__(self, spec: EngineSpec, max_waiting: int) -> None:
+        self.spec = spec
+        self.max_waiting = max_waiting
+        self.finish_counts: Counter = Counter()
+        self._engine_running = 0  # as of the engine's last message
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._dead: Exception | None = None
+
+    # ---- process life -------------------------------------------------------------------------
+
+    def start(self) -> Ready:
+        """Start the engine process and wait for its model; `LoadError` if it cannot load."""
+        context = multiprocessing.get_context("spawn")  # fork would copy torch's threads
+        self._pipe, child = context.Pipe()
+        self.process = context.Process(target=run_engine, args=(self.spec, child),
+                                       name="pipe-engine", daemon=True)  # fmt: skip
+        self.process.start()
+        child.close()
+        try:
+            ready = self._pipe.recv()
+        except EOFError:
+            died = f"{self.spec.checkpoint}: the engine process died while loading"
+            raise LoadError(died) from None
+        if isinstance(ready, Failed):
+            self.process.join()
+            raise LoadError(ready.message)
+        self.ready: Ready = ready
+        if ready.tokenizer_path is None:
+            self.stop()
+            raise LoadError(
+                f"{self.spec.checkpoint}: no tokenizer recorded or found beside it; "
+                "pass --tokenizer DIR"
+            )
+        self.tokenizer, self.chat_template = open_tokenizer(ready.tokenizer_path)
+        return ready
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver the engine's messages on `loop` from now on."""
+        self._loop = loop
+        self._reader = threading.Thread(target=self._read, name="pipe-engine-reader", daemon=True)
+        self._reader.start()
+
+    def stop(self) -> None:
+        """Tell the engine process to exit and wait for it (the server has drained)."""
+        with contextlib.suppress(OSError, ValueError):  # already gone
+            self._pipe.send(("stop", None))
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+        self._pipe.close()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting): the requests in flight, those the engine last reported running
+        counted as running (an aborted request leaves both at once)."""
+        in_flight = len(self._streams)
+        running = min(self._engine_running, in_flight)
+        return running, in_flight - running
+
+    def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; `PromptTooLong` if it can never fit, `QueueFull` over capacity."""
+        if self._dead is not None:
+            raise self._dead
+        ready = self.ready
+        problem = fit_problem(len(prompt), params.max_new_tokens, ready.max_context,
+                              ready.block_size, ready.cache_blocks)  # fmt: skip
+        if problem is not None:
+            raise PromptTooLong(problem)
+        waiting = len(self._streams) - ready.max_batch
+        if waiting >= self.max_waiting:
+            raise QueueFull(f"{waiting} requests already waiting")
+        stream = RequestStream(self, next(self._ids), list(prompt), params)
+        self._streams[stream.request_id] = stream
+        self._pipe.send(("add", stream.request_id, stream.prompt, params))
+        return stream
+
+    def _abort(self, request_id: int) -> None:
+        if request_id in self._streams:
+            self._pipe.send(("abort", request_id))
+
+    def _forget(self, request_id: int, reason: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.finish_counts[reason] += 1
+
+    # ---- the engine's messages ---------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._pipe.recv()
+            except (EOFError, OSError):
+                self._loop.call_soon_threadsafe(self._fail_all, EngineFailed("the engine exited"))
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _dispatch(self, message: tuple) -> None:
+        kind, payload, *rest = message
+        if kind == "step":
+            for output in payload:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream._receive(output)
+            self._engine_running = rest[0][0]
+        elif kind == "load":
+            self._engine_running = payload[0]
+        elif kind == "rejected":
+            stream = self._streams.get(payload.request_id)
+            if stream is not None:
+                stream._fail(PromptTooLong(payload.message))
+        elif kind == "step_failed":
+            self._fail_all(EngineFailed(f"generation step failed: {payload}"), dead=False)
+
+    def _fail_all(self, error: Exception, dead: bool = True) -> None:
+        if dead:
+            self._dead = error
+        for stream in list(self._streams.values()):
+            stream._fail(error)

@@ -1,0 +1,187 @@
+"""The engine's own process: `pipe serve` runs the model where the HTTP server's interpreter lock
+cannot stall it.
+
+The process loads the model, builds the `Engine` and then loops: take every message waiting on
+its pipe (add a request, abort one, stop), run one `Engine.step`, send what the step produced as
+one message for the whole batch. Messages are small tuples of ints and plain dataclasses, so a
+step of 32 requests costs one pickle, not 32 thread hops. Text is not made here: token ids go out
+and the server process detokenises them and matches stop strings (`pipeline.serve.engine_client`)
+while the next step runs.
+
+The process ignores SIGINT and SIGTERM: the server drains its requests first, then tells the
+engine to stop; a server that dies closes the pipe, and the engine exits on that too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+log = logging.getLogger(__name__)
+MAX_AUTO_BATCH = 256  # vLLM's default max_num_seqs
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process needs: where the model is and how to size the engine.
+
+    max_batch 0 chooses it from the KV-cache budget (`batch_for_cache`)."""
+
+    checkpoint: str
+    tokenizer: str | None
+    device: str
+    dtype: str | None  # "fp32", "bf16" or None (the device's default)
+    kv_cache_bytes: int
+    block_size: int
+    max_batch: int
+    prefill_chunk: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The engine is loaded: what the server needs to know of it."""
+
+    name: str
+    tokenizer_path: str | None
+    eos_ids: frozenset[int]
+    max_context: int
+    cache_blocks: int
+    block_size: int
+    max_batch: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The model could not be loaded (one line naming the path)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Output:
+    """One token of one request in a step's message."""
+
+    request_id: int
+    token: int
+    finish_reason: str | None
+    logprobs: object = None
+    prompt_logprobs: object = None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused a request the server had let through (it should not happen: the
+    server checks the same limits first)."""
+
+    request_id: int
+    message: str
+
+
+def batch_for_cache(cache_blocks: int) -> int:
+    """The default number of requests at once: as many as the cache has blocks (each running
+    request holds at least one), up to `MAX_AUTO_BATCH`. Admission still waits for a request's
+    whole reservation, so the cache, not this number, is what bounds the batch."""
+    return max(1, min(MAX_AUTO_BATCH, cache_blocks))
+
+
+def run_engine(spec: EngineSpec, pipe: Connection) -> None:
+    """The engine process's body (module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    engine, ready = _load(spec)
+    pipe.send(ready)
+    if engine is None:
+        return
+    try:
+        _serve(engine, pipe)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the server is gone
+
+
+def _load(spec: EngineSpec):
+    import torch
+
+    from pipeline.serve.loading import LoadError, open_generator
+    from pipeline.serve.server import build_engine
+
+    dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
+    try:
+        gen = open_generator(spec.checkpoint, tokenizer=spec.tokenizer, device=spec.device,
+                             dtype=dtype)  # fmt: skip
+        engine = build_engine(
+            gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,
+            max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,
+        )  # fmt: skip
+    except (LoadError, ValueError) as error:
+        return None, Failed(str(error))
+    ready = Ready(
+        name=gen.name, tokenizer_path=gen.tokenizer_path and str(gen.tokenizer_path),
+        eos_ids=gen.eos_ids, max_context=engine.max_context, cache_blocks=engine.cache.num_blocks,
+        block_size=engine.cache.block_size, max_batch=engine.max_batch,
+        vocab_size=gen.model.config.vocab_size,
+    )  # fmt: skip
+    return engine, ready
+
+
+def _serve(engine, pipe: Connection) -> None:
+    requests = {}  # the server's request id -> the engine's Request
+    client_ids = {}  # and back
+    while True:
+        # Block while idle; while busy only take what has already arrived.
+        wait, handled = None if not engine.busy else 0, False
+        while pipe.poll(wait):
+            message = pipe.recv()
+            if message[0] == "stop":
+                return
+            _handle(engine, requests, client_ids, message, pipe)
+            wait, handled = 0, True
+        if engine.busy:
+            _step(engine, requests, client_ids, pipe)
+        elif handled:  # an abort while idle: the server's /health must see it
+            pipe.send(("load", engine.load))
+
+
+def _step(engine, requests: dict, client_ids: dict, pipe: Connection) -> None:
+    """One engine step, its tokens sent as one message."""
+    try:
+        events = engine.step()
+    except Exception as error:  # noqa: BLE001 - every waiting client must hear of it
+        log.exception("generation step failed")
+        engine.abort_all()
+        requests.clear()
+        client_ids.clear()
+        pipe.send(("step_failed", str(error)))
+        return
+    outputs = [_output(client_ids[event.request], event) for event in events]
+    pipe.send(("step", outputs, engine.load))
+    for event in events:
+        if event.finished:
+            requests.pop(client_ids.pop(event.request), None)
+
+
+def _handle(engine, requests: dict, client_ids: dict, message: tuple, pipe: Connection) -> None:
+    kind, request_id, *rest = message
+    if kind == "add":
+        prompt, params = rest
+        try:
+            request = engine.add(prompt, params)
+        except ValueError as error:  # PromptTooLong and bad values: the server checks first
+            pipe.send(("rejected", Rejected(request_id, str(error))))
+            return
+        requests[request_id] = request
+        client_ids[request] = request_id
+    elif kind == "abort":
+        request = requests.pop(request_id, None)
+        if request is not None:
+            client_ids.pop(request, None)
+            engine.abort(request)
+
+
+def _output(request_id: int, event) -> Output:
+    return Output(
+        request_id, event.token, event.request.finish_reason if event.finished else None,
+        getattr(event, "logprobs", None), getattr(event, "prompt_logprobs", None),
+    )  # fmt: skip

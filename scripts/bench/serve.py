@@ -1,0 +1,267 @@
+"""Serving speed: `pipe serve` under a bounded streamed load, against a second OpenAI-compatible
+server in the same run.
+
+Builds a small random Llama-shaped model with transformers (default: 8 layers, hidden 512, 8 heads
+over 4 kv heads, the Llama 2 tokenizer's 32,000 tokens, fp32) as a Hugging Face directory with
+its tokenizer, starts `pipe serve` on it with pipe's defaults, and, at each concurrency (1, 8 and
+32 by default), keeps that many streaming clients busy with completions of 64 new tokens on
+64-token prompts cut from the Linux documentation corpus (token-id prompts, so both servers see
+the same ids). It prints, per server and concurrency: streamed output tokens/s, time to first
+token and whole-request latency (p50, p90, p99), then pipe / other. Before the load, each server
+answers a few prompts greedily, and their texts are compared with each other and with
+transformers' `generate` on the same weights.
+
+The second server runs the same directory, started by you before the run, e.g. vLLM's CPU build
+(README, "Serving benchmark"):
+
+    python scripts/bench/serve.py --model-dir /tmp/serve-bench --build-only
+    VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server \\
+        --model /tmp/serve-bench --dtype float32 --port 8100 &
+    python scripts/bench/serve.py --model-dir /tmp/serve-bench --other http://127.0.0.1:8100
+
+Without `--other` only pipe is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+DATA = Path(os.environ.get("PIPE_BENCH_DATA", ROOT.parent / "shared" / "data"))
+
+
+def build_model(directory: Path, args: argparse.Namespace) -> None:
+    """A random Llama over the Llama 2 tokenizer, saved with the tokenizer files."""
+    import shutil
+
+    import torch
+
+    from pipeline.common.quiet import import_transformers
+
+    transformers = import_transformers()
+    tokenizer_dir = DATA / "tokenizers" / "llama2"
+    if not tokenizer_dir.is_dir():
+        raise SystemExit(f"{tokenizer_dir}: not found; set PIPE_BENCH_DATA to the data folder")
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # a random model whose greedy text is not one token repeated
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+
+
+def corpus_prompts(count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids, each from its own document of the Linux docs."""
+    import zstandard
+
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(DATA / "tokenizers" / "llama2")
+    prompts = []
+    with open(DATA / "corpus" / "linux_docs.jsonl.zst", "rb") as raw:
+        reader = zstandard.ZstdDecompressor().stream_reader(raw)
+        lines = iter(reader.read(64 * 2**20).decode("utf-8", "ignore").splitlines())
+        while len(prompts) < count:
+            ids = tokenizer.encode_batch([json.loads(next(lines))["text"]])[0]
+            if len(ids) >= length:
+                prompts.append(ids[:length])
+    return prompts
+
+
+def transformers_greedy(directory: Path, prompts: list[list[int]], new: int) -> list[str]:
+    import torch
+
+    from pipeline.common.quiet import import_transformers
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    transformers = import_transformers()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokenizer = load_tokenizer(directory)
+    texts = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                                 min_new_tokens=new, pad_token_id=0)  # fmt: skip
+        texts.append(tokenizer.decode(out[0, len(prompt) :].tolist()))
+    return texts
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], new: int) -> dict:
+    """One streamed completion: its first-token and total times, tokens and text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    start = time.perf_counter()
+    first, text, usage = None, [], None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: {response.status_code} {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(choice["text"])
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"] if usage else new
+    return {"ttft": (first or end) - start, "latency": end - start, "tokens": tokens,
+            "text": "".join(text)}  # fmt: skip
+
+
+async def load(url: str, model: str, prompts: list[list[int]], concurrency: int, new: int,
+               rounds: int) -> dict:  # fmt: skip
+    """`concurrency` clients, each sending `rounds` requests one after another."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        queue = [prompts[i % len(prompts)] for i in range(concurrency * rounds)]
+
+        async def worker(index: int) -> list[dict]:
+            return [await one_request(client, url, model, queue[j], new)
+                    for j in range(index, len(queue), concurrency)]  # fmt: skip
+
+        start = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*map(worker, range(concurrency))) for r in rs]
+        wall = time.perf_counter() - start
+    return summarise(results, wall)
+
+
+def summarise(results: list[dict], wall: float) -> dict:
+    def pct(values: list[float], q: int) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 \
+            else values[0]  # fmt: skip
+
+    ttft = [r["ttft"] for r in results]
+    latency = [r["latency"] for r in results]
+    return {
+        "requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall,
+        **{f"ttft_p{q}": pct(ttft, q) for q in (50, 90, 99)},
+        **{f"latency_p{q}": pct(latency, q) for q in (50, 90, 99)},
+    }  # fmt: skip
+
+
+async def greedy_texts(url: str, model: str, prompts: list[list[int]], new: int) -> list[str]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        return [(await one_request(client, url, model, p, new))["text"] for p in prompts]
+
+
+def model_name(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def start_pipe(directory: Path, port: int, log: Path) -> subprocess.Popen:
+    import httpx
+
+    args = [sys.executable, "-m", "pipeline", "serve", str(directory), "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(args, env=env, stderr=log.open("w"))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"pipe serve exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise SystemExit("pipe serve did not start in 300 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pipe-serve-bench"))
+    parser.add_argument("--build-only", action="store_true", help="write the model and stop")
+    parser.add_argument("--other", help="URL of the server to compare with (e.g. vLLM's)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per client")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+
+    if not (args.model_dir / "config.json").is_file():
+        args.model_dir.mkdir(parents=True, exist_ok=True)
+        build_model(args.model_dir, args)
+    if args.build_only:
+        print(f"model written to {args.model_dir}")
+        return
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    prompts = corpus_prompts(max(concurrencies) * args.rounds, args.prompt_len)
+    servers = {"pipe": f"http://127.0.0.1:{args.port}"}
+    if args.other:
+        servers["other"] = args.other.rstrip("/")
+    log = args.model_dir.parent / "pipe-serve-bench.log"
+    process = start_pipe(args.model_dir, args.port, log)
+    try:
+        report = run(servers, prompts, concurrencies, args)
+    finally:
+        process.terminate()
+        process.wait(60)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def run(servers: dict, prompts: list[list[int]], concurrencies: list[int], args) -> dict:
+    names = {label: model_name(url) for label, url in servers.items()}
+    checked = prompts[:4]
+    reference = transformers_greedy(args.model_dir, checked, args.new_tokens)
+    report = {"greedy_equal_to_transformers": {}, "runs": []}
+    for label, url in servers.items():
+        texts = asyncio.run(greedy_texts(url, names[label], checked, args.new_tokens))
+        equal = sum(a == b for a, b in zip(texts, reference))
+        report["greedy_equal_to_transformers"][label] = f"{equal}/{len(checked)}"
+        print(f"{label}: greedy text equal to transformers' on {equal}/{len(checked)} prompts")
+    for concurrency in concurrencies:
+        row = {"concurrency": concurrency}
+        for label, url in servers.items():
+            asyncio.run(load(url, names[label], prompts, concurrency, args.new_tokens, 1))  # warm
+            row[label] = asyncio.run(load(url, names[label], prompts, concurrency,
+                                          args.new_tokens, args.rounds))  # fmt: skip
+        report["runs"].append(row)
+        print_row(row)
+    return report
+
+
+def print_row(row: dict) -> None:
+    for label in ("pipe", "other"):
+        if label in row:
+            f = row[label]
+            print(f"c={row['concurrency']:>3} {label:>5}: {f['tok_s']:8.1f} tok/s | TTFT p50 "
+                  f"{f['ttft_p50'] * 1000:7.1f} ms p90 {f['ttft_p90'] * 1000:7.1f} p99 "
+                  f"{f['ttft_p99'] * 1000:7.1f} | latency p50 {f['latency_p50']:6.2f} s p90 "
+                  f"{f['latency_p90']:6.2f} p99 {f['latency_p99']:6.2f}")  # fmt: skip
+    if "other" in row:
+        pipe, other = row["pipe"], row["other"]
+        print(f"c={row['concurrency']:>3} pipe / other: tokens/s {pipe['tok_s'] / other['tok_s']:.2f}x"
+              f", TTFT p50 {pipe['ttft_p50'] / other['ttft_p50']:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
