@@ -45,6 +45,7 @@ class Delta:
     finish_reason: str | None = None  # "stop", "length", "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
+    queue_time: float | None = None  # seconds queued in the engine, on the first delta
 
 
 class RequestStream:
@@ -100,7 +101,7 @@ class RequestStream:
         delta = Delta(
             tokens, text, [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],
             arrived[0].prompt_logprobs if self._first else None, finish, len(self.prompt),
-            self.completion_tokens,
+            self.completion_tokens, arrived[0].queue_time if self._first else None,
         )  # fmt: skip
         self._first = False
         if finish is not None:

@@ -69,6 +69,7 @@ class Output:
     finish_reason: str | None
     logprobs: object = None
     prompt_logprobs: object = None
+    queue_time: float | None = None  # seconds the request waited for the batch, first token
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,10 @@ def _handle(engine, requests: dict, client_ids: dict, message: tuple, pipe: Conn
 
 
 def _output(request_id: int, event) -> Output:
+    request = event.request
+    first = len(request.output) == 1 and request.admitted is not None
     return Output(
-        request_id, event.token, event.request.finish_reason if event.finished else None,
+        request_id, event.token, request.finish_reason if event.finished else None,
         getattr(event, "logprobs", None), getattr(event, "prompt_logprobs", None),
+        request.admitted - request.arrived if first else None,
     )  # fmt: skip
