@@ -8,7 +8,7 @@ streamed, from the deltas that come back. A body asking for n choices of p promp
 engine requests (best_of: p x best_of, the n best kept); choice `i` of prompt `p` has index
 p * n + i, as OpenAI numbers them.
 
-Over capacity (every batch slot busy and `max_waiting` queued) a request gets 503 with
+Over capacity (the engine's batch full and `max_waiting` more in flight) a request gets 503 with
 Retry-After instead of a longer queue. Every error is OpenAI's `{"error": {...}}` body: 400 for a
 malformed body (bad JSON, unknown fields, values out of range, a prompt too long for the context)
 with the field at fault as `param`, 404 for an unknown model or path, 405 for a wrong method. A
