@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.serve.sampling import SamplingParams
+from pipeline.tokenizer.chat_template import ChatTemplate
 
 
 class _Body(BaseModel):
@@ -55,15 +56,15 @@ class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-def chat_prompt(messages: list[ChatMessage], template: str | None) -> str:
-    """The prompt text for `messages`, ending where the assistant's reply begins."""
+def chat_prompt(messages: list[ChatMessage], template: ChatTemplate | str | None) -> str:
+    """The prompt text for `messages`, ending where the assistant's reply begins; a template
+    that fails raises `ChatTemplateError` (one line, the client's 400)."""
     plain = [m.model_dump() for m in messages]
     if template is None:
         return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(messages=plain, add_generation_prompt=True)
+    if isinstance(template, str):
+        template = ChatTemplate.from_string(template)
+    return template.render(plain, add_generation_prompt=True).text
 
 
 def error_body(message: str, kind: str = "invalid_request_error") -> dict:
