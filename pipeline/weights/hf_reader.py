@@ -28,6 +28,7 @@ from pipeline.core.model.hf_names import (
     mtp_name,
     mtp_shared_copy,
 )
+from pipeline.tokenizer.tokenizer import directory_record
 from pipeline.weights.hf_config import (
     config_from_hf,
     dtype_from_hf,
@@ -59,7 +60,9 @@ class HFSource:
     embedding's when the config declares none), `bos_token_id` / `eos_token_id` when the
     config has them, and `generation_eos_token_id`: the end-of-turn ids of
     `generation_config.json` when it names any (an instruct model's `<|eot_id|>` or
-    `<|im_end|>`: transformers and vLLM stop generation on them as well as on the config's).
+    `<|im_end|>`: transformers and vLLM stop generation on them as well as on the config's),
+    and `tokenizer`: the tokenizer files beside the weights with their SHA-256, when there are
+    any, so a checkpoint converted from the directory still finds them.
     """
 
     def __init__(
@@ -88,6 +91,9 @@ class HFSource:
         generation_eos = _generation_eos_ids(self.directory / "generation_config.json")
         if generation_eos:
             self.metadata["generation_eos_token_id"] = generation_eos
+        tokenizer = directory_record(self.directory)
+        if tokenizer is not None:
+            self.metadata["tokenizer"] = tokenizer
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}

@@ -214,3 +214,51 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_others(llama) -> 
         tokens = [event.request for event in engine.step()]
         assert short in tokens  # one token for the decoding request every step
     assert long.computed == 40 and len(long.output) == 1
+
+
+def test_a_converted_checkpoint_keeps_its_tokenizer_and_end_of_turn_ids(
+    tmp_path, tiny_hf_dir
+) -> None:
+    """`pipe convert --from hf` records the tokenizer beside the weights and the end-of-turn
+    ids of generation_config.json, so the pipe checkpoint generates without `--tokenizer`."""
+    import json
+    import shutil
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_hf_dir, hf_dir)
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    run_pipe("convert", hf_dir, "--from", "hf", "--output", tmp_path / "ckpt")
+    from_hf, converted = open_generator(hf_dir), open_generator(tmp_path / "ckpt")
+    assert converted.tokenizer is not None and converted.chat_template is not None
+    assert {7, 9} <= converted.eos_ids == from_hf.eos_ids
+    assert converted.encode("hello there") == from_hf.encode("hello there")
+    result = run_pipe("generate", tmp_path / "ckpt", "--prompt", "hi", "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+
+    (hf_dir / "tokenizer.json").write_text("{}")  # changed since: not trusted any more
+    with pytest.warns(UserWarning, match="missing or changed"):
+        assert open_generator(tmp_path / "ckpt").tokenizer is None
+
+
+def test_a_template_with_bos_token_renders_it(tmp_path, tiny_hf_dir) -> None:
+    """The special tokens reach the template (Llama 3's starts with `{{ bos_token }}`)."""
+    import json
+    import shutil
+
+    from pipeline.serve.openai_api import ChatMessage, chat_prompt
+    from pipeline.tokenizer.chat_template import ChatTemplateError
+
+    shutil.copytree(tiny_hf_dir, tmp_path, dirs_exist_ok=True)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('no system turns') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    config_path.write_text(json.dumps(config))
+    gen = open_generator(tmp_path)
+    prompt = chat_prompt([ChatMessage(role="user", content="Hi")], gen.chat_template)
+    assert prompt == f"{config['bos_token']}Hi"
+    assert gen.encode(prompt)[0] == gen.tokenizer.encode_batch([config["bos_token"]])[0][0]
+    with pytest.raises(ChatTemplateError, match="^no system turns$"):
+        chat_prompt([ChatMessage(role="system", content="x")], gen.chat_template)
