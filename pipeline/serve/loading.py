@@ -4,7 +4,6 @@ directory, the tokenizer recorded with it (or given), and the token ids that end
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from pipeline.core.model.transformer import Transformer
+from pipeline.tokenizer.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from pipeline.tokenizer.tokenizer import TextTokenizer, load_tokenizer
 
 
@@ -27,7 +27,7 @@ class Generator:
     tokenizer: TextTokenizer | None
     eos_ids: frozenset[int]
     name: str
-    chat_template: str | None = None
+    chat_template: ChatTemplate | None = None
     tp: int = 1  # tensor-parallel ranks the model is split over
     tokenizer_path: Path | None = None  # where `tokenizer` was loaded from
 
@@ -136,17 +136,11 @@ def _eos_ids(metadata: dict[str, Any], tokenizer: TextTokenizer | None) -> froze
     return frozenset(ids | set(metadata.get("generation_eos_token_id", [])))
 
 
-def _chat_template(tokenizer_path: str | Path | None) -> str | None:
-    """The `chat_template` of the tokenizer_config.json beside the tokenizer, if any."""
+def _chat_template(tokenizer_path: str | Path | None) -> ChatTemplate | None:
+    """The chat template (with its special tokens) of the tokenizer at `tokenizer_path`, if any."""
     if tokenizer_path is None:
         return None
-    directory = Path(tokenizer_path)
-    directory = directory if directory.is_dir() else directory.parent
-    config = directory / "tokenizer_config.json"
-    if not config.is_file():
-        return None
     try:
-        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    return template if isinstance(template, str) else None
+        return load_chat_template(tokenizer_path)
+    except ChatTemplateError as error:
+        raise LoadError(str(error)) from None

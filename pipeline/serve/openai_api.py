@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.serve.sampling import SamplingParams
+from pipeline.tokenizer.chat_template import ChatTemplate
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -284,12 +285,15 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def template_messages(messages: Sequence[ChatMessage], template: str | None) -> list[dict]:
+def template_messages(messages: Sequence[ChatMessage], template: ChatTemplate | None) -> list[dict]:
     """Messages as the plain dicts a chat template reads: text content (text parts joined), and
     `name`, `tool_calls`, `tool_call_id` where given. A `developer` message is a `system` one
     unless the template names the developer role (OpenAI treats them alike for models that
     predate it)."""
-    developer = "developer" if template is not None and "developer" in template else "system"
+    names_developer = template is not None and any(
+        "developer" in source for source in template.templates.values()
+    )
+    developer = "developer" if names_developer else "system"
     plain = []
     for index, message in enumerate(messages):
         entry = {
@@ -320,19 +324,17 @@ def _text_content(content: str | list[dict] | None, index: int) -> str:
 
 
 def chat_prompt(
-    messages: list[dict], template: str | None, add_generation_prompt: bool = True
+    messages: list[dict], template: ChatTemplate | str | None, add_generation_prompt: bool = True
 ) -> str:
     """The prompt text for `messages` (plain dicts), ending where the assistant's reply begins
-    (or after the last message, without `add_generation_prompt`)."""
+    (or after the last message, without `add_generation_prompt`); a template that fails raises
+    `ChatTemplateError` (one line, the client's 400)."""
     if template is None:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant:" if add_generation_prompt else "")
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return environment.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt
-    )
+    if isinstance(template, str):
+        template = ChatTemplate.from_string(template)
+    return template.render(messages, add_generation_prompt=add_generation_prompt).text
 
 
 # ---- responses --------------------------------------------------------------------------------

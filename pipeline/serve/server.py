@@ -290,7 +290,7 @@ def create_app(client: EngineClient, model_name: str):
 class Codec:
     """Text and chat messages to token ids and back, with the tokenizer of the served model."""
 
-    def __init__(self, tokenizer, chat_template: str | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer, chat_template, vocab_size: int) -> None:
         self.tokenizer, self.template, self.vocab_size = tokenizer, chat_template, vocab_size
 
     def encode(self, text: str) -> list[int]:

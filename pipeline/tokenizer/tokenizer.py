@@ -139,6 +139,37 @@ def load_tokenizer(
     return tok
 
 
+# What a tokenizer directory holds that pipe reads: the vocabulary (one of the first three), the
+# special tokens, the chat template.
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_DIRECTORY_FILES = (
+    *_VOCABULARY_FILES,
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def directory_record(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """What a checkpoint records about the tokenizer files in `directory` (a Hugging Face
+    model's), without loading them: where they are and each file's size and SHA-256, in the
+    shape of a training run's record, so later commands find the same files again, or notice
+    they changed. None when the directory holds no vocabulary file."""
+    directory = Path(directory).resolve()
+    if not any((directory / name).is_file() for name in _VOCABULARY_FILES):
+        return None
+    files = [directory / name for name in _DIRECTORY_FILES if (directory / name).is_file()]
+    return {
+        "source": f"tokenizer:{directory}",
+        "fingerprint": {
+            "files": [
+                {"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files
+            ]
+        },
+    }
+
+
 # --------------------------------------------------------------------------------- loaders
 # Each returns the tokenizer (encoding with its reference library) and how to build gigatoken.
 

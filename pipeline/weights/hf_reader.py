@@ -28,11 +28,13 @@ from pipeline.core.model.hf_names import (
     mtp_name,
     mtp_shared_copy,
 )
+from pipeline.tokenizer.tokenizer import directory_record
 from pipeline.weights.hf_config import (
     config_from_hf,
     dtype_from_hf,
     hf_architecture,
 )
+from pipeline.weights.hf_quantized import fp8_layout, is_fp8
 from pipeline.weights.source import TensorInfo
 
 __all__ = ["HFSource"]
@@ -59,7 +61,13 @@ class HFSource:
     embedding's when the config declares none), `bos_token_id` / `eos_token_id` when the
     config has them, and `generation_eos_token_id`: the end-of-turn ids of
     `generation_config.json` when it names any (an instruct model's `<|eot_id|>` or
-    `<|im_end|>`: transformers and vLLM stop generation on them as well as on the config's).
+    `<|im_end|>`: transformers and vLLM stop generation on them as well as on the config's),
+    and `tokenizer`: the tokenizer files beside the weights with their SHA-256, when there are
+    any, so a checkpoint converted from the directory still finds them.
+
+    An FP8 checkpoint (ModelOpt's, or block FP8; `hf_quantized.py`) is read dequantized: its
+    float8 weights come back in fp32, scaled, its scales are not listed, and `quantization`
+    names the format; a quantization that cannot be dequantized is refused on opening.
     """
 
     def __init__(
@@ -88,6 +96,13 @@ class HFSource:
         generation_eos = _generation_eos_ids(self.directory / "generation_config.json")
         if generation_eos:
             self.metadata["generation_eos_token_id"] = generation_eos
+        tokenizer = directory_record(self.directory)
+        if tokenizer is not None:
+            self.metadata["tokenizer"] = tokenizer
+        self._fp8 = fp8_layout(self.directory, hf_config)
+        if self._fp8 is not None:
+            self.metadata["quantization"] = self._fp8.name
+        self._scales: dict[str, Path] = {}  # FP8 weight scales: HF name -> file
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}
@@ -172,6 +187,11 @@ class HFSource:
                     continue
                 if mtp_shared_copy(hf_name) is not None:
                     continue  # an MTP layer's copy of the shared embedding or output layer
+                if self._fp8 is not None and self._fp8.is_scale(hf_name):
+                    self._scales[hf_name] = path
+                    continue
+                if self._fp8 is not None and self._fp8.is_ignored(hf_name):
+                    continue
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
                     name, index = expert
@@ -205,10 +225,30 @@ class HFSource:
                 raise ValueError(f"{name}: experts differ in shape or dtype")
             self._locations[name] = [(parts[e][0], parts[e][1]) for e in expected]
             self._infos[name] = TensorInfo((len(expected), *first.shape), first.dtype)
+        self._dequantized_infos()
         if not self.model_config.tie_word_embeddings and "output.weight" not in self._infos:
             raise ValueError(
                 f"{self.directory}: no lm_head.weight and tie_word_embeddings is false"
             )
+
+    def _dequantized_infos(self) -> None:
+        """float8 weights are read dequantized, in fp32; each must have its scale."""
+        for name, info in self._infos.items():
+            if not is_fp8(info.dtype):
+                continue
+            hf_name = self._locations[name][0][1]
+            if self._fp8 is None:
+                raise ValueError(
+                    f"{self.directory}: {hf_name} is {info.dtype} but config.json declares "
+                    "no quantization_config"
+                )
+            for _, part in self._locations[name]:
+                if self._fp8.scale_name(part) not in self._scales:
+                    raise ValueError(
+                        f"{self.directory}: {part} is float8 but "
+                        f"{self._fp8.scale_name(part)} is missing"
+                    )
+            self._infos[name] = TensorInfo(info.shape, torch.float32)
 
     # -- TensorSource ------------------------------------------------------------------------
 
@@ -222,16 +262,23 @@ class HFSource:
             raise KeyError(f"{name!r} is not in {self.directory}")
         parts = []
         for path, hf_name in self._locations[name]:
-            handle = self._open(path)
-            try:
-                t = handle[hf_name] if self._pickled else handle.get_tensor(hf_name)
-            except SafetensorError as e:
-                raise ValueError(f"cannot read {hf_name} from {path}: {e}") from e
+            t = self._tensor(path, hf_name)
+            if is_fp8(t.dtype) and self._fp8 is not None:
+                scale_name = self._fp8.scale_name(hf_name)
+                scale = self._tensor(self._scales[scale_name], scale_name)
+                t = self._fp8.dequantize(t, scale, hf_name)
             parts.append(t)
         if len(parts) == 1:
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
             return parts[0].clone()
         return torch.stack(parts)
+
+    def _tensor(self, path: Path, hf_name: str) -> torch.Tensor:
+        handle = self._open(path)
+        try:
+            return handle[hf_name] if self._pickled else handle.get_tensor(hf_name)
+        except SafetensorError as e:
+            raise ValueError(f"cannot read {hf_name} from {path}: {e}") from e
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

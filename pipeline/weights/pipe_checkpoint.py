@@ -36,8 +36,15 @@ __all__ = [
 ]
 
 MODEL_PREFIX = "model."
-# Recorded so a Hugging Face export writes them back: architecture, dtype, bos/eos ids.
-_HF_KEYS = ("hf_architecture", "hf_dtype", "bos_token_id", "eos_token_id")
+# Recorded so a Hugging Face export writes them back (architecture, dtype, bos/eos ids) and
+# generation stops where the source's generation_config.json said.
+_HF_KEYS = (
+    "hf_architecture",
+    "hf_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "generation_eos_token_id",
+)
 
 
 class PipeCheckpointSource:

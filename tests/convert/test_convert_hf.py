@@ -231,3 +231,24 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, dtype, tmp_path) -> No
     assert hf_config_dict(back) == hf_config_dict(directory)
     assert transformers.AutoConfig.from_pretrained(back).dtype == dtype
     assert json.loads((back / "config.json").read_text())["torch_dtype"] == name
+
+
+def test_fp8_scales_per_tensor_per_channel_and_per_block() -> None:
+    """How each FP8 layout scales a float8 weight (`weights/hf_quantized.py`)."""
+    from pipeline.weights.hf_quantized import FP8Layout
+
+    weight = (torch.randn(5, 3) * 10).to(torch.float8_e4m3fn)
+    modelopt = FP8Layout("ModelOpt FP8", ".weight_scale")
+    per_tensor = modelopt.dequantize(weight, torch.tensor(0.5), "w")
+    assert torch.equal(per_tensor, weight.float() * 0.5)
+    channels = torch.arange(1.0, 6.0)
+    per_channel = modelopt.dequantize(weight, channels.reshape(5, 1), "w")
+    assert torch.equal(per_channel, weight.float() * channels[:, None])
+    with pytest.raises(ValueError, match="w: weight scale of shape \\(3,\\) fits neither"):
+        modelopt.dequantize(weight, torch.ones(3), "w")
+    blocks = FP8Layout("block FP8", ".weight_scale_inv", block=(2, 2))
+    grid = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # partial last row and column
+    expected = weight.float() * grid.repeat_interleave(2, 0)[:5].repeat_interleave(2, 1)[:, :3]
+    assert torch.equal(blocks.dequantize(weight, grid, "w"), expected)
+    with pytest.raises(ValueError, match="w: block scales \\(2, 2\\), expected \\(3, 2\\)"):
+        blocks.dequantize(weight, torch.ones(2, 2), "w")

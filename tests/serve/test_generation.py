@@ -214,3 +214,141 @@ def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_others(llama) -> 
         tokens = [event.request for event in engine.step()]
         assert short in tokens  # one token for the decoding request every step
     assert long.computed == 40 and len(long.output) == 1
+
+
+def test_a_converted_checkpoint_keeps_its_tokenizer_and_end_of_turn_ids(
+    tmp_path, tiny_hf_dir
+) -> None:
+    """`pipe convert --from hf` records the tokenizer beside the weights and the end-of-turn
+    ids of generation_config.json, so the pipe checkpoint generates without `--tokenizer`."""
+    import json
+    import shutil
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(tiny_hf_dir, hf_dir)
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    run_pipe("convert", hf_dir, "--from", "hf", "--output", tmp_path / "ckpt")
+    from_hf, converted = open_generator(hf_dir), open_generator(tmp_path / "ckpt")
+    assert converted.tokenizer is not None and converted.chat_template is not None
+    assert {7, 9} <= converted.eos_ids == from_hf.eos_ids
+    assert converted.encode("hello there") == from_hf.encode("hello there")
+    result = run_pipe("generate", tmp_path / "ckpt", "--prompt", "hi", "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+
+    (hf_dir / "tokenizer.json").write_text("{}")  # changed since: not trusted any more
+    with pytest.warns(UserWarning, match="missing or changed"):
+        assert open_generator(tmp_path / "ckpt").tokenizer is None
+
+
+def test_a_template_with_bos_token_renders_it(tmp_path, tiny_hf_dir) -> None:
+    """The special tokens reach the template (Llama 3's starts with `{{ bos_token }}`)."""
+    import json
+    import shutil
+
+    from pipeline.serve.openai_api import ChatMessage, chat_prompt
+    from pipeline.tokenizer.chat_template import ChatTemplateError
+
+    shutil.copytree(tiny_hf_dir, tmp_path, dirs_exist_ok=True)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('no system turns') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    config_path.write_text(json.dumps(config))
+    gen = open_generator(tmp_path)
+    prompt = chat_prompt([ChatMessage(role="user", content="Hi")], gen.chat_template)
+    assert prompt == f"{config['bos_token']}Hi"
+    assert gen.encode(prompt)[0] == gen.tokenizer.encode_batch([config["bos_token"]])[0][0]
+    with pytest.raises(ChatTemplateError, match="^no system turns$"):
+        chat_prompt([ChatMessage(role="system", content="x")], gen.chat_template)
+
+
+@pytest.fixture(scope="module")
+def modelopt_fp8_dir(tiny_hf_dir, tmp_path_factory) -> Path:
+    """The tiny model exported by pipe as ModelOpt FP8 (with an FP8 KV cache)."""
+    import numpy as np
+
+    from pipeline.data.indexed import IndexedDatasetWriter
+    from pipeline.export.options import ExportOptions
+    from pipeline.export.run import CalibrationSettings, run_export
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+    from tests.builders import SAMPLE_TEXTS
+
+    out = tmp_path_factory.mktemp("fp8") / "modelopt"
+    prefix = out.parent / "calibration_text_document"
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for ids in load_tokenizer(tiny_hf_dir).encode_batch(SAMPLE_TEXTS * 8):
+            writer.add_document(np.array(ids, dtype=np.uint16), [len(ids)])
+        writer.finalize()
+    options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
+    calibration = CalibrationSettings(prefix, size=4, seq_len=32)
+    run_export(tiny_hf_dir, out, options, calibration=calibration, verify="off", quiet=True)
+    return out
+
+
+def test_a_modelopt_fp8_export_generates_on_its_dequantized_weights(modelopt_fp8_dir) -> None:
+    """pipe's own FP8 export loads for generation: each float8 weight times its scale, the
+    activation and KV scales (an FP8 engine's business) left aside."""
+    from pipeline.export.modelopt_reader import ModelOptCheckpoint, our_names
+    from pipeline.weights.hf_config import config_from_hf
+    from pipeline.weights.model import model_from_source
+    from pipeline.weights.source import InMemorySource
+
+    checkpoint = ModelOptCheckpoint(modelopt_fp8_dir)
+    assert checkpoint.quantized and checkpoint.kv_cache  # the test covers FP8 weights and KV
+    weights = our_names(checkpoint.dequantized())
+    reference = model_from_source(InMemorySource(config_from_hf(checkpoint.config), weights))
+    gen = open_generator(modelopt_fp8_dir)
+    assert gen.tokenizer is not None
+    loaded = gen.model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+    params = SamplingParams(max_new_tokens=NEW, greedy=True)
+    ours = [r.output for r in Engine(gen.model).generate(PROMPTS, params)]
+    assert ours == [greedy_without_cache(reference, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    ("quantization", "named"),
+    [
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "ModelOpt NVFP4"),
+        ({"quant_method": "awq", "bits": 4}, "awq"),
+        ({"quant_method": "fp8"}, "fp8 without a weight_block_size"),
+    ],
+)
+def test_a_quantization_that_cannot_be_dequantized_is_refused(
+    quantization, named, tiny_hf_dir, tmp_path
+) -> None:
+    import json
+    import shutil
+
+    shutil.copytree(tiny_hf_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps(config | {"quantization_config": quantization})
+    )
+    with pytest.raises(LoadError, match=f"weights quantized as {named}, which pipe cannot") as e:
+        open_generator(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_block_fp8_export_generates_on_its_dequantized_weights(tmp_path) -> None:
+    """DeepSeek-V3's block FP8 (what `pipe export --fp8` writes for it): each 128 x 128 block
+    of a float8 weight times its scale, partial edge blocks included."""
+    from pipeline.export.block_fp8_reader import BlockFP8Checkpoint
+    from pipeline.export.options import ExportOptions
+    from pipeline.export.run import run_export
+
+    _hf_family("deepseek_v3", tmp_path / "hf")
+    out = tmp_path / "block_fp8"
+    options = ExportOptions(dtype="bfloat16", fp8=True)
+    run_export(tmp_path / "hf", out, options, verify="off", quiet=True)
+    reference = BlockFP8Checkpoint(out).model()
+    gen = open_generator(out)
+    loaded = gen.model.state_dict()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+    params = SamplingParams(max_new_tokens=NEW, greedy=True)
+    ours = [r.output for r in Engine(gen.model).generate(PROMPTS, params)]
+    assert ours == [greedy_without_cache(reference, p, NEW) for p in PROMPTS]

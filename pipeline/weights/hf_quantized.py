@@ -1,0 +1,121 @@
+"""FP8 Hugging Face checkpoints read back as plain weights: which quantization a directory
+declares, which of its tensors are scales, and each float8 weight dequantized.
+
+Two FP8 formats are read, the two `pipe export` writes (docs/file_layouts.md):
+- NVIDIA ModelOpt's (`quant_method: modelopt`, or only an `hf_quant_config.json`, with
+  `quant_algo` FP8): each quantized linear `M` has `M.weight_scale`, one fp32 scale for the
+  tensor, or one per output channel; weight = fp8 x scale. The activation scales
+  (`M.input_scale`) and KV-cache scales (`k_scale`, `v_scale`) matter only to an FP8 engine:
+  a model running in bf16 or fp32 ignores them.
+- The block format of DeepSeek-V3 and transformers' `quant_method: fp8`: `M.weight_scale_inv`,
+  one scale per `weight_block_size` block (the last row and column of blocks may be partial).
+
+Anything else that declares a quantization (NVFP4, INT4 AWQ, GPTQ, compressed-tensors, ...) is
+refused in one line naming it: its weights are not floats pipe can compute with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["FP8Layout", "fp8_layout", "is_fp8"]
+
+MODELOPT_QUANT_FILE = "hf_quant_config.json"
+_MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class FP8Layout:
+    """How a directory's float8 weights are scaled (see the module docstring)."""
+
+    name: str  # the format, in words: "ModelOpt FP8", "block FP8"
+    scale_suffix: str  # `M.weight` is scaled by `M{scale_suffix}`
+    ignored_suffixes: tuple[str, ...] = ()  # scales only an FP8 engine uses
+    block: tuple[int, int] | None = None  # rows x columns a block scale covers
+
+    def is_scale(self, hf_name: str) -> bool:
+        return hf_name.endswith(self.scale_suffix)
+
+    def is_ignored(self, hf_name: str) -> bool:
+        return hf_name.endswith(self.ignored_suffixes)
+
+    def scale_name(self, weight_name: str) -> str:
+        return weight_name.removesuffix(".weight") + self.scale_suffix
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+        """`weight` (float8) times its scale, in fp32; a scale of the wrong shape names
+        `name`."""
+        value, scale = weight.float(), scale.float()
+        if self.block is not None:
+            rows, cols = value.shape[-2:]
+            grid = (math.ceil(rows / self.block[0]), math.ceil(cols / self.block[1]))
+            if tuple(scale.shape) != grid:
+                raise ValueError(f"{name}: block scales {tuple(scale.shape)}, expected {grid}")
+            full = scale.repeat_interleave(self.block[0], 0).repeat_interleave(self.block[1], 1)
+            return value * full[:rows, :cols]
+        if scale.numel() == 1:
+            return value * scale.reshape(())
+        if scale.numel() == value.shape[0]:  # one per output channel
+            return value * scale.reshape(-1, *([1] * (value.dim() - 1)))
+        raise ValueError(
+            f"{name}: weight scale of shape {tuple(scale.shape)} fits neither the whole tensor "
+            f"nor each of its {value.shape[0]} output channels"
+        )
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is one of the float8 formats checkpoints store."""
+    return dtype in _FP8_DTYPES
+
+
+def fp8_layout(directory: Path, hf_config: dict[str, Any]) -> FP8Layout | None:
+    """The FP8 layout `directory` declares (config.json's `quantization_config`, else
+    ModelOpt's `hf_quant_config.json`); None when it declares no quantization. A quantization
+    pipe cannot dequantize is a ValueError naming it."""
+    config = hf_config.get("quantization_config")
+    nested = _modelopt_file(directory / MODELOPT_QUANT_FILE)
+    if config is None and nested is None:
+        return None
+    config = config if isinstance(config, dict) else {}
+    method = config.get("quant_method", "modelopt" if nested is not None else None)
+    if method == "modelopt":
+        algo = config.get("quant_algo") or (nested or {}).get("quant_algo")
+        if algo in _MODELOPT_FP8:
+            return FP8Layout(
+                "ModelOpt FP8", ".weight_scale", (".input_scale", ".k_scale", ".v_scale")
+            )
+        _refuse(directory, f"ModelOpt {algo}")
+    if method == "fp8":
+        block = config.get("weight_block_size")
+        if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
+            return FP8Layout("block FP8", ".weight_scale_inv", (".input_scale",), tuple(block))
+        _refuse(directory, "fp8 without a weight_block_size")
+    _refuse(directory, str(method))
+
+
+def _refuse(directory: Path, what: str) -> None:
+    raise ValueError(
+        f"{directory}: weights quantized as {what}, which pipe cannot turn back into floats "
+        "(it reads ModelOpt FP8 and block FP8); give it the unquantized model"
+    )
+
+
+def _modelopt_file(path: Path) -> dict[str, Any] | None:
+    """The `quantization` section of ModelOpt's hf_quant_config.json, None without the file."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable JSON file ({error})") from None
+    quantization = data.get("quantization") if isinstance(data, dict) else None
+    if not isinstance(quantization, dict):
+        raise ValueError(f"{path}: no quantization object")
+    return quantization
