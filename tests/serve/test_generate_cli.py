@@ -3,6 +3,7 @@ a Hugging Face directory and from a pipe checkpoint; bad input gets one line."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -67,7 +68,12 @@ def test_bad_input_gets_one_line(tiny_hf_dir, args, message) -> None:
 def test_a_directory_without_a_model_or_tokenizer(tiny_hf_dir, tmp_path) -> None:
     result = run_pipe("generate", tmp_path, "--prompt", "x", expect_ok=False)
     assert result.exit_code == 1 and str(tmp_path) in result.output
-    run_pipe("convert", tiny_hf_dir, "--from", "hf", "--output", tmp_path / "ckpt")
+    source = tmp_path / "hf"
+    shutil.copytree(tiny_hf_dir, source)
+    run_pipe("convert", source, "--from", "hf", "--output", tmp_path / "ckpt")
+    # convert recorded the tokenizer the directory holds: no --tokenizer needed
+    assert run_pipe("generate", tmp_path / "ckpt", "--prompt", "x").output.startswith("x")
+    (source / "tokenizer.json").unlink()  # the recorded tokenizer is gone
     result = run_pipe("generate", tmp_path / "ckpt", "--prompt", "x", expect_ok=False)
     assert "pass --tokenizer DIR" in result.output and result.output.count("\n") == 1
 
