@@ -171,6 +171,10 @@ def _sampling(options: dict[str, Any]):
     "--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
     help="Prompt tokens per engine step (longer prompts are split over steps).",
 )  # fmt: skip
+@click.option(
+    "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
+    help="CPU threads of the engine process; 0: every core but one (left to the HTTP server).",
+)  # fmt: skip
 @click.option("--model-name", default=None, help="The name /v1/models reports.")
 def serve(checkpoint: Path, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
@@ -190,6 +194,7 @@ def serve(checkpoint: Path, **options: Any) -> None:
         device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
         kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
         max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
+        threads=options.pop("engine_threads"),
     )  # fmt: skip
     try:
         run_server(spec, **options)

@@ -15,6 +15,7 @@ engine to stop; a server that dies closes the pipe, and the engine exits on that
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -37,6 +38,7 @@ class EngineSpec:
     block_size: int
     max_batch: int
     prefill_chunk: int
+    threads: int = 0  # CPU threads of the engine; 0: `engine_threads()`
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,22 @@ def batch_for_cache(cache_blocks: int) -> int:
     return max(1, min(MAX_AUTO_BATCH, cache_blocks))
 
 
+def engine_threads() -> int:
+    """The engine's CPU threads by default: every core this process may use but one, which is
+    left to the HTTP server. The engine's kernels split work evenly over their threads and wait
+    for the slowest, so one thread preempted by the server would stall all of them each step
+    (vLLM's CPU build reserves a core for its front end likewise)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) - 1)
+
+
 def run_engine(spec: EngineSpec, pipe: Connection) -> None:
     """The engine process's body (module docstring)."""
+    import torch
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads or engine_threads())
     engine, ready = _load(spec)
     pipe.send(ready)
     if engine is None:

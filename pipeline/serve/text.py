@@ -1,9 +1,12 @@
 """From generated token ids to text: incremental detokenisation and stop strings.
 
-Text is re-decoded from all of a request's ids at each token (a token's text can depend on its
-neighbours: byte-level pieces of one character, SentencePiece's leading space), and only what can
-no longer change is released: nothing that ends in an incomplete character, nothing that might be
-the start of a stop string.
+A token's text can depend on its neighbours (byte-level pieces of one character, SentencePiece's
+leading space), so each new token is decoded together with the few tokens before it: the text of
+ids[prefix:] minus the text of ids[prefix:read] is what the new tokens add, exact whatever the
+decoder does at the start of a sequence, and the window moves on once that text is complete. A
+token costs the decoding of a handful of ids, not of the whole output. Only what can no longer
+change is released: nothing that ends in an incomplete character, nothing that might be the start
+of a stop string.
 """
 
 from __future__ import annotations
@@ -22,24 +25,32 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False
+        self._complete = ""  # decoded and whole: released, or held for a stop string
+        self._prefix = 0  # ids[_prefix:_read] is the context decoded before the new ids
+        self._read = 0
+        self._prefix_text = ""
 
     def push(self, token: int) -> str:
         """Add a token; the newly released text (sets `stopped` at a stop string)."""
         self.ids.append(token)
-        full = self._decode(self.ids)
-        cut = self._stop_at(full)
+        window = self._decode(self.ids[self._prefix :])
+        if len(window) > len(self._prefix_text) and not window.endswith(_INCOMPLETE):
+            self._complete += window[len(self._prefix_text) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
+        cut = self._stop_at(self._complete)
         if cut is not None:
             self.stopped = True
-            return self._release(full[:cut])
-        safe = len(full.rstrip(_INCOMPLETE))
-        safe -= self._held_for_stop(full[:safe])
-        return self._release(full[:safe])
+            return self._release(self._complete[:cut])
+        safe = len(self._complete) - self._held_for_stop(self._complete)
+        return self._release(self._complete[:safe])
 
     def finish(self) -> str:
         """Everything not yet released (the request ended for another reason)."""
         if self.stopped:
             return ""
-        return self._release(self._decode(self.ids))
+        window = self._decode(self.ids[self._prefix :])
+        return self._release(self._complete + window[len(self._prefix_text) :])
 
     def _release(self, upto: str) -> str:
         if len(upto) <= len(self.text):

@@ -352,3 +352,29 @@ def test_a_block_fp8_export_generates_on_its_dequantized_weights(tmp_path) -> No
     params = SamplingParams(max_new_tokens=NEW, greedy=True)
     ours = [r.output for r in Engine(gen.model).generate(PROMPTS, params)]
     assert ours == [greedy_without_cache(reference, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["llama2", "llama3"])
+def test_incremental_text_equals_decoding_the_whole_output(name) -> None:
+    """Token by token, the released text adds up to the whole output decoded at once (byte
+    pieces of one character, SentencePiece's leading spaces), and a stop string cuts it exactly
+    where it first appears."""
+    from pipeline.serve.text import TextStream
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+    from tests.builders import shared_file
+
+    tokenizer = load_tokenizer(shared_file(f"tokenizers/{name}"))
+    text = "Grüße, naïve 東京 café — 한국어 ✓ and   spaced  words\n\ttabs 🙂 end"
+    ids = tokenizer.encode_batch([text])[0]
+    whole = tokenizer.decode(ids)
+    stream = TextStream(tokenizer.decode)
+    pieces = [stream.push(token) for token in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) + stream.finish() == whole
+    stop = TextStream(tokenizer.decode, stop=["한국"])
+    released = ""
+    for token in ids:
+        released += stop.push(token)
+        if stop.stopped:
+            break
+    assert stop.stopped and released == whole[: whole.index("한국")]
