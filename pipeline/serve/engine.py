@@ -215,11 +215,12 @@ class Engine:
         by a later step's admission)."""
         with self._lock:
             self._admit()
+            # one token left to run, generated or the prompt's last: a decode row (and only that)
             decoding = [(r, 1) for r in self._running if r.computed == len(r.tokens) - 1]
             prefill, budget = [], self.prefill_chunk
             for request in self._running:
                 left = len(request.prompt) - request.computed
-                if request.computed < len(request.prompt) and budget > 0:
+                if left > 1 and budget > 0:
                     prefill.append((request, min(left, budget)))
                     budget -= prefill[-1][1]
         events = []
