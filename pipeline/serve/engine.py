@@ -272,9 +272,11 @@ class Engine:
         found = {}
         for index, (request, new) in enumerate(rows):
             top = request.params.prompt_logprobs
+            if top is None:
+                continue
             start = request.computed
             targets = request.prompt[start + 1 : start + new + 1]  # position p predicts p + 1
-            if top is None or not targets:
+            if not targets:
                 continue
             logits = self.model.output(hidden[index, : len(targets)]).float()
             found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))

@@ -8,6 +8,7 @@ batch of rows, touching only the rows that ask, so plain requests take the plain
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -90,7 +91,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
-    @property
+    @functools.cached_property  # read for every row of every step
     def adjusts_logits(self) -> bool:
         """Whether a bias or penalty changes the logits before the choice."""
         return bool(
