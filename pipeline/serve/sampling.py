@@ -106,12 +106,13 @@ def _bias_pairs(bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> tupl
     """`logit_bias` as checked (token id, bias) pairs: ids >= 0 and distinct, bias in range."""
     pairs = bias.items() if isinstance(bias, Mapping) else bias
     out, seen = [], set()
-    for token, value in pairs:
+    for pair in pairs:
         try:
+            token, value = pair
             token, value = operator.index(token), float(value)
-        except TypeError:
+        except (TypeError, ValueError):
             raise BadSamplingValue(
-                f"logit_bias maps integer token ids to numbers, not {token!r}: {value!r}"
+                f"logit_bias maps integer token ids to numbers, not {pair!r}"
             ) from None
         if token < 0 or token in seen:
             raise BadSamplingValue(f"logit_bias token ids must be distinct and >= 0, not {token}")

@@ -235,7 +235,12 @@ def test_a_request_with_extras_and_plain_requests_do_not_affect_each_other(llama
         ({"logit_bias": {5: 101}}, "logit_bias of token 5 must be in \\[-100, 100\\], not 101"),
         ({"logit_bias": {-1: 1}}, "logit_bias token ids must be distinct and >= 0, not -1"),
         ({"logit_bias": ((3, 1.0), (3, 2.0))}, "must be distinct and >= 0, not 3"),
-        ({"logit_bias": {"5": 1}}, "logit_bias maps integer token ids to numbers"),
+        (
+            {"logit_bias": {"5": 1}},
+            "logit_bias maps integer token ids to numbers, not \\('5', 1\\)",
+        ),
+        ({"logit_bias": {5: "much"}}, "logit_bias maps integer token ids to numbers"),
+        ({"logit_bias": (5,)}, "logit_bias maps integer token ids to numbers, not 5"),
         ({"logprobs": 21}, "logprobs must be None or an integer in \\[0, 20\\], not 21"),
         ({"prompt_logprobs": -1}, "prompt_logprobs must be None or an integer in \\[0, 20\\]"),
         ({"logprobs": True}, "logprobs must be None or an integer"),
