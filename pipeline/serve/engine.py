@@ -6,7 +6,8 @@ running request never runs out of cache); they leave as soon as they finish or a
 their blocks return to the pool. Each `step` runs one token for every request already decoding,
 then spends at most `prefill_chunk` tokens on prompts (a long prompt is split over several
 steps, so it never stalls the requests already generating). Sampling is per request, with its
-own parameters and random generator.
+own parameters and random generator; logit biases, penalties and log-probabilities
+(`pipeline.serve.sampling.choose`) cost only the requests that ask for them.
 
 The engine is thread-safe: a server thread may `add` and `abort` while another thread calls
 `step` in a loop.
@@ -27,11 +28,11 @@ from pipeline.core.model.transformer import Transformer
 from pipeline.serve.decode import CachedBatch, forward_cached
 from pipeline.serve.kv_cache import BlockKVCache
 from pipeline.serve.sampling import (
+    BadSamplingValue,
     SamplingParams,
     TokenLogprobs,
-    adjust,
+    choose,
     make_generator,
-    sample,
     token_logprobs,
 )
 from pipeline.serve.text import TextStream
@@ -77,8 +78,10 @@ class Request:
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
     arrived: float = field(default_factory=time.monotonic)
-    admitted: float | None = None  # when it left the queue (time.monotonic)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    admitted: float | None = None  # when it left the queue for the batch (time.monotonic)
+    # with params.prompt_logprobs: each prompt token's, filled as the prompt is prefilled (None
+    # for the first token, which has no prefix)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -91,7 +94,11 @@ class Request:
 
 @dataclass(frozen=True)
 class Event:
-    """A request produced `token` (and released `text`); `finished` when it is done."""
+    """A request produced `token` (and released `text`); `finished` when it is done.
+
+    `logprobs`: the token's log-probabilities when the request asked (`params.logprobs`);
+    `prompt_logprobs`: the whole prompt's, on a request's first event when it asked
+    (`params.prompt_logprobs`; the first prompt token's is None)."""
 
     request: Request
     token: int
@@ -143,7 +150,9 @@ class Engine:
     # ---- requests in and out ----------------------------------------------------------------
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        """Queue a request; `QueueFull` over the bound, `PromptTooLong` if it can never fit."""
+        """Queue a request; `QueueFull` over the bound, `PromptTooLong` if it can never fit,
+        `BadSamplingValue` for a logit bias on a token outside the vocabulary."""
+        self._check_vocabulary(params)
         problem = fit_problem(len(prompt), params.max_new_tokens, self.max_context,
                               self.cache.block_size, self.cache.num_blocks)  # fmt: skip
         if problem is not None:
@@ -153,10 +162,20 @@ class Engine:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")
             request = Request(next(self._ids), list(prompt), params)
             request.generator = make_generator(params, self.device)
+            if params.prompt_logprobs is not None:
+                request.prompt_logprobs.append(None)
             if self._decode is not None:
                 request.text = TextStream(self._decode, params.stop)
             self._waiting.append(request)
         return request
+
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        vocab = self.model.config.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise BadSamplingValue(
+                f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab} tokens"
+            )
 
     def abort(self, request: Request) -> None:
         """Stop a request now (a client went away); its blocks return to the pool."""
@@ -210,11 +229,12 @@ class Engine:
         by a later step's admission)."""
         with self._lock:
             self._admit()
+            # one token left to run, generated or the prompt's last: a decode row (and only that)
             decoding = [(r, 1) for r in self._running if r.computed == len(r.tokens) - 1]
             prefill, budget = [], self.prefill_chunk
             for request in self._running:
                 left = len(request.prompt) - request.computed
-                if request.computed < len(request.prompt) and budget > 0:
+                if left > 1 and budget > 0:
                     prefill.append((request, min(left, budget)))
                     budget -= prefill[-1][1]
         events = []
@@ -241,34 +261,41 @@ class Engine:
         lengths = torch.tensor([n for _, n in rows], device=self.device)
         last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
         logits = self.model.output(last).float()
+        prompt_logprobs = self._prompt_logprobs(rows, hidden)
+        ready = [
+            i
+            for i, (request, new) in enumerate(rows)
+            if request.computed + new == len(request.tokens)
+        ]
+        if len(ready) < len(rows):
+            logits = logits[ready]
+        choices = dict(zip(ready, choose(logits, [rows[i][0] for i in ready])))
         events = []
         with self._lock:
             for index, (request, new) in enumerate(rows):
-                prompting = request.computed < len(request.prompt)
-                if prompting and request.params.prompt_logprobs is not None:
-                    self._prompt_logprobs(request, hidden[index, :new])
                 request.computed += new
-                if request.computed == len(request.tokens) and not request.finished:
-                    params = request.params
-                    row = adjust(logits[index], params, request.tokens, request.output)
-                    token = sample(row, params, request.generator)
-                    chosen = None
-                    if params.logprobs is not None:
-                        chosen = token_logprobs(logits[index], token, params.logprobs)
-                    events.append(self._emit(request, token, chosen))
+                request.prompt_logprobs += prompt_logprobs.get(index, ())
+                if index in choices and not request.finished:
+                    events.append(self._emit(request, *choices[index]))
         return events
 
-    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor) -> None:
-        """The logprobs of the prompt tokens after this chunk's positions."""
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = [None]
-        logits = self.model.output(hidden).float()
-        for offset in range(hidden.shape[0]):
-            position = request.computed + offset + 1
-            if position < len(request.prompt):
-                token = request.prompt[position]
-                entry = token_logprobs(logits[offset], token, request.params.prompt_logprobs)
-                request.prompt_logprobs.append(entry)
+    def _prompt_logprobs(
+        self, rows: list[tuple[Request, int]], hidden: torch.Tensor
+    ) -> dict[int, list[TokenLogprobs]]:
+        """The log-probabilities of the prompt tokens that this chunk's positions predict, for
+        the rows that ask (only their positions are projected to the vocabulary)."""
+        found = {}
+        for index, (request, new) in enumerate(rows):
+            top = request.params.prompt_logprobs
+            if top is None:
+                continue
+            start = request.computed
+            targets = request.prompt[start + 1 : start + new + 1]  # position p predicts p + 1
+            if not targets:
+                continue
+            logits = self.model.output(hidden[index, : len(targets)]).float()
+            found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))
+        return found
 
     def _batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
         new = max(n for _, n in rows)
@@ -288,8 +315,7 @@ class Engine:
         to = self.device
         return CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
 
-    def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> Event:
-        first = not request.output
+    def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None = None) -> Event:
         request.output.append(token)
         params, text = request.params, ""
         if token in params.stop_token_ids:
@@ -305,10 +331,10 @@ class Engine:
             if request.text is not None:
                 text += request.text.finish()
             self._finish(request, reason)
-        prompt = tuple(request.prompt_logprobs or ()) if first else None
-        if prompt is not None and request.params.prompt_logprobs is None:
-            prompt = None
-        return Event(request, token, text, reason is not None, logprobs, prompt)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and len(request.output) == 1:
+            prompt_logprobs = tuple(request.prompt_logprobs)
+        return Event(request, token, text, reason is not None, logprobs, prompt_logprobs)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

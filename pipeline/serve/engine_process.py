@@ -200,6 +200,6 @@ def _output(request_id: int, event) -> Output:
     first = len(request.output) == 1 and request.admitted is not None
     return Output(
         request_id, event.token, request.finish_reason if event.finished else None,
-        getattr(event, "logprobs", None), getattr(event, "prompt_logprobs", None),
+        event.logprobs, event.prompt_logprobs,
         request.admitted - request.arrived if first else None,
     )  # fmt: skip

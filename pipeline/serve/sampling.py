@@ -1,10 +1,19 @@
 """Choosing the next token: greedy, or temperature / top-k / top-p sampling from a request's own
-random generator, so a seed gives the same text whatever else shares the batch."""
+random generator, so a seed gives the same text whatever else shares the batch.
+
+Before the choice, a request may adjust its logits (logit bias, then repetition, frequency and
+presence penalties, in vLLM's order) and ask for log-probabilities (the model's raw log-softmax,
+before any adjustment or temperature, as vLLM reports them by default). `choose` does both for a
+batch of rows, touching only the rows that ask, so plain requests take the plain path."""
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -15,11 +24,32 @@ class BadSamplingValue(ValueError):
     """A sampling parameter out of range (the message names it)."""
 
 
+MAX_LOGPROBS = 20  # OpenAI's bound on the alternatives reported per token
+MAX_PENALTY = 2.0  # OpenAI's bound on presence and frequency penalties (either sign)
+MAX_BIAS = 100.0  # OpenAI's bound on a logit bias (either sign)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability under the model and the `top` most likely tokens at its
+    position, best first, as (token id, log-probability) pairs."""
+
+    token_logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates. temperature 0 (or `greedy`) takes the most likely token;
     top_k 0 and top_p 1 keep every token; `seed` None draws a fresh seed; generation stops after
-    `max_new_tokens`, at a token of `stop_token_ids` (EOS) or at any of the `stop` strings."""
+    `max_new_tokens`, at a token of `stop_token_ids` (EOS) or at any of the `stop` strings.
+
+    Penalties (OpenAI's and vLLM's meaning): `frequency_penalty` x count + `presence_penalty` x
+    (count > 0) is taken from a token's logit, count being how often the request has generated
+    it; `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
+    seen in the prompt or output. `logit_bias`: (token id, bias) pairs added to the logits (a
+    mapping is accepted and stored as pairs). `logprobs` / `prompt_logprobs`: report each
+    generated / prompt token's log-probability and that many most likely alternatives."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -47,43 +77,60 @@ class SamplingParams:
             raise BadSamplingValue(f"top_p must be in (0, 1], not {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise BadSamplingValue(f"seed must be in [0, 2**63), not {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise BadSamplingValue(f"{name} must be in [-2, 2], not {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise BadSamplingValue(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        for name in ("logprobs", "prompt_logprobs"):
+            _check_count(name, getattr(self, name))
 
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """A token's logprob and the best alternatives, (token id, logprob) best first."""
-
-    token_logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """`token`'s logprob under `logits` `[vocab]` and the `top` most likely tokens."""
-    logprobs = logits.float().log_softmax(-1)
-    values, ids = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0].long())
-    return TokenLogprobs(float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist())))
+    @functools.cached_property  # read for every row of every step
+    def adjusts_logits(self) -> bool:
+        """Whether a bias or penalty changes the logits before the choice."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+        )
 
 
-def adjust(logits: torch.Tensor, params: SamplingParams, tokens: list[int], output: list[int]):
-    """Logits after the penalties (repetition over all tokens, presence and frequency over the
-    output) and the logit bias."""
-    logits = logits.float().clone()
-    if params.repetition_penalty != 1.0 and tokens:
-        seen = torch.tensor(sorted(set(tokens)), device=logits.device)
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)  # fmt: skip
-    if (params.presence_penalty or params.frequency_penalty) and output:
-        counts = torch.bincount(torch.tensor(output, device=logits.device),
-                                minlength=logits.numel()).float()  # fmt: skip
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    for token, bias in params.logit_bias:
-        logits[token] += bias
-    return logits
+def _bias_pairs(bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> tuple:
+    """`logit_bias` as checked (token id, bias) pairs: ids >= 0 and distinct, bias in range."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    out, seen = [], set()
+    for pair in pairs:
+        try:
+            token, value = pair
+            token, value = operator.index(token), float(value)
+        except (TypeError, ValueError):
+            raise BadSamplingValue(
+                f"logit_bias maps integer token ids to numbers, not {pair!r}"
+            ) from None
+        if token < 0 or token in seen:
+            raise BadSamplingValue(f"logit_bias token ids must be distinct and >= 0, not {token}")
+        if not (math.isfinite(value) and -MAX_BIAS <= value <= MAX_BIAS):
+            raise BadSamplingValue(
+                f"logit_bias of token {token} must be in [-100, 100], not {value}"
+            )
+        seen.add(token)
+        out.append((token, value))
+    return tuple(out)
+
+
+def _check_count(name: str, value: int | None) -> None:
+    """`logprobs` and `prompt_logprobs`: None (off) or an int in [0, MAX_LOGPROBS]."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadSamplingValue(f"{name} must be None or an integer in [0, 20], not {value!r}")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -114,3 +161,117 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(drop, -math.inf)
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Row(Protocol):
+    """What `choose` reads of a request (the engine's `Request` is one)."""
+
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]
+    generator: torch.Generator | None
+
+
+def choose(logits: torch.Tensor, rows: Sequence[Row]) -> list[tuple[int, TokenLogprobs | None]]:
+    """The next token of each row of `logits` `[rows, vocab]` (modified in place), with its
+    log-probabilities for rows that ask. Only rows whose parameters adjust the logits or want
+    log-probabilities pay for it; the others are sampled from their logits as they are."""
+    asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    raw = logits[asking].log_softmax(-1) if asking else None  # before any adjustment
+    adjusting = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
+    if adjusting:
+        logits[adjusting] = adjust_logits(logits[adjusting], [rows[i] for i in adjusting])
+    tokens = [sample(logits[i], row.params, row.generator) for i, row in enumerate(rows)]
+    chosen: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw is not None:
+        found = token_logprobs(
+            raw, [tokens[i] for i in asking], [rows[i].params.logprobs for i in asking]
+        )
+        for i, logprobs in zip(asking, found):
+            chosen[i] = logprobs
+    return list(zip(tokens, chosen))
+
+
+def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """`logits` `[rows, vocab]` (float) after each row's logit bias, repetition penalty, then
+    frequency and presence penalties (vLLM's order)."""
+    logits = _add_bias(logits, [row.params.logit_bias for row in rows])
+    penalties = [row.params.repetition_penalty for row in rows]
+    if any(p != 1 for p in penalties):
+        seen = _token_counts([row.prompt + row.output for row in rows], logits) > 0
+        logits = repetition_penalized(logits, seen, penalties)
+    frequency = [row.params.frequency_penalty for row in rows]
+    presence = [row.params.presence_penalty for row in rows]
+    if any(frequency) or any(presence):
+        counts = _token_counts([row.output for row in rows], logits)
+        logits = count_penalized(logits, counts, frequency, presence)
+    return logits
+
+
+def repetition_penalized(
+    logits: torch.Tensor, seen: torch.Tensor, penalties: Sequence[float]
+) -> torch.Tensor:
+    """A seen token's logit divided by its row's penalty when positive, else multiplied by it
+    (transformers' `RepetitionPenaltyLogitsProcessor`, per row)."""
+    penalty = _column(penalties, logits)
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def count_penalized(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    frequency: Sequence[float],
+    presence: Sequence[float],
+) -> torch.Tensor:
+    """logits - frequency x count - presence x (count > 0), per row (OpenAI's penalties)."""
+    return logits - _column(frequency, logits) * counts - _column(presence, logits) * (counts > 0)
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """One value per row, `[rows, 1]`, to broadcast over the vocabulary."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _add_bias(
+    logits: torch.Tensor, biases: Sequence[tuple[tuple[int, float], ...]]
+) -> torch.Tensor:
+    rows = [i for i, bias in enumerate(biases) for _ in bias]
+    if not rows:
+        return logits
+    ids = [token for bias in biases for token, _ in bias]
+    values = [value for bias in biases for _, value in bias]
+    to = {"device": logits.device}
+    index = (torch.tensor(rows, **to), torch.tensor(ids, **to))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, **to), accumulate=True)
+
+
+def _token_counts(sequences: Sequence[list[int]], like: torch.Tensor) -> torch.Tensor:
+    """`[rows, vocab]` (like `like`): how often each token occurs in each row's sequence."""
+    counts = torch.zeros_like(like)
+    rows = [i for i, tokens in enumerate(sequences) for _ in tokens]
+    if rows:
+        index = (
+            torch.tensor(rows, device=like.device),
+            torch.tensor([t for tokens in sequences for t in tokens], device=like.device),
+        )
+        counts.index_put_(index, torch.ones(len(rows), dtype=like.dtype, device=like.device), True)
+    return counts
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]
+) -> list[TokenLogprobs]:
+    """For each row of `logprobs` `[rows, vocab]`: `tokens[i]`'s log-probability and the
+    `tops[i]` most likely tokens (read back to the host in one go)."""
+    index = torch.tensor(tokens, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    width = min(max(tops, default=0), logprobs.shape[-1])
+    if width == 0:
+        return [TokenLogprobs(value) for value in chosen]
+    values, ids = logprobs.topk(width, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprobs(value, tuple(zip(ids[i][:top], values[i][:top])))
+        for i, (value, top) in enumerate(zip(chosen, tops))
+    ]

@@ -378,3 +378,23 @@ def test_incremental_text_equals_decoding_the_whole_output(name) -> None:
         if stop.stopped:
             break
     assert stop.stopped and released == whole[: whole.index("한국")]
+
+
+def test_a_prompts_last_token_runs_once(llama) -> None:
+    """A one-token prompt, or a prompt's last token left alone by the chunking, runs once: in
+    the decode rows, not again as prefill (which, for a request aborted mid-step, would find no
+    token to run)."""
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    engine = Engine(llama, block_size=4, prefill_chunk=3)
+    one, four = engine.add([90], params), engine.add([4, 3, 2, 1], params)
+    assert [event.request for event in engine.step()] == [one]  # and 3 of four's 4 tokens
+    assert [event.request for event in engine.step()] == [one, four]
+
+    class AbortingMidStep(Engine):
+        def _advance(self, rows):
+            self.abort(rows[0][0])  # as a server thread may, while the step runs
+            return super()._advance(rows)
+
+    engine = AbortingMidStep(llama)
+    request = engine.add([90], params)
+    assert engine.step() == [] and request.finish_reason == "abort"
