@@ -173,7 +173,7 @@ def _sampling(options: dict[str, Any]):
 )  # fmt: skip
 @click.option(
     "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
-    help="CPU threads of the engine process; 0: every core but one (left to the HTTP server).",
+    help="CPU threads of the engine process; 0: every core (fewer leave cores to the server).",
 )  # fmt: skip
 @click.option("--model-name", default=None, help="The name /v1/models reports.")
 def serve(checkpoint: Path, **options: Any) -> None:

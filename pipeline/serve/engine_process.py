@@ -91,12 +91,13 @@ def batch_for_cache(cache_blocks: int) -> int:
 
 
 def engine_threads() -> int:
-    """The engine's CPU threads by default: every core this process may use but one, which is
-    left to the HTTP server. The engine's kernels split work evenly over their threads and wait
-    for the slowest, so one thread preempted by the server would stall all of them each step
-    (vLLM's CPU build reserves a core for its front end likewise)."""
+    """The engine's CPU threads by default: every core this process may use. On a CPU a decode
+    step is bound by reading the weights, and a second core nearly halves it (8.0 ms against 14.6
+    ms a step on the serving benchmark's model at batch 1, two cores against one), far more than
+    the HTTP process's share of a core costs it. `--engine-threads` sets fewer, to leave cores
+    to the server (vLLM's CPU build reserves one for its front end)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) - 1)
+    return max(1, cores or 1)
 
 
 def run_engine(spec: EngineSpec, pipe: Connection) -> None:
@@ -119,6 +120,7 @@ def run_engine(spec: EngineSpec, pipe: Connection) -> None:
 def _load(spec: EngineSpec):
     import torch
 
+    from pipeline.serve.cpu_linear import prepack_linears
     from pipeline.serve.loading import LoadError, open_generator
     from pipeline.serve.server import build_engine
 
@@ -126,6 +128,7 @@ def _load(spec: EngineSpec):
     try:
         gen = open_generator(spec.checkpoint, tokenizer=spec.tokenizer, device=spec.device,
                              dtype=dtype)  # fmt: skip
+        prepack_linears(gen.model)
         engine = build_engine(
             gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,
             max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,

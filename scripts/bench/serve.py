@@ -104,8 +104,8 @@ def transformers_greedy(directory: Path, prompts: list[list[int]], new: int) -> 
 
 async def one_request(client, url: str, model: str, prompt: list[int], new: int) -> dict:
     """One streamed completion: its first-token and total times, tokens and text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
     start = time.perf_counter()
     first, text, usage = None, [], None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -173,10 +173,10 @@ def model_name(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def start_pipe(directory: Path, port: int, log: Path) -> subprocess.Popen:
+def start_pipe(directory: Path, port: int, log: Path, extra: list[str]) -> subprocess.Popen:
     import httpx
 
-    args = [sys.executable, "-m", "pipeline", "serve", str(directory), "--port", str(port)]
+    args = [sys.executable, "-m", "pipeline", "serve", str(directory), "--port", str(port), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(args, env=env, stderr=log.open("w"))
     deadline = time.monotonic() + 300
@@ -203,6 +203,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--pipe-args", default="", help="more `pipe serve` options (default: none)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
 
@@ -218,7 +219,7 @@ def main() -> None:
     if args.other:
         servers["other"] = args.other.rstrip("/")
     log = args.model_dir.parent / "pipe-serve-bench.log"
-    process = start_pipe(args.model_dir, args.port, log)
+    process = start_pipe(args.model_dir, args.port, log, args.pipe_args.split())
     try:
         report = run(servers, prompts, concurrencies, args)
     finally:
@@ -259,8 +260,10 @@ def print_row(row: dict) -> None:
                   f"{f['latency_p90']:6.2f} p99 {f['latency_p99']:6.2f}")  # fmt: skip
     if "other" in row:
         pipe, other = row["pipe"], row["other"]
-        print(f"c={row['concurrency']:>3} pipe / other: tokens/s {pipe['tok_s'] / other['tok_s']:.2f}x"
-              f", TTFT p50 {pipe['ttft_p50'] / other['ttft_p50']:.2f}x")  # fmt: skip
+        speed, ttft = pipe["tok_s"] / other["tok_s"], pipe["ttft_p50"] / other["ttft_p50"]
+        print(
+            f"c={row['concurrency']:>3} pipe / other: tokens/s {speed:.2f}x, TTFT p50 {ttft:.2f}x"
+        )
 
 
 if __name__ == "__main__":
