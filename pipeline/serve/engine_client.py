@@ -167,8 +167,10 @@ class EngineClient:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Deliver the engine's messages on `loop` from now on."""
         self._loop = loop
-        self._reader = threading.Thread(target=self._read, name="pipe-engine-reader", daemon=True)
-        self._reader.start()
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read, name="pipe-engine-reader",
+                                            daemon=True)  # fmt: skip
+            self._reader.start()
 
     def stop(self) -> None:
         """Tell the engine process to exit and wait for it (the server has drained)."""
@@ -222,9 +224,13 @@ class EngineClient:
             try:
                 message = self._pipe.recv()
             except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._fail_all, EngineFailed("the engine exited"))
+                message = ("exited", None)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:  # the server's event loop is closed: nobody is listening
                 return
-            self._loop.call_soon_threadsafe(self._dispatch, message)
+            if message[0] == "exited":
+                return
 
     def _dispatch(self, message: tuple) -> None:
         kind, payload, *rest = message
@@ -240,6 +246,8 @@ class EngineClient:
             stream = self._streams.get(payload.request_id)
             if stream is not None:
                 stream._fail(PromptTooLong(payload.message))
+        elif kind == "exited":
+            self._fail_all(EngineFailed("the engine process exited"))
         elif kind == "step_failed":
             self._fail_all(EngineFailed(f"generation step failed: {payload}"), dead=False)
 

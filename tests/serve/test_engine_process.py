@@ -1,0 +1,111 @@
+"""The engine in its own process, seen through `EngineClient`: the same tokens as the engine run
+in this process, several tokens in one delta for a consumer slower than the engine, admission
+refused at once, and a model that cannot load named in one line. Also the CPU linears packed
+for oneDNN, against `nn.Linear`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.serve.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
+from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine_client import EngineClient
+from pipeline.serve.engine_process import EngineSpec
+from pipeline.serve.loading import LoadError, open_generator
+from pipeline.serve.sampling import SamplingParams
+
+PROMPT = [5, 17, 3, 40, 2, 71]
+NEW = 24
+
+
+def _spec(directory, **changes) -> EngineSpec:
+    spec = EngineSpec(
+        checkpoint=str(directory), tokenizer=None, device="cpu", dtype=None,
+        kv_cache_bytes=2**20, block_size=8, max_batch=2, prefill_chunk=64, threads=1,
+    )  # fmt: skip
+    return dataclasses.replace(spec, **changes)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_hf_dir):
+    client = EngineClient(_spec(tiny_hf_dir), max_waiting=1)
+    client.start()
+    yield client
+    client.stop()
+
+
+def _in_process_tokens(directory, params: SamplingParams) -> list[int]:
+    model = open_generator(directory).model
+    engine = Engine(model, max_batch=1, cache_blocks=16, block_size=8)
+    return engine.generate([PROMPT], params)[0].output
+
+
+def test_a_slow_consumer_gets_what_arrived_in_one_delta(client, tiny_hf_dir) -> None:
+    params = SamplingParams(max_new_tokens=NEW, greedy=True)
+
+    async def consume():
+        client.attach(asyncio.get_running_loop())
+        stream = client.submit(PROMPT, params)
+        await asyncio.sleep(1.0)  # the engine runs ahead (24 tokens of a tiny model: ~50 ms)
+        return [delta async for delta in stream]
+
+    deltas = asyncio.run(consume())
+    tokens = [t for delta in deltas for t in delta.token_ids]
+    assert len(deltas) < NEW and deltas[-1].finish_reason == "length"  # several per delta
+    assert tokens == _in_process_tokens(tiny_hf_dir, params)
+    assert "".join(delta.text for delta in deltas) == client.tokenizer.decode(tokens)
+    assert deltas[-1].completion_tokens == NEW and deltas[-1].prompt_tokens == len(PROMPT)
+    assert client.finish_counts["length"] >= 1
+
+
+def test_admission_is_refused_at_once(client) -> None:
+    async def submit_three():
+        client.attach(asyncio.get_running_loop())
+        with pytest.raises(PromptTooLong, match="context"):
+            client.submit(PROMPT, SamplingParams(max_new_tokens=10**6))
+        params = SamplingParams(max_new_tokens=200, greedy=True)
+        streams = [client.submit(PROMPT, params) for _ in range(3)]  # batch 2 + 1 waiting
+        with pytest.raises(QueueFull, match="waiting"):
+            client.submit(PROMPT, params)
+        for stream in streams:
+            stream.abort()
+        return streams
+
+    streams = asyncio.run(submit_three())
+    assert all(stream.finish_reason == "abort" for stream in streams)
+
+
+def test_a_checkpoint_that_cannot_load_is_one_line(tmp_path) -> None:
+    client = EngineClient(_spec(tmp_path / "missing"), max_waiting=1)
+    with pytest.raises(LoadError, match="missing: no such checkpoint"):
+        client.start()
+    assert not client.process.is_alive()
+
+
+@pytest.mark.skipif(not can_prepack(nn.Linear(2, 2)), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (7, 48), (3, 5, 48)])
+def test_a_prepacked_linear_equals_nn_linear(shape) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80)
+    packed = PrepackedLinear(linear)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert packed.weight is linear.weight  # what the rest of the model reads is unchanged
+
+
+@pytest.mark.skipif(not can_prepack(nn.Linear(2, 2)), reason="no oneDNN in this torch")
+def test_a_prepacked_model_generates_the_same_tokens(tiny_hf_dir) -> None:
+    params = SamplingParams(max_new_tokens=NEW, greedy=True)
+    model = open_generator(tiny_hf_dir).model
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert prepack_linears(model) == linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    engine = Engine(model, max_batch=2, cache_blocks=16, block_size=8)
+    packed = engine.generate([PROMPT, PROMPT[:3]], params)
+    assert packed[0].output == _in_process_tokens(tiny_hf_dir, params)
+    assert prepack_linears(model.to(torch.bfloat16)) == 0  # fp32 only
