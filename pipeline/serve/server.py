@@ -233,6 +233,15 @@ def create_app(client: EngineClient, model_name: str):
                  "root": model_name, "max_model_len": max_model_len}  # fmt: skip
         return {"object": "list", "data": [entry]}
 
+    async def respond(http: HTTPRequest, stream: bool, writer, ident: str, jobs, streams):
+        """The answer, as server-sent events or whole (None if the client went away)."""
+        if stream:
+            return sse(writer.chunks(ident, model_name, jobs, streams))
+        generations = await gathered(http, jobs, streams)
+        if generations is None:
+            return disconnected()
+        return writer.whole(ident, model_name, generations)
+
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
         check_model(body.model)
@@ -242,12 +251,7 @@ def create_app(client: EngineClient, model_name: str):
         streams = submit(jobs, "prompt")
         ident = f"cmpl-{next(ids)}"
         writer = CompletionWriter(body, prompts, token_text)
-        if body.stream:
-            return sse(writer.chunks(ident, model_name, jobs, streams))
-        generations = await gathered(http, jobs, streams)
-        if generations is None:
-            return disconnected()
-        return writer.whole(ident, model_name, generations)
+        return await respond(http, body.stream, writer, ident, jobs, streams)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
@@ -258,12 +262,7 @@ def create_app(client: EngineClient, model_name: str):
         streams = submit(jobs, "messages")
         ident = f"chatcmpl-{next(ids)}"
         writer = ChatWriter(body, len(prompt), token_text)
-        if body.stream:
-            return sse(writer.chunks(ident, model_name, jobs, streams))
-        generations = await gathered(http, jobs, streams)
-        if generations is None:
-            return disconnected()
-        return writer.whole(ident, model_name, generations)
+        return await respond(http, body.stream, writer, ident, jobs, streams)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
