@@ -165,7 +165,7 @@ class Engine:
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs.append(None)
             if self._decode is not None:
-                request.text = TextStream(self._decode, params.stop)
+                request.text = TextStream(self._decode, params.stop, context=prompt)
             self._waiting.append(request)
         return request
 

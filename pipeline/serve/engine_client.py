@@ -57,7 +57,7 @@ class RequestStream:
         self.client, self.request_id, self.prompt, self.params = client, request_id, prompt, params
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._text = TextStream(client.tokenizer.decode, params.stop)
+        self._text = TextStream(client.tokenizer.decode, params.stop, context=prompt)
         self._arrived: list[Output] = []
         self._error: Exception | None = None
         self._wake = asyncio.Event()

@@ -14,21 +14,33 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 _INCOMPLETE = "\ufffd"  # what decoders give for a partial UTF-8 sequence
+CONTEXT_IDS = 5  # prompt ids decoded before the first output token
 
 
 class TextStream:
     """The text of one request's output, released piece by piece (module docstring)."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: Sequence[str] = (),
+        context: Sequence[int] = (),
+    ) -> None:
+        """`context`: the ids before the output (the prompt's last few), so that the first
+        token's text is what it adds after them: a SentencePiece word keeps its leading space,
+        and prompt + output text is the whole text (vLLM's rule too)."""
         self._decode = decode
         self._stop = [s for s in stop if s]
-        self.ids: list[int] = []
+        context = list(context[-CONTEXT_IDS:]) if context else []
+        if decode(context).endswith(_INCOMPLETE):
+            context = []  # the prompt ends inside a character: no clean seam to start from
+        self.ids: list[int] = context
         self.text = ""  # released so far
         self.stopped = False
         self._complete = ""  # decoded and whole: released, or held for a stop string
         self._prefix = 0  # ids[_prefix:_read] is the context decoded before the new ids
-        self._read = 0
-        self._prefix_text = ""
+        self._read = len(context)
+        self._prefix_text = decode(context) if context else ""
 
     def push(self, token: int) -> str:
         """Add a token; the newly released text (sets `stopped` at a stop string)."""

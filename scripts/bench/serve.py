@@ -99,7 +99,8 @@ def transformers_greedy(directory: Path, prompts: list[list[int]], new: int) -> 
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
                                  min_new_tokens=new, pad_token_id=0)  # fmt: skip
-        texts.append(tokenizer.decode(out[0, len(prompt) :].tolist()))
+        # the continuation's text: what the new tokens add after the prompt (a leading space)
+        texts.append(tokenizer.decode(out[0].tolist())[len(tokenizer.decode(prompt)) :])
     return texts
 
 

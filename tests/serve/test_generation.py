@@ -398,3 +398,22 @@ def test_a_prompts_last_token_runs_once(llama) -> None:
     engine = AbortingMidStep(llama)
     request = engine.add([90], params)
     assert engine.step() == [] and request.finish_reason == "abort"
+
+
+def test_the_output_text_continues_the_prompt() -> None:
+    """Decoded after the prompt's last ids, the first token keeps what it adds to the text (a
+    SentencePiece word's leading space): prompt text + output text is the whole text."""
+    from pipeline.serve.text import TextStream
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+    from tests.builders import shared_file
+
+    tokenizer = load_tokenizer(shared_file("tokenizers/llama2"))
+    ids = tokenizer.encode_batch(["The quick brown fox jumps over the lazy dog, café 東京"])[0]
+    for cut in range(1, len(ids)):
+        prompt, output = ids[:cut], ids[cut:]
+        stream = TextStream(tokenizer.decode, context=prompt)
+        text = "".join(stream.push(token) for token in output) + stream.finish()
+        whole, before = tokenizer.decode(ids), tokenizer.decode(prompt)
+        if not before.endswith("\ufffd"):
+            assert text == whole[len(before) :], cut
+    assert TextStream(tokenizer.decode, context=ids[:3]).push(ids[3]).startswith(" ")
