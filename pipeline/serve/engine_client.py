@@ -182,6 +182,11 @@ class EngineClient:
             self.process.join(10)
         self._pipe.close()
 
+    @property
+    def failure(self) -> Exception | None:
+        """Why the engine process is gone (None while it runs)."""
+        return self._dead
+
     # ---- requests ----------------------------------------------------------------------------
 
     @property

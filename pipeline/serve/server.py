@@ -217,6 +217,9 @@ def create_app(client: EngineClient, model_name: str):
     async def health():
         running, waiting = client.load
         finished = dict(client.finish_counts)
+        if client.failure is not None:  # a load balancer must stop sending requests here
+            body = {"status": "failed", "error": str(client.failure), "finished": finished}
+            return JSONResponse(body, status_code=503)
         return {"status": "ok", "running": running, "waiting": waiting, "finished": finished}
 
     @app.get("/version")

@@ -243,3 +243,19 @@ def test_sigterm_drains_then_exits(tiny_hf_dir, tmp_path) -> None:
         assert server.process.wait(30) in (0, -signal.SIGTERM)
     finally:
         server.stop()
+
+
+def test_an_engine_that_dies_is_reported_not_hidden(tiny_hf_dir, tmp_path) -> None:
+    """The engine process killed: /health answers 503 (a load balancer stops sending), and a
+    request gets an error body instead of hanging."""
+    server = Server(tiny_hf_dir, tmp_path / "stderr.txt")
+    try:
+        children = psutil.Process(server.process.pid).children()
+        (engine,) = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        engine.kill()
+        assert _wait_for(lambda: server.get("/health")[0] == 503), server.get("/health")
+        assert server.get("/health")[1]["status"] == "failed"
+        status, _, answer = server.post("/v1/completions", {"prompt": "x", "max_tokens": 4})
+        assert status >= 500 and "engine" in answer["error"]["message"]
+    finally:
+        server.stop()
