@@ -187,7 +187,8 @@ class Trainer:
         if not (t.sample_prompts and t.sample_interval):
             return None
         path = sample_tokenizer_path(self.cfg.data.tokenizer, self.tokenizer.fingerprint)
-        return TrainingSamples(t.sample_prompts, path, t.sample_tokens)
+        chat = self.cfg.data.kind == "sft"
+        return TrainingSamples(t.sample_prompts, path, t.sample_tokens, chat=chat)
 
     def log_samples(self) -> dict[str, str]:
         """Greedy continuations of `training.sample_prompts`, logged with split "sample"."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
 from pipeline.data.sft_packing import first_fit_decreasing
 from pipeline.train.config import ConfigError
 from pipeline.train.config_loader import resolve_config
+from pipeline.train.samples import TrainingSamples
 from tests.builders import layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed
 
@@ -277,6 +279,7 @@ TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>"
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}"
     "{% endgeneration %}{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -304,14 +307,28 @@ def _rendered_chat(tokenizer_dir: Path, prefix: Path, long: int) -> str:
     return write_chat(prefix, conversations, len(tokenizer))
 
 
+def _chat_tokenizer(tokenizer_dir: Path, directory: Path) -> Path:
+    """A copy of the tiny tokenizer with `TEMPLATE` as its chat template."""
+    shutil.copytree(tokenizer_dir, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    return directory
+
+
 def test_pipe_train_sft_tiny(tmp_path: Path, tiny_tokenizer_dir: Path, caplog) -> None:
-    prefix = _rendered_chat(tiny_tokenizer_dir, tmp_path / "chat_messages_document", long=3)
+    tokenizer = _chat_tokenizer(tiny_tokenizer_dir, tmp_path / "tok")
+    prefix = _rendered_chat(tokenizer, tmp_path / "chat_messages_document", long=3)
     run_dir = tmp_path / "run"
+    prompt = "what is two plus two?"
     with caplog.at_level(logging.WARNING, logger="pipeline.train"):
         run_pipe(
             "train", "--recipe", "tiny_sft", "--sft", "--data", prefix, "--device", "cpu",
             "--iters", 30, "--seq-length", 128, "--run-dir", run_dir,
             "--set", "training.eval_interval=15", "--set", "model.vocab_size=640",
+            "--set", f"data.tokenizer={tokenizer}",
+            "--set", f'training.sample_prompts=["{prompt}"]',
+            "--set", "training.sample_interval=30", "--set", "training.sample_tokens=8",
         )  # fmt: skip
     assert "dropped conversations longer than 128 tokens: 3 in train;" in caplog.text
     losses = [r["loss"] for r in records(run_dir).values()]
@@ -322,3 +339,12 @@ def test_pipe_train_sft_tiny(tmp_path: Path, tiny_tokenizer_dir: Path, caplog) -
         (run_dir / "checkpoints" / "iter_0000030" / "pipe_metadata.json").read_text()
     )
     assert saved["metadata"]["data"]["kind"] == "sft"
+    # The sample prompt was asked as a user's turn, rendered as transformers renders it.
+    assert records(run_dir, "sample")[30]["sample_0"].startswith(prompt + "\n")
+    samples = TrainingSamples([prompt], tokenizer, 4, chat=True)
+    hf = pytest.importorskip("transformers").PreTrainedTokenizerFast.from_pretrained(str(tokenizer))
+    messages = [{"role": "user", "content": prompt}]
+    expected = hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    assert samples.encoded == [list(expected["input_ids"])] and hf.eos_token_id in samples.ends
