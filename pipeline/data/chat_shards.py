@@ -3,7 +3,7 @@
 `pipe preprocess --chat` writes two parallel Megatron indexed datasets per output prefix, one
 document (one sequence) per conversation: the token ids in `{prefix}_messages_document` and, in
 `{prefix}_messages_loss_mask_document`, one uint8 per token, 1 where the token belongs to an
-assistant message (docs/file_layouts.md, "Chat shards"). `ChatIndexedDataset` opens both and
+assistant message (docs/file_layouts.md, "SFT samples"). `ChatIndexedDataset` opens both and
 refuses a pair whose sequence lengths differ, so a sample never pairs tokens with another
 conversation's mask.
 """
