@@ -183,6 +183,15 @@ def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
     assert loss_mask_prefix("out/x_messages_document") == "out/x_messages_loss_mask_document"
     with pytest.raises(ConfigError, match="data.kind = sft .* mock data has none"):
         resolve_config("tiny_sft", ["data.mock=true"])
+    # Data without its loss mask (pre-training shards) is refused in one line.
+    plain = write_chat(tmp_path / "b_messages_document", hand_made([5, 6], 50), 50)
+    for path in Path(loss_mask_prefix(plain)).parent.glob("b_messages_loss_mask_document.*"):
+        path.unlink()
+    result = run_pipe("train", "--recipe", "tiny_sft", "--data", plain, "--device", "cpu",
+                      "--run-dir", tmp_path / "run", expect_ok=False)  # fmt: skip
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "b_messages_loss_mask_document.idx: no such file" in result.output
+    assert "SFT data needs the loss mask beside the tokens" in result.output
 
 
 # ---- the loss against transformers -----------------------------------------------------------
