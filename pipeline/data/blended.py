@@ -4,7 +4,7 @@
 as megatron-core's `BlendedMegatronDatasetBuilder` does (docs/file_layouts.md, "Training samples"):
 each prefix becomes a `GPTDataset` sized with Megatron's target/buffer rule, and a
 `BlendedDataset` interleaves them with Megatron's deterministic greedy schedule
-(`blending_indices`).
+(`blending_indices`). SFT runs blend `SFTDataset`s (packed conversations) the same way.
 What a run will read from each dataset, before running it, is `blend_description.py`.
 """
 
@@ -248,30 +248,9 @@ def build_datasets(
     prefixes = all_prefixes(data)
     check_prefixes_exist(prefixes)
     check_compatible(prefixes)
-    kind = _Kind(dataset_class)
     if isinstance(data, Blend):
-        return _build_from_one_blend(data, config, sizes, mid_level_dataset_surplus, kind)
-    return _build_per_split(data, config, sizes, mid_level_dataset_surplus, kind)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Kind:
-    """How one prefix becomes its split datasets: the low-level reader and the dataset class."""
-
-    cls: type
-
-    def build(
-        self,
-        prefix: str,
-        config: GPTDatasetConfig,
-        num_samples: Sequence[int | None],
-        matrix: Sequence[tuple[float, float] | None],
-    ) -> list[Any]:
-        if self.cls is SFTDataset:
-            low_level: Any = ChatIndexedDataset(prefix)
-        else:
-            low_level = IndexedDataset(prefix)
-        return build_splits(low_level, prefix, config, num_samples, list(matrix), self.cls)
+        return _build_from_one_blend(data, config, sizes, mid_level_dataset_surplus, dataset_class)
+    return _build_per_split(data, config, sizes, mid_level_dataset_surplus, dataset_class)
 
 
 def _check_sizes(sizes: Sequence[int | None]) -> list[int | None]:
@@ -285,7 +264,7 @@ def _check_sizes(sizes: Sequence[int | None]) -> list[int | None]:
 
 
 def _build_from_one_blend(
-    blend: Blend, config: GPTDatasetConfig, sizes: list[int | None], surplus: float, kind: _Kind
+    blend: Blend, config: GPTDatasetConfig, sizes: list[int | None], surplus: float, cls: type
 ) -> list[Dataset | None]:
     """All splits from one blend and `config.split`."""
     matrix = config.split_matrix
@@ -293,7 +272,7 @@ def _build_from_one_blend(
         raise ValueError("a blend with config.split None: give a split (e.g. '969,30,1')")
     prefixes = [normalize_prefix(p) for p in blend.prefixes]
     if len(prefixes) == 1 and blend.weights is None:
-        return kind.build(prefixes[0], config, sizes, matrix)
+        return _build_prefix_splits(prefixes[0], config, sizes, matrix, cls)
     weights = None if blend.weights is None else normalize_weights(blend.weights)
     if weights is None:
         buffers: list[list[int | None]] = [[None] * 3 for _ in prefixes]
@@ -312,7 +291,8 @@ def _build_from_one_blend(
         targets = [list(t) for t in zip(*(p[0] for p in per_split))]
         buffers = [list(b) for b in zip(*(p[1] for p in per_split))]
     built = [
-        kind.build(prefix, config, buffer, matrix) for prefix, buffer in zip(prefixes, buffers)
+        _build_prefix_splits(prefix, config, buffer, matrix, cls)
+        for prefix, buffer in zip(prefixes, buffers)
     ]
     result: list[Dataset | None] = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -332,7 +312,7 @@ def _build_per_split(
     config: GPTDatasetConfig,
     sizes: list[int | None],
     surplus: float,
-    kind: _Kind,
+    cls: type,
 ) -> list[Dataset | None]:
     """Each split from its own blend, using the whole of each dataset.
 
@@ -351,7 +331,7 @@ def _build_per_split(
         if len(prefixes) == 1:
             only = [0, 0, 0]
             only[i] = sizes[i]
-            result.append(kind.build(prefixes[0], config, only, matrix)[i])
+            result.append(_build_prefix_splits(prefixes[0], config, only, matrix, cls)[i])
             continue
         weights = None if blend.weights is None else normalize_weights(blend.weights)
         targets: list[int] | None = None
@@ -365,9 +345,22 @@ def _build_per_split(
         for prefix, buffer in zip(prefixes, buffers):
             wanted: list[int | None] = [0, 0, 0]
             wanted[i] = buffer
-            members.append(kind.build(prefix, config, wanted, matrix)[i])
+            members.append(_build_prefix_splits(prefix, config, wanted, matrix, cls)[i])
         result.append(_blend_split(members, weights, targets, sizes[i], config, name, surplus))
     return result
+
+
+def _build_prefix_splits(
+    prefix: str,
+    config: GPTDatasetConfig,
+    num_samples: Sequence[int | None],
+    matrix: Sequence[tuple[float, float] | None],
+    cls: type,
+) -> list[Any]:
+    """The `cls` datasets of one prefix's splits: a chat prefix (tokens and loss mask) for
+    `SFTDataset`, a plain indexed dataset otherwise."""
+    low_level: Any = ChatIndexedDataset(prefix) if cls is SFTDataset else IndexedDataset(prefix)
+    return build_splits(low_level, prefix, config, num_samples, list(matrix), cls)
 
 
 def _blend_split(

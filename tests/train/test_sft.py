@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data.blend_spec import parse_blend
+from pipeline.data.blend_spec import parse_blend, parse_per_split_blend
 from pipeline.data.blended import build_datasets
 from pipeline.data.chat_shards import ChatIndexedDataset, loss_mask_prefix
 from pipeline.data.indexed import IndexedDatasetWriter, IndexFormatError
@@ -169,6 +169,24 @@ def test_packed_samples_hold_whole_conversations_once(tmp_path: Path, monkeypatc
     assert len(again[0]) == len(train)
     for key, value in train[3].items():
         assert (again[0][3][key] == value).all()
+
+
+def test_sft_blends_and_per_split_blends(tmp_path: Path) -> None:
+    a = write_chat(tmp_path / "a_messages_document", hand_made([5, 9, 12, 20] * 5, 50), 50)
+    b = write_chat(tmp_path / "b_messages_document", hand_made([7, 30, 3] * 5, 50, 1), 50)
+    config = SFTDatasetConfig(sequence_length=32, eod_id=EOD, tokenizer_id="t", split="80,20,0")
+    train, valid, _ = build_datasets(parse_blend(f"0.7 {a} 0.3 {b}"), config, [40, 10, 0],
+                                     dataset_class=SFTDataset)  # fmt: skip
+    assert len(train) == 40 and len(valid) == 10
+    assert all(isinstance(d, SFTDataset) for d in train.datasets)
+    drawn = np.bincount(train.dataset_index)
+    assert drawn.tolist() == [28, 12]
+    assert {"document_ids", "loss_mask"} <= train[5].keys()
+    per_split = parse_per_split_blend(train=f"{a} {b}", valid=b)
+    train, valid, test = build_datasets(per_split, config, [None, None, None],
+                                        dataset_class=SFTDataset)  # fmt: skip
+    assert test is None and valid.dataset_path == b and valid.split == "valid"
+    assert len(train) == sum(len(d) for d in train.datasets)
 
 
 def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
