@@ -351,11 +351,11 @@ def test_pipe_train_sft_tiny(tmp_path: Path, tiny_tokenizer_dir: Path, caplog) -
     with caplog.at_level(logging.WARNING, logger="pipeline.train"):
         run_pipe(
             "train", "--recipe", "tiny_sft", "--sft", "--data", prefix, "--device", "cpu",
-            "--iters", 30, "--seq-length", 128, "--run-dir", run_dir,
-            "--set", "training.eval_interval=15", "--set", "model.vocab_size=640",
+            "--iters", 20, "--seq-length", 128, "--run-dir", run_dir,
+            "--set", "training.eval_interval=10", "--set", "model.vocab_size=640",
             "--set", f"data.tokenizer={tokenizer}",
             "--set", f'training.sample_prompts=["{prompt}"]',
-            "--set", "training.sample_interval=30", "--set", "training.sample_tokens=8",
+            "--set", "training.sample_interval=20", "--set", "training.sample_tokens=8",
         )  # fmt: skip
     assert "dropped conversations longer than 128 tokens: 3 in train;" in caplog.text
     losses = [r["loss"] for r in records(run_dir).values()]
@@ -363,11 +363,11 @@ def test_pipe_train_sft_tiny(tmp_path: Path, tiny_tokenizer_dir: Path, caplog) -
     valid = [r["loss"] for r in records(run_dir, "valid").values()]
     assert len(valid) == 2 and valid[-1] < valid[0]
     saved = json.loads(
-        (run_dir / "checkpoints" / "iter_0000030" / "pipe_metadata.json").read_text()
+        (run_dir / "checkpoints" / "iter_0000020" / "pipe_metadata.json").read_text()
     )
     assert saved["metadata"]["data"]["kind"] == "sft"
     # The sample prompt was asked as a user's turn, rendered as transformers renders it.
-    assert records(run_dir, "sample")[30]["sample_0"].startswith(prompt + "\n")
+    assert records(run_dir, "sample")[20]["sample_0"].startswith(prompt + "\n")
     samples = TrainingSamples([prompt], tokenizer, 4, chat=True)
     hf = pytest.importorskip("transformers").PreTrainedTokenizerFast.from_pretrained(str(tokenizer))
     messages = [{"role": "user", "content": prompt}]
