@@ -4,7 +4,7 @@
 as megatron-core's `BlendedMegatronDatasetBuilder` does (docs/file_layouts.md, "Training samples"):
 each prefix becomes a `GPTDataset` sized with Megatron's target/buffer rule, and a
 `BlendedDataset` interleaves them with Megatron's deterministic greedy schedule
-(`blending_indices`).
+(`blending_indices`). SFT runs blend `SFTDataset`s (packed conversations) the same way.
 What a run will read from each dataset, before running it, is `blend_description.py`.
 """
 
@@ -35,6 +35,7 @@ from pipeline.data.blending_indices import (
     build_blending_indices,
     build_exhaustive_blending_indices,
 )
+from pipeline.data.chat_shards import ChatIndexedDataset
 from pipeline.data.gpt_dataset import (
     SPLIT_NAMES,
     GPTDataset,
@@ -46,6 +47,7 @@ from pipeline.data.indexed import (
     IndexedDataset,
     normalize_prefix,
 )
+from pipeline.data.sft_dataset import SFTDataset
 
 logger = logging.getLogger(__name__)
 
@@ -225,13 +227,16 @@ def build_datasets(
     sizes: Sequence[int | None],
     *,
     mid_level_dataset_surplus: float = DEFAULT_MID_LEVEL_DATASET_SURPLUS,
+    dataset_class: type = GPTDataset,
 ) -> list[Dataset | None]:
     """The train, valid and test datasets of a blend, as megatron-core's
     `BlendedMegatronDatasetBuilder(GPTDataset, sizes, ..., config).build()`.
 
     `sizes` are the samples wanted per split (None: no excess sampling). With one blend, the
     splits come from `config.split`; with a `PerSplitBlend`, each split uses the whole of its
-    own datasets. A split of zero width, or without a blend, is None.
+    own datasets. A split of zero width, or without a blend, is None. `dataset_class` builds
+    each prefix's splits: `GPTDataset`, or `SFTDataset` (packed conversations) whose prefixes
+    are chat datasets with a loss mask.
     """
     sizes = _check_sizes(sizes)
     if not mid_level_dataset_surplus >= 0:
@@ -244,8 +249,8 @@ def build_datasets(
     check_prefixes_exist(prefixes)
     check_compatible(prefixes)
     if isinstance(data, Blend):
-        return _build_from_one_blend(data, config, sizes, mid_level_dataset_surplus)
-    return _build_per_split(data, config, sizes, mid_level_dataset_surplus)
+        return _build_from_one_blend(data, config, sizes, mid_level_dataset_surplus, dataset_class)
+    return _build_per_split(data, config, sizes, mid_level_dataset_surplus, dataset_class)
 
 
 def _check_sizes(sizes: Sequence[int | None]) -> list[int | None]:
@@ -259,7 +264,7 @@ def _check_sizes(sizes: Sequence[int | None]) -> list[int | None]:
 
 
 def _build_from_one_blend(
-    blend: Blend, config: GPTDatasetConfig, sizes: list[int | None], surplus: float
+    blend: Blend, config: GPTDatasetConfig, sizes: list[int | None], surplus: float, cls: type
 ) -> list[Dataset | None]:
     """All splits from one blend and `config.split`."""
     matrix = config.split_matrix
@@ -267,7 +272,7 @@ def _build_from_one_blend(
         raise ValueError("a blend with config.split None: give a split (e.g. '969,30,1')")
     prefixes = [normalize_prefix(p) for p in blend.prefixes]
     if len(prefixes) == 1 and blend.weights is None:
-        return _build_prefix_splits(prefixes[0], config, sizes, matrix)
+        return _build_prefix_splits(prefixes[0], config, sizes, matrix, cls)
     weights = None if blend.weights is None else normalize_weights(blend.weights)
     if weights is None:
         buffers: list[list[int | None]] = [[None] * 3 for _ in prefixes]
@@ -286,7 +291,7 @@ def _build_from_one_blend(
         targets = [list(t) for t in zip(*(p[0] for p in per_split))]
         buffers = [list(b) for b in zip(*(p[1] for p in per_split))]
     built = [
-        _build_prefix_splits(prefix, config, buffer, matrix)
+        _build_prefix_splits(prefix, config, buffer, matrix, cls)
         for prefix, buffer in zip(prefixes, buffers)
     ]
     result: list[Dataset | None] = []
@@ -303,7 +308,11 @@ def _build_from_one_blend(
 
 
 def _build_per_split(
-    data: PerSplitBlend, config: GPTDatasetConfig, sizes: list[int | None], surplus: float
+    data: PerSplitBlend,
+    config: GPTDatasetConfig,
+    sizes: list[int | None],
+    surplus: float,
+    cls: type,
 ) -> list[Dataset | None]:
     """Each split from its own blend, using the whole of each dataset.
 
@@ -322,7 +331,7 @@ def _build_per_split(
         if len(prefixes) == 1:
             only = [0, 0, 0]
             only[i] = sizes[i]
-            result.append(_build_prefix_splits(prefixes[0], config, only, matrix)[i])
+            result.append(_build_prefix_splits(prefixes[0], config, only, matrix, cls)[i])
             continue
         weights = None if blend.weights is None else normalize_weights(blend.weights)
         targets: list[int] | None = None
@@ -336,7 +345,7 @@ def _build_per_split(
         for prefix, buffer in zip(prefixes, buffers):
             wanted: list[int | None] = [0, 0, 0]
             wanted[i] = buffer
-            members.append(_build_prefix_splits(prefix, config, wanted, matrix)[i])
+            members.append(_build_prefix_splits(prefix, config, wanted, matrix, cls)[i])
         result.append(_blend_split(members, weights, targets, sizes[i], config, name, surplus))
     return result
 
@@ -346,10 +355,12 @@ def _build_prefix_splits(
     config: GPTDatasetConfig,
     num_samples: Sequence[int | None],
     matrix: Sequence[tuple[float, float] | None],
-) -> list[GPTDataset | None]:
-    return build_splits(
-        IndexedDataset(prefix), prefix, config, num_samples, list(matrix), GPTDataset
-    )
+    cls: type,
+) -> list[Any]:
+    """The `cls` datasets of one prefix's splits: a chat prefix (tokens and loss mask) for
+    `SFTDataset`, a plain indexed dataset otherwise."""
+    low_level: Any = ChatIndexedDataset(prefix) if cls is SFTDataset else IndexedDataset(prefix)
+    return build_splits(low_level, prefix, config, num_samples, list(matrix), cls)
 
 
 def _blend_split(

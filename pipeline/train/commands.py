@@ -75,6 +75,11 @@ def _default_run_dir(recipe: str | None) -> str:
 )  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @click.option(
+    "--sft", is_flag=True,
+    help="Supervised fine-tuning on chat data (pipe preprocess --chat): packed conversations, "
+    "loss on assistant tokens (data.kind=sft).",
+)  # fmt: skip
+@click.option(
     "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
     help="With --load: skip checking each file against its recorded SHA-256 while reading.",
 )  # fmt: skip
@@ -90,6 +95,7 @@ def train(
     recipe: str | None,
     sets: tuple[str, ...],
     finetune: bool,
+    sft: bool,
     verify_checksums: bool,
     run_dir: str | None,
     dry_run: bool,
@@ -116,6 +122,8 @@ def train(
         cfg = resolve_config(recipe, sets, given, validate=False)
         if finetune:
             cfg.checkpoint.finetune = True
+        if sft:
+            cfg.set("data.kind", "sft", source="--sft")
         if not verify_checksums:
             cfg.checkpoint.verify_checksums = False
         if run_dir is not None:

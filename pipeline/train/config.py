@@ -149,6 +149,14 @@ class DataSection:
     """Exclude end-of-document tokens from the loss."""
     data_cache_path: str | None = None
     """Directory for the cached sample/shuffle indices (default: beside the data)."""
+    kind: Literal["gpt", "sft"] = "gpt"
+    """gpt: pre-training samples cut from the token stream. sft (`pipe train --sft`): chat
+    datasets (`pipe preprocess --chat`, prefixes `*_messages_document` with their loss mask),
+    whole conversations packed per sample, each attending only to itself, and the loss on
+    assistant tokens only; the reset and EOD flags above do not apply."""
+    sft_truncate: bool = False
+    """With kind = sft: cut a conversation longer than seq_length to its first seq_length
+    tokens (default: drop it; either way the count is logged)."""
 
 
 @dataclass

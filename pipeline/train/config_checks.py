@@ -47,6 +47,11 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("data.blend excludes data.train_blend/valid_blend/test_blend")
     if d.mock and (d.blend is not None or split_blends):
         problems.append("data.mock is set together with a data blend; set one or the other")
+    if d.kind == "sft" and d.mock:
+        problems.append(
+            "data.kind = sft trains on chat data with a loss mask; mock data has none: pass "
+            "--data PREFIX_messages_document (made by `pipe preprocess --chat`)"
+        )
     if not d.mock and d.blend is None and d.train_blend is None:
         problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
     problems += _split_problems(d.split)

@@ -237,6 +237,9 @@ def dry_run_report(
         )
     attention = _attention_description(model)
     data = "mock (synthetic tokens)" if d.mock else (d.blend or d.train_blend or "-")
+    if d.kind == "sft":
+        long = "truncated" if d.sft_truncate else "dropped"
+        data += f" (SFT: conversations packed per sample, longer ones {long})"
     lines = [
         f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
         f"heads {attention}, "

@@ -57,7 +57,7 @@ def model_options(
     backend = resolve_backend(
         cfg.training.attention_backend,
         device=device,
-        document_masking=cfg.data.reset_attention_mask,
+        document_masking=cfg.data.reset_attention_mask or cfg.data.kind == "sft",
     )
     log.info("attention backend: %s", backend)
     return ModelOptions(

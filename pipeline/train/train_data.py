@@ -6,10 +6,15 @@ for mock data, from the model: EOD = vocab_size - 1. The manifest records no pad
 id only matters for partial samples, so `pad_id` is None (Megatron's GPT tokenizers have none
 either). Sample counts per split follow Megatron's rule: train iters * gbs, valid
 (iters // eval_interval + 1) * eval_iters * gbs, test eval_iters * gbs.
+
+With `data.kind = "sft"` each prefix is a chat dataset and a sample is whole conversations
+packed together (`pipeline.data.sft_dataset`), built through the same blends and splits; the
+samples carry their own document ids, so no EOD id is needed to separate them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +28,19 @@ from pipeline.data.blend_spec import (
     parse_per_split_blend,
 )
 from pipeline.data.blended import build_datasets
-from pipeline.data.gpt_dataset import GPTDatasetConfig
+from pipeline.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from pipeline.data.loader import build_data_loader
+from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
 from pipeline.train.config import ConfigError, TrainConfig
 
-__all__ = ["TokenizerInfo", "build_loader", "build_split_datasets", "split_sizes", "tokenizer_info"]
+__all__ = [
+    "TokenizerInfo",
+    "build_loader",
+    "build_split_datasets",
+    "long_conversations",
+    "split_sizes",
+    "tokenizer_info",
+]
 
 
 @dataclass(frozen=True)
@@ -106,7 +119,11 @@ def build_split_datasets(
     """Train, valid and test datasets (None for a split without data)."""
     d = cfg.data
     identity = (tok.fingerprint or {}).get("files") or tok.source
-    config = GPTDatasetConfig(
+    sft = d.kind == "sft"
+    config_class, extra = (
+        (SFTDatasetConfig, {"truncate": d.sft_truncate}) if sft else (GPTDatasetConfig, {})
+    )
+    config = config_class(
         sequence_length=d.seq_length,
         eod_id=tok.eod_id,
         tokenizer_id=str(identity),
@@ -119,11 +136,33 @@ def build_split_datasets(
         create_attention_mask=False,  # the model takes document ids instead of a dense mask
         path_to_cache=d.data_cache_path,
         pad_id=None,
+        **extra,
     )
+    dataset_class = SFTDataset if sft else GPTDataset
     try:
-        return build_datasets(spec, config, split_sizes(cfg))
-    except ValueError as e:
+        return build_datasets(spec, config, split_sizes(cfg), dataset_class=dataset_class)
+    except (ValueError, OSError) as e:
         raise ConfigError(f"building the datasets: {e}") from e
+
+
+def long_conversations(cfg: TrainConfig, datasets: Sequence[Any]) -> str | None:
+    """One line saying how many SFT conversations were longer than a sample and so dropped or
+    truncated, per split (None when none were, or for GPT data)."""
+    counts = []
+    for name, dataset in zip(("train", "valid", "test"), datasets):
+        members = getattr(dataset, "datasets", [dataset])  # a blend's members, or the dataset
+        n = sum(getattr(m, "truncated" if cfg.data.sft_truncate else "dropped", 0) for m in members)
+        if n:
+            counts.append(f"{n} in {name}")
+    if not counts:
+        return None
+    seq = cfg.data.seq_length
+    if cfg.data.sft_truncate:
+        return f"truncated conversations longer than {seq} tokens to {seq}: {', '.join(counts)}"
+    return (
+        f"dropped conversations longer than {seq} tokens: {', '.join(counts)}; "
+        "data.sft_truncate = true keeps their first tokens instead"
+    )
 
 
 def build_loader(
@@ -167,5 +206,6 @@ def build_run_data(cfg: TrainConfig, model_config: Any) -> RunData:
     datasets = build_split_datasets(cfg, spec, tokenizer)
     if datasets[0] is None or len(datasets[0]) == 0:
         raise ConfigError("the training split is empty: check data.split and the blend")
-    eod = tokenizer.eod_id if cfg.data.reset_attention_mask else None
+    # Packed SFT samples carry their document ids; GPT samples find them at EOD tokens.
+    eod = tokenizer.eod_id if cfg.data.reset_attention_mask and cfg.data.kind == "gpt" else None
     return RunData(tokenizer, tuple(datasets), eod)

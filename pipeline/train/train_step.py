@@ -108,13 +108,12 @@ def document_ids_from_tokens(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
 def batch_to_device(
     batch: dict[str, torch.Tensor], device: torch.device, eod_id: int | None = None
 ) -> Batch:
-    """The model's inputs from a loader batch, on `device`; with `eod_id` also `document_ids`
-    so attention stops at document boundaries (the dataset's dense mask is not used)."""
-    out = {
-        key: batch[key].to(device, non_blocking=True)
-        for key in ("tokens", "labels", "loss_mask", "position_ids")
-    }
-    if eod_id is not None:
+    """The model's inputs from a loader batch, on `device`. Attention stops at document
+    boundaries where the batch carries `document_ids` (packed SFT samples) or, with `eod_id`,
+    at the documents its EOD tokens end (the dataset's dense mask is not used)."""
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
+    out = {key: batch[key].to(device, non_blocking=True) for key in keys if key in batch}
+    if eod_id is not None and "document_ids" not in out:
         out["document_ids"] = document_ids_from_tokens(out["tokens"], eod_id)
     return out
 

@@ -117,6 +117,8 @@ class Trainer:
         data = train_data.build_run_data(cfg, self.model_config)
         self.tokenizer, self.datasets = data.tokenizer, data.datasets
         self.eod_for_documents = data.eod_for_documents
+        if self.rank == 0 and (note := train_data.long_conversations(cfg, self.datasets)):
+            log.warning(note)
         self.iteration = 0
         self.consumed = {"train": 0, "valid": 0}
         self.guard = NonFiniteGuard(max_consecutive_skips)
@@ -185,7 +187,8 @@ class Trainer:
         if not (t.sample_prompts and t.sample_interval):
             return None
         path = sample_tokenizer_path(self.cfg.data.tokenizer, self.tokenizer.fingerprint)
-        return TrainingSamples(t.sample_prompts, path, t.sample_tokens)
+        chat = self.cfg.data.kind == "sft"
+        return TrainingSamples(t.sample_prompts, path, t.sample_tokens, chat=chat)
 
     def log_samples(self) -> dict[str, str]:
         """Greedy continuations of `training.sample_prompts`, logged with split "sample"."""
@@ -213,6 +216,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "model": dataclasses.asdict(self.model_config),
             "data": {
+                "kind": d.kind,
                 "mock": d.mock,
                 "blend": d.blend,
                 "train_blend": d.train_blend,

@@ -25,6 +25,7 @@ from pipeline.train.toml_io import dumps, loads
 RECIPES = [
     "deepseek_v3",
     "llama3_2_1b",
+    "llama3_2_1b_sft",
     "llama3_70b",
     "llama3_8b",
     "mixtral_8x7b",
@@ -36,12 +37,14 @@ RECIPES = [
     "tiny_moe",
     "tiny_qwen3",
     "tiny_qwen3_moe",
+    "tiny_sft",
 ]
 # World sizes the big recipes were written for (the node counts of their sources).
 WORLD_SIZES = {
     "llama3_8b": 8,
     "llama3_70b": 32,
     "llama3_2_1b": 8,
+    "llama3_2_1b_sft": 8,
     "mixtral_8x7b": 64,
     "qwen3_8b": 8,
     "qwen3_30b_a3b": 16,
@@ -212,8 +215,10 @@ def test_recipes_are_shipped():
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_loads_and_validates(name):
     cfg = load_recipe(name)
+    if cfg.data.kind == "sft":  # SFT recipes name no data: there is no mock chat data
+        cfg.data.blend = "out/chat_messages_document"
     cfg.validate(WORLD_SIZES.get(name))
-    assert cfg.model.flavor == name
+    assert cfg.model.flavor == name.removesuffix("_sft")
     assert cfg.model_config().num_layers > 0
 
 
