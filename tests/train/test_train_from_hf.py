@@ -21,7 +21,7 @@ from pipeline.train.config_loader import resolve_config
 from pipeline.train.trainer import Trainer
 from pipeline.weights import model_from_source
 from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
-from tests.builders import perturbed, run_pipe, write_jsonl
+from tests.builders import disk_tensors, perturbed, run_pipe, save_hf, write_jsonl
 from tests.distributed import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -42,6 +42,8 @@ def _hf_model(directory: Path, tokenizer_dir: Path, **sizes) -> Path:
     perturbed(transformers.LlamaForCausalLM(config).eval()).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, directory / name)
+    # An instruct model's end-of-turn id beside the end-of-text one (config.json's 2).
+    (directory / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": [2, 7]}')
     return directory
 
 
@@ -101,7 +103,38 @@ def test_the_model_is_the_hf_directory_and_comes_back_bit_for_bit(hf_dir, corpus
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert (written / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
-    assert json.loads((written / "config.json").read_text())["torch_dtype"] == "float32"
+    config = json.loads((written / "config.json").read_text())
+    assert (config["torch_dtype"], config["eos_token_id"], config["bos_token_id"]) == (
+        "float32",
+        2,
+        1,
+    )
+    generation = json.loads((written / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [2, 7]
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mixtral", "llama_tied"])
+def test_each_architecture_starts_from_hf_and_saves_it_back(architecture, tmp_path):
+    """Sharded Qwen2 (qkv bias), Mixtral (expert stacks) and tied Llama directories: at
+    iteration 0 the saved Hugging Face directory has the same architecture and transformers'
+    logits, and the same tensors wherever it names them as transformers did."""
+    hf_dir, hf_model = save_hf(architecture, tmp_path / "hf")
+    sets = [s for s in _sets(tmp_path / "run") if not s.startswith("data.")] + [
+        "data.mock=true", "data.seq_length=16", "data.num_workers=0",
+    ]  # fmt: skip
+    trainer = Trainer(resolve_config(None, sets, {"load": str(hf_dir)}), console=False)
+    written = trainer.save_hf()
+    config = json.loads((written / "config.json").read_text())
+    assert config["architectures"] == [type(hf_model).__name__]
+    probe = PROBE % hf_model.config.vocab_size
+    with torch.no_grad():
+        expected = hf_model(probe).logits[0]
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32)
+        torch.testing.assert_close(theirs.eval()(probe).logits[0], expected, rtol=1e-5, atol=1e-5)
+    ours, original = disk_tensors(written), disk_tensors(hf_dir)
+    shared = ours.keys() & original.keys()
+    assert len(shared) >= len(original) // 2
+    assert all(torch.equal(ours[k], original[k]) for k in shared)
 
 
 def test_fine_tune_from_hf_and_save_hf_every(hf_dir, corpus, tmp_path):
@@ -124,6 +157,20 @@ def test_fine_tune_from_hf_and_save_hf_every(hf_dir, corpus, tmp_path):
     assert meta["tokenizer"]["source"] == f"tokenizer:{hf_dir.resolve()}"
     result = run_pipe("generate", save, "--prompt", "line 3:", "--max-new-tokens", "4", "--greedy")
     assert result.output.startswith("line 3:")
+
+
+def test_rotation_takes_old_hf_directories_along_and_the_dtype_is_asked(hf_dir, corpus, tmp_path):
+    """keep_last = 1: the Hugging Face directory of a rotated checkpoint goes with it;
+    save_hf_dtype = bfloat16 writes bf16 weights from the fp32 training model."""
+    extra = ["checkpoint.save_hf=every", "checkpoint.save_interval=2", "checkpoint.keep_last=1"]
+    sets = _sets(tmp_path / "run", *extra, "checkpoint.save_hf_dtype=bfloat16", iters=4)
+    flags = {"load": str(hf_dir), "data": corpus}
+    Trainer(resolve_config(None, sets, flags), console=False).train()
+    save = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in save.iterdir()) == ["hf", "iter_0000004", "latest"]
+    assert [p.name for p in (save / "hf").iterdir()] == ["iter_0000004"]
+    tensors = disk_tensors(save / "hf" / "iter_0000004")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
 def test_requeued_run_resumes_its_own_checkpoint(hf_dir, corpus, tmp_path):
