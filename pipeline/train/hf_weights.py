@@ -31,7 +31,7 @@ from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.train.config import ConfigError
 from pipeline.weights.source import TensorInfo, TensorSource
 
-__all__ = ["TrainedModelSource", "load_hf_weights", "write_hf_from_model"]
+__all__ = ["TrainedModelSource", "load_hf_weights", "tokenizer_mismatch", "write_hf_from_model"]
 
 log = logging.getLogger("pipeline.train")
 
@@ -66,6 +66,21 @@ def load_hf_weights(parts: list[Transformer], source: TensorSource) -> None:
         for part in parts:
             copy_full_weights_(part, full)
         del tensor, full
+
+
+def tokenizer_mismatch(data: dict[str, Any] | None, model: dict[str, Any] | None) -> str | None:
+    """Why the data's tokenizer record and the Hugging Face model's differ (a file of the same
+    name with other bytes), or None when they agree or either is unknown."""
+
+    def hashes(record: dict[str, Any] | None) -> dict[str, str]:
+        files = ((record or {}).get("fingerprint") or {}).get("files") or []
+        return {Path(f["path"]).name: f.get("sha256") for f in files}
+
+    ours, theirs = hashes(data), hashes(model)
+    differing = sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n])
+    if not differing:
+        return None
+    return f"the data was tokenized with another {differing[0]} than the model's"
 
 
 class TrainedModelSource:

@@ -345,7 +345,7 @@ class Trainer:
 
     def _start_from_hf(self) -> None:
         """This rank's shards of the Hugging Face model's weights; iteration 0, fresh optimizer."""
-        from pipeline.train.hf_weights import load_hf_weights
+        from pipeline.train.hf_weights import load_hf_weights, tokenizer_mismatch
 
         try:
             load_hf_weights(self.parts, self.hf_start)
@@ -354,6 +354,11 @@ class Trainer:
         except (OSError, ValueError) as e:
             raise ConfigError(f"checkpoint.load {self.hf_start.directory}: {e}") from None
         log.info("starting from the Hugging Face model %s (iteration 0)", self.hf_start.directory)
+        mismatch = tokenizer_mismatch(
+            {"fingerprint": self.tokenizer.fingerprint}, self.hf_start.metadata.get("tokenizer")
+        )
+        if mismatch is not None:
+            log.warning("%s (%s): check data.blend", mismatch, self.hf_start.directory)
 
     def hf_directory(self, iteration: int) -> Path:
         """Where `checkpoint.save_hf` writes the model of `iteration`."""

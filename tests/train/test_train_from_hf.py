@@ -10,6 +10,7 @@ tokenizer. transformers is the oracle for every logit compared here.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from pipeline.train.config import ConfigError
 from pipeline.train.config_loader import resolve_config
+from pipeline.train.hf_weights import tokenizer_mismatch
 from pipeline.train.trainer import Trainer
 from pipeline.weights import model_from_source
 from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
@@ -85,13 +87,16 @@ def _pipe_logits(model: torch.nn.Module) -> torch.Tensor:
         return model.eval().logits(PROBE)[0].float()
 
 
-def test_the_model_is_the_hf_directory_and_comes_back_bit_for_bit(hf_dir, corpus, tmp_path):
+def test_the_model_is_the_hf_directory_and_comes_back_bit_for_bit(hf_dir, corpus, tmp_path, caplog):
     """No recipe names a model: the run builds config.json's; at iteration 0 (no step taken)
     the pipe model has transformers' logits and save_hf writes the same tensors back."""
     cfg = resolve_config(None, _sets(tmp_path / "run"), {"load": str(hf_dir), "data": corpus})
     assert cfg.model.flavor == "checkpoint" and cfg.recorded_model.hf
     assert cfg.model_config().hidden_size == 48 and not cfg.model_config().tie_word_embeddings
-    trainer = Trainer(cfg, console=False)
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        trainer = Trainer(cfg, console=False)
+    assert f"starting from the Hugging Face model {hf_dir} (iteration 0)" in caplog.text
+    assert "tokenized with another" not in caplog.text  # the corpus used the model's tokenizer
     assert trainer.iteration == 0
     reference = _hf_logits(hf_dir)
     torch.testing.assert_close(_pipe_logits(trainer.model), reference, rtol=1e-5, atol=1e-5)
@@ -252,3 +257,18 @@ def load_hf(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(run_dir / "checkpoints" / "hf" / "iter_0000003" / "model.safetensors")
+
+
+def test_a_data_tokenizer_other_than_the_models_is_named() -> None:
+    def record(**hashes: str) -> dict:
+        files = [
+            {"path": f"/x/{name.replace('_', '.')}", "sha256": h} for name, h in hashes.items()
+        ]
+        return {"fingerprint": {"files": files}}
+
+    model = record(tokenizer_json="aa", tokenizer_config_json="bb")
+    assert tokenizer_mismatch(record(tokenizer_json="aa"), model) is None
+    assert tokenizer_mismatch(record(tokenizer_json="cc"), model) == (
+        "the data was tokenized with another tokenizer.json than the model's"
+    )
+    assert tokenizer_mismatch(None, model) is None and tokenizer_mismatch(model, None) is None
