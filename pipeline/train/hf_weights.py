@@ -31,7 +31,16 @@ from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.train.config import ConfigError
 from pipeline.weights.source import TensorInfo, TensorSource
 
-__all__ = ["TrainedModelSource", "load_hf_weights", "tokenizer_mismatch", "write_hf_from_model"]
+__all__ = [
+    "TrainedModelSource",
+    "hf_directory",
+    "load_hf_weights",
+    "prune_rotated",
+    "start_record",
+    "tokenizer_mismatch",
+    "tokenizer_record",
+    "write_hf_from_model",
+]
 
 log = logging.getLogger("pipeline.train")
 
@@ -66,6 +75,48 @@ def load_hf_weights(parts: list[Transformer], source: TensorSource) -> None:
         for part in parts:
             copy_full_weights_(part, full)
         del tensor, full
+
+
+def tokenizer_record(data: dict[str, Any], hf_start: TensorSource | None) -> dict[str, Any]:
+    """The run's tokenizer record: the data's ids (end of document, vocabulary), and the files
+    of the Hugging Face model the run started from when it has any, so `pipe generate` and a
+    Hugging Face save find them and their chat template."""
+    hf_tokenizer = hf_start.metadata.get("tokenizer") if hf_start is not None else None
+    if hf_tokenizer is None:
+        return data
+    return data | {"source": hf_tokenizer["source"], "fingerprint": hf_tokenizer["fingerprint"]}
+
+
+def start_record(hf_start: TensorSource | None) -> dict[str, Any]:
+    """What a checkpoint records of the Hugging Face model its run started from: where, and what
+    a Hugging Face export writes back (architecture, dtype, bos/eos and end-of-turn ids)."""
+    if hf_start is None:
+        return {}
+    from pipeline.weights.pipe_checkpoint import hf_record
+
+    return {"converted_from": hf_start.metadata["source"], "hf": hf_record(hf_start.metadata)}
+
+
+def hf_directory(save_dir: Path, iteration: int) -> Path:
+    """Where `checkpoint.save_hf` writes the model of `iteration`: `<save>/hf/iter_XXXXXXX`."""
+    return save_dir / "hf" / f"iter_{iteration:07d}"
+
+
+def prune_rotated(save_dir: Path, current: int) -> None:
+    """Remove the Hugging Face directories older than `current` whose checkpoint rotation
+    deleted (each renamed aside first, so none is ever half-deleted under its name)."""
+    import shutil
+    import uuid
+
+    from pipeline.checkpoint.layout import parse_iteration_dir_name
+
+    for entry in (save_dir / "hf").iterdir():
+        iteration = parse_iteration_dir_name(entry.name)
+        if iteration is None or iteration >= current or (save_dir / entry.name).is_dir():
+            continue
+        trash = entry.with_name(f".{entry.name}.trash-{uuid.uuid4().hex[:12]}")
+        entry.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def tokenizer_mismatch(data: dict[str, Any] | None, model: dict[str, Any] | None) -> str | None:

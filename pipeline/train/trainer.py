@@ -248,26 +248,16 @@ class Trainer:
         }
 
     def _tokenizer_record(self) -> dict[str, Any]:
-        """The data's tokenizer ids; started from a Hugging Face model with tokenizer files,
-        those files (so `pipe generate` and a Hugging Face save find them and its chat
-        template)."""
-        record = self.tokenizer.to_metadata()
-        hf_tokenizer = self.hf_start.metadata.get("tokenizer") if self.hf_start else None
-        if hf_tokenizer is not None:
-            record |= {"source": hf_tokenizer["source"], "fingerprint": hf_tokenizer["fingerprint"]}
-        return record
+        """The data's tokenizer ids, with the Hugging Face model's tokenizer files when the run
+        started from one (`hf_weights.tokenizer_record`)."""
+        from pipeline.train.hf_weights import tokenizer_record
+
+        return tokenizer_record(self.tokenizer.to_metadata(), self.hf_start)
 
     def _hf_start_record(self) -> dict[str, Any]:
-        """The Hugging Face model the run started from: where, and what a Hugging Face export
-        writes back (architecture, dtype, bos/eos and end-of-turn ids)."""
-        if self.hf_start is None:
-            return {}
-        from pipeline.weights.pipe_checkpoint import hf_record
+        from pipeline.train.hf_weights import start_record
 
-        return {
-            "converted_from": str(self.hf_start.directory),
-            "hf": hf_record(self.hf_start.metadata),
-        }
+        return start_record(self.hf_start)
 
     def save_checkpoint(self) -> Path:
         """Save the full training state at the current iteration; returns its directory.
@@ -360,16 +350,12 @@ class Trainer:
         if mismatch is not None:
             log.warning("%s (%s): check data.blend", mismatch, self.hf_start.directory)
 
-    def hf_directory(self, iteration: int) -> Path:
-        """Where `checkpoint.save_hf` writes the model of `iteration`."""
-        return self.checkpoints.save_dir / "hf" / f"iter_{iteration:07d}"
-
     def save_hf(self) -> Path:
         """Write the model at the current iteration as a Hugging Face directory (every rank
         calls this; the first writes); older ones whose checkpoint was rotated away go."""
-        from pipeline.train.hf_weights import write_hf_from_model
+        from pipeline.train.hf_weights import hf_directory, prune_rotated, write_hf_from_model
 
-        path = self.hf_directory(self.iteration)
+        path = hf_directory(self.checkpoints.save_dir, self.iteration)
         with torch.no_grad():
             write_hf_from_model(
                 self.parts, self.model_config, self.layout, self._hf_source_metadata(), path,
@@ -379,7 +365,7 @@ class Trainer:
         if self.rank == 0:
             log.info("saved Hugging Face model %s", path)
             if self.cfg.checkpoint.keep_last:
-                _prune_hf(self.checkpoints.save_dir, self.iteration)
+                prune_rotated(self.checkpoints.save_dir, self.iteration)
         return path
 
     def _hf_source_metadata(self) -> dict[str, Any]:
@@ -587,24 +573,6 @@ class Trainer:
             if pipeline_group is not None:
                 dist.all_reduce(sums[:1], group=pipeline_group)
         return float(sums[0] / sums[1].clamp(min=1.0))
-
-
-def _prune_hf(save_dir: Path, current: int) -> None:
-    """Remove the Hugging Face directories, older than `current`, whose checkpoint rotation
-    deleted (renamed aside first, so none is ever half-deleted under its name)."""
-    import shutil
-    import uuid
-
-    from pipeline.checkpoint.layout import parse_iteration_dir_name
-
-    hf_root = save_dir / "hf"
-    for entry in hf_root.iterdir():
-        iteration = parse_iteration_dir_name(entry.name)
-        if iteration is None or iteration >= current or (save_dir / entry.name).is_dir():
-            continue
-        trash = entry.with_name(f".{entry.name}.trash-{uuid.uuid4().hex[:12]}")
-        entry.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _is_iter_dir(path: str) -> bool:
