@@ -151,6 +151,8 @@ class TrainedModelSource:
             state = Transformer(config).state_dict()
         self._infos = {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in state.items()}
         self._local = _local_tensors(parts)
+        self.reads = 0
+        """Tensors read so far (a writer that fails makes the rest of the reads)."""
         self._group = layout.pipeline_group
         self._owner: dict[str, int] = {}
         if self._group is not None:
@@ -167,6 +169,7 @@ class TrainedModelSource:
     def read(self, name: str) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
+        self.reads += 1
         info = self._infos[name]
         local = self._local.get(name)
         full = None
@@ -201,17 +204,40 @@ def write_hf_from_model(
 ) -> Path:
     """Write the model as a Hugging Face directory `output` (replacing one left there by an
     earlier attempt at the same iteration); every rank calls this, the first writes. Tokenizer
-    files come from the tokenizer `metadata` records, when its files are still there."""
+    files come from the tokenizer `metadata` records, when its files are still there.
+
+    A failure of the writer is every rank's: the writer still makes the reads the others wait
+    on, then all of them raise `CheckpointError` together (nothing is left under `output`)."""
+    from pipeline.checkpoint.layout import CheckpointError
     from pipeline.weights.dtype_choice import choose_dtype
     from pipeline.weights.hf_writer import read_in_write_order, recorded_tokenizer_dir, write_hf
     from pipeline.weights.source import CastSource
 
     source = TrainedModelSource(parts, config, layout, metadata)
     requested = None if dtype_name == "auto" else dtype_name
-    dtype = choose_dtype(requested, source).dtype
-    cast = CastSource(source, dtype, keep=(".moe.expert_bias",))
+    cast = CastSource(source, choose_dtype(requested, source).dtype, keep=(".moe.expert_bias",))
+    error = None
     if layout.rank != 0:
         read_in_write_order(cast)
-        return Path(output)
-    tokenizer_dir = recorded_tokenizer_dir(metadata.get("tokenizer"))
-    return write_hf(cast, output, tokenizer_dir=tokenizer_dir, overwrite=True)
+    else:
+        try:
+            tokenizer_dir = recorded_tokenizer_dir(metadata.get("tokenizer"))
+            write_hf(cast, output, tokenizer_dir=tokenizer_dir, overwrite=True)
+        except (OSError, ValueError) as e:
+            error = " ".join(str(e).split())
+            read_in_write_order(cast, skip=source.reads)
+    if _any_rank(error is not None, layout):
+        raise CheckpointError(f"saving the Hugging Face model {output}: {error or 'rank 0 failed'}")
+    return Path(output)
+
+
+def _any_rank(flag: bool, layout: ParallelDims) -> bool:
+    """Whether `flag` is true on any rank (one all-reduce; just `flag` for one process)."""
+    group = layout.world_group
+    if group is None:
+        return flag
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

@@ -222,14 +222,16 @@ def read_in_write_order(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    skip: int = 0,
 ) -> None:
-    """Read every tensor `write_hf` would read for the same arguments, in its order, writing
-    nothing: what the other ranks of a run do while the first writes a source whose reads are
-    collectives (gathering a sharded model)."""
-    for shard in plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes):
-        for group in shard.groups:
-            if group[0].source_name is not None:
-                source.read(group[0].source_name)  # the read is the point; dropped at once
+    """Read every tensor `write_hf` would read for the same arguments, in its order (after the
+    first `skip`), writing nothing: what the other ranks of a run do while the first writes a
+    source whose reads are collectives (gathering a sharded model), and what a writer that
+    failed does to finish its part of them."""
+    shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    names = [g[0].source_name for s in shards for g in s.groups if g[0].source_name is not None]
+    for name in names[skip:]:
+        source.read(name)  # the read is the point; the tensor is dropped at once
 
 
 def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:

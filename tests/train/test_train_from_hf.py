@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.checkpoint import CheckpointError
 from pipeline.train.config import ConfigError
 from pipeline.train.config_loader import resolve_config
 from pipeline.train.hf_weights import tokenizer_mismatch
@@ -176,6 +177,24 @@ def test_rotation_takes_old_hf_directories_along_and_the_dtype_is_asked(hf_dir, 
     assert [p.name for p in (save / "hf").iterdir()] == ["iter_0000004"]
     tensors = disk_tensors(save / "hf" / "iter_0000004")
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+
+
+def test_a_failed_hf_save_is_one_line_and_leaves_nothing(hf_dir, corpus, tmp_path, monkeypatch):
+    import pipeline.weights.hf_writer as hf_writer
+
+    def full_disk(path, obj):
+        raise OSError(28, "No space left on device", str(path))
+
+    flags = {"load": str(hf_dir), "data": corpus}
+    trainer = Trainer(resolve_config(None, _sets(tmp_path / "run"), flags), console=False)
+    monkeypatch.setattr(hf_writer, "write_json", full_disk)
+    with pytest.raises(CheckpointError) as caught:
+        trainer.save_hf()
+    hf_root = tmp_path / "run" / "checkpoints" / "hf"
+    message = str(caught.value)
+    assert message.startswith(f"saving the Hugging Face model {hf_root / 'iter_0000000'}: ")
+    assert "[Errno 28] No space left on device: " in message and "\n" not in message
+    assert list(hf_root.iterdir()) == []  # the staged directory is gone, nothing is final
 
 
 def test_requeued_run_resumes_its_own_checkpoint(hf_dir, corpus, tmp_path):
