@@ -94,6 +94,7 @@ def test_the_model_is_the_hf_directory_and_comes_back_bit_for_bit(hf_dir, corpus
     cfg = resolve_config(None, _sets(tmp_path / "run"), {"load": str(hf_dir), "data": corpus})
     assert cfg.model.flavor == "checkpoint" and cfg.recorded_model.hf
     assert cfg.model_config().hidden_size == 48 and not cfg.model_config().tie_word_embeddings
+    assert cfg.data.tokenizer == str(hf_dir)  # the model's tokenizer, unless one is set
     with caplog.at_level(logging.INFO, logger="pipeline.train"):
         trainer = Trainer(cfg, console=False)
     assert f"starting from the Hugging Face model {hf_dir} (iteration 0)" in caplog.text
