@@ -69,6 +69,8 @@ def load_hf_weights(parts: list[Transformer], source: TensorSource) -> None:
         raise ConfigError(f"{source.metadata.get('source')}: no weight {missing[0]}{more}")
     for name in names:
         tensor = source.read(name)
+        if hasattr(source, "close"):
+            source.close()  # unmapped: the pages read so far would otherwise stay resident
         full = {name: tensor}
         if tied and name == "tok_embeddings.weight":
             full["output.weight"] = tensor  # a pipeline's last stage holds its own copy
