@@ -34,6 +34,10 @@ HF_SIZES = dict(
     hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
 )  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 PROBE = torch.tensor([[5, 17, 99, 250, 3, 42, 7, 311, 64, 8, 120, 500]])
 
 
@@ -43,8 +47,10 @@ def _hf_model(directory: Path, tokenizer_dir: Path, **sizes) -> Path:
     config = transformers.LlamaConfig(vocab_size=len(vocab) + 8, **(HF_SIZES | sizes))
     torch.manual_seed(0)
     perturbed(transformers.LlamaForCausalLM(config).eval()).save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, directory / name)
+    shutil.copy(tokenizer_dir / "tokenizer.json", directory / "tokenizer.json")
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     # An instruct model's end-of-turn id beside the end-of-text one (config.json's 2).
     (directory / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": [2, 7]}')
     return directory
@@ -162,8 +168,26 @@ def test_fine_tune_from_hf_and_save_hf_every(hf_dir, corpus, tmp_path):
     meta = PipeCheckpointSource(save).metadata
     assert meta["iteration"] == 4 and meta["hf_architecture"] == "LlamaForCausalLM"
     assert meta["tokenizer"]["source"] == f"tokenizer:{hf_dir.resolve()}"
-    result = run_pipe("generate", save, "--prompt", "line 3:", "--max-new-tokens", "4", "--greedy")
-    assert result.output.startswith("line 3:")
+    # `pipe generate --chat` on the checkpoint finds the model's tokenizer and chat template
+    # and answers as transformers does from the Hugging Face directory saved beside it.
+    result = run_pipe("generate", save, "--chat", "--prompt", "line 3:", "--max-new-tokens", "6",
+                      "--greedy")  # fmt: skip
+    assert result.output == _transformers_chat(save / "hf" / "iter_0000004", "line 3:", 6) + "\n"
+
+
+def _transformers_chat(directory: Path, text: str, new: int) -> str:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                do_sample=False, pad_token_id=0)  # fmt: skip
+    reply = out[0, ids.shape[1] :].tolist()
+    stops = {2, 7}  # generation_config.json's end ids: pipe prints the text before them
+    reply = reply[: next((i for i, t in enumerate(reply) if t in stops), len(reply))]
+    assert reply, "an empty reply would compare nothing"
+    return tokenizer.decode(reply)
 
 
 def test_rotation_takes_old_hf_directories_along_and_the_dtype_is_asked(hf_dir, corpus, tmp_path):
