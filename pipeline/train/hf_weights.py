@@ -44,6 +44,8 @@ __all__ = [
 
 log = logging.getLogger("pipeline.train")
 
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
+
 
 def _local_tensors(parts: list[Transformer]) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent buffers by their single-device names."""
@@ -122,12 +124,14 @@ def prune_rotated(save_dir: Path, current: int) -> None:
 
 
 def tokenizer_mismatch(data: dict[str, Any] | None, model: dict[str, Any] | None) -> str | None:
-    """Why the data's tokenizer record and the Hugging Face model's differ (a file of the same
-    name with other bytes), or None when they agree or either is unknown."""
+    """Why the data's tokenizer record and the Hugging Face model's differ (a vocabulary file of
+    the same name with other bytes; a chat template changes no token), or None when they agree
+    or either is unknown."""
 
     def hashes(record: dict[str, Any] | None) -> dict[str, str]:
         files = ((record or {}).get("fingerprint") or {}).get("files") or []
-        return {Path(f["path"]).name: f.get("sha256") for f in files}
+        named = {Path(f["path"]).name: f.get("sha256") for f in files}
+        return {name: h for name, h in named.items() if name in _VOCABULARY_FILES}
 
     ours, theirs = hashes(data), hashes(model)
     differing = sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n])

@@ -312,6 +312,9 @@ def test_a_data_tokenizer_other_than_the_models_is_named() -> None:
 
     model = record(tokenizer_json="aa", tokenizer_config_json="bb")
     assert tokenizer_mismatch(record(tokenizer_json="aa"), model) is None
+    assert (
+        tokenizer_mismatch(record(tokenizer_json="aa", tokenizer_config_json="b2"), model) is None
+    )
     assert tokenizer_mismatch(record(tokenizer_json="cc"), model) == (
         "the data was tokenized with another tokenizer.json than the model's"
     )
