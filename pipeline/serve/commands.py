@@ -3,6 +3,7 @@
     pipe generate CKPT --prompt "Once upon a time" [--max-new-tokens 64] [--greedy]
     pipe serve CKPT --port 8000           (OpenAI-compatible: /v1/completions, /v1/chat/completions)
     pipe generate CKPT --prompt "..." --nproc-per-node 2   (heads split over 2 processes)
+    pipe generate CKPT --chat --prompt "Hi" [--system "Be brief."]   (through the chat template)
 
 CKPT is a pipe checkpoint (a save directory or one `iter_*`, any parallel layout) or a Hugging
 Face model directory. click is the only import at module level, so `--help` stays instant.
@@ -101,18 +102,32 @@ _DTYPE_NAMES = {"auto": None, "fp32": "fp32", "bf16": "bf16"}
 @click.option("--greedy", is_flag=True, help="Always take the most likely token.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
 @click.option(
+    "--chat", is_flag=True,
+    help="Each prompt is a user message, rendered with the tokenizer's chat template (as "
+    "pipe serve's /v1/chat/completions renders it); only the reply is printed.",
+)  # fmt: skip
+@click.option("--system", metavar="TEXT", help="With --chat: a system message first.")
+@click.option(
     "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
     help="Split the model's heads over this many processes (tensor parallel, under torchrun).",
 )  # fmt: skip
 def generate(
-    checkpoint: Path, prompts: tuple[str, ...], prompt_file: Path | None, **options: Any
+    checkpoint: Path,
+    prompts: tuple[str, ...],
+    prompt_file: Path | None,
+    chat: bool,
+    system: str | None,
+    **options: Any,
 ) -> None:
-    """Continue PROMPT(s) with the model in CHECKPOINT, streaming the text as it comes."""
+    """Continue PROMPT(s) with the model in CHECKPOINT, streaming the text as it comes (with
+    --chat: answer them as user messages)."""
     prompts = list(prompts)
     if prompt_file is not None:
         prompts.append(prompt_file.read_text(encoding="utf-8"))
     if not prompts:
         raise click.UsageError("give a --prompt or a --prompt-file")
+    if system is not None and not chat:
+        raise click.UsageError("--system is for --chat")
     params = _sampling(options)
     nproc_per_node = options.pop("nproc_per_node")
     if nproc_per_node > 1 and not launched_by_torchrun():
@@ -124,13 +139,35 @@ def generate(
         )
     from pipeline.serve.generate_run import run_generation
 
-    first_rank = os.environ.get("RANK", "0") == "0"
+    shown = prompts
+    if chat:
+        prompts, shown = _chat_prompts(gen, checkpoint, prompts, system), [""] * len(prompts)
+    echo = click.echo if os.environ.get("RANK", "0") == "0" else _silent
     try:
-        run_generation(gen, prompts, params, echo=click.echo if first_rank else _silent)
+        run_generation(gen, prompts, params, echo=echo, shown=shown)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     finally:
         destroy_process_group()
+
+
+def _chat_prompts(gen: Any, checkpoint: Path, prompts: list[str], system: str | None) -> list:
+    """Each prompt as a user message (after `system`, when given) rendered by the chat template
+    with the assistant's turn opened; a one-line error without a template or when it fails."""
+    from pipeline.tokenizer.chat_template import ChatTemplateError, chat_prompt
+
+    if gen.chat_template is None:
+        raise click.ClickException(
+            f"--chat: the tokenizer of {checkpoint} ({gen.tokenizer_path}) has no chat template"
+        )
+    head = [] if system is None else [{"role": "system", "content": system}]
+    try:
+        return [
+            chat_prompt([*head, {"role": "user", "content": prompt}], gen.chat_template)
+            for prompt in prompts
+        ]
+    except ChatTemplateError as error:
+        raise click.ClickException(f"--chat: the chat template failed: {error}") from None
 
 
 def _silent(*_args: Any, **_kwargs: Any) -> None:

@@ -12,9 +12,15 @@ from pipeline.serve.sampling import SamplingParams
 
 
 def run_generation(
-    gen: Generator, prompts: list[str], params: SamplingParams, echo: Callable[..., None]
+    gen: Generator,
+    prompts: list[str],
+    params: SamplingParams,
+    echo: Callable[..., None],
+    shown: list[str] | None = None,
 ) -> list[str]:
-    """Generate a continuation of each prompt; returns the texts (without their prompts)."""
+    """Generate a continuation of each prompt; returns the texts (without their prompts).
+    Each text is printed after its `shown` text (default: its prompt; a chat shows none)."""
+    shown = prompts if shown is None else shown
     params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids | gen.eos_ids)
     encoded = [gen.encode(prompt) for prompt in prompts]
     block_size = 16
@@ -25,13 +31,13 @@ def run_generation(
     )  # fmt: skip
     requests = [engine.add(ids, params) for ids in encoded]
     if len(prompts) == 1:
-        echo(prompts[0], nl=False)
+        echo(shown[0], nl=False)
         for event in engine.run():
             echo(event.text, nl=False)
         echo("")
     else:
         for _ in engine.run():
             pass
-        for index, (prompt, request) in enumerate(zip(prompts, requests)):
+        for index, (prompt, request) in enumerate(zip(shown, requests)):
             echo(f"--- {index} ---\n{prompt}{request.text.text}")
     return [request.text.text for request in requests]

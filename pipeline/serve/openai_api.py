@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.serve.sampling import SamplingParams
-from pipeline.tokenizer.chat_template import ChatTemplate
+from pipeline.tokenizer.chat_template import ChatTemplate, chat_prompt  # noqa: F401 - re-exported
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -321,20 +321,6 @@ def _text_content(content: str | list[dict] | None, index: int) -> str:
             )
         texts.append(part["text"])
     return "".join(texts)
-
-
-def chat_prompt(
-    messages: list[dict], template: ChatTemplate | str | None, add_generation_prompt: bool = True
-) -> str:
-    """The prompt text for `messages` (plain dicts), ending where the assistant's reply begins
-    (or after the last message, without `add_generation_prompt`); a template that fails raises
-    `ChatTemplateError` (one line, the client's 400)."""
-    if template is None:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + ("assistant:" if add_generation_prompt else "")
-    if isinstance(template, str):
-        template = ChatTemplate.from_string(template)
-    return template.render(messages, add_generation_prompt=add_generation_prompt).text
 
 
 # ---- responses --------------------------------------------------------------------------------

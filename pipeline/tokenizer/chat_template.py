@@ -32,6 +32,7 @@ __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
     "RenderedChat",
+    "chat_prompt",
     "load_chat_template",
     "special_tokens",
 ]
@@ -131,6 +132,22 @@ class ChatTemplate:
         finally:
             _RECORDER.reset(token)
         return RenderedChat("".join(recorder.pieces), tuple(recorder.spans))
+
+
+def chat_prompt(
+    messages: list[Any], template: ChatTemplate | str | None, add_generation_prompt: bool = True
+) -> str:
+    """The prompt text for `messages`, ending where the assistant's reply begins (or after the
+    last message, without `add_generation_prompt`): what `pipe serve`'s chat endpoint and
+    `pipe generate --chat` both encode (without adding special tokens, as transformers'
+    `apply_chat_template` does). Without a template, `role: content` lines and `assistant:`.
+    A template that fails raises `ChatTemplateError` (one line)."""
+    if template is None:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+    if isinstance(template, str):
+        template = ChatTemplate.from_string(template)
+    return template.render(messages, add_generation_prompt=add_generation_prompt).text
 
 
 def load_chat_template(path: str | Path) -> ChatTemplate | None:

@@ -12,6 +12,11 @@ config in `pipe_metadata.json`, a small JSON file, so both uses below cost no te
   a mismatch in one line naming each differing field, before anything is built or read, and
   logs settings that change the model's function without changing a shape (a longer context,
   another RoPE base).
+
+A Hugging Face model directory (`--load HF_DIR`, a directory with `config.json`) is read the same
+way: its `config.json` (through `pipeline.weights`' config mapping, headers only) is the recorded
+model, with `hf` set so the trainer starts from its weights at iteration 0. A directory that
+cannot be read as one is refused in one line.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKPOINT_FLAVOR",
     "check_checkpoint_model",
+    "is_hf_directory",
     "read_recorded_model",
 ]
 
@@ -48,6 +54,7 @@ def _checkpoint_record(
     if load_dir is None:
         return None
     root = Path(load_dir)
+    _refuse_weights_without_config(root)
     try:
         if (
             iteration is None
@@ -69,6 +76,8 @@ def read_recorded_model(
     from pipeline.checkpoint.layout import PIPE_METADATA
     from pipeline.core.model.config import model_config_from_dict
 
+    if load_dir is not None and is_hf_directory(load_dir):
+        return _hf_model(Path(load_dir))
     found = _checkpoint_record(load_dir, iteration)
     if found is None:
         return None
@@ -82,6 +91,38 @@ def read_recorded_model(
     except (TypeError, ValueError) as e:
         problem = f"checkpoint {directory}: unreadable model config: {e}"
         return RecordedModel(directory, problem=problem)
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    """Whether `path` is a Hugging Face model directory (it holds a `config.json`)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def _hf_model(directory: Path) -> RecordedModel:
+    """The model of the Hugging Face directory `--load` names, or one `ConfigError` line."""
+    from pipeline.weights.hf_reader import HFSource
+
+    try:
+        source = HFSource(directory)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = " ".join(str(e).split())
+        raise ConfigError(
+            f"checkpoint.load {directory}: not a usable Hugging Face model directory: {reason}"
+        ) from None
+    return RecordedModel(directory, source.model_config, hf=True)
+
+
+def _refuse_weights_without_config(root: Path) -> None:
+    """A directory of weights without `config.json` (a Hugging Face save missing a file) is
+    neither a model to start from nor an empty save directory to start one in."""
+    if not root.is_dir() or (root / "config.json").is_file():
+        return
+    weights = [p.name for p in root.iterdir() if p.suffix in (".safetensors", ".bin")]
+    if weights:
+        raise ConfigError(
+            f"checkpoint.load {root}: holds {weights[0]} but no config.json, so it is neither a "
+            "Hugging Face model directory nor a pipe checkpoint"
+        )
 
 
 def _shapes(config: ModelConfig) -> dict[str, Any]:
@@ -136,13 +177,17 @@ def check_checkpoint_model(cfg: TrainConfig, iteration: int | None = None) -> No
     if recorded is None:
         return
     directory = recorded.directory
+    if recorded.hf:
+        what, whose = f"Hugging Face model {directory} has", "the model"
+    else:
+        what, whose = f"checkpoint {directory} was saved with", "the checkpoint's model"
     saved, run = recorded.model_config(), cfg.model_config()
     fields, values = _differences(_shapes(saved), _shapes(run))
     if fields:
         raise ConfigError(
-            f"checkpoint {directory} was saved with {fields}; this run has {values} "
-            f"(--set model.flavor={CHECKPOINT_FLAVOR} trains the checkpoint's model)"
+            f"{what} {fields}; this run has {values} "
+            f"(--set model.flavor={CHECKPOINT_FLAVOR} trains {whose})"
         )
     fields, values = _differences(_numerics(saved), _numerics(run))
     if fields:
-        log.warning("checkpoint %s was saved with %s; this run uses %s", directory, fields, values)
+        log.warning("%s %s; this run uses %s", what, fields, values)

@@ -55,8 +55,10 @@ def _default_run_dir(recipe: str | None) -> str:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train.")
 @click.option("--save", metavar="DIR", help="Checkpoint directory (default: RUN_DIR/checkpoints).")
 @click.option(
-    "--load", metavar="DIR", help="Resume from DIR's latest checkpoint (or an iter_ dir)."
-)
+    "--load", metavar="DIR",
+    help="Resume from DIR's latest checkpoint (or an iter_ dir), or start from a Hugging Face "
+    "model directory (its config.json and weights; iteration 0).",
+)  # fmt: skip
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor (+ sequence) parallel.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel.")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context parallel.")

@@ -243,7 +243,8 @@ class CheckpointSection:
     save: str | None = None
     """Directory to save checkpoints to (unset: `<run_dir>/checkpoints`)."""
     load: str | None = None
-    """Checkpoint directory to resume or start from."""
+    """Checkpoint directory to resume or start from, or a Hugging Face model directory to start
+    from (its config.json gives the model unless a recipe names one; iteration 0)."""
     save_interval: int = 1000
     """Save every this many iterations (0: only at the end)."""
     keep_last: int = 0
@@ -254,6 +255,12 @@ class CheckpointSection:
     """Write checkpoints in the background while training continues."""
     verify_checksums: bool = True
     """Check every checkpoint file read against the SHA-256 its checkpoint records."""
+    save_hf: Literal["off", "final", "every"] = "off"
+    """Also write a Hugging Face directory, `<save>/hf/iter_XXXXXXX`: at the end of the run
+    (final) or with every checkpoint (every)."""
+    save_hf_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """dtype of the Hugging Face weights; auto: the dtype of the Hugging Face model the run
+    started from, else bfloat16."""
 
 
 @dataclass
@@ -339,6 +346,8 @@ class RecordedModel:
     directory: Path
     config: ModelConfig | None = None
     problem: str | None = None
+    hf: bool = False
+    """The directory is a Hugging Face model (`pipe train --load HF_DIR`), not a checkpoint."""
 
     def model_config(self) -> ModelConfig:
         """The recorded model, or `ConfigError` saying why there is none."""

@@ -176,7 +176,8 @@ def resolve_config(
     The checkpoint `checkpoint.load` resumes from, if any, is read here, once: its recorded
     model goes into `recorded_model`. When nothing names a model (no recipe or one without a
     `[model]` table, and no `--set model.flavor`) and there is such a checkpoint, the run takes
-    its model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it.
+    its model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it. A Hugging Face
+    directory is read the same way, and its tokenizer is `data.tokenizer` unless one is set.
     """
     from pipeline.train.checkpoint_model import read_recorded_model
 
@@ -192,9 +193,17 @@ def resolve_config(
     names_model = "model" in tables or any(_assigns(a, "model.flavor") for a in sets)
     if not names_model and cfg.recorded_model is not None:
         cfg.model.flavor = CHECKPOINT_FLAVOR
+    if cfg.recorded_model is not None and cfg.recorded_model.hf and cfg.data.tokenizer is None:
+        cfg.data.tokenizer = _tokenizer_beside(cfg.recorded_model.directory)
     if validate:
         cfg.validate(world_size)
     return cfg
+
+
+def _tokenizer_beside(directory: Path) -> str | None:
+    """`directory` when it holds a tokenizer's vocabulary file, else None."""
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    return str(directory) if any((directory / n).is_file() for n in names) else None
 
 
 def _accepts_str(tp: Any) -> bool:

@@ -23,6 +23,13 @@ learning rate is held back for them and the divergence guard is checked.
 Resuming restores weights, optimizer, scheduler, RNG states, the iteration and the consumed
 sample counts, and the loaders restart from those counts, so on a CPU a resumed run repeats an
 uninterrupted one bit for bit.
+
+`--load HF_DIR` (a Hugging Face model directory) starts from its weights at iteration 0 with a
+fresh optimizer (`hf_weights.py`), records its tokenizer and Hugging Face settings in every
+checkpoint, and saves to `checkpoint.save`: once that holds a checkpoint, the same command
+resumes from it instead (a requeued job continues). `checkpoint.save_hf` also writes the model
+as a Hugging Face directory, `<save>/hf/iter_XXXXXXX`, at the end of the run or with every
+checkpoint (not with the save a stop signal makes: that one must be quick).
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.train import train_data
-from pipeline.train.checkpoint_model import check_checkpoint_model
-from pipeline.train.config import TrainConfig
+from pipeline.train.checkpoint_model import check_checkpoint_model, is_hf_directory
+from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.config_loader import save_config_toml
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
 from pipeline.train.layout import build_layout, resolve_device
@@ -111,7 +118,8 @@ class Trainer:
             cfg, self.model_config, options, self.layout, self.device, self.fp8,
             self.num_micro_batches,
         )  # fmt: skip
-        self.model, self.step_runner = built.model, built.runner
+        self.model, self.step_runner, self.parts = built.model, built.runner, built.parts
+        self.hf_start = self._open_hf_start()
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         data = train_data.build_run_data(cfg, self.model_config)
@@ -123,6 +131,7 @@ class Trainer:
         self.consumed = {"train": 0, "valid": 0}
         self.guard = NonFiniteGuard(max_consecutive_skips)
         self.diverged_at: int | None = None
+        self.hf_saved_at: int | None = None
         self.run_dir = Path(cfg.logging.run_dir)
         self.process_group = self.layout.world_group
         self.checkpoints = self._build_checkpointing()
@@ -154,6 +163,18 @@ class Trainer:
             self.datasets[split], self.cfg, self.consumed[name], self.layout.dp_rank, self.layout.dp
         )
 
+    def _open_hf_start(self) -> Any:
+        """The Hugging Face model `checkpoint.load` names (an `HFSource`), or None."""
+        load = self.cfg.checkpoint.load
+        if load is None or not is_hf_directory(load):
+            return None
+        from pipeline.weights.hf_reader import HFSource
+
+        try:
+            return HFSource(load)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.load {load}: {' '.join(str(e).split())}") from None
+
     def _build_checkpointing(self) -> CheckpointManager:
         c = self.cfg.checkpoint
         save_dir = Path(c.save) if c.save else self.run_dir / "checkpoints"
@@ -161,7 +182,7 @@ class Trainer:
             save_dir,
             keep_last=c.keep_last or None,
             async_save=c.async_save,
-            load_dir=c.load,
+            load_dir=save_dir if self.hf_start is not None else c.load,
             process_group=self.process_group,
             verify_checksums=c.verify_checksums,
             save_interval=c.save_interval,
@@ -225,9 +246,22 @@ class Trainer:
                 "split": d.split,
                 "seq_length": d.seq_length,
             },
-            "tokenizer": self.tokenizer.to_metadata(),
+            "tokenizer": self._tokenizer_record(),
             "layout": self.layout.describe(),
+            **self._hf_start_record(),
         }
+
+    def _tokenizer_record(self) -> dict[str, Any]:
+        """The data's tokenizer ids, with the Hugging Face model's tokenizer files when the run
+        started from one (`hf_weights.tokenizer_record`)."""
+        from pipeline.train.hf_weights import tokenizer_record
+
+        return tokenizer_record(self.tokenizer.to_metadata(), self.hf_start)
+
+    def _hf_start_record(self) -> dict[str, Any]:
+        from pipeline.train.hf_weights import start_record
+
+        return start_record(self.hf_start)
 
     def save_checkpoint(self) -> Path:
         """Save the full training state at the current iteration; returns its directory.
@@ -273,10 +307,16 @@ class Trainer:
         c = self.cfg.checkpoint
         if c.load is None:
             return
-        if not self.checkpoints.has_checkpoint() and iteration is None and not _is_iter_dir(c.load):
+        saved = self.checkpoints.has_checkpoint()
+        if self.hf_start is not None:
+            if not saved:
+                self._start_from_hf()
+                return
+            log.info("%s holds a checkpoint: resuming it", self.checkpoints.load_dir)
+        elif not saved and iteration is None and not _is_iter_dir(c.load):
             log.info("no checkpoint in %s yet: starting from scratch", c.load)
             return
-        if c.finetune:
+        if c.finetune and self.hf_start is None:
             state = model_and_optimizer_state(self.model)
             load(
                 c.load, iteration, state, restore_rng=False, process_group=self.process_group,
@@ -295,7 +335,54 @@ class Trainer:
             "valid": int(meta.get("consumed_valid_samples", 0)),
         }
         self.guard.total = int(meta.get("skipped_iterations", 0))
-        log.info("resumed from %s at iteration %d", c.load, self.iteration)
+        log.info("resumed from %s at iteration %d", self.checkpoints.load_dir, self.iteration)
+
+    def _start_from_hf(self) -> None:
+        """This rank's shards of the Hugging Face model's weights; iteration 0, fresh optimizer."""
+        from pipeline.train.hf_weights import load_hf_weights, tokenizer_mismatch
+
+        try:
+            load_hf_weights(self.parts, self.hf_start)
+        except ConfigError:
+            raise
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.load {self.hf_start.directory}: {e}") from None
+        log.info("starting from the Hugging Face model %s (iteration 0)", self.hf_start.directory)
+        mismatch = tokenizer_mismatch(
+            {"fingerprint": self.tokenizer.fingerprint}, self.hf_start.metadata.get("tokenizer")
+        )
+        if mismatch is not None:
+            log.warning("%s (%s): check data.blend", mismatch, self.hf_start.directory)
+
+    def save_hf(self) -> Path:
+        """Write the model at the current iteration as a Hugging Face directory (every rank
+        calls this; the first writes); older ones whose checkpoint was rotated away go."""
+        from pipeline.train.hf_weights import hf_directory, prune_rotated, write_hf_from_model
+
+        path = hf_directory(self.checkpoints.save_dir, self.iteration)
+        with torch.no_grad():
+            write_hf_from_model(
+                self.parts, self.model_config, self.layout, self._hf_source_metadata(), path,
+                self.cfg.checkpoint.save_hf_dtype,
+            )  # fmt: skip
+        self.hf_saved_at = self.iteration
+        if self.rank == 0:
+            log.info("saved Hugging Face model %s", path)
+            if self.cfg.checkpoint.keep_last:
+                prune_rotated(self.checkpoints.save_dir, self.iteration)
+        return path
+
+    def _hf_source_metadata(self) -> dict[str, Any]:
+        """What the Hugging Face writer reads from a source's metadata: the tokenizer record
+        and, when the run started from one, the Hugging Face model's settings."""
+        metadata = {"tokenizer": self._tokenizer_record()}
+        return metadata | self._hf_start_record().get("hf", {})
+
+    def _save_hf_if_wanted(self, final: bool) -> None:
+        mode = self.cfg.checkpoint.save_hf
+        wanted = mode == "every" or (mode == "final" and final)
+        if wanted and self.hf_saved_at != self.iteration:
+            self.save_hf()
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -386,6 +473,8 @@ class Trainer:
             log.warning("%s received: saving and exiting", loop.result.stop_reason)
         if stop or due:
             loop.result.checkpoint = self.save_checkpoint()
+        if due and not stop:
+            self._save_hf_if_wanted(final=False)
         return stop
 
     def _finish(self, loop: LoopState) -> None:
@@ -394,6 +483,7 @@ class Trainer:
             self.run_evaluation()
         if not self.checkpoints.saved(self.iteration):
             loop.result.checkpoint = self.save_checkpoint()
+        self._save_hf_if_wanted(final=True)
 
     def _progress_bar(self) -> Any:
         """A terminal progress bar on rank 0 (None elsewhere or off a terminal)."""

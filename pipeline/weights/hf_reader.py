@@ -273,6 +273,10 @@ class HFSource:
             return parts[0].clone()
         return torch.stack(parts)
 
+    def close(self) -> None:
+        """Drop the open files (their memory mappings); a later `read` opens them again."""
+        self._handles.clear()
+
     def _tensor(self, path: Path, hf_name: str) -> torch.Tensor:
         handle = self._open(path)
         try:

@@ -39,6 +39,7 @@ __all__ = [
     "HFPiece",
     "HFShard",
     "plan_hf_shards",
+    "read_in_write_order",
     "recorded_tokenizer_dir",
     "write_hf",
 ]
@@ -204,6 +205,35 @@ def _token_ids(source: TensorSource) -> tuple[int | None, int | list[int] | None
     return meta.get("bos_token_id"), eos
 
 
+def _generation_eos(source: TensorSource, eos: int | list[int] | None) -> int | list[int] | None:
+    """generation_config.json's end ids: the config's, then the end-of-turn ids a Hugging Face
+    source's own generation_config.json named (an instruct model's `<|eot_id|>`), so generation
+    from the written directory stops where it stopped from the source."""
+    extra = source.metadata.get("generation_eos_token_id") or []
+    ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+    ids += [i for i in extra if i not in ids]
+    if not extra:
+        return eos
+    return ids[0] if len(ids) == 1 else ids
+
+
+def read_in_write_order(
+    source: TensorSource,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    skip: int = 0,
+) -> None:
+    """Read every tensor `write_hf` would read for the same arguments, in its order (after the
+    first `skip`), writing nothing: what the other ranks of a run do while the first writes a
+    source whose reads are collectives (gathering a sharded model), and what a writer that
+    failed does to finish its part of them."""
+    shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    names = [g[0].source_name for s in shards for g in s.groups if g[0].source_name is not None]
+    for name in names[skip:]:
+        source.read(name)  # the read is the point; the tensor is dropped at once
+
+
 def recorded_tokenizer_dir(tokenizer: dict[str, Any] | None) -> Path | None:
     """The directory of the tokenizer a checkpoint recorded, if its files are still there and
     unchanged (same SHA-256); None otherwise (mock data, moved or edited files)."""
@@ -297,7 +327,8 @@ def write_hf(
             eos_token_id=eos,
         )
         write_json(tmp / "config.json", config | (config_extra or {}))
-        write_json(tmp / "generation_config.json", generation_config(bos, eos))
+        generation = generation_config(bos, _generation_eos(source, eos))
+        write_json(tmp / "generation_config.json", generation)
         for name, obj in (extra_json or {}).items():
             write_json(tmp / name, obj)
         if tokenizer_dir is not None:

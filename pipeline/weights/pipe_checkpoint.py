@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PipeCheckpointSource",
     "TargetLayout",
+    "hf_record",
     "tensor_chunks",
     "write_pipe_checkpoint",
 ]
@@ -181,6 +182,13 @@ def tensor_chunks(
     return chunks
 
 
+def hf_record(metadata: dict[str, Any]) -> dict[str, Any]:
+    """What a pipe checkpoint records (as `metadata["hf"]`) of the Hugging Face model its
+    weights came from: architecture, dtype, bos/eos and generation end ids; a
+    `PipeCheckpointSource` hands them back in its metadata."""
+    return {k: metadata[k] for k in _HF_KEYS if metadata.get(k) is not None}
+
+
 def write_pipe_checkpoint(
     source: TensorSource,
     output: str | Path,
@@ -205,7 +213,7 @@ def write_pipe_checkpoint(
         "tokenizer": source.metadata.get("tokenizer"),
         "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": 1, "dp": 1},
         "converted_from": source.metadata.get("source"),
-        "hf": {k: source.metadata[k] for k in _HF_KEYS if source.metadata.get(k) is not None},
+        "hf": hf_record(source.metadata),
     }
     return Path(save(output, iteration, {}, metadata, save_rng=False, planner=planner))
 

@@ -88,3 +88,49 @@ def test_bf16_on_a_cpu(tiny_hf_dir) -> None:
     args = ["--prompt", PROMPT, "--max-new-tokens", 6, "--greedy", "--dtype", "bf16"]
     out = run_pipe("generate", tiny_hf_dir, *args).output
     assert out.startswith(PROMPT) and len(out) > len(PROMPT) + 3
+
+
+def test_chat_answers_as_transformers_chat_template_and_generate(tiny_hf_dir, tmp_path) -> None:
+    """`--chat --system`: the prompt transformers' `apply_chat_template(add_generation_prompt=
+    True)` makes, greedy text equal to its `generate`'s, and the stop at an end-of-turn id that
+    generation_config.json names (here the first id greedy decoding reaches after others)."""
+    directory = tmp_path / "chat_model"
+    shutil.copytree(tiny_hf_dir, directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def f(x):"},
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+
+    def greedy(new: int, **kwargs) -> list[int]:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, pad_token_id=0, **kwargs)  # fmt: skip
+        return out[0, ids.shape[1] :].tolist()
+
+    free = greedy(12, eos_token_id=None)
+    stop_at = next(i for i in range(2, 12) if free[i] not in free[:i])
+    end_of_turn = free[stop_at]
+    (directory / "generation_config.json").write_text(f'{{"eos_token_id": [{end_of_turn}]}}')
+    reply = greedy(12, eos_token_id=[end_of_turn])
+    assert reply == free[: stop_at + 1]  # transformers stopped there too
+    expected = tokenizer.decode(reply[:-1]) + "\n"
+    args = ["--chat", "--system", "Be brief.", "--prompt", "def f(x):", "--max-new-tokens", 12]
+    assert run_pipe("generate", directory, *args, "--greedy").output == expected
+
+
+def test_chat_needs_a_template_and_system_needs_chat(tiny_hf_dir, tmp_path) -> None:
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_hf_dir, plain)
+    config = plain / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    result = run_pipe("generate", plain, "--chat", "--prompt", "Hi", expect_ok=False)
+    assert result.exit_code == 1
+    assert (
+        result.output.strip()
+        == f"Error: --chat: the tokenizer of {plain} ({plain}) has no chat template"
+    )
+    result = run_pipe("generate", tiny_hf_dir, "--system", "x", "--prompt", "Hi", expect_ok=False)
+    assert result.exit_code == 2 and "--system is for --chat" in result.output
