@@ -86,7 +86,8 @@ def train_tokenizer(
     texts: Iterator[str] | list[str], output_dir: str | os.PathLike, vocab_size: int = 8192
 ) -> Path:
     """Train a byte-level BPE tokenizer in Llama 3's style (same split regex, BOS/EOS specials)
-    and save `tokenizer.json` + `tokenizer_config.json`; returns the directory."""
+    and save `tokenizer.json` + `tokenizer_config.json` (with a chat template, for fine-tuning:
+    `stdlib_chat`); returns the directory."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(ignore_merges=True))
@@ -107,7 +108,10 @@ def train_tokenizer(
     output_dir = Path(output_dir)
     with atomic_path(output_dir / "tokenizer.json") as temporary:
         tokenizer.save(str(temporary))
-    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
+    from pipeline.examples.stdlib_chat import CHAT_TEMPLATE
+
+    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
+              "chat_template": CHAT_TEMPLATE}  # fmt: skip
     write_json(output_dir / "tokenizer_config.json", config)
     return output_dir
 
