@@ -31,6 +31,7 @@ class BadLine:
     source: str
     line: int
     problem: str
+    fatal: bool = False  # stops the run even with --skip-bad-lines (a template that cannot work)
 
     def __str__(self) -> str:
         return f"{self.source}:{self.line}: {self.problem}"

@@ -96,6 +96,11 @@ class ChatTemplate:
         known = ", ".join(sorted(self.templates))
         raise ChatTemplateError(f"several chat templates and none is 'default': {known}")
 
+    def check(self, name: str | None = None) -> None:
+        """Compile template `name` (see `source`): a syntax error is a ChatTemplateError now
+        rather than at the first render."""
+        _compiled(self.source(name))
+
     def render(
         self,
         messages: list[Any],
@@ -109,6 +114,29 @@ class ChatTemplate:
         """`messages` (dicts, dataclasses or pydantic models) rendered as transformers'
         `apply_chat_template(..., tokenize=False)` renders them; keyword arguments override
         special tokens of the same name."""
+        pieces, spans = self.render_pieces(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            template_name=template_name,
+            **kwargs,
+        )
+        return RenderedChat("".join(pieces), spans)
+
+    def render_pieces(
+        self,
+        messages: list[Any],
+        *,
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        template_name: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[list[str], tuple[tuple[int, int], ...]]:
+        """`render`, with the text left as the pieces the template emitted in order (each
+        literal run and each `{{ ... }}` is one): where two renderings part ways, piece by
+        piece, tells which turn's output changed (see pipeline.tokenizer.chat_spans)."""
         compiled = _compiled(self.source(template_name, tools=tools is not None))
         variables = {
             **_plain(dict(self.special_tokens)),
@@ -130,7 +158,7 @@ class ChatTemplate:
             raise ChatTemplateError(_one_line(error)) from None
         finally:
             _RECORDER.reset(token)
-        return RenderedChat("".join(recorder.pieces), tuple(recorder.spans))
+        return recorder.pieces, tuple(recorder.spans)
 
 
 def load_chat_template(path: str | Path) -> ChatTemplate | None:
