@@ -247,6 +247,6 @@ def _surrogate_key(record: dict, keys: tuple[str, ...]) -> str | None:
 
 
 def _type_name(value: object) -> str:
-    names = {dict: "an object", list: "a list", int: "a number", float: "a number"}
+    names = {dict: "an object", list: "a list", int: "a number", float: "a number", str: "a string"}
     names[bool] = "a boolean"
     return "null" if value is None else names.get(type(value), type(value).__name__)
