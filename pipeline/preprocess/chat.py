@@ -195,9 +195,13 @@ class ParsedChats:
 
 @dataclass
 class EncodedChats:
-    """Tokens and mask of each conversation kept (offset in the batch, ids, mask)."""
+    """The conversations kept (item offsets in the batch), their tokens and masks back to
+    back, and each one's length."""
 
-    kept: list[tuple[int, np.ndarray, np.ndarray]]
+    offsets: np.ndarray
+    tokens: np.ndarray
+    masks: np.ndarray
+    lengths: np.ndarray
 
 
 class ChatEncoder(DocumentEncoder):
@@ -244,32 +248,38 @@ class ChatEncoder(DocumentEncoder):
             texts.append(rendered.text)
             spans.append(rendered.spans)
             offsets.append(offset)
-        kept = []
-        for offset, span, (ids, starts, ends) in zip(
-            offsets, spans, self.offsets.encode(texts, threads)
-        ):
-            mask = token_mask(starts, ends, span)
-            if mask.all() or not mask.any():
-                what = "every token" if mask.all() else "no token"
-                self._bad(parsed, offset, f"the loss mask covers {what} of the conversation")
-                continue
-            kept.append((offset, ids, mask))
-        return EncodedChats(kept)
+        placed = self.offsets.encode(texts, threads)
+        shifted = []  # every span, on the scale of placed.starts/ends
+        for k, text_spans in enumerate(spans):
+            ends = placed.position(k, [c for span in text_spans for c in span])
+            shifted += zip(ends[::2], ends[1::2])
+        mask = token_mask(placed.starts, placed.ends, shifted)
+        lengths = np.diff(placed.offsets)
+        running = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+        ones = running[placed.offsets[1:]] - running[placed.offsets[:-1]]
+        useless = (ones == 0) | (ones == lengths)
+        for k in np.flatnonzero(useless):
+            what = "no token" if ones[k] == 0 else "every token"
+            self._bad(parsed, offsets[k], f"the loss mask covers {what} of the conversation")
+        keep = ~useless
+        per_token = np.repeat(keep, lengths)
+        return EncodedChats(
+            np.asarray(offsets, dtype=np.int64)[keep],
+            placed.ids[per_token],
+            mask[per_token],
+            lengths[keep].astype(np.int32),
+        )
 
     def pack(self, parsed: ParsedChats, encoded: EncodedChats) -> EncodedBatch:  # type: ignore[override]
         result = parsed.result
-        kept = encoded.kept
-        lengths = np.fromiter((len(ids) for _, ids, _ in kept), np.int32, len(kept))
-        ones = np.ones(len(kept), np.int32)
-        tokens = np.concatenate([ids for _, ids, _ in kept]) if kept else np.empty(0, np.int64)
-        masks = np.concatenate([m for _, _, m in kept]) if kept else np.empty(0, np.uint8)
+        ones = np.ones(len(encoded.lengths), np.int32)
         result.keys = [
-            KeyTokens(tokens.astype(self.dtype, copy=False), lengths, ones),
-            KeyTokens(masks, lengths.copy(), ones.copy()),
+            KeyTokens(encoded.tokens.astype(self.dtype, copy=False), encoded.lengths, ones),
+            KeyTokens(encoded.masks, encoded.lengths.copy(), ones.copy()),
         ]
-        result.documents = len(kept)
-        first = file_line(parsed.batch, 0) if kept else 0
-        result.lines = np.fromiter((o for o, _, _ in kept), np.int64, len(kept)) + first
+        result.documents = len(encoded.lengths)
+        first = file_line(parsed.batch, 0) if result.documents else 0
+        result.lines = encoded.offsets + first
         result.bad_lines.sort(key=lambda b: b.line)
         return result
 

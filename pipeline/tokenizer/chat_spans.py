@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from pipeline.tokenizer.chat_template import ChatTemplate, ChatTemplateError, normalize_messages
 
 __all__ = [
     "MASK_RULES",
@@ -80,14 +80,16 @@ def assistant_spans(
         return AssistantSpans(rendered.text, rendered.generation_spans)
     if rule != "rendered-prefix":
         raise ValueError(f"unknown mask rule {rule!r}; choose from {MASK_RULES}")
-    return _rendered_prefix_spans(template, list(messages), template_name)
+    return _rendered_prefix_spans(template, normalize_messages(list(messages)), template_name)
 
 
 def _rendered_prefix_spans(
     template: ChatTemplate, messages: list[dict[str, Any]], name: str | None
 ) -> AssistantSpans:
     def pieces(turns: list[dict[str, Any]], prompt: bool = False) -> list[str]:
-        return template.render_pieces(turns, add_generation_prompt=prompt, template_name=name)[0]
+        return template.render_pieces(
+            turns, add_generation_prompt=prompt, template_name=name, normalized=True
+        )[0]
 
     full_pieces = pieces(messages)
     full = "".join(full_pieces)
@@ -116,7 +118,7 @@ def _continued(pieces, messages: list[dict[str, Any]]) -> list[str] | None:
     """The rendering with a probe turn after the last message (None if the template refuses
     it): what the template writes once the conversation goes on."""
     try:
-        return pieces([*messages, _PROBE])
+        return pieces([*messages, dict(_PROBE)])
     except ChatTemplateError:
         return None
 

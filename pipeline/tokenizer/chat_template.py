@@ -33,6 +33,7 @@ __all__ = [
     "ChatTemplateError",
     "RenderedChat",
     "load_chat_template",
+    "normalize_messages",
     "special_tokens",
 ]
 
@@ -132,16 +133,19 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
         template_name: str | None = None,
+        normalized: bool = False,
         **kwargs: Any,
     ) -> tuple[list[str], tuple[tuple[int, int], ...]]:
         """`render`, with the text left as the pieces the template emitted in order (each
         literal run and each `{{ ... }}` is one): where two renderings part ways, piece by
-        piece, tells which turn's output changed (see pipeline.tokenizer.chat_spans)."""
+        piece, tells which turn's output changed (see pipeline.tokenizer.chat_spans).
+        `normalized`: the messages are already as `normalize_messages` returns them (a caller
+        rendering one conversation many times normalizes it once)."""
         compiled = _compiled(self.source(template_name, tools=tools is not None))
         variables = {
-            **_plain(dict(self.special_tokens)),
-            **_plain(kwargs),
-            "messages": _messages(messages),
+            **_plain_tokens(self),
+            **(_plain(kwargs) if kwargs else {}),
+            "messages": messages if normalized else normalize_messages(messages),
             "tools": _plain(tools),
             "documents": _plain(documents),
             "add_generation_prompt": add_generation_prompt,
@@ -283,12 +287,21 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _plain_tokens(template: ChatTemplate) -> dict[str, Any]:
+    """The template's special tokens as plain values, made once per ChatTemplate."""
+    cached = template.__dict__.get("_plain_special_tokens")
+    if cached is None:
+        cached = _plain(dict(template.special_tokens))
+        object.__setattr__(template, "_plain_special_tokens", cached)
+    return cached
+
+
+def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """The messages as transformers hands them to a template: plain dicts, keys whose value is
     None dropped (templates test for a missing key, not for None), reasoning under every name
     templates read."""
     out = []
-    for message in _plain(list(messages)):
+    for message in map(_plain_message, messages):
         if not isinstance(message, dict):
             raise ChatTemplateError(f"a chat message must be an object, got {message!r}")
         message = {k: v for k, v in message.items() if v is not None}
@@ -297,6 +310,15 @@ def _messages(messages: list[Any]) -> list[dict[str, Any]]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
     return out
+
+
+def _plain_message(message: Any) -> Any:
+    """`_plain(message)`, at once for the common message of string keys and values."""
+    if type(message) is dict and all(
+        type(k) is str and (type(v) is str or v is None) for k, v in message.items()
+    ):
+        return message
+    return _plain(message)
 
 
 # -- the Jinja environment -------------------------------------------------------------------

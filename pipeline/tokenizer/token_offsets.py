@@ -5,24 +5,24 @@ spans).
 The fast way: in a byte-level BPE (Llama 3, GPT-2) every token spells a fixed string of bytes,
 and the tokens of a text spell its bytes back to back, so the offsets are running sums of
 per-token byte lengths, whatever engine produced the ids. That is proven at load, against
-`tokenizers`' own offsets on the engine self-test texts, and checked again on every text (the
-lengths must add up to its size in bytes). Otherwise, and for any text that fails the check,
-`tokenizers` encodes the text with offsets itself.
+`tokenizers`' own offsets on the engine self-test texts, and checked again on every batch (each
+text's lengths must add up to its size in bytes). Otherwise, and for a batch that fails the
+check, `tokenizers` encodes the texts with offsets itself. A batch is placed as a whole, with
+numpy: per-text work in Python would cost more than the encoding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pipeline.tokenizer.engine_proof import self_test_texts
-from pipeline.tokenizer.engines import ALONE, POOL
+from pipeline.tokenizer.engines import POOL
 from pipeline.tokenizer.tokenizer import TextTokenizer, TokenizerError
 
-__all__ = ["OffsetEncoder"]
-
-Encoded = tuple[np.ndarray, np.ndarray, np.ndarray]  # ids, start and end character of each
+__all__ = ["OffsetEncoder", "Placed"]
 
 
 class OffsetEncoder:
@@ -40,48 +40,82 @@ class OffsetEncoder:
         self.byte_lengths = _proven_byte_lengths(self.reference)
         self.method = "token bytes" if self.byte_lengths is not None else "tokenizers offsets"
 
-    def encode(self, texts: list[str], threads: str = POOL) -> list[Encoded]:
-        """Each text's ids and its tokens' [start, end) characters."""
-        if self.byte_lengths is None:
-            return self._reference_encode(texts, threads)
-        flat, offsets = self.tokenizer.encode_packed(texts, threads)
-        out: list[Encoded] = []
-        for i, text in enumerate(texts):
-            ids = flat[offsets[i] : offsets[i + 1]]
-            placed = _from_byte_lengths(text, self.byte_lengths[ids])
-            out.append((ids, *placed) if placed else self._reference_encode([text], ALONE)[0])
-        return out
+    def encode(self, texts: list[str], threads: str = POOL) -> Placed:
+        """All texts' ids back to back, each text's offsets into them (len(texts) + 1), and
+        where each token lies in the texts laid end to end (see `Placed`)."""
+        if self.byte_lengths is not None:
+            flat, offsets = self.tokenizer.encode_packed(texts, threads)
+            placed = _from_byte_lengths(texts, flat, offsets, self.byte_lengths[flat])
+            if placed is not None:
+                return placed
+        return self._reference_encode(texts, threads)
 
-    def _reference_encode(self, texts: list[str], threads: str) -> list[Encoded]:
+    def _reference_encode(self, texts: list[str], threads: str) -> Placed:
         """`tokenizers`' ids and offsets; one text at a time in a forked copy or beside other
         threads (its thread pool is for the batch call of an unforked process only)."""
         if threads == POOL and len(texts) > 1:
             encodings = self.reference.encode_batch(texts, add_special_tokens=False)
         else:
             encodings = [self.reference.encode(t, add_special_tokens=False) for t in texts]
-        return [_arrays(e.ids, e.offsets) for e in encodings]
+        counts = [len(e.ids) for e in encodings]
+        offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        flat = np.fromiter((i for e in encodings for i in e.ids), np.int64, int(offsets[-1]))
+        spans = np.fromiter(
+            (c for e in encodings for o in e.offsets for c in o), np.int64, 2 * int(offsets[-1])
+        ).reshape(-1, 2)
+        bases = np.zeros(len(texts) + 1, dtype=np.int64)
+        np.cumsum([len(t) for t in texts], out=bases[1:])
+        shift = np.repeat(bases[:-1], counts)
+        return Placed(flat, offsets, spans[:, 0] + shift, spans[:, 1] + shift, bases, {})
 
 
-def _arrays(ids: list[int], offsets: list[tuple[int, int]]) -> Encoded:
-    spans = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    return np.asarray(ids, dtype=np.int64), spans[:, 0], spans[:, 1]
+@dataclass
+class Placed:
+    """Encoded texts: flat ids, per-text offsets into them, and each token's [start, end) in
+    the texts laid end to end, counted in characters or, for the texts in `wide`, in UTF-8
+    bytes (`bases`: where each text starts). `position` maps characters of a text to the same
+    scale; either way a token overlaps a character span exactly when `tokenizers`' character
+    offsets say so (a token holding part of a character covers all of it)."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    bases: np.ndarray
+    wide: dict[int, str]  # texts counted in bytes whose characters are not all one byte
+
+    def position(self, text: int, chars: list[int]) -> list[int]:
+        """Where the given (ascending) character positions of text `text` lie on the scale of
+        `starts` and `ends`."""
+        base = int(self.bases[text])
+        if text not in self.wide:
+            return [base + c for c in chars]
+        source, out, done, at = self.wide[text], [], 0, base
+        for c in chars:
+            at += len(source[done:c].encode("utf-8"))
+            done = c
+            out.append(at)
+        return out
 
 
-def _from_byte_lengths(text: str, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Character [start, end) of tokens of these byte lengths laid end to end over `text`, as
-    `tokenizers` reports them (a token holding part of a character covers that character);
-    None when the lengths do not add up to the text's size."""
-    ends = np.cumsum(lengths, dtype=np.int64)
-    starts = ends - lengths
-    if text.isascii():
-        return (starts, ends) if (ends[-1] if len(ends) else 0) == len(text) else None
-    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    if (ends[-1] if len(ends) else 0) != len(raw):
+def _from_byte_lengths(
+    texts: list[str], flat: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> Placed | None:
+    """The tokens laid end to end by their byte lengths (in UTF-8 bytes: each text's tokens
+    must spell exactly its bytes, else None)."""
+    if len(lengths) and lengths.min() < 1:
         return None
-    char_of_byte = np.cumsum((raw & 0xC0) != 0x80, dtype=np.int64) - 1
-    if not len(starts):
-        return starts, ends
-    return char_of_byte[starts], char_of_byte[np.maximum(ends - 1, starts)] + (ends > starts)
+    ends = np.cumsum(lengths, dtype=np.int64)
+    sizes = np.fromiter((len(t) for t in texts), np.int64, len(texts))
+    wide = {k: t for k, t in enumerate(texts) if not t.isascii()}
+    for k, text in wide.items():
+        sizes[k] = len(text.encode("utf-8"))
+    bases = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=bases[1:])
+    if not np.array_equal(np.concatenate([[0], ends])[offsets], bases):
+        return None
+    return Placed(flat, offsets, ends - lengths, ends, bases, wide)
 
 
 def _proven_byte_lengths(reference: Any) -> np.ndarray | None:
@@ -91,13 +125,22 @@ def _proven_byte_lengths(reference: Any) -> np.ndarray | None:
     if lengths is None:
         return None
     added = [t.content for t in reference.get_added_tokens_decoder().values()]
-    for text in self_test_texts(added):
-        encoding = reference.encode(text, add_special_tokens=False)
-        expected = [tuple(o) for o in encoding.offsets]
-        if not encoding.ids:
-            continue
-        placed = _from_byte_lengths(text, lengths[np.asarray(encoding.ids)])
-        if placed is None or list(zip(*(p.tolist() for p in placed))) != expected:
+    texts = self_test_texts(added)
+    encodings = [reference.encode(t, add_special_tokens=False) for t in texts]
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum([len(e.ids) for e in encodings], out=offsets[1:])
+    flat = np.asarray([i for e in encodings for i in e.ids], dtype=np.int64)
+    placed = _from_byte_lengths(texts, flat, offsets, lengths[flat])
+    if placed is None:
+        return None
+    for k, (text, encoding) in enumerate(zip(texts, encodings)):
+        lo, hi = offsets[k], offsets[k + 1]
+        base = placed.bases[k]
+        # The character holding each byte: tokens' byte spans rounded out to characters.
+        char_of_byte = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
+        starts = char_of_byte[placed.starts[lo:hi] - base]
+        ends = char_of_byte[placed.ends[lo:hi] - base - 1] + 1
+        if list(zip(starts.tolist(), ends.tolist())) != [tuple(o) for o in encoding.offsets]:
             return None
     return lengths
 
