@@ -153,9 +153,9 @@ class ChatTemplate:
         recorder = _SpanRecorder()
         token = _RECORDER.set(recorder)
         try:
-            for piece in compiled.generate(**variables):
-                recorder.pieces.append(piece)
-                recorder.emitted += len(piece)
+            # extend() appends each piece as the template yields it, so a generation block
+            # finds every piece before it already in the list.
+            recorder.pieces.extend(compiled.generate(**variables))
         except ChatTemplateError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever a template's code raises is its error
@@ -329,7 +329,6 @@ class _SpanRecorder:
     """What one render has emitted so far, and the spans of its generation blocks."""
 
     pieces: list[str] = dataclasses.field(default_factory=list)
-    emitted: int = 0
     spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
@@ -376,9 +375,10 @@ def _environment():
             body = caller()
             recorder = _RECORDER.get()
             if recorder is not None:
-                # The outer render has consumed every piece before this block: its count is
-                # where the body starts.
-                recorder.spans.append((recorder.emitted, recorder.emitted + len(body)))
+                # The outer render has consumed every piece before this block: their length
+                # is where the body starts.
+                start = sum(map(len, recorder.pieces))
+                recorder.spans.append((start, start + len(body)))
             return body
 
     environment = ImmutableSandboxedEnvironment(

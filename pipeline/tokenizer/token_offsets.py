@@ -13,14 +13,18 @@ numpy: per-text work in Python would cost more than the encoding.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pipeline.tokenizer.engine_proof import self_test_texts
+from pipeline.common.atomic import atomic_file
+from pipeline.tokenizer.engine_proof import _proof_file, self_test_texts
 from pipeline.tokenizer.engines import POOL
-from pipeline.tokenizer.tokenizer import TextTokenizer, TokenizerError
+from pipeline.tokenizer.tokenizer import TextTokenizer, TokenizerError, _proof_key
+
+_VERSION = "1"  # bump when the byte-length proof changes: cached tables are then not reused
 
 __all__ = ["OffsetEncoder", "Placed"]
 
@@ -36,9 +40,13 @@ class OffsetEncoder:
                 "files): a SentencePiece .model reads a template's special tokens as text"
             )
         self.tokenizer = tokenizer
-        self.reference = tokenizer._reference().tokenizer  # a tokenizers.Tokenizer
-        self.byte_lengths = _proven_byte_lengths(self.reference)
+        self.byte_lengths = _cached_byte_lengths(tokenizer)
         self.method = "token bytes" if self.byte_lengths is not None else "tokenizers offsets"
+
+    @property
+    def reference(self) -> Any:
+        """The `tokenizers.Tokenizer` (loaded when first needed)."""
+        return self.tokenizer._reference().tokenizer
 
     def encode(self, texts: list[str], threads: str = POOL) -> Placed:
         """All texts' ids back to back, each text's offsets into them (len(texts) + 1), and
@@ -116,6 +124,21 @@ def _from_byte_lengths(
     if not np.array_equal(np.concatenate([[0], ends])[offsets], bases):
         return None
     return Placed(flat, offsets, ends - lengths, ends, bases, wide)
+
+
+def _cached_byte_lengths(tokenizer: TextTokenizer) -> np.ndarray | None:
+    """`_proven_byte_lengths`, remembered beside the engine proofs (keyed by the tokenizer
+    files' SHA-256 and the library installs), so that a later run loads neither `tokenizers`
+    nor the vocabulary. The cache holds a plain .npy array (read without pickle)."""
+    cache = _proof_file(f"token-bytes-{_VERSION}\0{_proof_key(tokenizer)}")
+    if cache is not None and cache.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            return np.load(cache, allow_pickle=False)
+    lengths = _proven_byte_lengths(tokenizer._reference().tokenizer)
+    if lengths is not None and cache is not None:
+        with contextlib.suppress(OSError), atomic_file(cache) as f:
+            np.save(f, lengths, allow_pickle=False)
+    return lengths
 
 
 def _proven_byte_lengths(reference: Any) -> np.ndarray | None:
