@@ -1,6 +1,6 @@
 """`pipe preprocess --chat`: tokens and loss masks equal transformers' `apply_chat_template(...,
 return_assistant_tokens_mask=True)` on multi-turn conversations made from the Python docs corpus
-(real text: pages split into turns; there is no chat corpus in ../shared), with Llama 3's
+(real text: pages split into turns; the shared test data holds no chat corpus), with Llama 3's
 template marked with {% generation %}; the unmarked template gives the same masks; megatron-core
 reads both outputs; the input forms, bad lines and refused templates."""
 
@@ -43,7 +43,7 @@ QWEN3_LIKE = (
     "{{ '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# A small ChatML template for the tiny tokenizer (no ../shared needed).
+# A small ChatML template for the tiny tokenizer (runs without the shared test data).
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
