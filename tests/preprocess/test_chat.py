@@ -317,3 +317,50 @@ def test_loss_mask_prefix_names() -> None:
         loss_mask_prefix("out/sft_messages_document.idx") == "out/sft_messages_loss_mask_document"
     )
     assert loss_mask_prefix("data/other") == "data/other_loss_mask"
+
+
+def test_forked_workers_and_small_batches_write_the_same(tmp_path, llama3_dir, chat_corpus):
+    """Many batches through forked encoding processes give the files one batch gives."""
+    from pipeline.preprocess.chat import load_chat_setup
+    from pipeline.preprocess.runner import PreprocessConfig, preprocess
+    from pipeline.tokenizer.token_offsets import OffsetEncoder
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    assert OffsetEncoder(load_tokenizer(llama3_dir)).method == "token bytes"  # the fast path
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chat_corpus])
+    preprocess_chat(src, llama3_dir, tmp_path / "one", "--workers", "1")
+    config = PreprocessConfig(
+        inputs=[str(src)],
+        output_prefix=str(tmp_path / "many"),
+        workers=2,
+        batch_bytes=1 << 14,
+        show_progress=False,
+        chat=load_chat_setup(llama3_dir, None),
+    )
+    preprocess(config, load_tokenizer(llama3_dir))
+    for suffix in ("messages_document", "messages_loss_mask_document"):
+        for ext in (".bin", ".idx"):
+            one = (tmp_path / f"one_{suffix}{ext}").read_bytes()
+            assert one == (tmp_path / f"many_{suffix}{ext}").read_bytes()
+
+
+CHATML_MARKED = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' }}"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content + '<|im_end|>' }}"
+    "{% endgeneration %}{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\n' }}"
+    "{% endfor %}"
+)
+
+
+def test_offsets_from_tokenizers_equal_transformers(tmp_path, llama2_dir, chat_corpus) -> None:
+    """Llama 2's tokenizer (not byte-level: token offsets come from `tokenizers` itself), with a
+    marked template given in its tokenizer_config.json: transformers' tokens and masks."""
+    from pipeline.tokenizer.token_offsets import OffsetEncoder
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    marked = tokenizer_with_template(llama2_dir, tmp_path / "llama2", CHATML_MARKED)
+    assert OffsetEncoder(load_tokenizer(marked)).method == "tokenizers offsets"
+    conversations = chat_corpus[:40]
+    src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations])
+    preprocess_chat(src, marked, tmp_path / "out")
+    assert read_outputs(tmp_path / "out") == transformers_side(marked, conversations)
