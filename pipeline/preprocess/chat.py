@@ -261,14 +261,13 @@ class ChatEncoder(DocumentEncoder):
         for k in np.flatnonzero(useless):
             what = "no token" if ones[k] == 0 else "every token"
             self._bad(parsed, offsets[k], f"the loss mask covers {what} of the conversation")
-        keep = ~useless
-        per_token = np.repeat(keep, lengths)
-        return EncodedChats(
-            np.asarray(offsets, dtype=np.int64)[keep],
-            placed.ids[per_token],
-            mask[per_token],
-            lengths[keep].astype(np.int32),
-        )
+        kept = np.asarray(offsets, dtype=np.int64)
+        if useless.any():
+            keep = ~useless
+            per_token = np.repeat(keep, lengths)
+            kept, lengths = kept[keep], lengths[keep]
+            placed.ids, mask = placed.ids[per_token], mask[per_token]
+        return EncodedChats(kept, placed.ids, mask, lengths.astype(np.int32))
 
     def pack(self, parsed: ParsedChats, encoded: EncodedChats) -> EncodedBatch:  # type: ignore[override]
         result = parsed.result

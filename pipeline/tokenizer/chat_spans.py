@@ -103,7 +103,8 @@ def _rendered_prefix_spans(
             raise TemplateRewritesTurns(_rewrites(i, "the turns before it"))
         start = len(before)
         own = full_pieces if i == last else pieces(messages[: i + 1])
-        end = _turn_end(own, full_pieces if i < last else _continued(pieces, messages), before)
+        following = (full_pieces, full) if i < last else _continued(pieces, messages)
+        end = _turn_end(own, following, before)
         if end is None:
             if i < last:
                 raise TemplateRewritesTurns(_rewrites(i, "it"))
@@ -114,27 +115,28 @@ def _rendered_prefix_spans(
     return AssistantSpans(full, tuple(spans))
 
 
-def _continued(pieces, messages: list[dict[str, Any]]) -> list[str] | None:
-    """The rendering with a probe turn after the last message (None if the template refuses
-    it): what the template writes once the conversation goes on."""
+def _continued(pieces, messages: list[dict[str, Any]]) -> tuple[list[str], str] | None:
+    """The rendering with a probe turn after the last message, as pieces and text (None if
+    the template refuses it): what the template writes once the conversation goes on."""
     try:
-        return pieces([*messages, dict(_PROBE)])
+        rendered = pieces([*messages, dict(_PROBE)])
     except ChatTemplateError:
         return None
+    return rendered, "".join(rendered)
 
 
-def _turn_end(own: list[str], following: list[str] | None, before: str) -> int | None:
-    """Where a turn ends in the rendering `following` that continues it: the end of `own`
-    (the rendering up to that turn) when `following` starts with it, else where the two part
-    ways piece by piece, provided the part of `own` cut off is a generation prompt the
-    template appends regardless (`before` ends with it). None when neither holds."""
+def _turn_end(own: list[str], following: tuple[list[str], str] | None, before: str) -> int | None:
+    """Where a turn ends in the rendering `following` (pieces, text) that continues it: the
+    end of `own` (the rendering up to that turn) when `following` starts with it, else where
+    the two part ways piece by piece, provided the part of `own` cut off is a generation
+    prompt the template appends regardless (`before` ends with it). None when neither holds."""
     text = "".join(own)
     if following is None:
         return len(text)
-    if "".join(following).startswith(text):
+    if following[1].startswith(text):
         return len(text)
     common = 0
-    for mine, theirs in zip(own, following):
+    for mine, theirs in zip(own, following[0]):
         if mine != theirs:
             break
         common += len(mine)
