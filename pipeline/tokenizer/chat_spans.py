@@ -13,6 +13,8 @@ Two rules, chosen by the template (`mask_rule`):
   generation prompt even when not asked (some Llama 3 copies do) leaves that prompt after
   every rendering's last turn: where the next turn replaces it, the span ends where the two
   renderings part ways, piece by piece, and the text cut off must be that generation prompt.
+  After the last turn, the same tail as after an earlier turn is left out; with no earlier
+  turn, a probe turn appended shows what the template writes once the conversation goes on.
   A template that renders a turn differently once later turns follow (Qwen3 drops earlier
   reasoning) is refused with `TemplateRewritesTurns`: its spans cannot be read off the
   rendering, and a `{% generation %}`-marked copy of it can say where they are.
@@ -95,6 +97,7 @@ def _rendered_prefix_spans(
     full = "".join(full_pieces)
     spans: list[tuple[int, int]] = []
     last = len(messages) - 1
+    tail = None  # what the template appended after an earlier turn rendered last
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
@@ -103,8 +106,14 @@ def _rendered_prefix_spans(
             raise TemplateRewritesTurns(_rewrites(i, "the turns before it"))
         start = len(before)
         own = full_pieces if i == last else pieces(messages[: i + 1])
-        following = (full_pieces, full) if i < last else _continued(pieces, messages)
-        end = _turn_end(own, following, before)
+        if i < last:
+            end = _turn_end(own, (full_pieces, full), before)
+            if end is not None:
+                tail = "".join(own)[end:]
+        elif tail is not None and full.endswith(tail) and before.endswith(tail):  # as before
+            end = len(full) - len(tail)
+        else:  # a probe turn shows what the template writes once the conversation goes on
+            end = _turn_end(own, _continued(pieces, messages), before)
         if end is None:
             if i < last:
                 raise TemplateRewritesTurns(_rewrites(i, "it"))
