@@ -165,15 +165,18 @@ def _rewrites(index: int, what: str) -> str:
 def token_mask(
     starts: np.ndarray, ends: np.ndarray, spans: Sequence[tuple[int, int]]
 ) -> np.ndarray:
-    """1 for each token [starts[t], ends[t]) that overlaps a span, else 0 (uint8), as
-    transformers' `return_assistant_tokens_mask` decides: for each token, the first span
-    that ends after the token starts; the token is 1 when it ends after that span starts."""
+    """1 for each token [starts[t], ends[t]) that overlaps a span (starts before it ends and
+    ends after it starts), else 0 (uint8): transformers' `return_assistant_tokens_mask` rule.
+    Tokens and spans are in order; each span marks the run of tokens it overlaps."""
     mask = np.zeros(len(starts), dtype=np.uint8)
     if not spans or not len(starts):
         return mask
-    span_starts = np.fromiter((s for s, _ in spans), np.int64, len(spans))
-    span_ends = np.fromiter((e for _, e in spans), np.int64, len(spans))
-    which = np.searchsorted(span_ends, starts, side="right")
-    inside = which < len(spans)
-    mask[inside] = ends[inside] > span_starts[which[inside]]
+    bounds = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    first = np.searchsorted(ends, bounds[:, 0], side="right")  # first token ending after
+    stop = np.searchsorted(starts, bounds[:, 1], side="left")  # first token starting at/after
+    runs = first < stop
+    edges = np.zeros(len(starts) + 1, dtype=np.int32)
+    np.add.at(edges, first[runs], 1)
+    np.add.at(edges, stop[runs], -1)
+    mask[np.cumsum(edges[:-1]) > 0] = 1
     return mask

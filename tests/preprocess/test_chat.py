@@ -364,3 +364,18 @@ def test_offsets_from_tokenizers_equal_transformers(tmp_path, llama2_dir, chat_c
     src = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations])
     preprocess_chat(src, marked, tmp_path / "out")
     assert read_outputs(tmp_path / "out") == transformers_side(marked, conversations)
+
+
+def test_token_mask_follows_the_overlap_rule() -> None:
+    """Random tokens (some empty) and spans (some empty): a token is 1 exactly when it starts
+    before a span ends and ends after it starts."""
+    from pipeline.tokenizer.chat_spans import token_mask
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        cuts = np.sort(rng.integers(0, 60, size=rng.integers(1, 30)))
+        starts, ends = cuts[:-1], cuts[1:]
+        points = np.sort(rng.integers(0, 60, size=2 * rng.integers(0, 5)))
+        spans = [(int(a), int(b)) for a, b in zip(points[::2], points[1::2])]
+        expected = [int(any(s < e2 and e > s2 for s2, e2 in spans)) for s, e in zip(starts, ends)]
+        assert token_mask(starts, ends, spans).tolist() == expected
