@@ -331,7 +331,8 @@ def bench_chat(name: str, texts: list[str], args, tmp: Path, env: dict) -> bool:
     for label, values in times.items():
         seconds, cpu_s = statistics.median(values), statistics.median(cpu[label])
         ratio = base / seconds
-        note = "" if label == "plain" else f"  {ratio:.2f}x plain's MB/s"
+        met = "met" if ratio >= TARGET_CHAT_VS_PLAIN else "NOT met"
+        note = "" if label == "plain" else f"  {ratio:.2f}x plain's MB/s ({met})"
         print(
             f"{name}: {label:46s} {seconds:6.2f} s {mb / seconds:7.1f} MB/s, CPU {cpu_s:5.2f} s "
             f"({base_cpu / cpu_s:.2f}x plain's MB per CPU second){note}"
@@ -339,7 +340,7 @@ def bench_chat(name: str, texts: list[str], args, tmp: Path, env: dict) -> bool:
         ok = ok and ratio >= TARGET_CHAT_VS_PLAIN
     runs_note = "; ".join(f"{label.split(', ')[-1]} {_fmt(v)}" for label, v in times.items())
     print(f"{name}: runs (s): {runs_note}")
-    print(f"target: chat >= {TARGET_CHAT_VS_PLAIN}x plain's MB/s: {'met' if ok else 'NOT met'}")
+    print(f"target: chat >= {TARGET_CHAT_VS_PLAIN}x plain's MB/s (wall) with both templates")
     return ok
 
 
