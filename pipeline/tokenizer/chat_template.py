@@ -357,6 +357,7 @@ def _environment():
     import jinja2
     import jinja2.ext
     import jinja2.nodes
+    import jinja2.runtime
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationBlock(jinja2.ext.Extension):
@@ -381,7 +382,17 @@ def _environment():
                 recorder.spans.append((start, start + len(body)))
             return body
 
-    environment = ImmutableSandboxedEnvironment(
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, answering at once for jinja's own loop object (`loop.index0`
+        and the like, read once per message by most templates): its public attributes are
+        safe, its underscore ones are refused as everywhere."""
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            if type(obj) is jinja2.runtime.LoopContext:
+                return not attr.startswith("_")
+            return super().is_safe_attribute(obj, attr, value)
+
+    environment = Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[GenerationBlock, jinja2.ext.loopcontrols],
