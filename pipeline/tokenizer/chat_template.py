@@ -141,8 +141,9 @@ class ChatTemplate:
         piece, tells which turn's output changed (see pipeline.tokenizer.chat_spans).
         `normalized`: the messages are already as `normalize_messages` returns them (a caller
         rendering one conversation many times normalizes it once)."""
-        compiled = _compiled(self.source(template_name, tools=tools is not None))
+        compiled, template_globals = _compiled(self.source(template_name, tools=tools is not None))
         variables = {
+            **template_globals,
             **_plain_tokens(self),
             **(_plain(kwargs) if kwargs else {}),
             "messages": messages if normalized else normalize_messages(messages),
@@ -154,8 +155,10 @@ class ChatTemplate:
         token = _RECORDER.set(recorder)
         try:
             # extend() appends each piece as the template yields it, so a generation block
-            # finds every piece before it already in the list.
-            recorder.pieces.extend(compiled.generate(**variables))
+            # finds every piece before it already in the list. The variables already hold the
+            # template's globals: a shared context skips merging them again on every render.
+            context = compiled.new_context(variables, shared=True)
+            recorder.pieces.extend(compiled.root_render_func(context))
         except ChatTemplateError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever a template's code raises is its error
@@ -342,14 +345,16 @@ def _one_line(error: BaseException) -> str:
 
 
 @lru_cache(maxsize=16)
-def _compiled(source: str):
-    """`source` compiled once in the sandboxed environment (compiling runs nothing)."""
+def _compiled(source: str) -> tuple[Any, dict[str, Any]]:
+    """`source` compiled once in the sandboxed environment (compiling runs nothing), with the
+    globals a render of it sees (the environment's helpers) as one plain dict."""
     import jinja2
 
     try:
-        return _environment().from_string(source)
+        template = _environment().from_string(source)
     except jinja2.TemplateSyntaxError as error:
         raise ChatTemplateError(_one_line(error)) from None
+    return template, dict(template.globals)
 
 
 @lru_cache(maxsize=1)
