@@ -103,6 +103,11 @@ def _rendered_prefix_spans(
             continue
         before = "".join(pieces(messages[:i], prompt=True))
         if not full.startswith(before):
+            if i == 0:  # nothing before it: the conversation's start, not the template, is odd
+                raise ChatTemplateError(
+                    "the rendering of no messages is not where this conversation's rendering "
+                    "starts, so its first (assistant) message cannot be located"
+                )
             raise TemplateRewritesTurns(_rewrites(i, "the turns before it"))
         start = len(before)
         own = full_pieces if i == last else pieces(messages[: i + 1])

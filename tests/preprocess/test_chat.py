@@ -379,3 +379,15 @@ def test_token_mask_follows_the_overlap_rule() -> None:
         spans = [(int(a), int(b)) for a, b in zip(points[::2], points[1::2])]
         expected = [int(any(s < e2 and e > s2 for s2, e2 in spans)) for s, e in zip(starts, ends)]
         assert token_mask(starts, ends, spans).tolist() == expected
+
+
+def test_conversation_opening_with_the_assistant_is_a_bad_line(tmp_path, llama3_dir) -> None:
+    """Llama 3's template writes BOS with the first message, so an empty rendering is not a
+    prefix of one that opens with the assistant: that conversation is skipped, not the run."""
+    opening = [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "q"}]
+    records = [{"messages": opening}, GOOD]
+    src = write_jsonl(tmp_path / "chat.jsonl", records)
+    result = preprocess_chat(src, llama3_dir, tmp_path / "out", expect_ok=False)
+    assert result.exit_code == 1 and f"{src}:1: chat template:" in result.output
+    preprocess_chat(src, llama3_dir, tmp_path / "out", "--skip-bad-lines")
+    assert len(read_outputs(tmp_path / "out")[0]) == 1
