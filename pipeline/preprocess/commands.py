@@ -50,6 +50,7 @@ def _user_errors() -> Iterator[None]:
     from pipeline.preprocess.merge import MergeError
     from pipeline.preprocess.runner import PreprocessError
     from pipeline.preprocess.shards import ShardError
+    from pipeline.tokenizer.chat_template import ChatTemplateError
     from pipeline.tokenizer.tokenizer import TokenizerError
 
     try:
@@ -61,6 +62,7 @@ def _user_errors() -> Iterator[None]:
         MergeError,
         ShardError,
         IndexFormatError,
+        ChatTemplateError,
         FileNotFoundError,
     ) as e:
         raise click.ClickException(str(e)) from e
@@ -156,8 +158,24 @@ def _user_errors() -> Iterator[None]:
 @click.option(
     "--shard-index", type=click.IntRange(min=0), default=None, help="This shard (0..N-1)."
 )
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Conversations (messages, ShareGPT conversations or prompt/completion) rendered by the "
+    "chat template into {prefix}_messages_document and a uint8 loss mask (1 on the assistant's "
+    "tokens) {prefix}_messages_loss_mask_document.",
+)
+@click.option(
+    "--chat-template",
+    "chat_template",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="With --chat: a Jinja chat template file instead of the tokenizer's own.",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.pass_context
 def preprocess(
+    ctx,
     inputs,
     output_prefix,
     tokenizer_path,
@@ -173,6 +191,8 @@ def preprocess(
     log_interval,
     num_shards,
     shard_index,
+    chat,
+    chat_template,
     quiet,
 ) -> None:
     """Tokenize raw text into Megatron-compatible .bin/.idx token shards.
@@ -180,7 +200,9 @@ def preprocess(
     \b
     pipe preprocess --input data.jsonl.zst --tokenizer llama3/ \\
         --output-prefix out/corpus --append-eod --workers 8
+    pipe preprocess --chat --input chat.jsonl --tokenizer llama3/ --output-prefix out/sft
     """
+    _check_chat_flags(ctx, chat, chat_template, append_eod, add_special_tokens)
     with _user_errors():
         from pipeline.preprocess.runner import PreprocessConfig, format_summary
         from pipeline.preprocess.runner import preprocess as run
@@ -188,6 +210,11 @@ def preprocess(
         from pipeline.tokenizer.tokenizer import load_tokenizer
 
         shard = resolve_shard(num_shards, shard_index)  # before the tokenizer: fail fast
+        setup = None
+        if chat:
+            from pipeline.preprocess.chat import load_chat_setup
+
+            setup = load_chat_setup(tokenizer_path, chat_template)
         tokenizer = load_tokenizer(
             tokenizer_path,
             merge_file=merge_file,
@@ -213,10 +240,32 @@ def preprocess(
             log_interval=log_interval,
             show_progress=not quiet,
             shard=shard,
+            chat=setup,
         )
+        if setup is not None and not quiet:
+            click.echo(f"chat template {setup.origin}: loss mask by rule {setup.rule}", err=True)
         summary = run(config, tokenizer)
         for line in format_summary(summary):
             click.echo(line)
+
+
+def _check_chat_flags(ctx, chat, chat_template, append_eod, add_special_tokens) -> None:
+    """--chat renders each conversation as transformers does and writes fixed outputs: the
+    flags that would change that are refused."""
+    if chat_template is not None and not chat:
+        raise click.UsageError("--chat-template goes with --chat")
+    if not chat:
+        return
+    source = ctx.get_parameter_source("json_keys")
+    if source is not None and source.name == "COMMANDLINE":
+        raise click.UsageError(
+            "--chat reads messages/conversations/prompt+completion: drop --json-keys"
+        )
+    if append_eod or add_special_tokens:
+        raise click.UsageError(
+            "--chat encodes the rendered conversation as it stands (its template writes the "
+            "special tokens): drop --append-eod and --add-special-tokens"
+        )
 
 
 class _MergeCommand(_ListOptionsCommand):

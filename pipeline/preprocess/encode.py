@@ -31,6 +31,7 @@ class BadLine:
     source: str
     line: int
     problem: str
+    fatal: bool = False  # stops the run even with --skip-bad-lines (a template that cannot work)
 
     def __str__(self) -> str:
         return f"{self.source}:{self.line}: {self.problem}"
@@ -246,6 +247,6 @@ def _surrogate_key(record: dict, keys: tuple[str, ...]) -> str | None:
 
 
 def _type_name(value: object) -> str:
-    names = {dict: "an object", list: "a list", int: "a number", float: "a number"}
+    names = {dict: "an object", list: "a list", int: "a number", float: "a number", str: "a string"}
     names[bool] = "a boolean"
     return "null" if value is None else names.get(type(value), type(value).__name__)

@@ -43,15 +43,25 @@ def _hash_path(path: Path) -> str:
 
 
 def flags(config: PreprocessConfig, tokenizer: TextTokenizer) -> dict[str, Any]:
-    """The flags that decide the output bytes (shards to be merged must agree on them)."""
-    return {
-        "json_keys": list(config.json_keys),
+    """The flags that decide the output bytes (shards to be merged must agree on them). A
+    --chat run records its template (origin, SHA-256) and mask rule, and its output keys."""
+    record = {
+        "json_keys": list(config.input_keys),
         "append_eod": config.append_eod,
         "add_special_tokens": tokenizer.add_special_tokens,
         "skip_bad_lines": config.skip_bad_lines,
         "record_sources": config.record_sources,
         "level": "document",
     }
+    if config.chat is not None:
+        record["chat"] = config.chat.record()
+        record["output_keys"] = list(config.output_keys)
+    return record
+
+
+def output_keys(flags: dict[str, Any]) -> list[str]:
+    """The keys of a run's outputs (`{prefix}_{key}_document`), from its manifest's flags."""
+    return list(flags.get("output_keys") or flags["json_keys"])
 
 
 def header(complete: bool) -> dict[str, Any]:
@@ -148,6 +158,7 @@ def build(
             "bad_lines": summary.bad_lines,
             "input_bytes": summary.input_bytes,
             "text_bytes": summary.text_bytes,
+            **({} if summary.loss_tokens is None else {"loss_tokens": summary.loss_tokens}),
         },
         "bad_line_examples": [str(b) for b in summary.bad_line_examples],
         "elapsed_seconds": round(summary.elapsed, 3),

@@ -39,6 +39,7 @@ from pipeline.data.manifest import read as read_manifest
 from pipeline.data.sources import SourcesWriter
 from pipeline.preprocess import forked
 from pipeline.preprocess import manifest as manifest_io
+from pipeline.preprocess.chat import INPUT_KEYS, MASK_KEY, TOKENS_KEY, ChatEncoder, ChatSetup
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
 from pipeline.preprocess.inputs import InputError, InputFile, InputRange, resolve_inputs
 from pipeline.preprocess.progress import Progress
@@ -70,6 +71,17 @@ class PreprocessConfig:
     log_interval: float = 10.0
     show_progress: bool = True
     shard: ShardSpec | None = None  # None: the whole input; see pipeline.preprocess.shards
+    chat: ChatSetup | None = None  # --chat: conversations to tokens + loss mask (json_keys unused)
+
+    @property
+    def input_keys(self) -> tuple[str, ...]:
+        """The keys (columns) read from each record."""
+        return INPUT_KEYS if self.chat else tuple(self.json_keys)
+
+    @property
+    def output_keys(self) -> tuple[str, ...]:
+        """One output dataset per key: `{prefix}_{key}_document`."""
+        return (TOKENS_KEY, MASK_KEY) if self.chat else tuple(self.json_keys)
 
 
 @dataclass
@@ -95,6 +107,7 @@ class PreprocessSummary:
     manifest: str = ""
     shard_note: str = ""  # "shard 3 of 7 (from ...): ..." for a sharded run
     already_complete: bool = False  # a sharded re-run that found its shard finished
+    loss_tokens: int | None = None  # --chat: tokens whose loss mask is 1
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -114,8 +127,11 @@ def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> Preprocess
         parts = plan_shards(inputs, shard.count)[shard.index]
         prefix = shard_prefix(config.output_prefix, shard.index, shard.count)
     dtype = optimal_dtype(tokenizer.vocab_size)
+    dtypes = [dtype.name] * len(config.json_keys)
+    if config.chat is not None:
+        dtypes = [dtype.name, "uint8"]
     summary = PreprocessSummary(
-        [KeyOutput(k, output_prefix_for(prefix, k), dtype.name) for k in config.json_keys]
+        [KeyOutput(k, output_prefix_for(prefix, k), d) for k, d in zip(config.output_keys, dtypes)]
     )
     manifest_file = manifest_path(prefix)
     summary.manifest = str(manifest_file)
@@ -149,21 +165,21 @@ def _run(
 ) -> None:
     """Read, encode and write `parts`, then the manifest (last, so that it marks completion)."""
     outputs = summary.outputs
-    options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
-    encoder = DocumentEncoder(tokenizer, options)  # validates options before any work starts
+    encoder = _encoder(config, tokenizer, dtype)  # validates options before any work starts
     total_bytes = sum(p.size for p in parts)
     progress = Progress(total_bytes, log_interval=config.log_interval, enabled=config.show_progress)
+    token_outputs = 1 if config.chat else len(outputs)  # the loss mask holds no tokens
     _set_engine_threads(config.workers)
     with ExitStack() as stack, _sigterm_as_exit():
         hashes = _InputHashes(parts)
-        writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, dtype)) for o in outputs]
+        writers = [stack.enter_context(IndexedDatasetWriter(o.prefix, o.dtype)) for o in outputs]
         sources = []
         if config.record_sources:
             sources = [stack.enter_context(SourcesWriter(o.prefix)) for o in outputs]
         global_index = manifest_io.input_positions(inputs, parts)
         batches = iter_batches(
             parts,
-            config.json_keys,
+            config.input_keys,
             batch_bytes=config.batch_bytes,
             max_batch_items=_MAX_BATCH_ITEMS,
             on_hashed=hashes.streamed.__setitem__,
@@ -179,7 +195,7 @@ def _run(
                     documents=result.documents,
                     input_bytes=result.input_bytes,
                     text_bytes=result.text_bytes,
-                    tokens=sum(len(k.tokens) for k in result.keys),
+                    tokens=sum(len(k.tokens) for k in result.keys[:token_outputs]),
                 )
         finally:
             progress.close()
@@ -192,6 +208,19 @@ def _run(
         summary.input_bytes, summary.text_bytes = progress.input_bytes, progress.text_bytes
         record = manifest_io.build(config, tokenizer, inputs, hashes.result(), summary, shard_info)
         manifest_io.write(Path(summary.manifest), record)
+
+
+def _encoder(config: PreprocessConfig, tokenizer: TextTokenizer, dtype: np.dtype):
+    """The chat encoder for --chat, else the document encoder for config.json_keys."""
+    if config.chat is not None:
+        if config.append_eod or tokenizer.add_special_tokens:
+            raise PreprocessError(
+                "--chat encodes the rendered conversation as it stands (the template writes its "
+                "special tokens): drop --append-eod and --add-special-tokens"
+            )
+        return ChatEncoder(tokenizer, config.chat.template, config.chat.rule, dtype.name)
+    options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
+    return DocumentEncoder(tokenizer, options)
 
 
 def _shard_already_complete(
@@ -250,6 +279,7 @@ def _copy_counts(record: dict, summary: PreprocessSummary) -> None:
     summary.documents = counts.get("documents", 0)
     summary.text_bytes = counts.get("text_bytes", 0)
     summary.input_bytes = counts.get("input_bytes", 0)
+    summary.loss_tokens = counts.get("loss_tokens")
 
 
 def _write(
@@ -259,6 +289,9 @@ def _write(
     summary: PreprocessSummary,
     skip_bad_lines: bool,
 ) -> None:
+    fatal = next((b for b in result.bad_lines if b.fatal), None)
+    if fatal is not None:
+        raise PreprocessError(str(fatal))
     if result.bad_lines:
         if not skip_bad_lines:
             raise PreprocessError(
@@ -275,6 +308,10 @@ def _write(
         )
         out.documents += len(encoded.sequences_per_document)
         out.tokens += len(encoded.tokens)
+    if outputs and outputs[-1].key == MASK_KEY:
+        summary.loss_tokens = (summary.loss_tokens or 0) + int(
+            np.count_nonzero(result.keys[-1].tokens)
+        )
 
 
 def _refuse_existing(prefixes: list[str], manifest_path: Path, overwrite: bool) -> None:
@@ -403,7 +440,8 @@ def _sigterm_as_exit():
 def format_summary(summary: PreprocessSummary) -> list[str]:
     """Human-readable closing lines: one summary line plus bad-line reports and output paths."""
     rate = summary.text_bytes / max(summary.elapsed, 1e-9) / 1e6
-    tokens = sum(o.tokens for o in summary.outputs)
+    token_outputs = summary.outputs[:1] if summary.loss_tokens is not None else summary.outputs
+    tokens = sum(o.tokens for o in token_outputs)
     if summary.already_complete:
         return [summary.shard_note]
     lines = [summary.shard_note] if summary.shard_note else []
@@ -412,6 +450,9 @@ def format_summary(summary: PreprocessSummary) -> list[str]:
         f"{summary.text_bytes / 1e6:,.1f} MB in {summary.elapsed:.1f}s ({rate:,.1f} MB/s, "
         f"{tokens / max(summary.elapsed, 1e-9):,.0f} tokens/s)"
     ]
+    if summary.loss_tokens is not None:
+        share = 100 * summary.loss_tokens / max(summary.outputs[0].tokens, 1)
+        lines.append(f"loss mask: {summary.loss_tokens:,} tokens trained on ({share:.1f}%)")
     if summary.blank_lines:
         lines.append(f"skipped {summary.blank_lines:,} blank lines")
     if summary.bad_lines:

@@ -43,7 +43,7 @@ def merge_shards(
     count = shard_count(base)
     records = check_shards(base, count)
     out = normalize_prefix(output_prefix) if output_prefix else base
-    keys = records[0]["flags"]["json_keys"]
+    keys = manifest_io.output_keys(records[0]["flags"])
     targets = [f"{out}_{key}_document" for key in keys]
     existing = [p for t in targets for p in (bin_path(t), idx_path(t)) if p.exists()]
     existing += [p for p in [manifest_path(out)] if p.exists()]
@@ -123,7 +123,7 @@ def _shard_state(base: str, index: int, count: int) -> tuple[dict[str, Any], str
         return {}, f"is missing (no {manifest})"
     if not record.get("complete"):
         return record, f"failed: {record.get('error', 'no error recorded')} ({manifest})"
-    keys = record.get("flags", {}).get("json_keys", [])
+    keys = manifest_io.output_keys(record.get("flags") or {"json_keys": []})
     missing = [k for k in keys if not dataset_exists(f"{prefix}_{k}_document")]
     if missing:
         return record, f"is incomplete: {prefix}_{missing[0]}_document.bin/.idx is missing"

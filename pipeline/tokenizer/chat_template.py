@@ -34,6 +34,7 @@ __all__ = [
     "RenderedChat",
     "chat_prompt",
     "load_chat_template",
+    "normalize_messages",
     "special_tokens",
 ]
 
@@ -97,6 +98,11 @@ class ChatTemplate:
         known = ", ".join(sorted(self.templates))
         raise ChatTemplateError(f"several chat templates and none is 'default': {known}")
 
+    def check(self, name: str | None = None) -> None:
+        """Compile template `name` (see `source`): a syntax error is a ChatTemplateError now
+        rather than at the first render."""
+        _compiled(self.source(name))
+
     def render(
         self,
         messages: list[Any],
@@ -110,11 +116,38 @@ class ChatTemplate:
         """`messages` (dicts, dataclasses or pydantic models) rendered as transformers'
         `apply_chat_template(..., tokenize=False)` renders them; keyword arguments override
         special tokens of the same name."""
-        compiled = _compiled(self.source(template_name, tools=tools is not None))
+        pieces, spans = self.render_pieces(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            template_name=template_name,
+            **kwargs,
+        )
+        return RenderedChat("".join(pieces), spans)
+
+    def render_pieces(
+        self,
+        messages: list[Any],
+        *,
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        template_name: str | None = None,
+        normalized: bool = False,
+        **kwargs: Any,
+    ) -> tuple[list[str], tuple[tuple[int, int], ...]]:
+        """`render`, with the text left as the pieces the template emitted in order (each
+        literal run and each `{{ ... }}` is one): where two renderings part ways, piece by
+        piece, tells which turn's output changed (see pipeline.tokenizer.chat_spans).
+        `normalized`: the messages are already as `normalize_messages` returns them (a caller
+        rendering one conversation many times normalizes it once)."""
+        compiled, template_globals = _compiled(self.source(template_name, tools=tools is not None))
         variables = {
-            **_plain(dict(self.special_tokens)),
-            **_plain(kwargs),
-            "messages": _messages(messages),
+            **template_globals,
+            **_plain_tokens(self),
+            **(_plain(kwargs) if kwargs else {}),
+            "messages": messages if normalized else normalize_messages(messages),
             "tools": _plain(tools),
             "documents": _plain(documents),
             "add_generation_prompt": add_generation_prompt,
@@ -122,16 +155,18 @@ class ChatTemplate:
         recorder = _SpanRecorder()
         token = _RECORDER.set(recorder)
         try:
-            for piece in compiled.generate(**variables):
-                recorder.pieces.append(piece)
-                recorder.emitted += len(piece)
+            # extend() appends each piece as the template yields it, so a generation block
+            # finds every piece before it already in the list. The variables already hold the
+            # template's globals: a shared context skips merging them again on every render.
+            context = compiled.new_context(variables, shared=True)
+            recorder.pieces.extend(compiled.root_render_func(context))
         except ChatTemplateError:
             raise
         except Exception as error:  # noqa: BLE001 - whatever a template's code raises is its error
             raise ChatTemplateError(_one_line(error)) from None
         finally:
             _RECORDER.reset(token)
-        return RenderedChat("".join(recorder.pieces), tuple(recorder.spans))
+        return recorder.pieces, tuple(recorder.spans)
 
 
 def chat_prompt(
@@ -272,12 +307,21 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _plain_tokens(template: ChatTemplate) -> dict[str, Any]:
+    """The template's special tokens as plain values, made once per ChatTemplate."""
+    cached = template.__dict__.get("_plain_special_tokens")
+    if cached is None:
+        cached = _plain(dict(template.special_tokens))
+        object.__setattr__(template, "_plain_special_tokens", cached)
+    return cached
+
+
+def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """The messages as transformers hands them to a template: plain dicts, keys whose value is
     None dropped (templates test for a missing key, not for None), reasoning under every name
     templates read."""
     out = []
-    for message in _plain(list(messages)):
+    for message in map(_plain_message, messages):
         if not isinstance(message, dict):
             raise ChatTemplateError(f"a chat message must be an object, got {message!r}")
         message = {k: v for k, v in message.items() if v is not None}
@@ -288,6 +332,15 @@ def _messages(messages: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _plain_message(message: Any) -> Any:
+    """`_plain(message)`, at once for the common message of string keys and values."""
+    if type(message) is dict and all(
+        type(k) is str and (type(v) is str or v is None) for k, v in message.items()
+    ):
+        return message
+    return _plain(message)
+
+
 # -- the Jinja environment -------------------------------------------------------------------
 
 
@@ -296,7 +349,6 @@ class _SpanRecorder:
     """What one render has emitted so far, and the spans of its generation blocks."""
 
     pieces: list[str] = dataclasses.field(default_factory=list)
-    emitted: int = 0
     spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
@@ -310,14 +362,16 @@ def _one_line(error: BaseException) -> str:
 
 
 @lru_cache(maxsize=16)
-def _compiled(source: str):
-    """`source` compiled once in the sandboxed environment (compiling runs nothing)."""
+def _compiled(source: str) -> tuple[Any, dict[str, Any]]:
+    """`source` compiled once in the sandboxed environment (compiling runs nothing), with the
+    globals a render of it sees (the environment's helpers) as one plain dict."""
     import jinja2
 
     try:
-        return _environment().from_string(source)
+        template = _environment().from_string(source)
     except jinja2.TemplateSyntaxError as error:
         raise ChatTemplateError(_one_line(error)) from None
+    return template, dict(template.globals)
 
 
 @lru_cache(maxsize=1)
@@ -325,6 +379,7 @@ def _environment():
     import jinja2
     import jinja2.ext
     import jinja2.nodes
+    import jinja2.runtime
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class GenerationBlock(jinja2.ext.Extension):
@@ -343,12 +398,23 @@ def _environment():
             body = caller()
             recorder = _RECORDER.get()
             if recorder is not None:
-                # The outer render has consumed every piece before this block: its count is
-                # where the body starts.
-                recorder.spans.append((recorder.emitted, recorder.emitted + len(body)))
+                # The outer render has consumed every piece before this block: their length
+                # is where the body starts.
+                start = sum(map(len, recorder.pieces))
+                recorder.spans.append((start, start + len(body)))
             return body
 
-    environment = ImmutableSandboxedEnvironment(
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, answering at once for jinja's own loop object (`loop.index0`
+        and the like, read once per message by most templates): its public attributes are
+        safe, its underscore ones are refused as everywhere."""
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            if type(obj) is jinja2.runtime.LoopContext:
+                return not attr.startswith("_")
+            return super().is_safe_attribute(obj, attr, value)
+
+    environment = Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[GenerationBlock, jinja2.ext.loopcontrols],

@@ -12,11 +12,19 @@ one-line input, with the engine proof cached and not.
 Input: $PIPE_BENCH_DATA/corpus/linux_docs.jsonl.zst (unique text), decompressed for the plain-JSONL
 case. `--memory-gb N` also runs pipe on the corpus concatenated to N GB, for peak memory only.
 
+`--chat` measures `pipe preprocess --chat` instead, against plain preprocess of the same text
+in the same run (target: at least half its MB/s): each corpus document becomes one conversation
+of its paragraphs, grouped into 2, 4, 6 or 8 alternating user/assistant turns (a document of one
+paragraph is cut in two), and the plain input holds each conversation's turns joined by blank
+lines. Chat runs with the tokenizer's own template (Llama 3's, unmarked: the rendered-prefix
+mask rule) and with a copy marked with {% generation %} (the generation rule).
+
 On a shared machine, `--quiet-wait S` waits up to S seconds before each timed run for no other
 task to be runnable, and says how many runs started that way. Python caches compiled modules as
 it does for a user (in the run's temporary directory), whatever PYTHONDONTWRITEBYTECODE says.
 
     python scripts/bench/preprocess.py [--workers 2] [--repeat 3] [--memory-gb 1] [--quiet-wait 60]
+    python scripts/bench/preprocess.py --chat [--workers 2] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,6 +48,17 @@ TARGET_VS_GIGATOKEN = 1.33  # pipe wall / gigatoken load + encode_files
 TARGET_ZST_VS_PLAIN = 1.2
 TARGET_STARTUP_S = 0.3
 TARGET_RSS_MIB = 1024
+TARGET_CHAT_VS_PLAIN = 0.5  # chat MB/s / plain MB/s on the same text
+# Llama 3's template with the assistant's text and end-of-turn marker in {% generation %}.
+LLAMA3_MARKED = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set header = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' %}"
+    "{% if loop.index0 == 0 %}{% set header = bos_token + header %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ header }}{% generation %}"
+    "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ header + message['content'] | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+)
 LIBRARY_SAMPLE_MB = 10
 
 _GIGATOKEN = (
@@ -127,12 +147,18 @@ def tokenizers_limit(tokenizer_json: Path, texts: list[str]) -> float:
 
 
 def run_pipe(
-    src: Path, tokenizer_dir: Path, out: Path, workers: int, env: dict, tree: bool = False
+    src: Path,
+    tokenizer_dir: Path,
+    out: Path,
+    workers: int,
+    env: dict,
+    tree: bool = False,
+    flags: tuple[str, ...] = ("--append-eod",),
 ) -> tuple:
-    """Wall seconds of `pipe preprocess --append-eod` end to end, peak RSS (KiB: of the largest
-    process, or with `tree` of all its processes summed), manifest."""
+    """Wall seconds of `pipe preprocess --append-eod` (or other `flags`) end to end, peak RSS
+    (KiB: of the largest process, or with `tree` of all its processes summed), manifest."""
     cmd = [sys.executable, "-m", "pipeline", "preprocess", "--input", str(src)]
-    cmd += ["--tokenizer", str(tokenizer_dir), "--output-prefix", str(out), "--append-eod"]
+    cmd += ["--tokenizer", str(tokenizer_dir), "--output-prefix", str(out), *flags]
     cmd += ["--workers", str(workers), "--overwrite", "--quiet"]
     QUIET.wait()
     with tempfile.TemporaryFile() as log:
@@ -235,6 +261,89 @@ def memory(plain: Path, gb: float, workers: int, tmp: Path, env: dict) -> bool:
     return ok
 
 
+def conversation(index: int, text: str) -> list[dict]:
+    """A document as one conversation: its paragraphs in 2, 4, 6 or 8 alternating user and
+    assistant turns (by the document's index), or cut in two when it has one paragraph."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if len(paragraphs) < 2:
+        cut = len(text) // 2
+        turns = [text[:cut], text[cut:]]
+    else:
+        count = min(2 * (1 + index % 4), len(paragraphs) // 2 * 2)
+        size, extra = divmod(len(paragraphs), count)
+        bounds = [k * size + min(k, extra) for k in range(count + 1)]
+        turns = ["\n\n".join(paragraphs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [{"role": ("user", "assistant")[k % 2], "content": t} for k, t in enumerate(turns)]
+
+
+def chat_inputs(texts: list[str], tmp: Path) -> tuple[Path, Path, float]:
+    """The chat JSONL, the plain JSONL of the same text, and that text's size in MB."""
+    chat, plain, size = tmp / "chat.jsonl", tmp / "chat_text.jsonl", 0
+    with open(chat, "w", encoding="utf-8") as c, open(plain, "w", encoding="utf-8") as p:
+        for index, text in enumerate(texts):
+            messages = conversation(index, text)
+            joined = "\n\n".join(m["content"] for m in messages)
+            size += len(joined.encode("utf-8"))
+            c.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+            p.write(json.dumps({"text": joined}, ensure_ascii=False) + "\n")
+    return chat, plain, size / 1e6
+
+
+def bench_chat(name: str, texts: list[str], args, tmp: Path, env: dict) -> bool:
+    """`pipe preprocess --chat` (both mask rules) against plain preprocess of the same text,
+    alternating in one run; MB/s on the conversations' text."""
+    tokenizer_dir = SHARED / "tokenizers" / name
+    chat, plain, mb = chat_inputs(texts, tmp)
+    marked = tmp / "llama3_marked.jinja"
+    marked.write_text(LLAMA3_MARKED, encoding="utf-8")
+    runs = {
+        "plain": (plain, ()),
+        "chat, tokenizer's template (rendered-prefix)": (chat, ("--chat",)),
+        "chat, marked template (generation)": (chat, ("--chat", "--chat-template", str(marked))),
+    }
+    flags = ("--workers", str(args.workers), "--overwrite", "--quiet")
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    cpu: dict[str, list[float]] = {label: [] for label in runs}
+    run_pipe(plain, tokenizer_dir, tmp / "warm", args.workers, env, flags=flags)  # proves once
+    for _ in range(args.repeat):
+        for label, (src, extra) in runs.items():
+            before = os.times()
+            elapsed, _, manifest = run_pipe(
+                src, tokenizer_dir, tmp / "chat_out", args.workers, env, flags=(*extra, *flags)
+            )
+            after = os.times()
+            times[label].append(elapsed)
+            cpu[label].append(
+                after.children_user
+                + after.children_system
+                - before.children_user
+                - before.children_system
+            )
+        if manifest["counts"].get("bad_lines"):
+            sys.exit(f"chat run skipped lines: {manifest['bad_line_examples']}")
+    print(
+        f"chat: {len(texts):,} conversations of {mb:,.1f} MB of text (2-8 turns each), "
+        f"{name}, {args.workers} workers, median of {args.repeat}"
+    )
+    base = statistics.median(times["plain"])
+    base_cpu = statistics.median(cpu["plain"])
+    ok = True
+    for label, values in times.items():
+        seconds, cpu_s = statistics.median(values), statistics.median(cpu[label])
+        ratio = base / seconds
+        met = "met" if ratio >= TARGET_CHAT_VS_PLAIN else "NOT met"
+        note = "" if label == "plain" else f"  {ratio:.2f}x plain's MB/s ({met})"
+        print(
+            f"{name}: {label:46s} {seconds:6.2f} s {mb / seconds:7.1f} MB/s, CPU {cpu_s:5.2f} s "
+            f"({base_cpu / cpu_s:.2f}x plain's MB per CPU second){note}"
+        )
+        ok = ok and ratio >= TARGET_CHAT_VS_PLAIN
+    runs_note = "; ".join(f"{label.split(', ')[-1]} {_fmt(v)}" for label, v in times.items())
+    print(f"{name}: runs (s): {runs_note}")
+    print(f"target: chat >= {TARGET_CHAT_VS_PLAIN}x plain's MB/s (wall) with both templates")
+    return ok
+
+
 def _fmt(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
@@ -247,6 +356,9 @@ def main() -> None:
     parser.add_argument("--tokenizers", nargs="+", default=["llama3", "llama2"])
     parser.add_argument(
         "--quiet-wait", type=float, default=0, help="seconds to wait for a quiet machine per run"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="measure --chat against plain on the same text"
     )
     args = parser.parse_args()
     QUIET.wait_s = args.quiet_wait
@@ -271,6 +383,10 @@ def main() -> None:
             f"{os.getloadavg()[0]:.1f} at start"
         )
         results = []
+        if args.chat:
+            results.append(bench_chat("llama3", texts, args, tmp, env))
+            print("all targets met" if all(results) else "some targets NOT met")
+            return
         for name in args.tokenizers:
             startup(name, tmp, args.workers, env)
             results.append(bench(name, plain, texts, mb, args, tmp, env))

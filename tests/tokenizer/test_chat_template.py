@@ -209,6 +209,8 @@ def test_no_template_is_none(tiny_tokenizer_dir, tmp_path) -> None:
         "{{ namespace(__init__=1) }}",
         "{% set x = messages.append(1) %}{{ x }}",
         "{{ cycler.__init__.__globals__ }}",
+        "{% for m in messages %}{{ loop.__class__.__mro__ }}{% endfor %}",
+        "{% for m in messages %}{{ loop._iterator }}{{ loop.cycle.__func__ }}{% endfor %}",
     ],
 )
 def test_templates_cannot_reach_python_internals(template) -> None:
