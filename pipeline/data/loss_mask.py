@@ -32,9 +32,18 @@ def open_loss_mask(tokens: IndexedDataset) -> IndexedDataset:
     where = f"{mask.prefix}.idx"
     if mask.dtype != LOSS_MASK_DTYPE:
         raise IndexFormatError(f"{where}: a loss mask is uint8, this one is {mask.dtype}")
-    if not np.array_equal(mask.sequence_lengths, tokens.sequence_lengths):
+    ours, theirs = tokens.sequence_lengths, mask.sequence_lengths
+    if len(ours) != len(theirs):
         raise IndexFormatError(
-            f"{where}: sequence lengths differ from {tokens.prefix}.idx (a mask of other data)"
+            f"{where}: {len(theirs)} conversations, but {tokens.prefix}.idx has {len(ours)} "
+            "(a mask of other data)"
+        )
+    differ = np.flatnonzero(ours != theirs)
+    if len(differ):
+        i = int(differ[0])
+        raise IndexFormatError(
+            f"{where}: conversation {i} has {int(theirs[i])} mask values but {int(ours[i])} "
+            f"tokens in {tokens.prefix}.idx (a mask of other data)"
         )
     if not np.array_equal(mask.document_indices, tokens.document_indices):
         raise IndexFormatError(f"{where}: document boundaries differ from {tokens.prefix}.idx")

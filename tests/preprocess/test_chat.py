@@ -307,7 +307,11 @@ def test_chat_flags_refused(tmp_path, tiny_tokenizer_dir) -> None:
     for extra in (("--append-eod",), ("--json-keys", "text")):
         result = preprocess_chat(src, tiny_tokenizer_dir, tmp_path / "o", *extra, expect_ok=False)
         assert result.exit_code == 2
-    result = preprocess_chat(src, tiny_tokenizer_dir, tmp_path / "o", expect_ok=False)
+    plain = shutil.copytree(tiny_tokenizer_dir, tmp_path / "no_template")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    result = preprocess_chat(src, plain, tmp_path / "o", expect_ok=False)
     assert result.exit_code == 1 and "has no chat template" in result.output
 
 
