@@ -5,6 +5,9 @@ recomputation, MoE aux-loss weight and micro-batch group: chosen at construction
 rank's pipeline stages by `build_model_parts`, and each stage is then changed here, in the open
 and in torchtitan's order:
 
+0. LoRA (`[lora] enabled`): the model frozen and adapters added to its projections
+   (`pipeline.core.model.lora`), before everything else, so each later step lays the
+   adapters out with their base layer;
 1. FP8: block linears swapped for the FP8 backend's (before parallelism, so tensor parallelism
    can use torchao's float8 styles and FSDP2 the fp8 all-gather);
 2. expert parallelism: each `MoE` swapped for an `ExpertParallelMoE` (before tensor
@@ -83,6 +86,13 @@ def parallelize(
 ) -> Transformer:
     """Apply FP8 (`fp8`, an `Fp8Training`, or None) and the layout to a model or pipeline stage
     still on `meta`, in place and in the order of the module docstring; returns it."""
+    if cfg.lora.enabled:
+        from pipeline.core.model.lora import apply_lora
+        from pipeline.train.lora_run import lora_spec
+
+        if fp8 is not None:
+            raise ValueError("LoRA under FP8 training is not supported yet; drop --fp8")
+        apply_lora(model, lora_spec(cfg))
     if fp8 is not None:
         model = fp8.convert(model)
     _apply_model_parallel(model, cfg, layout)

@@ -50,9 +50,9 @@ from pipeline.common.progress import terminal_bar
 from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.parallel.dims import ParallelDims
-from pipeline.train import train_data
+from pipeline.train import lora_run, train_data
 from pipeline.train.checkpoint_model import check_checkpoint_model
-from pipeline.train.config import TrainConfig
+from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.config_loader import save_config_toml
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
 from pipeline.train.layout import build_layout, resolve_device
@@ -124,6 +124,7 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir)
         self.process_group = self.layout.world_group
         self.checkpoints = self._build_checkpointing()
+        self.lora_base: lora_run.BaseRecord | None = None
         self._resume(load_iteration)
         self.train_loader = self._build_loader(0, "train")
         self.valid_loader = self._build_loader(1, "valid")
@@ -198,10 +199,11 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        return {
+        state = {
             **model_and_optimizer_state(self.model, self.optimizer),
             "scheduler": self.scheduler,
         }
+        return lora_run.adapter_only(state) if self.cfg.lora.enabled else state
 
     def _metadata(self) -> dict[str, Any]:
         d = self.cfg.data
@@ -223,6 +225,9 @@ class Trainer:
             },
             "tokenizer": self.tokenizer.to_metadata(),
             "layout": self.layout.describe(),
+            **(
+                {"lora": lora_run.lora_metadata(self.cfg, self.lora_base)} if self.lora_base else {}
+            ),
         }
 
     def save_checkpoint(self) -> Path:
@@ -267,9 +272,14 @@ class Trainer:
         pass the same `--load` as `--save`.
         """
         c = self.cfg.checkpoint
+        found = c.load is not None and (
+            self.checkpoints.has_checkpoint() or iteration is not None or _is_iter_dir(c.load)
+        )
+        if self.cfg.lora.enabled and not self._load_lora_base(iteration if found else None, found):
+            return
         if c.load is None:
             return
-        if not self.checkpoints.has_checkpoint() and iteration is None and not _is_iter_dir(c.load):
+        if not found:
             log.info("no checkpoint in %s yet: starting from scratch", c.load)
             return
         if c.finetune:
@@ -292,6 +302,24 @@ class Trainer:
         }
         self.guard.total = int(meta.get("skipped_iterations", 0))
         log.info("resumed from %s at iteration %d", c.load, self.iteration)
+
+    def _load_lora_base(self, iteration: int | None, found: bool) -> bool:
+        """A LoRA run: find and read its frozen base (`lora_run`); True when `checkpoint.load`
+        holds adapters to resume, False when there is nothing more to load."""
+        from pipeline.checkpoint.loader import resolve_checkpoint
+
+        c = self.cfg.checkpoint
+        loaded = None
+        if found:
+            loaded = resolve_checkpoint(c.load, iteration)[1].get("metadata") or {}
+        self.lora_base, load_is_base = lora_run.find_base(self.cfg, loaded)
+        if loaded is not None and not load_is_base and "lora" not in loaded:
+            raise ConfigError(
+                f"--load {c.load} holds a full checkpoint while lora.base names the base: "
+                "with --lora, --load takes the base or an adapter checkpoint"
+            )
+        lora_run.load_base(self.model, self.lora_base, self.cfg, self.process_group)
+        return found and not load_is_base
 
     # ---- the loop -----------------------------------------------------------------------------
 
