@@ -294,7 +294,9 @@ class Trainer:
         state = self._state()
         with quiet_dcp():
             meta = self.checkpoints.load(state, iteration)
-        load_model_and_optimizer_state(self.model, self.optimizer, state)
+        # A LoRA checkpoint holds the adapters only; the base was read from its own checkpoint.
+        strict = not self.cfg.lora.enabled
+        load_model_and_optimizer_state(self.model, self.optimizer, state, strict=strict)
         self.iteration = int(meta["iteration"])
         self.consumed = {
             "train": int(meta.get("consumed_samples", 0)),

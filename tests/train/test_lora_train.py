@@ -1,0 +1,152 @@
+"""`pipe train --lora` end to end on a CPU: adapters trained on a base checkpoint, exported for
+peft (whose logits on the base transformers model match ours, and the merged export's), resumed
+bit-exactly after kill -9, and adapter checkpoints a small fraction of a full one."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from pipeline.checkpoint import read_checkpoint_record
+from pipeline.train.config_loader import resolve_config
+from pipeline.train.trainer import Trainer
+from pipeline.weights.formats import open_source
+from pipeline.weights.model import model_from_source
+from pipeline.weights.pipe_checkpoint import write_pipe_checkpoint
+from pipeline.weights.source import InMemorySource
+from tests.builders import build_model, export_family, micro_sets, perturbed, records, run_python
+
+ATTENTION_AND_MLP = '["q", "k", "v", "o", "gate", "up", "down"]'
+# peft (0.21, transformers 5) also puts its own adapters on a MoE's fused experts when told
+# gate_proj/up_proj/down_proj, so the MoE family is tested with attention adapters.
+TARGETS = {
+    "llama3": ATTENTION_AND_MLP,
+    "qwen3": ATTENTION_AND_MLP,
+    "qwen3_moe": '["q", "k", "v", "o"]',
+}
+
+
+def _base(config, directory: Path, architecture: str | None = None) -> tuple[Path, dict]:
+    """A perturbed random model of `config` as a weights-only pipe checkpoint."""
+    torch.manual_seed(0)
+    state = {n: t.detach().clone() for n, t in perturbed(build_model(config)).state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("output.weight")
+    metadata = {"hf_architecture": architecture} if architecture else {}
+    write_pipe_checkpoint(InMemorySource(config, state, metadata), directory)
+    return directory, state
+
+
+def _lora_sets(run: Path, base: Path, *extra: str, iters: int = 3) -> list[str]:
+    return [
+        "data.mock=true", "data.seq_length=32", "data.num_workers=0",
+        f"training.iters={iters}", "training.micro_batch_size=2", "training.global_batch_size=4",
+        "training.eval_interval=0", "training.log_interval=1", "training.dtype=fp32",
+        "training.device=cpu", "optimizer.lr=0.02", "scheduler.warmup_iters=0",
+        f"checkpoint.load={base}", "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
+        f"logging.run_dir={run}", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+def test_peft_loads_the_exported_adapters(family: str, tmp_path: Path) -> None:
+    """Three steps of LoRA from a base checkpoint, `pipe export --peft`: peft on the base
+    transformers model gives the logits of our base + adapters (unmerged) and of the merged
+    checkpoint `pipe export`/`convert` read, within 1e-4 in fp32."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from pipeline.convert.commands import convert
+    from pipeline.export.commands import export
+
+    architecture, config = export_family(family)
+    base, _ = _base(config, tmp_path / "base", architecture)
+    sets = _lora_sets(tmp_path / "run", base, f"lora.targets={TARGETS[family]}")
+    trainer = Trainer(resolve_config(None, sets), console=False)
+    trainer.train()
+    adapters = tmp_path / "run" / "checkpoints"
+    assert any(p.abs().max() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
+
+    runner = CliRunner()
+    result = runner.invoke(export, [str(adapters), "--peft", "-o", str(tmp_path / "peft")])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(convert, [str(base), "--to", "hf", "-o", str(tmp_path / "hf"), "-q"])
+    assert result.exit_code == 0, result.output
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf.eval(), tmp_path / "peft")
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)
+    )
+    trainer.model.eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+        ours = trainer.model.logits(tokens)
+        merged = model_from_source(open_source(adapters, "pipe")).logits(tokens)
+    assert (ours - theirs).abs().max() < 1e-4
+    assert (merged - theirs).abs().max() < 1e-4
+    assert (merged - model_from_source(open_source(base, "pipe")).logits(tokens)).abs().max() > 1e-3
+
+
+KILL_AFTER_SAVE = """
+    import os, signal, sys
+    from pipeline.train.config_loader import resolve_config
+    from pipeline.train.trainer import Trainer
+
+    original = Trainer.save_checkpoint
+
+    def save_then_die(self):
+        path = original(self)
+        if self.iteration == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    Trainer.save_checkpoint = save_then_die
+    Trainer(resolve_config(None, sys.argv[1:]), console=False).train()
+"""
+
+
+def test_exact_resume_after_sigkill_and_adapter_checkpoint_size(tmp_path: Path) -> None:
+    """A LoRA run (dropout on) SIGKILLed after saving iteration 2 and resumed with --load of
+    its adapter checkpoints (the base found from the record, checksum checked) gives the
+    uninterrupted run's losses bit for bit; its checkpoint records the base and holds adapters
+    and their optimizer state only, under 10% of the bytes of the (weights-only) base."""
+    config = resolve_config(None, micro_sets(tmp_path)).model_config()
+    base, _ = _base(config, tmp_path / "base")
+    extra = ("lora.dropout=0.1", "checkpoint.save_interval=2")
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    Trainer(resolve_config(None, _lora_sets(run_a, base, *extra, iters=4)), console=False).train()
+    proc = run_python(KILL_AFTER_SAVE, *_lora_sets(run_b, base, *extra, iters=4))
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, output
+    resumed = [s for s in _lora_sets(run_b, base, *extra, iters=4) if "checkpoint.load" not in s]
+    Trainer(resolve_config(None, [*resumed, f"checkpoint.load={run_b / 'checkpoints'}"]),
+            console=False).train()  # fmt: skip
+    a, b = records(run_a), records(run_b)
+    assert [a[s]["loss"] for s in (3, 4)] == [b[s]["loss"] for s in (3, 4)]
+    assert a[4]["grad_norm"] == b[4]["grad_norm"]
+
+    adapter_dir = run_b / "checkpoints" / "iter_0000004"
+    record = read_checkpoint_record(adapter_dir)["metadata"]["lora"]
+    assert record["base"]["path"] == str((base / "iter_0000000").resolve())
+    assert len(record["base"]["checksum"]) == 64 and record["rank"] == 4
+
+
+def _checkpoint_bytes(run: Path) -> int:
+    return sum(f.stat().st_size for f in (run / "checkpoints" / "iter_0000001").iterdir())
+
+
+def test_adapter_checkpoint_of_tiny_is_under_a_tenth_of_a_full_one(tmp_path: Path) -> None:
+    """`tiny` (the tiny_lora recipe's rank 8 on every projection): one step of full training and
+    one of LoRA; the adapter checkpoint (adapters + their Adam state) is < 10% of the full one."""
+    sets = ["data.seq_length=32", "training.iters=1", "training.global_batch_size=4",
+            "training.micro_batch_size=4", "training.eval_interval=0", "training.device=cpu",
+            "scheduler.warmup_iters=0"]  # fmt: skip
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    Trainer(resolve_config("tiny", [*sets, f"logging.run_dir={full}"]), console=False).train()
+    Trainer(resolve_config("tiny_lora", [*sets, f"logging.run_dir={lora}"]), console=False).train()
+    assert _checkpoint_bytes(lora) < 0.1 * _checkpoint_bytes(full), (
+        _checkpoint_bytes(lora), _checkpoint_bytes(full))  # fmt: skip
