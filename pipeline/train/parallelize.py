@@ -95,7 +95,11 @@ def parallelize(
         apply_lora(model, lora_spec(cfg))
     if fp8 is not None:
         model = fp8.convert(model)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     _apply_model_parallel(model, cfg, layout)
+    for name, param in model.named_parameters():  # some styles re-create parameters trainable
+        if name in frozen:
+            param.requires_grad_(False)
     if compile_enabled(cfg.training.compile, layout.device_type):
         for block in model.layers.values():
             block.compile()

@@ -103,7 +103,9 @@ class LoRALinear(nn.Linear):
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, device=device))
         self.scaling = scaling
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        # A rate, not an `nn.Dropout` child: tensor-parallel styles treat every submodule of
+        # the linear they shard as a linear.
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -111,7 +113,8 @@ class LoRALinear(nn.Linear):
             weight = weight.to(x.dtype)
             bias = bias.to(x.dtype) if bias is not None else None
         out = F.linear(x, weight, bias)
-        return out + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scaling
+        x = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling}"
@@ -128,12 +131,15 @@ class ExpertAdapters(nn.Module):
         super().__init__()
         self.stacks = stacks
         self.scaling = scaling
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.rate = dropout
         for w in stacks:
             num, out, inp = getattr(experts, w).shape
             device = getattr(experts, w).device
             setattr(self, f"{w}_A", nn.Parameter(torch.empty(num, rank, inp, device=device)))
             setattr(self, f"{w}_B", nn.Parameter(torch.empty(num, out, rank, device=device)))
+
+    def dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.rate, self.training) if self.rate else x
 
     def local(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """{stack: (A, B)} as the tensors this rank runs (the local shards under expert

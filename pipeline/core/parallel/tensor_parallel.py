@@ -148,7 +148,7 @@ def _match_grad_layouts(model: nn.Module) -> None:
             param.grad = param.grad.redistribute(placements=param.placements)
 
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # frozen (LoRA's base): no grad
             param.register_post_accumulate_grad_hook(hook)
 
 
