@@ -88,6 +88,13 @@ def test_peft_loads_the_exported_adapters(family: str, tmp_path: Path) -> None:
         merged = model_from_source(open_source(adapters, "pipe")).logits(tokens)
     assert (ours - theirs).abs().max() < 1e-4
     assert (merged - theirs).abs().max() < 1e-4
+    if family == "llama3":  # `pipe convert --to hf` of the adapter checkpoint merges them too
+        out = tmp_path / "merged_hf"
+        result = runner.invoke(convert, [str(adapters), "--to", "hf", "-o", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        merged_hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            assert (merged_hf.eval()(input_ids=tokens).logits - theirs).abs().max() < 1e-4
     assert (merged - model_from_source(open_source(base, "pipe")).logits(tokens)).abs().max() > 1e-3
 
 
@@ -150,3 +157,33 @@ def test_adapter_checkpoint_of_tiny_is_under_a_tenth_of_a_full_one(tmp_path: Pat
     Trainer(resolve_config("tiny_lora", [*sets, f"logging.run_dir={lora}"]), console=False).train()
     assert _checkpoint_bytes(lora) < 0.1 * _checkpoint_bytes(full), (
         _checkpoint_bytes(lora), _checkpoint_bytes(full))  # fmt: skip
+
+
+def test_base_and_adapters_given_apart_and_a_wrong_base_refused(tmp_path: Path) -> None:
+    """`--lora-base FULL --load ADAPTERS` resumes (bf16 base storage); a different base than
+    the one recorded is refused in one line; --dry-run shows the trainable adapters."""
+    from pipeline.train.commands import train
+    from pipeline.train.config import ConfigError
+
+    config = resolve_config(None, micro_sets(tmp_path)).model_config()
+    base, _ = _base(config, tmp_path / "base")
+    run = tmp_path / "run"
+    first = _lora_sets(run, base, "lora.base_dtype=bf16", iters=2)
+    trainer = Trainer(resolve_config(None, first), console=False)
+    assert trainer.model.layers["0"].attention.wq.weight.dtype == torch.bfloat16
+    assert trainer.model.layers["0"].attention.wq.lora_A.dtype == torch.float32
+    trainer.train()
+    again = [s for s in _lora_sets(run, base, "lora.base_dtype=bf16", iters=3)
+             if "checkpoint.load" not in s]  # fmt: skip
+    resumed = [*again, f"lora.base={base}", f"checkpoint.load={run / 'checkpoints'}"]
+    assert Trainer(resolve_config(None, resumed), console=False).iteration == 2
+
+    other, _ = _base(config, tmp_path / "other")
+    torch.manual_seed(1)
+    wrong = [*again, f"lora.base={other}", f"checkpoint.load={run / 'checkpoints'}"]
+    with pytest.raises(ConfigError, match="is not the one the adapters"):
+        Trainer(resolve_config(None, wrong), console=False)
+
+    result = CliRunner().invoke(train, ["--recipe", "tiny_lora", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "trainable" in result.output and "no optimizer state" in result.output

@@ -92,8 +92,9 @@ class LoRASpec:
 class LoRALinear(nn.Linear):
     """A frozen linear plus a trainable low-rank update (see the module docstring).
 
-    A subclass of `nn.Linear` so tensor-parallel styles take it as one; the base weight may be
-    stored in another dtype than the input (`LoRASpec.base_dtype`) and is cast per call."""
+    A subclass of `nn.Linear` so tensor-parallel styles take it as one. The base weight may be
+    stored in another dtype (`LoRASpec.base_dtype`): it is cast to the input's per call, and
+    the adapters run in their own dtype (fp32), their update cast to the output's."""
 
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
         nn.Module.__init__(self)
@@ -113,8 +114,10 @@ class LoRALinear(nn.Linear):
             weight = weight.to(x.dtype)
             bias = bias.to(x.dtype) if bias is not None else None
         out = F.linear(x, weight, bias)
+        x = x.to(self.lora_A.dtype)  # a no-op unless the base (and so the stream) is bf16
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        return out + delta.to(out.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling}"

@@ -79,7 +79,8 @@ def grouped_swiglu(
         if name not in adapters:
             return out
         a, b = adapters[name]
-        return out + (lora.dropout(g) @ a[e].t()) @ b[e].t() * lora.scaling
+        delta = (lora.dropout(g.to(a.dtype)) @ a[e].t()) @ b[e].t() * lora.scaling
+        return out + delta.to(out.dtype)
 
     outputs = [
         project("w2", w2, e, F.silu(project("w1", w1, e, g)) * project("w3", w3, e, g))
