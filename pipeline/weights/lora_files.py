@@ -21,7 +21,14 @@ from pipeline.weights.source import TensorInfo, TensorSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MergedLoRASource", "adapter_base", "lora_record", "peft_tensors", "write_peft"]
+__all__ = [
+    "MergedLoRASource",
+    "adapter_base",
+    "lora_record",
+    "peft_tensors",
+    "read_adapters",
+    "write_peft",
+]
 
 _LINEAR = re.compile(r"(?P<base>.+)\.lora_(?P<ab>[AB])")
 _EXPERT = re.compile(r"(?P<base>.+\.moe\.experts)\.lora\.(?P<w>w[123])_(?P<ab>[AB])")
@@ -139,3 +146,45 @@ def write_peft(
         save_file(tensors, str(temporary), metadata={"format": "pt"})
     write_json(output / "adapter_config.json", config, indent=2)
     return sorted(tensors)
+
+
+_PEFT_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(\.\w+)?\.weight")
+
+
+def read_adapters(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(settings: `rank`, `alpha`; adapter tensors under our names) of a LoRA adapter: a pipe
+    adapter checkpoint, or a peft directory (`adapter_config.json` + safetensors) as
+    `write_peft` writes it. ValueError naming the file for anything else."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        return _read_peft(path)
+    from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
+
+    source = PipeCheckpointSource(path)
+    record = lora_record(source.directory)
+    if record is None:
+        raise ValueError(f"{source.directory} is a full checkpoint, not LoRA adapters")
+    return record, {name: source.read(name) for name in source.tensors()}
+
+
+def _read_peft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    import json
+
+    from safetensors.torch import load_file
+
+    from pipeline.core.model.hf_names import hf_to_pipe_name
+
+    config = json.loads((path / "adapter_config.json").read_text())
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
+        raise ValueError(f"{path / 'adapter_config.json'}: only plain LoRA adapters are read")
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"{path}: no adapter_model.safetensors")
+    tensors = {}
+    for key, tensor in load_file(str(weights)).items():
+        m = _PEFT_KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"{weights}: {key!r} is not a LoRA A/B weight")
+        base = hf_to_pipe_name(f"{m['module']}.weight").removesuffix(".weight")
+        tensors[f"{base}.lora_{m['ab']}"] = tensor
+    return {"rank": int(config["r"]), "alpha": float(config["lora_alpha"])}, tensors

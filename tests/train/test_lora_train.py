@@ -88,6 +88,7 @@ def test_peft_loads_the_exported_adapters(family: str, tmp_path: Path) -> None:
         merged = model_from_source(open_source(adapters, "pipe")).logits(tokens)
     assert (ours - theirs).abs().max() < 1e-4
     assert (merged - theirs).abs().max() < 1e-4
+    assert (merged - model_from_source(open_source(base, "pipe")).logits(tokens)).abs().max() > 1e-3
     if family == "llama3":  # `pipe convert --to hf` of the adapter checkpoint merges them too
         out = tmp_path / "merged_hf"
         result = runner.invoke(convert, [str(adapters), "--to", "hf", "-o", str(out), "-q"])
@@ -95,7 +96,23 @@ def test_peft_loads_the_exported_adapters(family: str, tmp_path: Path) -> None:
         merged_hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         with torch.no_grad():
             assert (merged_hf.eval()(input_ids=tokens).logits - theirs).abs().max() < 1e-4
-    assert (merged - model_from_source(open_source(base, "pipe")).logits(tokens)).abs().max() > 1e-3
+        _assert_generation_runs_the_adapters_unmerged(base, adapters, tmp_path / "peft", ours)
+
+
+def _assert_generation_runs_the_adapters_unmerged(base, adapters, peft_dir, expected) -> None:
+    """`pipe generate/serve BASE --lora-adapter X` (their loader): the adapters of a pipe
+    checkpoint or of the peft files run beside the base weights and give the trained logits."""
+    from pipeline.core.model.lora import LoRALinear
+    from pipeline.serve.loading import LoadError, open_generator
+
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    for adapter in (adapters, peft_dir):
+        model = open_generator(base, lora_adapter=adapter).model
+        assert isinstance(model.layers["0"].attention.wq, LoRALinear)
+        with torch.no_grad():
+            assert (model.logits(tokens) - expected).abs().max() < 1e-4
+    with pytest.raises(LoadError, match="full checkpoint"):
+        open_generator(base, lora_adapter=base)
 
 
 KILL_AFTER_SAVE = """

@@ -41,6 +41,7 @@ __all__ = [
     "init_adapters",
     "is_adapter_name",
     "merged_weight",
+    "targets_of",
 ]
 
 # User-facing target -> the module paths (inside a block) it adapts.
@@ -237,3 +238,16 @@ def merged_weight(
     stacks), computed in fp32 and returned in the weight's dtype."""
     delta = torch.matmul(b.float(), a.float()) * scaling
     return (weight.float() + delta).to(weight.dtype)
+
+
+def targets_of(names: list[str]) -> tuple[str, ...]:
+    """The targets (`ALL_TARGETS` names) whose adapters `names` (adapter parameters) hold."""
+    found = set()
+    for name in names:
+        for target, paths in LINEAR_TARGETS.items():
+            if any(f".{path}.lora_" in name for path in paths):
+                found.add(target)
+        for target, stack in EXPERT_TARGETS.items():
+            if f".experts.lora.{stack}_" in name:
+                found.add(target)
+    return tuple(t for t in ALL_TARGETS if t in found)
