@@ -204,3 +204,19 @@ def test_base_and_adapters_given_apart_and_a_wrong_base_refused(tmp_path: Path) 
     result = CliRunner().invoke(train, ["--recipe", "tiny_lora", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "trainable" in result.output and "no optimizer state" in result.output
+
+
+def test_a_frozen_deepseek_base_keeps_its_expert_biases(tmp_path: Path) -> None:
+    """DeepSeek-V3 under LoRA (latent attention and expert adapters train): the routers'
+    balancing biases, part of the frozen base and absent from adapter checkpoints, stay put."""
+    from tests.builders import layout_sets
+
+    sets = layout_sets("tiny_deepseek_v3", tmp_path, "lora.enabled=true", "training.iters=2")
+    trainer = Trainer(resolve_config("tiny_deepseek_v3", sets), console=False)
+    biases = {n: b.clone() for n, b in trainer.model.named_buffers() if "expert_bias" in n}
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert any("wkv_a.lora_A" in n for n in trainable)
+    assert any("experts.lora.w2_B" in n for n in trainable)
+    trainer.train()
+    buffers = dict(trainer.model.named_buffers())
+    assert biases and all(torch.equal(buffers[n], b) for n, b in biases.items())
