@@ -220,3 +220,26 @@ def test_a_frozen_deepseek_base_keeps_its_expert_biases(tmp_path: Path) -> None:
     trainer.train()
     buffers = dict(trainer.model.named_buffers())
     assert biases and all(torch.equal(buffers[n], b) for n, b in biases.items())
+
+
+def test_an_fp8_base_with_high_precision_adapters(tmp_path: Path) -> None:
+    """`--fp8 torchao --lora` (emulated on a CPU): the block linears run in fp8 with adapters
+    beside them in high precision; only adapters train, and the losses stay near bf16's."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from pipeline.core.model.lora import LoRAAdapted
+
+    losses = {}
+    fp8_sets = ["fp8.recipe=torchao:tensorwise", "fp8.emulate=true", "fp8.linear_filter=all"]
+    width = ["training.dtype=bf16", "model.hidden_size=64", "model.ffn_hidden_size=128"]
+    for name, fp8 in (("bf16", []), ("fp8", fp8_sets)):
+        sets = [*micro_sets(tmp_path / name, "lora.enabled=true", *width, iters=2), *fp8]
+        trainer = Trainer(resolve_config(None, sets), console=False)
+        losses[name] = trainer.train().losses
+        wq = trainer.model.layers["0"].attention.wq
+        assert isinstance(wq, LoRAAdapted) and isinstance(wq, Float8Linear) == (name == "fp8")
+        trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert trainable and all(".lora_" in n for n in trainable)
+    for step, loss in losses["bf16"].items():
+        assert losses["fp8"][step] == pytest.approx(loss, rel=2e-2)

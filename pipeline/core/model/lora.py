@@ -1,8 +1,9 @@
 """LoRA: low-rank adapters on a frozen model (Hu et al., 2021), applied in one place.
 
-`apply_lora(model, spec)` changes a built model (on `meta`, before any parallelism): every
-targeted `nn.Linear` becomes a `LoRALinear` (the same `weight` and `bias` parameters, so base
-names stay the checkpoint's names, plus `lora_A` `[rank, in]` and `lora_B` `[out, rank]`), each
+`apply_lora(model, spec)` changes a built model (on `meta`, after an FP8 backend swapped its
+linears and before any parallelism): every targeted linear becomes a `LoRAAdapted` one (the
+same module re-classed: its `weight` and `bias` keep the checkpoint's names, and it gains
+`lora_A` `[rank, in]` and `lora_B` `[out, rank]`), each
 targeted expert stack of a MoE gets an `ExpertAdapters` (`experts.lora`: one A and B per
 expert), and every other parameter is frozen. The output of an adapted projection is
 
@@ -34,6 +35,7 @@ from torch import nn
 __all__ = [
     "ALL_TARGETS",
     "ExpertAdapters",
+    "LoRAAdapted",
     "LoRALinear",
     "LoRASpec",
     "adapter_names",
@@ -90,18 +92,18 @@ class LoRASpec:
         return self.alpha / self.rank
 
 
-class LoRALinear(nn.Linear):
-    """A frozen linear plus a trainable low-rank update (see the module docstring).
+class LoRAAdapted:
+    """What a linear becomes when adapted: its own forward (the frozen base) plus a trainable
+    low-rank update (see the module docstring). A mix-in: `apply_lora` re-classes the linear
+    in place (`nn.Linear` -> `LoRALinear`, an FP8 backend's linear -> a subclass of its own),
+    so its parameters, hooks and name stay, and tensor-parallel styles still take it for what
+    it was. The adapters run in their own dtype (fp32), their update cast to the output's."""
 
-    A subclass of `nn.Linear` so tensor-parallel styles take it as one. The base weight may be
-    stored in another dtype (`LoRASpec.base_dtype`): it is cast to the input's per call, and
-    the adapters run in their own dtype (fp32), their update cast to the output's."""
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
 
-    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        device = base.weight.device
+    def add_adapters(self, rank: int, scaling: float, dropout: float) -> None:
+        device = self.weight.device
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, device=device))
         self.scaling = scaling
@@ -110,18 +112,39 @@ class LoRALinear(nn.Linear):
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            weight = weight.to(x.dtype)
-            bias = bias.to(x.dtype) if bias is not None else None
-        out = F.linear(x, weight, bias)
+        out = self.base_forward(x)
         x = x.to(self.lora_A.dtype)  # a no-op unless the base (and so the stream) is bf16
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
         return out + delta.to(out.dtype)
 
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)  # type: ignore[misc]
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling}"
+        return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling}"  # type: ignore[misc]
+
+
+class LoRALinear(LoRAAdapted, nn.Linear):
+    """An adapted `nn.Linear`. Its weight may be stored in another dtype than the input's
+    (`LoRASpec.base_dtype`): it is cast per call."""
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            weight = weight.to(x.dtype)
+            bias = bias.to(x.dtype) if bias is not None else None
+        return F.linear(x, weight, bias)
+
+
+_ADAPTED: dict[type, type] = {nn.Linear: LoRALinear}
+
+
+def _adapted_class(cls: type) -> type:
+    """The adapted subclass of a linear class (one per class, made on first use)."""
+    if cls not in _ADAPTED:
+        _ADAPTED[cls] = type(f"LoRA{cls.__name__}", (LoRAAdapted, cls), {})
+    return _ADAPTED[cls]
 
 
 class ExpertAdapters(nn.Module):
@@ -182,14 +205,14 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> nn.Module:
 
 
 def _wrap_linear(block: nn.Module, path: str, spec: LoRASpec) -> None:
-    parent_path, _, name = path.rpartition(".")
     try:
-        parent = block.get_submodule(parent_path)
+        linear = block.get_submodule(path)
     except AttributeError:
         return  # the block has no such projection (dense vs MoE, GQA vs MLA)
-    linear = getattr(parent, name, None)
-    if type(linear) is nn.Linear:
-        setattr(parent, name, LoRALinear(linear, spec.rank, spec.scaling, spec.dropout))
+    if isinstance(linear, LoRAAdapted) or not hasattr(linear, "weight"):
+        return
+    linear.__class__ = _adapted_class(type(linear))
+    linear.add_adapters(spec.rank, spec.scaling, spec.dropout)
 
 
 def is_adapter_name(name: str) -> bool:

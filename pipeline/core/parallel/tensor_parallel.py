@@ -113,10 +113,10 @@ def _place_adapters(model: nn.Module) -> None:
     column-parallel base (weight Shard(0)) keeps A whole and splits B on its rows, a row-parallel
     one (Shard(1)) splits A on its columns and keeps B whole, so A x is complete (or a partial sum
     that the base's output reduction completes) exactly where the base's output is."""
-    from pipeline.core.model.lora import LoRALinear
+    from pipeline.core.model.lora import LoRAAdapted
 
     for module in model.modules():
-        if not isinstance(module, LoRALinear) or not isinstance(module.weight, DTensor):
+        if not isinstance(module, LoRAAdapted) or not isinstance(module.weight, DTensor):
             continue
         mesh = module.weight.device_mesh
         column = module.weight.placements == (Shard(0),)
