@@ -204,6 +204,9 @@ def test_base_and_adapters_given_apart_and_a_wrong_base_refused(tmp_path: Path) 
     result = CliRunner().invoke(train, ["--recipe", "tiny_lora", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "trainable" in result.output and "no optimizer state" in result.output
+    bad = ["--recipe", "tiny_lora", "--set", 'lora.targets=["q", "query"]', "--dry-run"]
+    result = CliRunner().invoke(train, bad)
+    assert result.exit_code == 2 and "lora.targets: unknown query" in result.output
 
 
 def test_a_frozen_deepseek_base_keeps_its_expert_biases(tmp_path: Path) -> None:
