@@ -6,8 +6,9 @@ A `pipe train --lora` checkpoint holds adapters only (`layers.N.attention.wq.lor
 checkpoint. `MergedLoRASource` presents base plus adapters as one model whose adapted weights
 are `W + B A * alpha / r` (what `pipe convert --to hf` and `pipe export` write by default), and
 `write_peft` writes the Hugging Face PEFT files (`adapter_config.json`,
-`adapter_model.safetensors`, keys `base_model.model.<transformers module>.lora_A.weight`) that
-`peft` and vLLM load onto the base model.
+`adapter_model.safetensors`, keys `base_model.model.<transformers module>.lora_A.weight`; an
+expert stack's adapters one expert at a time, under the on-disk expert modules) that `peft`
+and vLLM load onto the base model.
 """
 
 from __future__ import annotations
@@ -84,20 +85,20 @@ def peft_tensors(
     adapters: dict[str, torch.Tensor], num_experts: int | None, architecture: str
 ) -> dict[str, torch.Tensor]:
     """Adapter tensors under peft's names for the transformers model of `architecture`
-    (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`). Expert adapters have
-    no peft spelling that every loader shares: they are refused."""
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); expert adapters one
+    per expert (`...mlp.experts.3.gate_proj.lora_A.weight`), as the per-expert modules of the
+    on-disk checkpoint spell them."""
     from pipeline.core.model.hf_names import pipe_to_hf_names
 
     out = {}
     for name, tensor in adapters.items():
-        if _EXPERT.fullmatch(name):
-            raise ValueError(
-                f"{name}: adapters on MoE experts have no peft/vLLM file format pipe writes yet; "
-                "train with lora.targets that leave out expert_gate/expert_up/expert_down"
-            )
         weight, ab = adapter_base(name)
-        (hf,) = pipe_to_hf_names(weight, num_experts, architecture)
-        out[f"base_model.model.{hf.removesuffix('.weight')}.lora_{ab}.weight"] = tensor
+        hf_names = pipe_to_hf_names(weight, num_experts, architecture)
+        # An expert stack's adapters are written one expert at a time, as the on-disk
+        # per-expert modules (`mlp.experts.{e}.gate_proj`) they adapt.
+        pieces = [tensor] if len(hf_names) == 1 else list(tensor.unbind(0))
+        for hf, piece in zip(hf_names, pieces, strict=True):
+            out[f"base_model.model.{hf.removesuffix('.weight')}.lora_{ab}.weight"] = piece
     return out
 
 
@@ -170,9 +171,10 @@ def read_adapters(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
 def _read_peft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     import json
 
+    import torch
     from safetensors.torch import load_file
 
-    from pipeline.core.model.hf_names import hf_to_pipe_name
+    from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name
 
     config = json.loads((path / "adapter_config.json").read_text())
     if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
@@ -180,11 +182,18 @@ def _read_peft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
         raise ValueError(f"{path}: no adapter_model.safetensors")
-    tensors = {}
+    tensors, experts = {}, {}
     for key, tensor in load_file(str(weights)).items():
         m = _PEFT_KEY.fullmatch(key)
         if m is None:
             raise ValueError(f"{weights}: {key!r} is not a LoRA A/B weight")
+        piece = hf_expert_piece(f"{m['module']}.weight")
+        if piece is not None:  # one expert's adapter: stacked below
+            experts.setdefault((piece[0], m["ab"]), {})[piece[1]] = tensor
+            continue
         base = hf_to_pipe_name(f"{m['module']}.weight").removesuffix(".weight")
         tensors[f"{base}.lora_{m['ab']}"] = tensor
+    for (stack, ab), by_expert in experts.items():
+        prefix, w = stack.rsplit(".", 1)
+        tensors[f"{prefix}.lora.{w}_{ab}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     return {"rank": int(config["r"]), "alpha": float(config["lora_alpha"])}, tensors

@@ -125,8 +125,27 @@ def test_expert_adapters_match_per_expert_linears() -> None:
     assert trainable == {f"layers.0.moe.experts.lora.{w}_{ab}" for w in ("w1", "w2") for ab in "AB"}
 
 
-def test_bad_targets_and_peft_refuses_experts() -> None:
+def test_bad_targets_and_expert_adapters_in_peft_files(tmp_path) -> None:
+    """Expert adapters go to peft files one expert at a time, under the on-disk module names,
+    and read back stacked."""
+    from pipeline.weights.lora_files import read_adapters
+
     with pytest.raises(ValueError, match="unknown LoRA target"):
         LoRASpec(targets=("q", "query"))
-    with pytest.raises(ValueError, match="MoE experts"):
-        peft_tensors({"layers.0.moe.experts.lora.w1_A": torch.zeros(1)}, 4, "MixtralForCausalLM")
+    ours = {"layers.1.moe.experts.lora.w1_A": torch.randn(4, 2, 8),
+            "layers.1.moe.experts.lora.w1_B": torch.randn(4, 6, 2)}  # fmt: skip
+    files = peft_tensors(ours, 4, "MixtralForCausalLM")
+    prefix = "base_model.model.model.layers.1.block_sparse_moe.experts"
+    assert torch.equal(
+        files[f"{prefix}.3.w1.lora_B.weight"], ours["layers.1.moe.experts.lora.w1_B"][3]
+    )
+    assert len(files) == 8
+    from safetensors.torch import save_file
+
+    tmp_path.joinpath("adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 2, "lora_alpha": 4}'
+    )
+    save_file(files, str(tmp_path / "adapter_model.safetensors"))
+    record, back = read_adapters(tmp_path)
+    assert record == {"rank": 2, "alpha": 4.0} and back.keys() == ours.keys()
+    assert all(torch.equal(back[n], t) for n, t in ours.items())
