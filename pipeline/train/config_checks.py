@@ -84,11 +84,11 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
 
 def _lora_problems(cfg: TrainConfig) -> list[str]:
     """The `[lora]` settings of a LoRA run: targets known, rank positive, dropout in [0, 1)."""
-    from pipeline.core.model.lora import ALL_TARGETS
-
     lo = cfg.lora
     if not lo.enabled:
         return []
+    from pipeline.core.model.lora import ALL_TARGETS  # torch: only for LoRA runs
+
     problems = []
     unknown = [t for t in lo.targets if t != "all" and t not in ALL_TARGETS]
     if unknown or not lo.targets:

@@ -1,5 +1,5 @@
 """A LoRA run equals one device under tp2 (with and without sequence parallelism), fsdp dp2,
-pp2 and ep2 (gloo, fp32, CPU): the losses of every step and the adapters' gradients of one
+pp2, ep2 and cp2 (gloo, fp32, CPU): the losses of every step and the adapters' gradients of one
 more global batch. One spawn of 2 processes for all layouts, on `tiny_moe` shrunk to the layout
 tests' micro model with adapters on every projection, experts included; and DeepSeek-V3's
 latent attention under tp2 with sequence parallelism."""
@@ -25,6 +25,7 @@ LAYOUTS = {
     "dp2": ["parallel.dp=2"],
     "pp2": ["parallel.pp=2"],
     "ep2": ["parallel.ep=2"],
+    "cp2": ["parallel.cp=2"],
 }
 
 
