@@ -153,6 +153,9 @@ def build_data_loader(
         pin_memory=pin_memory,
         collate_fn=collate_numpy,
         persistent_workers=num_workers > 0,
+        # Its own generator for the workers' base seed (the samples do not depend on it), so
+        # starting a loader leaves the global RNG, which dropout draws from, untouched.
+        generator=torch.Generator(),
     )
 
 

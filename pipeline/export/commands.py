@@ -26,6 +26,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 @click.command()
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--peft", is_flag=True,
+    help="A LoRA checkpoint's adapters as Hugging Face PEFT files (peft, vLLM's --lora-modules).",
+)  # fmt: skip
 @click.option("--trtllm", is_flag=True, help="For TensorRT-LLM (a Hugging Face checkpoint).")
 @click.option("--vllm", is_flag=True, help="For vLLM (the same Hugging Face checkpoint).")
 @click.option("--sglang", is_flag=True, help="For SGLang (the same Hugging Face checkpoint).")
@@ -110,10 +114,20 @@ DTYPES = ("bfloat16", "float16", "float32")
 )  # fmt: skip
 def export(source: Path, output: Path, **options: Any) -> None:
     """Export SOURCE (a pipe checkpoint, a Hugging Face directory or a Megatron torch_dist
-    checkpoint) for TensorRT-LLM, vLLM or SGLang."""
-    target = _target(options)
+    checkpoint) for TensorRT-LLM, vLLM or SGLang; a LoRA checkpoint is exported with its
+    adapters merged into the base, or, with --peft, as the adapters alone."""
     if output.exists() and any(output.iterdir()) and not options["overwrite"]:
         raise click.UsageError(f"{output} exists and is not empty; pass --overwrite to replace it")
+    if options.pop("peft"):
+        from pipeline.export.peft import PeftExportError, export_peft
+
+        try:
+            click.echo(export_peft(source, output, options["iteration"],
+                                   verify_checksums=options["verify_checksums"]))  # fmt: skip
+        except PeftExportError as e:
+            raise click.ClickException(str(e)) from None
+        return
+    target = _target(options)
     if options["fp8_kv_cache"] and not options["fp8"]:
         raise click.UsageError("--fp8-kv-cache needs --fp8")
     from pipeline.export.run import CalibrationSettings, ExportError, run_export

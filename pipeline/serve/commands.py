@@ -36,6 +36,12 @@ def _model_options(command):
             help="Tokenizer directory or file (default: the one recorded with the checkpoint, "
             "or the Hugging Face directory's own).",
         ),
+        click.option(
+            "--lora-adapter",
+            type=click.Path(exists=True, path_type=Path),
+            help="LoRA adapters (a pipe --lora checkpoint or a peft directory) run beside the "
+            "base weights, unmerged.",
+        ),
         click.option("--device", default="auto", help="cpu, cuda, cuda:N or auto."),
         click.option(
             "--dtype",
@@ -49,7 +55,9 @@ def _model_options(command):
     return command
 
 
-def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, dtype: str):
+def open_for_generation(
+    checkpoint: Path, tokenizer: Path | None, device: str, dtype: str, lora_adapter: Path | None
+):
     """The loaded `Generator` (split over torchrun's ranks when launched by it), or a one-line
     click error."""
     import torch
@@ -65,8 +73,9 @@ def open_for_generation(checkpoint: Path, tokenizer: Path | None, device: str, d
     mesh = tensor_parallel_mesh(device) if split else None
     try:
         return open_generator(
-            checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype, tp_mesh=mesh
-        )
+            checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype, tp_mesh=mesh,
+            lora_adapter=lora_adapter,
+        )  # fmt: skip
     except LoadError as error:
         raise click.ClickException(str(error)) from None
 
@@ -132,7 +141,10 @@ def generate(
     nproc_per_node = options.pop("nproc_per_node")
     if nproc_per_node > 1 and not launched_by_torchrun():
         relaunch_under_torchrun(nproc_per_node, "generate")
-    gen = open_for_generation(checkpoint, options["tokenizer"], options["device"], options["dtype"])
+    gen = open_for_generation(
+        checkpoint, options["tokenizer"], options["device"], options["dtype"],
+        options["lora_adapter"],
+    )  # fmt: skip
     if gen.tokenizer is None:
         raise click.ClickException(
             f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
@@ -225,13 +237,14 @@ def serve(checkpoint: Path, **options: Any) -> None:
     from pipeline.serve.loading import LoadError
     from pipeline.serve.server import run_server
 
-    tokenizer = options.pop("tokenizer")
+    tokenizer, adapter = options.pop("tokenizer"), options.pop("lora_adapter")
     spec = EngineSpec(
         checkpoint=str(checkpoint), tokenizer=None if tokenizer is None else str(tokenizer),
         device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
         kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
         max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
         threads=options.pop("engine_threads"),
+        lora_adapter=None if adapter is None else str(adapter),
     )  # fmt: skip
     try:
         run_server(spec, **options)

@@ -39,6 +39,7 @@ class EngineSpec:
     max_batch: int
     prefill_chunk: int
     threads: int = 0  # CPU threads of the engine; 0: `engine_threads()`
+    lora_adapter: str | None = None  # LoRA adapters run beside the weights, unmerged
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _load(spec: EngineSpec):
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
     try:
         gen = open_generator(spec.checkpoint, tokenizer=spec.tokenizer, device=spec.device,
-                             dtype=dtype)  # fmt: skip
+                             dtype=dtype, lora_adapter=spec.lora_adapter)  # fmt: skip
         prepack_linears(gen.model)
         engine = build_engine(
             gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,

@@ -52,9 +52,12 @@ def open_generator(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     tp_mesh=None,
+    lora_adapter: str | Path | None = None,
 ) -> Generator:
     """Load `path` (pipe checkpoint or Hugging Face directory) for generation (module doc),
-    split over `tp_mesh` when given (`pipeline.serve.tensor_parallel`)."""
+    split over `tp_mesh` when given (`pipeline.serve.tensor_parallel`), with the LoRA adapters
+    at `lora_adapter` (a pipe adapter checkpoint or a peft directory) run beside the base
+    weights, unmerged."""
     from pipeline.common.quiet import quiet_dcp
     from pipeline.weights import ConversionError, detect_format, model_from_source, open_source
     from pipeline.weights.hf_writer import recorded_tokenizer_dir
@@ -71,6 +74,10 @@ def open_generator(
             model = model_from_source(source)
     except (ConversionError, OSError, ValueError, RuntimeError) as error:
         raise LoadError(f"{path}: {error}") from None
+    if lora_adapter is not None:
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            raise LoadError("--lora-adapter runs on one process; merge it (pipe export) for tp")
+        attach_adapters(model, lora_adapter)
     model = dropless(model).to(device=device, dtype=dtype or default_dtype(device))
     model.rope.init_weights(device)
     tp = 1 if tp_mesh is None else tp_mesh.size()
@@ -97,6 +104,30 @@ def open_tokenizer(path: str | Path) -> tuple[TextTokenizer, str | None]:
     """The tokenizer at `path` and its chat template: what `pipe serve`'s HTTP process needs
     while the model lives in the engine process."""
     return _tokenizer(path), _chat_template(path)
+
+
+def attach_adapters(model: Transformer, adapter: str | Path) -> None:
+    """Add the LoRA adapters at `adapter` to `model` (`apply_lora`), unmerged; LoadError
+    naming the path when they do not fit the model."""
+    from pipeline.common.quiet import quiet_dcp
+    from pipeline.core.model.lora import LoRASpec, apply_lora, targets_of
+    from pipeline.weights.lora_files import read_adapters
+
+    try:
+        with quiet_dcp():
+            record, tensors = read_adapters(adapter)
+        spec = LoRASpec(record["rank"], record["alpha"], 0.0, targets_of(list(tensors)))
+        apply_lora(model, spec)
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise LoadError(f"{adapter}: {error}") from None
+    unloaded = [name for name in missing if ".lora" in name]
+    if unexpected or unloaded:
+        raise LoadError(
+            f"{adapter}: adapters do not fit the model ({len(unexpected)} unknown, e.g. "
+            f"{(unexpected or unloaded)[0]})"
+        )
+    model.eval()
 
 
 def dropless(model: Transformer) -> Transformer:

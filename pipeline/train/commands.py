@@ -75,6 +75,14 @@ def _default_run_dir(recipe: str | None) -> str:
     "--fp8", type=click.Choice(list(FP8_BACKENDS + FP8_RECIPES)),
     help="FP8 training backend (torchao or te), optionally with its scaling (torchao:rowwise).",
 )  # fmt: skip
+@click.option(
+    "--lora", is_flag=True, default=None,
+    help="Train LoRA adapters ([lora] section) on a frozen base; checkpoints hold adapters only.",
+)  # fmt: skip
+@click.option(
+    "--lora-base", metavar="CKPT",
+    help="With --lora: the pipe checkpoint holding the frozen base (else --load's full one).",
+)  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @click.option(
     "--sft", is_flag=True,

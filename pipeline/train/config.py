@@ -35,6 +35,7 @@ __all__ = [
     "DataSection",
     "Fp8Section",
     "LoggingSection",
+    "LoraSection",
     "ModelSection",
     "OptimizerSection",
     "ParallelSection",
@@ -310,6 +311,31 @@ class Fp8Section:
 
 
 @dataclass
+class LoraSection:
+    """LoRA fine-tuning (`--lora`): the model is frozen and small adapters are trained; the
+    run's checkpoints hold the adapters only, with the base's identity and checksum."""
+
+    enabled: bool = False
+    """Train LoRA adapters on a frozen base instead of the whole model."""
+    rank: int = 16
+    """Rank of each adapter (A is [rank, in], B is [out, rank])."""
+    alpha: float = 32.0
+    """The adapters' update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    targets: list[str] = field(default_factory=lambda: ["all"])
+    """Projections to adapt: q, k, v, o, gate, up, down, q_a, q_b, kv_a, kv_b (latent
+    attention), expert_gate, expert_up, expert_down (MoE experts), or all."""
+    base_dtype: Literal["fp32", "bf16"] | None = None
+    """Storage dtype of the frozen base (bf16 halves its memory; adapters stay fp32); unset:
+    fp32 like every other weight."""
+    base: str | None = None
+    """Pipe checkpoint holding the frozen base (a checkpoint directory or an iter_ directory);
+    unset: `checkpoint.load` when it holds a full checkpoint, or the base recorded by the
+    adapter checkpoint it resumes."""
+
+
+@dataclass
 class LoggingSection:
     """Where the run writes its logs and metrics."""
 
@@ -332,6 +358,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "parallel": ParallelSection,
     "fp8": Fp8Section,
+    "lora": LoraSection,
     "logging": LoggingSection,
 }
 
@@ -368,6 +395,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     fp8: Fp8Section = field(default_factory=Fp8Section)
+    lora: LoraSection = field(default_factory=LoraSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     recorded_model: RecordedModel | None = field(default=None, compare=False, repr=False)
     """Not a section: the model of the checkpoint `checkpoint.load` resumes from, read once by

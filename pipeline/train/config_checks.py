@@ -82,7 +82,28 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
                 f"(0, decay iters - warmup_iters = {decay - s.warmup_iters}]"
             )
 
+    problems += _lora_problems(cfg)
     problems += _layout_problems(cfg, world_size)
+    return problems
+
+
+def _lora_problems(cfg: TrainConfig) -> list[str]:
+    """The `[lora]` settings of a LoRA run: targets known, rank positive, dropout in [0, 1)."""
+    lo = cfg.lora
+    if not lo.enabled:
+        return []
+    from pipeline.core.model.lora import ALL_TARGETS  # torch: only for LoRA runs
+
+    problems = []
+    unknown = [t for t in lo.targets if t != "all" and t not in ALL_TARGETS]
+    if unknown or not lo.targets:
+        problems.append(
+            f"lora.targets: unknown {', '.join(unknown) or '(empty)'}; choose from all, "
+            f"{', '.join(ALL_TARGETS)}"
+        )
+    if lo.rank <= 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
+        problems.append(f"need lora.rank > 0, alpha > 0 and 0 <= dropout < 1, got {lo.rank}, "
+                        f"{lo.alpha}, {lo.dropout}")  # fmt: skip
     return problems
 
 

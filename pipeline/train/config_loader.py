@@ -50,6 +50,8 @@ FLAG_TARGETS: dict[str, str] = {
     "ep": "parallel.ep",
     "dp": "parallel.dp",
     "fp8": "fp8.recipe",
+    "lora": "lora.enabled",
+    "lora_base": "lora.base",
 }
 
 

@@ -115,6 +115,19 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     return ParamCounts(total=total, active=total - inactive, expert=expert, embedding=embedding)
 
 
+def lora_parameters(cfg: TrainConfig, model: ModelConfig) -> int:
+    """The trainable adapter parameters of a LoRA run (the model built on `meta`, adapted)."""
+    import torch
+
+    from pipeline.core.model.lora import apply_lora
+    from pipeline.core.model.transformer import Transformer
+    from pipeline.train.lora_run import lora_spec
+
+    with torch.device("meta"):
+        adapted = apply_lora(Transformer(model), lora_spec(cfg))
+    return sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
 def estimate_memory(
     cfg: TrainConfig, model: ModelConfig, world_size: int | None = None
 ) -> MemoryEstimate:
@@ -146,9 +159,14 @@ def estimate_memory(
     per_layer = per_token_layer * tokens * act_bytes
     none = layers_local * per_layer * in_flight + logits
     full = layers_local * (h / p.tp) * tokens * act_bytes * in_flight + per_layer + logits
+    state = params_local * _STATE_BYTES_PER_PARAM
+    if cfg.lora.enabled:  # a frozen base: weights only; adapters get grads and Adam state
+        base_bytes = 2 if cfg.lora.base_dtype == "bf16" else 4
+        share = params_local / max(counts.total, 1)
+        state = params_local * base_bytes + lora_parameters(cfg, model) * share * 16
     return MemoryEstimate(
         params_per_device=params_local,
-        state=params_local * _STATE_BYTES_PER_PARAM,
+        state=state,
         activations_none=none,
         activations_full=full,
     )
@@ -259,13 +277,27 @@ def dry_run_report(
     ]
     if model.moe is not None:
         lines.append(f"             {counts.active:,} active per token ({_count(counts.active)})")
+    if cfg.lora.enabled:
+        lo = cfg.lora
+        trainable = lora_parameters(cfg, model)
+        lines.append(
+            f"LoRA         {trainable:,} trainable ({_count(trainable)}, "
+            f"{100 * trainable / counts.total:.2f}% of the model): rank {lo.rank}, alpha "
+            f"{lo.alpha:g}, targets {', '.join(lo.targets)}; base frozen in "
+            f"{lo.base_dtype or 'fp32'}: no gradients, no optimizer state"
+        )
     lines += [
         f"FLOPs        {_si(fpt)}FLOP/token (Megatron's num_floating_point_operations, "
         "causal attention, forward + backward)",
         f"             {_si(fpt * tokens_per_step)}FLOP/step, "
         f"{fpt * tokens_per_step * t.iters:.3g} FLOP for the run",
-        f"memory/dev   {_count(mem.params_per_device)} params -> weights + grads + Adam "
-        f"(16 B/param) {mem.state / _GIB:.2f} GiB",
+        f"memory/dev   {_count(mem.params_per_device)} params -> "
+        + (
+            "frozen weights + adapters' weights, grads and Adam "
+            if cfg.lora.enabled
+            else "weights + grads + Adam (16 B/param) "
+        )
+        + f"{mem.state / _GIB:.2f} GiB",
         f"             activations per micro batch: {mem.activations_none / _GIB:.2f} GiB "
         f"without checkpointing, {mem.activations_full / _GIB:.2f} GiB with full",
         f"             total ~ {mem.total_none / _GIB:.2f} GiB (none) / "

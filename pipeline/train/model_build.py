@@ -114,6 +114,11 @@ def build_model(
     for part in parts:
         part.to_empty(device=device)
     init_weights(parts, config, layout, device, cfg.training.seed)
+    if cfg.lora.enabled:
+        from pipeline.core.model.lora import init_adapters
+
+        for part in parts:
+            init_adapters(part, cfg.training.seed)
     model = StageUnion(parts) if num_stages > 1 else parts[0]
     model.train()
     runner: StepRunner = LocalStepRunner(model)

@@ -19,8 +19,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     """Two groups: decayed (>=2-D weights) and not decayed (biases and 1-D params such as norms).
 
     This is Megatron's rule (`name.endswith(".bias") or param.ndim == 1` -> no decay), so
-    embeddings and the output layer are decayed. Both groups are always present, even when one is
-    empty, so optimizer state dicts keep the same layout across models and layouts.
+    embeddings and the output layer are decayed. Frozen parameters (LoRA's base) are left out,
+    and so is a group left empty by that.
 
     A parallel model may mix plain tensors and DTensors of different meshes (e.g. replicated
     experts beside tensor-parallel attention, or expert-parallel experts beside FSDP shards);
@@ -45,7 +45,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
         tag = f":{kind}" if suffix else ""
         groups.append({"params": decay, "weight_decay": weight_decay, "name": f"decay{tag}"})
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": f"no_decay{tag}"})
-    return groups
+    # An empty group cannot be restored from a name-keyed state dict (torch's unflattening reads
+    # each group's first parameter); only a LoRA run (adapters are all 2-D) has one.
+    return [g for g in groups if g["params"]] or groups[:1]
 
 
 def _kind(param: torch.Tensor) -> str:

@@ -7,6 +7,10 @@ and in torchtitan's order:
 
 1. FP8: block linears swapped for the FP8 backend's (before parallelism, so tensor parallelism
    can use torchao's float8 styles and FSDP2 the fp8 all-gather);
+   then LoRA (`[lora] enabled`): the model frozen and adapters added to its projections
+   (`pipeline.core.model.lora`; an FP8 base keeps its fp8 matmuls, the adapters stay in high
+   precision), before any parallelism, so each later step lays the adapters out with their
+   base layer;
 2. expert parallelism: each `MoE` swapped for an `ExpertParallelMoE` (before tensor
    parallelism, whose plan then hooks the swapped-in module);
 3. tensor (+ sequence) parallelism: DTensor `ParallelStyle` plans (`tensor_parallel`), and
@@ -85,7 +89,18 @@ def parallelize(
     still on `meta`, in place and in the order of the module docstring; returns it."""
     if fp8 is not None:
         model = fp8.convert(model)
+    if cfg.lora.enabled:
+        from pipeline.core.model.lora import apply_lora
+        from pipeline.train.lora_run import lora_spec
+
+        if fp8 is not None and not fp8.recipe.startswith("torchao"):
+            raise ValueError("LoRA with FP8 runs on torchao's float8 linears; use --fp8 torchao")
+        apply_lora(model, lora_spec(cfg))
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     _apply_model_parallel(model, cfg, layout)
+    for name, param in model.named_parameters():  # some styles re-create parameters trainable
+        if name in frozen:
+            param.requires_grad_(False)
     if compile_enabled(cfg.training.compile, layout.device_type):
         for block in model.layers.values():
             block.compile()

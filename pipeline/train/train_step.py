@@ -169,8 +169,11 @@ def _balance_experts(model: TrainableModel, finite: torch.Tensor) -> None:
     config = getattr(model, "config", None)
     if config is None or config.moe is None or not config.moe.expert_bias:
         return
+    if not all(p.requires_grad for p in model.parameters()):
+        return  # a frozen base (LoRA; every rank has frozen norms) keeps its routers' biases
+    layers = model.moe_layers()
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-    update_expert_biases(config, model.moe_layers(), world, apply=finite)
+    update_expert_biases(config, layers, world, apply=finite)
 
 
 def reduce_loss_sum(

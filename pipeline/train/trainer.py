@@ -57,7 +57,7 @@ from pipeline.common.progress import terminal_bar
 from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.flavors import flops_per_token
 from pipeline.core.parallel.dims import ParallelDims
-from pipeline.train import train_data
+from pipeline.train import lora_run, train_data
 from pipeline.train.checkpoint_model import check_checkpoint_model, is_hf_directory
 from pipeline.train.config import ConfigError, TrainConfig
 from pipeline.train.config_loader import save_config_toml
@@ -135,6 +135,7 @@ class Trainer:
         self.run_dir = Path(cfg.logging.run_dir)
         self.process_group = self.layout.world_group
         self.checkpoints = self._build_checkpointing()
+        self.lora_base: lora_run.BaseRecord | None = None
         self._resume(load_iteration)
         self.train_loader = self._build_loader(0, "train")
         self.valid_loader = self._build_loader(1, "valid")
@@ -222,10 +223,11 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        return {
+        state = {
             **model_and_optimizer_state(self.model, self.optimizer),
             "scheduler": self.scheduler,
         }
+        return lora_run.adapter_only(state) if self.cfg.lora.enabled else state
 
     def _metadata(self) -> dict[str, Any]:
         d = self.cfg.data
@@ -249,6 +251,9 @@ class Trainer:
             "tokenizer": self._tokenizer_record(),
             "layout": self.layout.describe(),
             **self._hf_start_record(),
+            **(
+                {"lora": lora_run.lora_metadata(self.cfg, self.lora_base)} if self.lora_base else {}
+            ),
         }
 
     def _tokenizer_record(self) -> dict[str, Any]:
@@ -305,15 +310,24 @@ class Trainer:
         pass the same `--load` as `--save`.
         """
         c = self.cfg.checkpoint
+        found = c.load is not None and (
+            self.checkpoints.has_checkpoint() or iteration is not None or _is_iter_dir(c.load)
+        )
+        if self.cfg.lora.enabled and self.hf_start is not None:
+            raise ConfigError(
+                f"--lora with --load {c.load} (a Hugging Face directory): convert it first "
+                "(pipe convert DIR --from hf --output CKPT) and pass --lora-base CKPT"
+            )
+        if self.cfg.lora.enabled and not self._load_lora_base(iteration if found else None, found):
+            return
         if c.load is None:
             return
-        saved = self.checkpoints.has_checkpoint()
         if self.hf_start is not None:
-            if not saved:
+            if not found:
                 self._start_from_hf()
                 return
             log.info("%s holds a checkpoint: resuming it", self.checkpoints.load_dir)
-        elif not saved and iteration is None and not _is_iter_dir(c.load):
+        elif not found:
             log.info("no checkpoint in %s yet: starting from scratch", c.load)
             return
         if c.finetune and self.hf_start is None:
@@ -328,7 +342,9 @@ class Trainer:
         state = self._state()
         with quiet_dcp():
             meta = self.checkpoints.load(state, iteration)
-        load_model_and_optimizer_state(self.model, self.optimizer, state)
+        # A LoRA checkpoint holds the adapters only; the base was read from its own checkpoint.
+        strict = not self.cfg.lora.enabled
+        load_model_and_optimizer_state(self.model, self.optimizer, state, strict=strict)
         self.iteration = int(meta["iteration"])
         self.consumed = {
             "train": int(meta.get("consumed_samples", 0)),
@@ -383,6 +399,24 @@ class Trainer:
         wanted = mode == "every" or (mode == "final" and final)
         if wanted and self.hf_saved_at != self.iteration:
             self.save_hf()
+
+    def _load_lora_base(self, iteration: int | None, found: bool) -> bool:
+        """A LoRA run: find and read its frozen base (`lora_run`); True when `checkpoint.load`
+        holds adapters to resume, False when there is nothing more to load."""
+        from pipeline.checkpoint.loader import resolve_checkpoint
+
+        c = self.cfg.checkpoint
+        loaded = None
+        if found:
+            loaded = resolve_checkpoint(c.load, iteration)[1].get("metadata") or {}
+        self.lora_base, load_is_base = lora_run.find_base(self.cfg, loaded)
+        if loaded is not None and not load_is_base and "lora" not in loaded:
+            raise ConfigError(
+                f"--load {c.load} holds a full checkpoint while lora.base names the base: "
+                "with --lora, --load takes the base or an adapter checkpoint"
+            )
+        lora_run.load_base(self.model, self.lora_base, self.cfg, self.process_group)
+        return found and not load_is_base
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -32,9 +32,21 @@ def open_source(
     """A `TensorSource` over `path` read as `fmt` (pipe, hf or megatron); a pipe checkpoint's
     files are checked against their recorded SHA-256 as read unless not `verify_checksums`."""
     if fmt == "pipe":
+        from pipeline.weights.lora_files import MergedLoRASource, lora_record
         from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 
-        return PipeCheckpointSource(path, iteration, verify_checksums=verify_checksums)
+        source = PipeCheckpointSource(path, iteration, verify_checksums=verify_checksums)
+        record = lora_record(source.directory)
+        if record is None:
+            return source
+        # A LoRA adapter checkpoint: its base with the adapters merged in.
+        if record["base"]["path"] is None:
+            raise ConversionError(
+                f"{source.directory} holds LoRA adapters trained on a random initialisation "
+                "(no base checkpoint recorded): there is no base to merge them into"
+            )
+        base = PipeCheckpointSource(record["base"]["path"], verify_checksums=verify_checksums)
+        return MergedLoRASource(base, source, record)
     if fmt == "hf":
         from pipeline.weights.hf_reader import HFSource
 

@@ -28,12 +28,14 @@ RECIPES = [
     "llama3_2_1b_sft",
     "llama3_70b",
     "llama3_8b",
+    "llama3_8b_lora",
     "mixtral_8x7b",
     "moonlight_16b_a3b",
     "qwen3_30b_a3b",
     "qwen3_8b",
     "tiny",
     "tiny_deepseek_v3",
+    "tiny_lora",
     "tiny_moe",
     "tiny_qwen3",
     "tiny_qwen3_moe",
@@ -218,7 +220,8 @@ def test_recipe_loads_and_validates(name):
     if cfg.data.kind == "sft":  # SFT recipes name no data: there is no mock chat data
         cfg.data.blend = "out/chat_messages_document"
     cfg.validate(WORLD_SIZES.get(name))
-    assert cfg.model.flavor == name.removesuffix("_sft")
+    assert cfg.model.flavor == name.removesuffix("_sft").removesuffix("_lora")
+    assert cfg.lora.enabled == name.endswith("_lora")
     assert cfg.model_config().num_layers > 0
 
 

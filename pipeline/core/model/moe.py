@@ -37,11 +37,13 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        # LoRA adapters of the stacks (`pipeline.core.model.lora.ExpertAdapters`), when added.
+        self.lora: nn.Module | None = None
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn.
         The one place the expert projections are applied, whatever holds the weights."""
-        return grouped_swiglu(x, tokens_per_expert, *self.gate_up_down())
+        return grouped_swiglu(x, tokens_per_expert, *self.gate_up_down(), lora=self.lora)
 
     def gate_up_down(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked weights (w1, w3, w2) of the experts this module runs."""
@@ -59,16 +61,31 @@ def grouped_swiglu(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
+    lora: nn.Module | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each group of rows of `x` with its expert's stacked weights (see
     `GroupedExperts`): rows are grouped by expert, `tokens_per_expert[e]` rows for expert e.
+    `lora` (an `ExpertAdapters`) adds each adapted stack's low-rank update.
 
     A plain loop over experts: simple and exact on every device. `torch._grouped_mm` would do it
     in one kernel on recent GPUs; it belongs in a kernel backend tested against this.
     """
     # One host sync to learn the group sizes; unavoidable without a grouped kernel.
     groups = torch.split(x, tokens_per_expert.tolist())
-    outputs = [(F.silu(g @ w1[e].t()) * (g @ w3[e].t())) @ w2[e].t() for e, g in enumerate(groups)]
+    adapters = lora.local() if lora is not None else {}
+
+    def project(name: str, w: torch.Tensor, e: int, g: torch.Tensor) -> torch.Tensor:
+        out = g @ w[e].to(g.dtype).t()  # a base stored in another dtype (LoRA)
+        if name not in adapters:
+            return out
+        a, b = adapters[name]
+        delta = (lora.dropout(g.to(a.dtype)) @ a[e].t()) @ b[e].t() * lora.scaling
+        return out + delta.to(out.dtype)
+
+    outputs = [
+        project("w2", w2, e, F.silu(project("w1", w1, e, g)) * project("w3", w3, e, g))
+        for e, g in enumerate(groups)
+    ]
     return torch.cat(outputs) if outputs else x.new_empty(0, w2.shape[1])
 
 

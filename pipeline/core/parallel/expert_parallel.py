@@ -215,6 +215,15 @@ class ShardedGroupedExperts(GroupedExperts):
                 local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
             )
             setattr(self, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+        if experts.lora is not None:  # LoRA adapters: one per expert, split like the experts
+            self.lora = experts.lora
+            for name, full in list(self.lora.named_parameters(recurse=False)):
+                local = full.detach()[start:stop].clone()
+                dtensor = DTensor.from_local(
+                    local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                    stride=full.stride(),
+                )  # fmt: skip
+                setattr(self.lora, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
     def gate_up_down(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's shards: `GroupedExperts.forward` runs its experts on them."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -103,8 +103,34 @@ def apply_tensor_parallel(
     if tie and model.tok_embeddings is not None and model.output is not None:
         # Each style made its own DTensor parameter; both are Shard(0) on the vocabulary.
         model.output.weight = model.tok_embeddings.weight
+    _place_adapters(model)
     _match_grad_layouts(model)
     return model
+
+
+def _place_adapters(model: nn.Module) -> None:
+    """Lay each LoRA adapter out as its base linear (`pipeline.core.model.lora`): a
+    column-parallel base (weight Shard(0)) keeps A whole and splits B on its rows, a row-parallel
+    one (Shard(1)) splits A on its columns and keeps B whole, so A x is complete (or a partial sum
+    that the base's output reduction completes) exactly where the base's output is."""
+    from pipeline.core.model.lora import LoRAAdapted
+
+    for module in model.modules():
+        if not isinstance(module, LoRAAdapted) or not isinstance(module.weight, DTensor):
+            continue
+        mesh = module.weight.device_mesh
+        column = module.weight.placements == (Shard(0),)
+        layouts = {"lora_A": Replicate(), "lora_B": Shard(0)} if column else {
+            "lora_A": Shard(1), "lora_B": Replicate()}  # fmt: skip
+        for name, placement in layouts.items():
+            param = getattr(module, name)
+            if isinstance(param, DTensor):
+                full = torch.empty(param.shape, device="meta") if param.is_meta else (
+                    param.full_tensor())  # fmt: skip
+            else:
+                full = param.detach()
+            placed = distribute_tensor(full, mesh, [placement])
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
 
 
 def _match_grad_layouts(model: nn.Module) -> None:
@@ -122,7 +148,7 @@ def _match_grad_layouts(model: nn.Module) -> None:
             param.grad = param.grad.redistribute(placements=param.placements)
 
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # frozen (LoRA's base): no grad
             param.register_post_accumulate_grad_hook(hook)
 
 

@@ -1,0 +1,132 @@
+"""What a LoRA run (`[lora] enabled`, `pipe train --lora`) does beyond a plain one.
+
+The model is built as usual and `parallelize` adds the adapters (`pipeline.core.model.lora`)
+before any parallelism, freezing the rest: the optimizer then holds (and keeps state for) the
+adapters only. The frozen base comes from a full pipe checkpoint, found in this order:
+`lora.base`; `checkpoint.load` when it holds a full checkpoint (the run then starts at
+iteration 0 with fresh adapters); the base recorded by the adapter checkpoint `checkpoint.load`
+resumes. A run with none of these trains adapters on its seeded random initialisation (tests,
+experiments), which it records as its base.
+
+Checkpoints hold the adapters, their optimizer state and everything else a resume needs, never
+the base; `pipe_metadata.json` records under `lora` the adapter settings and the base: its
+directory, iteration and checksum (the SHA-256 of its `pipe_metadata.json`, which lists the
+SHA-256 of every file of the checkpoint). Resuming refuses a base whose checksum differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeline.core.model.lora import ALL_TARGETS, LoRASpec, is_adapter_name
+from pipeline.train.config import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
+
+__all__ = ["BaseRecord", "adapter_only", "find_base", "load_base", "lora_metadata", "lora_spec"]
+
+log = logging.getLogger("pipeline.train")
+
+
+def lora_spec(cfg: TrainConfig) -> LoRASpec:
+    """The adapters `cfg.lora` asks for (`targets = ["all"]`: every target)."""
+    lo = cfg.lora
+    targets = ALL_TARGETS if "all" in lo.targets else tuple(lo.targets)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[lo.base_dtype]
+    try:
+        return LoRASpec(lo.rank, lo.alpha, lo.dropout, targets, dtype)
+    except ValueError as e:
+        raise ConfigError(f"[lora]: {e}") from e
+
+
+@dataclass(frozen=True)
+class BaseRecord:
+    """The frozen base a LoRA run trains on: a checkpoint (`path`, `iteration`, `checksum`),
+    or the run's seeded random initialisation (`path` None)."""
+
+    path: str | None
+    iteration: int | None = None
+    checksum: str | None = None
+    seed: int | None = None
+
+
+def _checkpoint_base(path: str | Path) -> BaseRecord:
+    """The base record of the pipe checkpoint `path` names (a save directory or `iter_*`)."""
+    from pipeline.checkpoint.layout import PIPE_METADATA, CheckpointError
+    from pipeline.checkpoint.loader import resolve_checkpoint
+
+    try:
+        directory, record = resolve_checkpoint(Path(path))
+    except CheckpointError as e:
+        raise ConfigError(f"LoRA base: {e}") from e
+    checksum = hashlib.sha256((directory / PIPE_METADATA).read_bytes()).hexdigest()
+    iteration = (record.get("metadata") or {}).get("iteration", record.get("iteration"))
+    return BaseRecord(str(directory.resolve()), iteration, checksum)
+
+
+def find_base(cfg: TrainConfig, loaded_meta: dict[str, Any] | None) -> tuple[BaseRecord, bool]:
+    """(the run's base, whether `checkpoint.load` is that base rather than adapters to
+    resume). `loaded_meta`: the metadata of the checkpoint `checkpoint.load` names, or None."""
+    recorded = (loaded_meta or {}).get("lora")
+    if cfg.lora.base is not None:
+        base = _checkpoint_base(cfg.lora.base)
+    elif loaded_meta is not None and recorded is None:
+        return _checkpoint_base(cfg.checkpoint.load), True
+    elif recorded is not None and recorded["base"]["path"] is not None:
+        base = _checkpoint_base(recorded["base"]["path"])
+    else:
+        return BaseRecord(None, seed=cfg.training.seed), False
+    if loaded_meta is not None and recorded is None:
+        return base, False  # a full checkpoint to resume is not a LoRA run's: refused by caller
+    expected = (recorded or {}).get("base", {}).get("checksum")
+    if expected is not None and expected != base.checksum:
+        raise ConfigError(
+            f"LoRA base {base.path} is not the one the adapters in {cfg.checkpoint.load} were "
+            f"trained on (checksum {base.checksum[:12]}..., recorded {expected[:12]}...)"
+        )
+    return base, False
+
+
+def load_base(model: Any, base: BaseRecord, cfg: TrainConfig, process_group: Any) -> None:
+    """Read the base weights (every non-adapter parameter) of `base` into `model`."""
+    from pipeline.checkpoint import load, load_model_and_optimizer_state, model_and_optimizer_state
+    from pipeline.common.quiet import quiet_dcp
+
+    if base.path is None:
+        log.warning("LoRA: no base checkpoint (lora.base or --load): adapting the random init")
+        return
+    state = model_and_optimizer_state(model)
+    state["model"] = {k: v for k, v in state["model"].items() if not is_adapter_name(k)}
+    with quiet_dcp():
+        load(
+            base.path, None, state, restore_rng=False, process_group=process_group,
+            verify_checksums=cfg.checkpoint.verify_checksums,
+        )  # fmt: skip
+    load_model_and_optimizer_state(model, None, state, strict=False)
+    log.info("LoRA base: %s (iteration %s)", base.path, base.iteration)
+
+
+def adapter_only(state: dict[str, Any]) -> dict[str, Any]:
+    """A training state (`model`, `optimizer`, ...) whose model part holds the adapters only."""
+    model = {k: v for k, v in state["model"].items() if is_adapter_name(k)}
+    return {**state, "model": model}
+
+
+def lora_metadata(cfg: TrainConfig, base: BaseRecord) -> dict[str, Any]:
+    """What an adapter checkpoint records under `lora`: the adapter settings and the base."""
+    spec = lora_spec(cfg)
+    return {
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "dropout": spec.dropout,
+        "targets": list(spec.targets),
+        "base_dtype": cfg.lora.base_dtype,
+        "base": asdict(base),
+    }
