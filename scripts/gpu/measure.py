@@ -14,6 +14,8 @@ out of time costs its own figures and nothing else. Every child's output goes to
                   width with 8 layers, seq 8192, one invocation
     memory        `pipe train --dry-run --gpu` estimate against the measured peaks above
     generate      scripts/bench/generate.py on the GPU against transformers
+    lora_8b       LoRA (`llama3_8b_lora`) against full fine-tuning (`llama3_8b`) at the 8B
+                  width with 8 layers: step time and peak memory of each
 
 Modes: full (fits one 10-minute call), `--quick` (about 4 minutes: fewer steps and recipes) and
 `--dry` (a CPU at tiny sizes with emulated FP8, so CI proves the script; what a CPU cannot
@@ -317,6 +319,24 @@ def step_generate(run: Run) -> dict:
             "note": "" if run.on_gpu else "CPU, fp32, a 2-layer model"}
 
 
+def step_lora_8b(run: Run) -> dict:
+    """LoRA's step time and peak memory against full fine-tuning, same model and batch."""
+    recipes = ("llama3_8b_lora", "llama3_8b") if run.on_gpu else ("tiny_lora", "tiny")
+    budget = {FULL: 60, QUICK: 40, DRY: 200}
+    figures, statuses, notes = {}, [], []
+    for label, recipe in zip(("lora", "full"), recipes):
+        result = _bench_train(run, f"lora_8b_{label}", recipe, "none", BENCH_8B[run.mode], budget)
+        figures[label] = result["figures"].get("bf16")
+        statuses.append(result["status"])
+        notes.append(f"{label}: {result['note']}")
+    lora, full = figures.get("lora") or {}, figures.get("full") or {}
+    if lora.get("step_s") and full.get("step_s"):
+        figures["lora_over_full_step"] = lora["step_s"] / full["step_s"]
+        figures["lora_over_full_peak"] = lora["peak_gib"] / full["peak_gib"]
+    status = next((s for s in statuses if s != "ok"), "ok")
+    return {"status": status, "figures": figures, "note": "; ".join(notes)}
+
+
 STEPS: list[tuple[str, Callable[[Run], dict]]] = [
     ("environment", step_environment),
     ("gpu_tests", step_gpu_tests),
@@ -326,6 +346,7 @@ STEPS: list[tuple[str, Callable[[Run], dict]]] = [
     ("train_8b_fp8", step_train_8b_fp8),
     ("memory", step_memory),
     ("generate", step_generate),
+    ("lora_8b", step_lora_8b),
 ]
 
 
