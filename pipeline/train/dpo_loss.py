@@ -63,14 +63,15 @@ class PairTerms:
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
 
-    def stats(self) -> dict[str, torch.Tensor]:
-        """Sums over the pairs of the four logged figures."""
+    def stats(self, weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Sums over the pairs (each weighted by `weights`, default 1) of the logged figures."""
+        w = torch.ones_like(self.chosen_rewards) if weights is None else weights
         margin = self.chosen_rewards - self.rejected_rewards
         return {
-            "rewards_chosen": self.chosen_rewards.sum(),
-            "rewards_rejected": self.rejected_rewards.sum(),
-            "margin": margin.sum(),
-            "accuracy": (margin > 0).float().sum(),
+            "rewards_chosen": (w * self.chosen_rewards).sum(),
+            "rewards_rejected": (w * self.rejected_rewards).sum(),
+            "margin": (w * margin).sum(),
+            "accuracy": (w * (margin > 0).to(w)).sum(),
         }
 
 
@@ -140,26 +141,36 @@ class DPOLoss:
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]):
         policy, counts = sequence_logps(model, batch)
         terms = dpo_terms(policy, self.reference_logps(batch), self.options, counts)
-        for name, value in terms.stats().items():
+        weights = batch.get("pairs")  # 0 for a filler pair, which counts for nothing
+        if weights is None:
+            weights = torch.ones(policy.shape[0], device=policy.device)
+        weights = weights.to(policy.dtype)
+        for name, value in terms.stats(weights).items():
             self._stats[name] = self._stats.get(name, 0.0) + value.detach().double()
-        pairs = torch.tensor(float(policy.shape[0]), device=policy.device)
-        self._pairs += policy.shape[0]
-        return terms.losses.sum(), pairs
+        self._pairs = self._pairs + weights.sum().detach().double()
+        return (terms.losses * weights).sum(), weights.sum()
 
-    def take_stats(self, group: Any = None) -> dict[str, float]:
-        """The means over the pairs seen since the last call (summed over `group`), then reset."""
+    def swap_stats(self, stats: tuple | None = None) -> tuple:
+        """The running sums now held, replaced by `stats` (a value this returned, or empty):
+        evaluation keeps its figures apart from training's."""
+        held = (self._stats, self._pairs)
+        self._stats, self._pairs = stats if stats is not None else ({}, 0.0)
+        return held
+
+    def take_stats(self, group: Any = None, device: Any = None) -> dict[str, float]:
+        """The means over the pairs seen since the last call (sums over the ranks of `group`,
+        reduced on `device`), then reset. Every rank of `group` calls it."""
         import torch.distributed as dist
 
-        if not self._stats:
-            return {}
         names = list(STATS)
-        values = torch.stack([torch.as_tensor(self._stats[n]).double().cpu() for n in names])
-        totals = torch.cat([values, torch.tensor([float(self._pairs)], dtype=torch.float64)])
+        values = [torch.as_tensor(self._stats.get(n, 0.0)).double().cpu() for n in names]
+        totals = torch.stack([*values, torch.as_tensor(self._pairs).double().cpu()])
         if group is not None:
-            device = next(iter(self._stats.values())).device
-            totals = totals.to(device)
+            totals = totals.to(device or "cpu")
             dist.all_reduce(totals, group=group)
             totals = totals.cpu()
         self._stats, self._pairs = {}, 0.0
-        pairs = max(float(totals[-1]), 1.0)
+        pairs = float(totals[-1])
+        if pairs == 0:
+            return {}
         return {n: float(v) / pairs for n, v in zip(names, totals[:-1])}

@@ -34,6 +34,7 @@ RECIPES = [
     "qwen3_8b",
     "tiny",
     "tiny_deepseek_v3",
+    "tiny_dpo",
     "tiny_moe",
     "tiny_qwen3",
     "tiny_qwen3_moe",
@@ -217,8 +218,10 @@ def test_recipe_loads_and_validates(name):
     cfg = load_recipe(name)
     if cfg.data.kind == "sft":  # SFT recipes name no data: there is no mock chat data
         cfg.data.blend = "out/chat_messages_document"
+    if cfg.data.kind == "dpo":  # nor mock preference pairs
+        cfg.data.blend = "out/pairs"
     cfg.validate(WORLD_SIZES.get(name))
-    assert cfg.model.flavor == name.removesuffix("_sft")
+    assert cfg.model.flavor == name.removesuffix("_sft").removesuffix("_dpo")
     assert cfg.model_config().num_layers > 0
 
 
