@@ -144,7 +144,8 @@ class Trainer:
         self._evaluated_at: int | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
-        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length
+        sides = 2 if cfg.data.kind == "dpo" else 1  # a DPO sample is a pair of sequences
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sides
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
@@ -240,7 +241,7 @@ class Trainer:
         if not (t.sample_prompts and t.sample_interval):
             return None
         path = sample_tokenizer_path(self.cfg.data.tokenizer, self.tokenizer.fingerprint)
-        chat = self.cfg.data.kind == "sft"
+        chat = self.cfg.data.kind in ("sft", "dpo")  # prompts asked as a user's turn
         return TrainingSamples(t.sample_prompts, path, t.sample_tokens, chat=chat)
 
     def log_samples(self) -> dict[str, str]:

@@ -119,3 +119,31 @@ def test_chat_and_preference_refused_together(tmp_path, tiny_tokenizer_dir) -> N
     src = write_jsonl(tmp_path / "pairs.jsonl", [GOOD])
     result = preprocess_pairs(src, tiny_tokenizer_dir, tmp_path / "o", "--chat", expect_ok=False)
     assert result.exit_code == 2 and "--chat and --preference" in result.output
+
+
+def test_stdlib_example_pairs_preprocess(tmp_path, tiny_tokenizer_dir) -> None:
+    """The README's example: `stdlib_chat --preference` pairs (the right docstring chosen,
+    another name's rejected) go through `pipe preprocess --preference` with the example
+    tokenizer's own chat template."""
+    from pipeline.examples.stdlib_chat import preference_pairs
+
+    docs = {"json.py": ["dumps", "loads", "JSONDecoder"], "os/path.py": ["join", "split"]}
+    corpus = write_jsonl(
+        tmp_path / "docs.jsonl",
+        [
+            {"id": module, "text": "\n\n".join(f"{n}\nThe docstring of {n}." for n in names)}
+            for module, names in docs.items()
+        ],
+    )
+    pairs = list(preference_pairs(corpus))
+    assert len(pairs) == 5 and all(p["chosen"] != p["rejected"] for p in pairs)
+    assert pairs[0]["chosen"] == "The docstring of dumps." and "json.dumps" in pairs[0]["prompt"]
+    src = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    preprocess_pairs(src, tiny_tokenizer_dir, tmp_path / "out")
+    chosen, rejected = (
+        read_side(tmp_path / "out", "chosen"),
+        read_side(tmp_path / "out", "rejected"),
+    )
+    assert len(chosen[0]) == len(rejected[0]) == 5
+    expected = transformers_side(tiny_tokenizer_dir, [as_messages(p, "chosen") for p in pairs])
+    assert chosen == expected
