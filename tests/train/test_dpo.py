@@ -21,6 +21,8 @@ import torch
 from pipeline.data.indexed import IndexedDatasetWriter
 from pipeline.data.loss_mask import loss_mask_prefix
 from pipeline.data.preference_dataset import PreferencePairs
+from pipeline.train.config import ConfigError
+from pipeline.train.config_loader import resolve_config
 from tests.builders import layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed
 
@@ -136,12 +138,20 @@ def test_first_step_is_ln2_and_precomputed_equals_live(tmp_path: Path) -> None:
     assert precomputed["valid"] == pytest.approx(live["valid"], rel=1e-5)
     files = list(tmp_path.glob("pairs_reference-*.npy"))
     assert len(files) == 1 and np.load(files[0]).shape == (40, 2)
+    # A resumed run's checkpoint is no longer its reference: refused, not silently wrong.
+    from pipeline.train.trainer import Trainer
+
+    load = f"checkpoint.load={tmp_path / 'live' / 'checkpoints'}"
+    resumed = _dpo_sets(tmp_path / "live", prefix, load, "training.iters=5")
+    with pytest.raises(ConfigError, match="resuming a DPO run"):
+        Trainer(resolve_config("tiny_dpo", resumed), console=False)
 
 
 # ---- layouts ---------------------------------------------------------------------------------
 
 LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "dp2": ["parallel.dp=2"],
     "dp2_precomputed": ["parallel.dp=2", "dpo.precompute_reference=true"],  # a shared pass
 }
@@ -212,3 +222,5 @@ def test_dpo_config_refused(tmp_path: Path) -> None:
             "--run-dir", tmp_path / "run", *extra, expect_ok=False,
         )  # fmt: skip
         assert result.exit_code == 2 and problem in result.output, result.output
+    with pytest.raises(ConfigError, match="mock data has none"):
+        resolve_config("tiny_dpo", ["data.mock=true"])

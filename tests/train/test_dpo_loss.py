@@ -39,6 +39,10 @@ def models(tmp_path_factory):
     hf_policy = perturbed(copy.deepcopy(hf_ref))
     hf_policy.save_pretrained(root / "policy")
     ours = [load_from_source(HFSource(d)).float() for d in (root / "policy", ref_dir)]
+    from trl.trainer.utils import add_fused_lm_head  # TRL's trainer adds these heads
+
+    add_fused_lm_head(hf_policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    add_fused_lm_head(hf_ref)
     return ours[0], ours[1], hf_policy, hf_ref
 
 
@@ -72,7 +76,6 @@ def pair_batch(seed: int = 3):
 def trl_loss(hf_policy, hf_ref, inputs, loss_type: str, beta: float, smoothing: float = 0.0):
     """TRL's loss on `inputs`, and the rewards it gathers (chosen, rejected) per pair."""
     from trl import DPOTrainer
-    from trl.trainer.utils import add_fused_lm_head
 
     gathered = []
     accelerator = SimpleNamespace(
@@ -90,10 +93,6 @@ def trl_loss(hf_policy, hf_ref, inputs, loss_type: str, beta: float, smoothing: 
         label_smoothing=smoothing, use_weighting=False, _total_train_tokens=0, _tp_size=1,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
     )  # fmt: skip
-    if not hasattr(hf_policy, "_pipe_fused"):
-        add_fused_lm_head(hf_policy, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
-        add_fused_lm_head(hf_ref)
-        hf_policy._pipe_fused = True
     loss = trainer._compute_loss(hf_policy, inputs, return_outputs=False)
     return loss, gathered[0], gathered[1]
 
