@@ -100,19 +100,29 @@ def dpo_terms(
 
 def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """`[pairs, 2]` summed log-probabilities of the mask-1 labels of each side, and the mask-1
-    counts. The output projection is fused with the loss (vocabulary-parallel under tensor
-    parallelism) one sequence at a time, so no full-vocabulary logits exist."""
+    counts, without gradients (the reference, the precomputed pass, evaluation)."""
+    with torch.no_grad():
+        return _row_logps(_hidden(model, batch), model.output.weight, batch)
+
+
+def _hidden(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     pairs, sides, seq = batch["tokens"].shape
-    flat = {k: batch[k].reshape(pairs * sides, seq) for k in ("tokens", "labels", "loss_mask")}
-    positions = batch["position_ids"].reshape(pairs * sides, seq)
-    hidden = model(flat["tokens"], positions, None)
-    weight = model.output.weight
+    tokens = batch["tokens"].reshape(pairs * sides, seq)
+    return model(tokens, batch["position_ids"].reshape(pairs * sides, seq), None)
+
+
+@torch.no_grad()
+def _row_logps(hidden: torch.Tensor, weight: Any, batch: dict[str, torch.Tensor]):
+    """Per-sequence log-probabilities (and mask counts) of the model output `hidden`: the
+    output projection fused with the loss, one sequence at a time, so neither full-vocabulary
+    logits nor a weight-gradient buffer per sequence ever exist."""
+    pairs, sides, seq = batch["tokens"].shape
+    labels = batch["labels"].reshape(pairs * sides, seq)
+    mask = batch["loss_mask"].reshape(pairs * sides, seq)
     logps, counts = [], []
     for row in range(pairs * sides):
-        nll, count = tp_linear_cross_entropy(
-            hidden[row : row + 1], weight, flat["labels"][row : row + 1],
-            flat["loss_mask"][row : row + 1],
-        )  # fmt: skip
+        rows = slice(row, row + 1)
+        nll, count = tp_linear_cross_entropy(hidden[rows], weight, labels[rows], mask[rows])
         logps.append(-nll)
         counts.append(count)
     return torch.stack(logps).view(pairs, sides), torch.stack(counts).view(pairs, sides)
@@ -139,16 +149,35 @@ class DPOLoss:
             return sequence_logps(self.reference, batch)[0]
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]):
-        policy, counts = sequence_logps(model, batch)
-        terms = dpo_terms(policy, self.reference_logps(batch), self.options, counts)
+        """(summed pair losses, pairs). The gradient is taken in a second fused pass: with
+        `g` the loss's derivative by each sequence's log-probability, the gradient of the sum
+        is that of the cross-entropy with each sequence's mask weighed by `-g`, so one weight-
+        gradient buffer serves the whole micro-batch."""
+        hidden = _hidden(model, batch)
+        weight = model.output.weight
+        policy, counts = _row_logps(hidden, weight, batch)
+        reference = self.reference_logps(batch)
         weights = batch.get("pairs")  # 0 for a filler pair, which counts for nothing
         if weights is None:
             weights = torch.ones(policy.shape[0], device=policy.device)
         weights = weights.to(policy.dtype)
+        with torch.enable_grad():
+            leaf = policy.detach().requires_grad_(True)
+            terms = dpo_terms(leaf, reference, self.options, counts)
+            total = (terms.losses * weights).sum()
+            slope = torch.autograd.grad(total, leaf)[0] if hidden.requires_grad else None
         for name, value in terms.stats(weights).items():
             self._stats[name] = self._stats.get(name, 0.0) + value.detach().double()
         self._pairs = self._pairs + weights.sum().detach().double()
-        return (terms.losses * weights).sum(), weights.sum()
+        if slope is None:  # evaluation: no gradient wanted
+            return total.detach(), weights.sum()
+        pairs, sides, seq = batch["tokens"].shape
+        weighed = batch["loss_mask"] * -slope.to(batch["loss_mask"].dtype)[..., None]
+        surrogate, _ = tp_linear_cross_entropy(
+            hidden, weight, batch["labels"].reshape(pairs * sides, seq),
+            weighed.reshape(pairs * sides, seq),
+        )  # fmt: skip
+        return total.detach() + (surrogate - surrogate.detach()), weights.sum()
 
     def swap_stats(self, stats: tuple | None = None) -> tuple:
         """The running sums now held, replaced by `stats` (a value this returned, or empty):
