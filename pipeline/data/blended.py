@@ -47,6 +47,12 @@ from pipeline.data.indexed import (
     IndexedDataset,
     normalize_prefix,
 )
+from pipeline.data.preference_dataset import (
+    SIDES,
+    PreferenceDataset,
+    PreferencePairs,
+    preference_prefix,
+)
 from pipeline.data.sft_dataset import SFTDataset
 
 logger = logging.getLogger(__name__)
@@ -246,8 +252,13 @@ def build_datasets(
 
         return build_mock_gpt_datasets(config, sizes, data.vocab_size)
     prefixes = all_prefixes(data)
-    check_prefixes_exist(prefixes)
-    check_compatible(prefixes)
+    if dataset_class is PreferenceDataset:  # a preference prefix names two datasets
+        sides = [f"{preference_prefix(p)}_{side}_document" for p in prefixes for side in SIDES]
+        check_prefixes_exist(sides)
+        check_compatible(sides)
+    else:
+        check_prefixes_exist(prefixes)
+        check_compatible(prefixes)
     if isinstance(data, Blend):
         return _build_from_one_blend(data, config, sizes, mid_level_dataset_surplus, dataset_class)
     return _build_per_split(data, config, sizes, mid_level_dataset_surplus, dataset_class)
@@ -358,8 +369,15 @@ def _build_prefix_splits(
     cls: type,
 ) -> list[Any]:
     """The `cls` datasets of one prefix's splits: a chat prefix (tokens and loss mask) for
-    `SFTDataset`, a plain indexed dataset otherwise."""
-    low_level: Any = ChatIndexedDataset(prefix) if cls is SFTDataset else IndexedDataset(prefix)
+    `SFTDataset`, the chosen/rejected pairs for `PreferenceDataset`, a plain indexed dataset
+    otherwise."""
+    low_level: Any
+    if cls is SFTDataset:
+        low_level = ChatIndexedDataset(prefix)
+    elif cls is PreferenceDataset:
+        low_level = PreferencePairs(prefix)
+    else:
+        low_level = IndexedDataset(prefix)
     return build_splits(low_level, prefix, config, num_samples, list(matrix), cls)
 
 

@@ -7,6 +7,10 @@ lines are OpenAI-style `{"messages": [...]}`, what `pipe preprocess --chat` read
 
     python -m pipeline.examples.stdlib_chat --corpus runs/sft/data/stdlib_docs.jsonl \\
         --output runs/sft/data/chat.jsonl
+
+With `--preference` it writes preference pairs instead, what `pipe preprocess --preference`
+reads: `{"prompt": question, "chosen": the right docstring paragraph, "rejected": another
+function's}`, one pair per documented name.
 """
 
 from __future__ import annotations
@@ -63,17 +67,41 @@ def conversations(corpus: str | os.PathLike, seed: int = 0) -> Iterator[dict]:
             yield {"messages": messages}
 
 
+def preference_pairs(corpus: str | os.PathLike, seed: int = 0) -> Iterator[dict]:
+    """One pair per documented public name: the question about it, its own first docstring
+    paragraph (chosen) and the paragraph of another name of the same module (rejected)."""
+    rng = random.Random(seed)
+    with open(corpus, encoding="utf-8") as lines:
+        for line in lines:
+            module = json.loads(line)["id"].removesuffix(".py").replace("/", ".")
+            pairs = list(answers(json.loads(line)["text"]))
+            if len(pairs) < 2 or any(part.startswith("_") for part in module.split(".")):
+                continue
+            for k, (name, doc) in enumerate(pairs):
+                other = pairs[(k + rng.randrange(1, len(pairs))) % len(pairs)][1]
+                if other == doc:
+                    continue
+                question = QUESTIONS[rng.randrange(3)].format(f"{module}.{name}")
+                yield {"prompt": question, "chosen": doc, "rejected": other}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", required=True, help="stdlib_docs.jsonl (stdlib_corpus)")
     parser.add_argument("--output", required=True, help="the chat JSONL file to write")
+    parser.add_argument(
+        "--preference", action="store_true",
+        help="write chosen/rejected pairs (pipe preprocess --preference) instead",
+    )  # fmt: skip
     args = parser.parse_args()
     count = 0
+    records = preference_pairs if args.preference else conversations
     with atomic_file(Path(args.output), "w", encoding="utf-8") as out:
-        for conversation in conversations(args.corpus):
-            out.write(json.dumps(conversation, ensure_ascii=False) + "\n")
+        for record in records(args.corpus):
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
-    print(f"chat: {count} conversations about the standard library -> {args.output}")
+    what = "preference pairs" if args.preference else "conversations"
+    print(f"chat: {count} {what} about the standard library -> {args.output}")
 
 
 if __name__ == "__main__":

@@ -166,11 +166,19 @@ def _user_errors() -> Iterator[None]:
     "tokens) {prefix}_messages_loss_mask_document.",
 )
 @click.option(
+    "--preference",
+    is_flag=True,
+    help="Preference pairs ({prompt | messages, chosen, rejected}): each side rendered as --chat "
+    "renders a conversation, into {prefix}_chosen_document, {prefix}_rejected_document and their "
+    "loss masks {prefix}_chosen_loss_mask_document, {prefix}_rejected_loss_mask_document (pair "
+    "i is document i of each), for `pipe train --dpo`.",
+)
+@click.option(
     "--chat-template",
     "chat_template",
     default=None,
     type=click.Path(dir_okay=False),
-    help="With --chat: a Jinja chat template file instead of the tokenizer's own.",
+    help="With --chat or --preference: a Jinja chat template file instead of the tokenizer's own.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.pass_context
@@ -192,6 +200,7 @@ def preprocess(
     num_shards,
     shard_index,
     chat,
+    preference,
     chat_template,
     quiet,
 ) -> None:
@@ -201,8 +210,11 @@ def preprocess(
     pipe preprocess --input data.jsonl.zst --tokenizer llama3/ \\
         --output-prefix out/corpus --append-eod --workers 8
     pipe preprocess --chat --input chat.jsonl --tokenizer llama3/ --output-prefix out/sft
+    pipe preprocess --preference --input pairs.jsonl --tokenizer llama3/ --output-prefix out/dpo
     """
-    _check_chat_flags(ctx, chat, chat_template, append_eod, add_special_tokens)
+    if chat and preference:
+        raise click.UsageError("--chat and --preference: choose one")
+    _check_chat_flags(ctx, chat or preference, chat_template, append_eod, add_special_tokens)
     with _user_errors():
         from pipeline.preprocess.runner import PreprocessConfig, format_summary
         from pipeline.preprocess.runner import preprocess as run
@@ -211,7 +223,7 @@ def preprocess(
 
         shard = resolve_shard(num_shards, shard_index)  # before the tokenizer: fail fast
         setup = None
-        if chat:
+        if chat or preference:
             from pipeline.preprocess.chat import load_chat_setup
 
             setup = load_chat_setup(tokenizer_path, chat_template)
@@ -241,6 +253,7 @@ def preprocess(
             show_progress=not quiet,
             shard=shard,
             chat=setup,
+            preference=preference,
         )
         if setup is not None and not quiet:
             click.echo(f"chat template {setup.origin}: loss mask by rule {setup.rule}", err=True)
@@ -253,7 +266,7 @@ def _check_chat_flags(ctx, chat, chat_template, append_eod, add_special_tokens) 
     """--chat renders each conversation as transformers does and writes fixed outputs: the
     flags that would change that are refused."""
     if chat_template is not None and not chat:
-        raise click.UsageError("--chat-template goes with --chat")
+        raise click.UsageError("--chat-template goes with --chat or --preference")
     if not chat:
         return
     source = ctx.get_parameter_source("json_keys")

@@ -56,6 +56,8 @@ def flags(config: PreprocessConfig, tokenizer: TextTokenizer) -> dict[str, Any]:
     if config.chat is not None:
         record["chat"] = config.chat.record()
         record["output_keys"] = list(config.output_keys)
+        if config.preference:
+            record["preference"] = True
     return record
 
 

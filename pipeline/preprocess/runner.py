@@ -42,6 +42,9 @@ from pipeline.preprocess import manifest as manifest_io
 from pipeline.preprocess.chat import INPUT_KEYS, MASK_KEY, TOKENS_KEY, ChatEncoder, ChatSetup
 from pipeline.preprocess.encode import BadLine, DocumentEncoder, EncodedBatch, EncodeOptions
 from pipeline.preprocess.inputs import InputError, InputFile, InputRange, resolve_inputs
+from pipeline.preprocess.preference import INPUT_KEYS as PREFERENCE_INPUT_KEYS
+from pipeline.preprocess.preference import OUTPUT_KEYS as PREFERENCE_OUTPUT_KEYS
+from pipeline.preprocess.preference import PreferenceEncoder
 from pipeline.preprocess.progress import Progress
 from pipeline.preprocess.readers import iter_batches, streams_hash
 from pipeline.preprocess.shards import ShardSpec, describe_ranges, plan_shards, shard_prefix
@@ -72,16 +75,21 @@ class PreprocessConfig:
     show_progress: bool = True
     shard: ShardSpec | None = None  # None: the whole input; see pipeline.preprocess.shards
     chat: ChatSetup | None = None  # --chat: conversations to tokens + loss mask (json_keys unused)
+    preference: bool = False  # --preference (with chat): chosen/rejected pairs, two chat outputs
 
     @property
     def input_keys(self) -> tuple[str, ...]:
         """The keys (columns) read from each record."""
-        return INPUT_KEYS if self.chat else tuple(self.json_keys)
+        if self.chat is not None:
+            return PREFERENCE_INPUT_KEYS if self.preference else INPUT_KEYS
+        return tuple(self.json_keys)
 
     @property
     def output_keys(self) -> tuple[str, ...]:
         """One output dataset per key: `{prefix}_{key}_document`."""
-        return (TOKENS_KEY, MASK_KEY) if self.chat else tuple(self.json_keys)
+        if self.chat is not None:
+            return PREFERENCE_OUTPUT_KEYS if self.preference else (TOKENS_KEY, MASK_KEY)
+        return tuple(self.json_keys)
 
 
 @dataclass
@@ -129,7 +137,7 @@ def preprocess(config: PreprocessConfig, tokenizer: TextTokenizer) -> Preprocess
     dtype = optimal_dtype(tokenizer.vocab_size)
     dtypes = [dtype.name] * len(config.json_keys)
     if config.chat is not None:
-        dtypes = [dtype.name, "uint8"]
+        dtypes = [dtype.name if not _is_mask(k) else "uint8" for k in config.output_keys]
     summary = PreprocessSummary(
         [KeyOutput(k, output_prefix_for(prefix, k), d) for k, d in zip(config.output_keys, dtypes)]
     )
@@ -168,7 +176,7 @@ def _run(
     encoder = _encoder(config, tokenizer, dtype)  # validates options before any work starts
     total_bytes = sum(p.size for p in parts)
     progress = Progress(total_bytes, log_interval=config.log_interval, enabled=config.show_progress)
-    token_outputs = 1 if config.chat else len(outputs)  # the loss mask holds no tokens
+    token_outputs = [i for i, o in enumerate(outputs) if not (config.chat and _is_mask(o.key))]
     _set_engine_threads(config.workers)
     with ExitStack() as stack, _sigterm_as_exit():
         hashes = _InputHashes(parts)
@@ -195,7 +203,7 @@ def _run(
                     documents=result.documents,
                     input_bytes=result.input_bytes,
                     text_bytes=result.text_bytes,
-                    tokens=sum(len(k.tokens) for k in result.keys[:token_outputs]),
+                    tokens=sum(len(result.keys[i].tokens) for i in token_outputs),
                 )
         finally:
             progress.close()
@@ -218,7 +226,8 @@ def _encoder(config: PreprocessConfig, tokenizer: TextTokenizer, dtype: np.dtype
                 "--chat encodes the rendered conversation as it stands (the template writes its "
                 "special tokens): drop --append-eod and --add-special-tokens"
             )
-        return ChatEncoder(tokenizer, config.chat.template, config.chat.rule, dtype.name)
+        kind = PreferenceEncoder if config.preference else ChatEncoder
+        return kind(tokenizer, config.chat.template, config.chat.rule, dtype.name)
     options = EncodeOptions(tuple(config.json_keys), config.append_eod, dtype.name)
     return DocumentEncoder(tokenizer, options)
 
@@ -308,10 +317,15 @@ def _write(
         )
         out.documents += len(encoded.sequences_per_document)
         out.tokens += len(encoded.tokens)
-    if outputs and outputs[-1].key == MASK_KEY:
-        summary.loss_tokens = (summary.loss_tokens or 0) + int(
-            np.count_nonzero(result.keys[-1].tokens)
-        )
+    masks = [k for o, k in zip(outputs, result.keys) if _is_mask(o.key)]
+    if masks:
+        ones = sum(int(np.count_nonzero(k.tokens)) for k in masks)
+        summary.loss_tokens = (summary.loss_tokens or 0) + ones
+
+
+def _is_mask(key: str) -> bool:
+    """A chat run's loss-mask output (`messages_loss_mask`, `chosen_loss_mask`, ...)."""
+    return key.endswith("_loss_mask")
 
 
 def _refuse_existing(prefixes: list[str], manifest_path: Path, overwrite: bool) -> None:
@@ -440,7 +454,9 @@ def _sigterm_as_exit():
 def format_summary(summary: PreprocessSummary) -> list[str]:
     """Human-readable closing lines: one summary line plus bad-line reports and output paths."""
     rate = summary.text_bytes / max(summary.elapsed, 1e-9) / 1e6
-    token_outputs = summary.outputs[:1] if summary.loss_tokens is not None else summary.outputs
+    token_outputs = summary.outputs
+    if summary.loss_tokens is not None:
+        token_outputs = [o for o in summary.outputs if not _is_mask(o.key)]
     tokens = sum(o.tokens for o in token_outputs)
     if summary.already_complete:
         return [summary.shard_note]
@@ -451,7 +467,7 @@ def format_summary(summary: PreprocessSummary) -> list[str]:
         f"{tokens / max(summary.elapsed, 1e-9):,.0f} tokens/s)"
     ]
     if summary.loss_tokens is not None:
-        share = 100 * summary.loss_tokens / max(summary.outputs[0].tokens, 1)
+        share = 100 * summary.loss_tokens / max(tokens, 1)
         lines.append(f"loss mask: {summary.loss_tokens:,} tokens trained on ({share:.1f}%)")
     if summary.blank_lines:
         lines.append(f"skipped {summary.blank_lines:,} blank lines")

@@ -90,6 +90,11 @@ def _default_run_dir(recipe: str | None) -> str:
     "loss on assistant tokens (data.kind=sft).",
 )  # fmt: skip
 @click.option(
+    "--dpo", is_flag=True,
+    help="Preference tuning (DPO) on chosen/rejected pairs (pipe preprocess --preference; "
+    "--data PREFIX): the [dpo] loss against the starting weights, frozen (data.kind=dpo).",
+)  # fmt: skip
+@click.option(
     "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
     help="With --load: skip checking each file against its recorded SHA-256 while reading.",
 )  # fmt: skip
@@ -106,6 +111,7 @@ def train(
     sets: tuple[str, ...],
     finetune: bool,
     sft: bool,
+    dpo: bool,
     verify_checksums: bool,
     run_dir: str | None,
     dry_run: bool,
@@ -132,8 +138,12 @@ def train(
         cfg = resolve_config(recipe, sets, given, validate=False)
         if finetune:
             cfg.checkpoint.finetune = True
+        if sft and dpo:
+            raise ConfigError("--sft and --dpo: choose one")
         if sft:
             cfg.set("data.kind", "sft", source="--sft")
+        if dpo:
+            cfg.set("data.kind", "dpo", source="--dpo")
         if not verify_checksums:
             cfg.checkpoint.verify_checksums = False
         if run_dir is not None:

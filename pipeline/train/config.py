@@ -150,11 +150,13 @@ class DataSection:
     """Exclude end-of-document tokens from the loss."""
     data_cache_path: str | None = None
     """Directory for the cached sample/shuffle indices (default: beside the data)."""
-    kind: Literal["gpt", "sft"] = "gpt"
+    kind: Literal["gpt", "sft", "dpo"] = "gpt"
     """gpt: pre-training samples cut from the token stream. sft (`pipe train --sft`): chat
     datasets (`pipe preprocess --chat`, prefixes `*_messages_document` with their loss mask),
     whole conversations packed per sample, each attending only to itself, and the loss on
-    assistant tokens only; the reset and EOD flags above do not apply."""
+    assistant tokens only; the reset and EOD flags above do not apply. dpo (`pipe train
+    --dpo`): preference pairs (`pipe preprocess --preference`, the output prefix), a sample
+    being one pair, trained with the `[dpo]` loss."""
     sft_truncate: bool = False
     """With kind = sft: cut a conversation longer than seq_length to its first seq_length
     tokens (default: drop it; either way the count is logged)."""
@@ -349,6 +351,22 @@ class LoggingSection:
     """W&B project name."""
 
 
+@dataclass
+class DPOSection:
+    """Preference tuning (`data.kind = "dpo"`, `pipe train --dpo`): the loss and its reference,
+    the starting weights frozen (pipeline.train.dpo_loss)."""
+
+    beta: float = 0.1
+    """Strength of the pull towards the reference (the rewards are beta * log-ratios)."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: the DPO paper's loss; ipo: IPO's squared loss on length-averaged log-ratios."""
+    label_smoothing: float = 0.0
+    """With sigmoid: the assumed chance a preference label is flipped (conservative DPO)."""
+    precompute_reference: bool = False
+    """Compute the reference's log-probabilities once, in a first pass, and store them next to
+    the data, instead of keeping a frozen copy of the model beside the policy."""
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "data": DataSection,
@@ -360,6 +378,7 @@ SECTIONS: dict[str, type] = {
     "fp8": Fp8Section,
     "lora": LoraSection,
     "logging": LoggingSection,
+    "dpo": DPOSection,
 }
 
 
@@ -397,6 +416,7 @@ class TrainConfig:
     fp8: Fp8Section = field(default_factory=Fp8Section)
     lora: LoraSection = field(default_factory=LoraSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
     recorded_model: RecordedModel | None = field(default=None, compare=False, repr=False)
     """Not a section: the model of the checkpoint `checkpoint.load` resumes from, read once by
     the config loader (None when it loads none); `model.flavor = "checkpoint"` builds it."""

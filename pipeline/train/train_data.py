@@ -9,7 +9,9 @@ either). Sample counts per split follow Megatron's rule: train iters * gbs, vali
 
 With `data.kind = "sft"` each prefix is a chat dataset and a sample is whole conversations
 packed together (`pipeline.data.sft_dataset`), built through the same blends and splits; the
-samples carry their own document ids, so no EOD id is needed to separate them.
+samples carry their own document ids, so no EOD id is needed to separate them. With
+`data.kind = "dpo"` each prefix is the output prefix of `pipe preprocess --preference` and a
+sample is one chosen/rejected pair (`pipeline.data.preference_dataset`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pipeline.data.blend_spec import (
 from pipeline.data.blended import build_datasets
 from pipeline.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from pipeline.data.loader import build_data_loader
+from pipeline.data.preference_dataset import PreferenceDataset, preference_prefix
 from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
 from pipeline.train.config import ConfigError, TrainConfig
 
@@ -81,6 +84,8 @@ def tokenizer_info(cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData) -> 
     if isinstance(spec, MockData):
         return TokenizerInfo(spec.vocab_size - 1, spec.vocab_size, "mock")
     first = all_prefixes(spec)[0]
+    if cfg.data.kind == "dpo":  # the manifest of a preference prefix names its chosen side
+        first = f"{preference_prefix(first)}_chosen_document"
     path = manifest.find_for_dataset(first)
     record = manifest.read(path) if path is not None else None
     tok = (record or {}).get("tokenizer") or {}
@@ -138,7 +143,7 @@ def build_split_datasets(
         pad_id=None,
         **extra,
     )
-    dataset_class = SFTDataset if sft else GPTDataset
+    dataset_class = {"sft": SFTDataset, "dpo": PreferenceDataset}.get(d.kind, GPTDataset)
     try:
         return build_datasets(spec, config, split_sizes(cfg), dataset_class=dataset_class)
     except (ValueError, OSError) as e:

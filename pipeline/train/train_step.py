@@ -111,7 +111,7 @@ def batch_to_device(
     """The model's inputs from a loader batch, on `device`. Attention stops at document
     boundaries where the batch carries `document_ids` (packed SFT samples) or, with `eod_id`,
     at the documents its EOD tokens end (the dataset's dense mask is not used)."""
-    keys = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "document_ids", "pairs", "ref_logps")
     out = {key: batch[key].to(device, non_blocking=True) for key in keys if key in batch}
     if eod_id is not None and "document_ids" not in out:
         out["document_ids"] = document_ids_from_tokens(out["tokens"], eod_id)
@@ -190,6 +190,12 @@ def reduce_loss_sum(
     return loss_sum
 
 
+def loss_terms(batch: Batch) -> torch.Tensor:
+    """What a micro-batch's loss is a sum over: its pairs for preference data (`pairs`, the
+    DPO loss is a mean over pairs), else its loss tokens."""
+    return batch["pairs"].sum() if "pairs" in batch else batch["loss_mask"].sum()
+
+
 def forward_backward(
     model: TrainableModel,
     micro_batches: Sequence[Batch],
@@ -202,7 +208,7 @@ def forward_backward(
     (default: `LocalStepRunner(model)`): returns this rank's loss sum (0 on pipeline stages
     without the loss) and the global loss-token count, both 0-dim tensors."""
     runner = runner or LocalStepRunner(model)
-    local_tokens = sum(mb["loss_mask"].sum() for mb in micro_batches)
+    local_tokens = sum(loss_terms(mb) for mb in micro_batches)
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()
     loss_sum = runner.forward_backward(micro_batches, denominator, autocast)

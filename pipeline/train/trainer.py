@@ -70,7 +70,7 @@ from pipeline.train.model_parts import model_parts
 from pipeline.train.optimizer import build_optimizer, build_scheduler
 from pipeline.train.perf import memory_gib, peak_tflops
 from pipeline.train.samples import TrainingSamples, sample_tokenizer_path
-from pipeline.train.step_runner import Batch, evaluation_mode
+from pipeline.train.step_runner import Batch, LocalStepRunner, evaluation_mode
 from pipeline.train.train_step import StepResult, autocast_context, batch_to_device, train_step
 
 __all__ = ["TrainResult", "Trainer", "seed_everything"]
@@ -137,14 +137,16 @@ class Trainer:
         self.checkpoints = self._build_checkpointing()
         self.lora_base: lora_run.BaseRecord | None = None
         self._resume(load_iteration)
+        self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
+        self.dpo = self._setup_dpo(options) if cfg.data.kind == "dpo" else None
         self.train_loader = self._build_loader(0, "train")
         self.valid_loader = self._build_loader(1, "valid")
         self._valid_iterator: Iterator[Any] | None = None
         self._evaluated_at: int | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
-        self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
-        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length
+        sides = 2 if cfg.data.kind == "dpo" else 1  # a DPO sample is a pair of sequences
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sides
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
@@ -163,6 +165,37 @@ class Trainer:
         return train_data.build_loader(
             self.datasets[split], self.cfg, self.consumed[name], self.layout.dp_rank, self.layout.dp
         )
+
+    def _setup_dpo(self, options: Any) -> Any:
+        """The DPO loss as the step runner's objective, with its reference (pipeline.train.dpo):
+        a frozen second model holding the starting weights, or their log-probabilities computed
+        once now and stored next to the data (`dpo.precompute_reference`)."""
+        from pipeline.train import dpo
+
+        cfg = self.cfg
+        if self.iteration > 0:
+            raise ConfigError(
+                "resuming a DPO run is not supported yet: its reference (the weights it started "
+                "from) is no longer what checkpoint.load holds; start again from those weights"
+            )
+        reference = None
+        if cfg.dpo.precompute_reference:
+            key = dpo.start_key(cfg, self.model_config)
+            members = dpo.preference_members(self.datasets)
+            dpo.precompute_reference(
+                self.model, members, key, self.layout, self.device, self.autocast,
+                cfg.training.micro_batch_size,
+            )  # fmt: skip
+        else:
+            built = build_model(
+                cfg, self.model_config, options, self.layout, self.device, self.fp8,
+                self.num_micro_batches,
+            )  # fmt: skip
+            built.model.load_state_dict(self.model.state_dict())
+            reference = dpo.freeze(built.model)
+        loss = dpo.build_dpo_loss(cfg, reference)
+        self.step_runner = LocalStepRunner(self.model, loss)
+        return loss
 
     def _open_hf_start(self) -> Any:
         """The Hugging Face model `checkpoint.load` names (an `HFSource`), or None."""
@@ -209,7 +242,7 @@ class Trainer:
         if not (t.sample_prompts and t.sample_interval):
             return None
         path = sample_tokenizer_path(self.cfg.data.tokenizer, self.tokenizer.fingerprint)
-        chat = self.cfg.data.kind == "sft"
+        chat = self.cfg.data.kind in ("sft", "dpo")  # prompts asked as a user's turn
         return TrainingSamples(t.sample_prompts, path, t.sample_tokens, chat=chat)
 
     def log_samples(self) -> dict[str, str]:
@@ -574,6 +607,8 @@ class Trainer:
         }
         if self.peak_tflops is not None:
             metrics["mfu"] = tflops / self.peak_tflops
+        if self.dpo is not None:
+            metrics |= self.dpo.take_stats(self.layout.batch_group, self._reduce_device())
         self.metrics.log(self.iteration, metrics)
         if bar is not None:
             bar.set_postfix_str(f"loss {metrics['loss']:.4f}", refresh=False)
@@ -587,15 +622,26 @@ class Trainer:
             self._valid_iterator = iter(self.valid_loader)
         self.consumed["valid"] += self.cfg.training.eval_iters * self.cfg.training.global_batch_size
         loss_sum, tokens = 0.0, 0.0
+        held = self.dpo.swap_stats() if self.dpo is not None else None
         for _ in range(self.cfg.training.eval_iters):
             micro_batches = self.next_global_batch(self._valid_iterator)
             with evaluation_mode(self.model):
                 batch_sum, batch_tokens = self.step_runner.evaluate(micro_batches, self.autocast)
             loss_sum, tokens = loss_sum + float(batch_sum), tokens + batch_tokens
         loss = self._global_eval_loss(loss_sum, tokens)
+        if self.dpo is not None:  # a mean over pairs: no perplexity
+            figures = self.dpo.take_stats(self.layout.batch_group, self._reduce_device())
+            self.dpo.swap_stats(held)
+            self.metrics.log(self.iteration, {"loss": loss, **figures}, split="valid")
+            return loss
         ppl = math.exp(loss) if loss < 700 else math.inf
         self.metrics.log(self.iteration, {"loss": loss, "ppl": ppl}, split="valid")
         return loss
+
+    def _reduce_device(self) -> torch.device:
+        """Where small all-reduces run: the device under NCCL, else the CPU."""
+        on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
+        return self.device if on_gpu else torch.device("cpu")
 
     def _global_eval_loss(self, loss_sum: float, tokens: float) -> float:
         """The token-normalised loss over every rank's evaluation batches: token counts are

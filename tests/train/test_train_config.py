@@ -35,6 +35,7 @@ RECIPES = [
     "qwen3_8b",
     "tiny",
     "tiny_deepseek_v3",
+    "tiny_dpo",
     "tiny_lora",
     "tiny_moe",
     "tiny_qwen3",
@@ -219,8 +220,10 @@ def test_recipe_loads_and_validates(name):
     cfg = load_recipe(name)
     if cfg.data.kind == "sft":  # SFT recipes name no data: there is no mock chat data
         cfg.data.blend = "out/chat_messages_document"
+    if cfg.data.kind == "dpo":  # nor mock preference pairs
+        cfg.data.blend = "out/pairs"
     cfg.validate(WORLD_SIZES.get(name))
-    assert cfg.model.flavor == name.removesuffix("_sft").removesuffix("_lora")
+    assert cfg.model.flavor == name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
     assert cfg.lora.enabled == name.endswith("_lora")
     assert cfg.model_config().num_layers > 0
 

@@ -129,16 +129,17 @@ def chunked_linear_cross_entropy(
 
     hidden `[..., hidden]`, weight `[vocab, hidden]` (with `vocab_shard`: this rank's rows of a
     vocabulary-parallel weight), labels and loss_mask `[...]` (the leading shapes match). Masked
-    positions may hold any label (e.g. -100). Returns `(loss_sum, num_tokens)` as fp32 scalars;
-    only `loss_sum` carries gradients. Dividing by the token count is left to the caller, which
-    knows the global count across micro-batches and ranks.
+    positions may hold any label (e.g. -100). The mask may weigh positions by any real number
+    (DPO weighs each sequence by its loss's derivative, of either sign). Returns `(loss_sum,
+    num_tokens)` as fp32 scalars; only `loss_sum` carries gradients. Dividing by the token count
+    is left to the caller, which knows the global count across micro-batches and ranks.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1)
     if loss_mask is None:
         loss_mask = torch.ones_like(labels, dtype=torch.float32)
     loss_mask = loss_mask.reshape(-1).float()
-    labels = torch.where(loss_mask > 0, labels, torch.zeros_like(labels))
+    labels = torch.where(loss_mask != 0, labels, torch.zeros_like(labels))
     loss_sum = _ChunkedLinearCrossEntropy.apply(
         hidden, weight, labels, loss_mask, chunk_tokens, torch.is_grad_enabled(), vocab_shard
     )
