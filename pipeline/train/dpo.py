@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.common.atomic import atomic_file
+from pipeline.core.model.lora import adapters_off
 from pipeline.data.loader import collate_numpy
 from pipeline.data.preference_dataset import PreferenceDataset, PreferencePairs
 from pipeline.train.config import ConfigError, TrainConfig
@@ -50,6 +51,23 @@ def dpo_options(cfg: TrainConfig) -> DPOOptions:
 def build_dpo_loss(cfg: TrainConfig, reference: Any | None) -> DPOLoss:
     """The DPO objective with a live `reference` model, or None to read `ref_logps`."""
     return DPOLoss(dpo_options(cfg), reference)
+
+
+class BaseOfLoRA:
+    """A LoRA run's reference: the policy itself with its adapters left out, which is the frozen
+    base the run started from, so no second model is held in memory. Called as the model is
+    (`sequence_logps` reads `output` and calls it)."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy = policy
+
+    @property
+    def output(self) -> torch.nn.Module:
+        return self.policy.output
+
+    def __call__(self, *inputs: Any) -> torch.Tensor:
+        with adapters_off(self.policy):
+            return self.policy(*inputs)
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -138,7 +156,7 @@ def _reference_pass(model, member, layout, device, autocast, pairs_per_batch: in
     per_rank = -(-total // dp)
     steps = -(-per_rank // pairs_per_batch)  # the same count on every rank
     out = torch.zeros(total, 2, dtype=torch.float64, device=device)
-    with evaluation_mode(model):
+    with evaluation_mode(model), adapters_off(model):  # a LoRA run's reference: its base
         for step in range(steps):
             chosen = mine[step * pairs_per_batch : (step + 1) * pairs_per_batch]
             wanted = list(chosen) or [0]  # a rank out of pairs still joins the collectives

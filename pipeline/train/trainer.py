@@ -168,8 +168,9 @@ class Trainer:
 
     def _setup_dpo(self, options: Any) -> Any:
         """The DPO loss as the step runner's objective, with its reference (pipeline.train.dpo):
-        a frozen second model holding the starting weights, or their log-probabilities computed
-        once now and stored next to the data (`dpo.precompute_reference`)."""
+        a frozen second model holding the starting weights, the base itself in a LoRA run (its
+        adapters left out), or their log-probabilities computed once now and stored next to the
+        data (`dpo.precompute_reference`)."""
         from pipeline.train import dpo
 
         cfg = self.cfg
@@ -186,6 +187,8 @@ class Trainer:
                 self.model, members, key, self.layout, self.device, self.autocast,
                 cfg.training.micro_batch_size,
             )  # fmt: skip
+        elif cfg.lora.enabled:  # the frozen base is the reference: no second model
+            reference = dpo.BaseOfLoRA(self.model)
         else:
             built = build_model(
                 cfg, self.model_config, options, self.layout, self.device, self.fp8,

@@ -224,3 +224,25 @@ def test_dpo_config_refused(tmp_path: Path) -> None:
         assert result.exit_code == 2 and problem in result.output, result.output
     with pytest.raises(ConfigError, match="mock data has none"):
         resolve_config("tiny_dpo", ["data.mock=true"])
+
+
+def test_with_lora_the_base_is_the_reference(tmp_path: Path) -> None:
+    """`pipe train --dpo --lora`: the reference is the base without adapters, live (no second
+    model) or precomputed, with the same losses."""
+    from pipeline.train.dpo import BaseOfLoRA
+    from pipeline.train.trainer import Trainer
+
+    prefix = write_pairs(tmp_path / "pairs", 40, 128)
+    lora = ("lora.enabled=true", "lora.rank=4")
+    runs = {}
+    for name, extra in (("live", ()), ("pre", ("dpo.precompute_reference=true",))):
+        sets = _dpo_sets(tmp_path / name, prefix, *lora, *extra)
+        trainer = Trainer(resolve_config("tiny_dpo", sets), console=False)
+        runs[name] = trainer.train().losses
+        if name == "live":
+            assert isinstance(trainer.step_runner.loss.reference, BaseOfLoRA)
+    live, precomputed = runs["live"], runs["pre"]
+    assert live[1] == pytest.approx(math.log(2), abs=1e-6)
+    assert live[3] != pytest.approx(math.log(2), abs=1e-4)  # the adapters moved
+    for step, loss in live.items():
+        assert precomputed[step] == pytest.approx(loss, rel=1e-5), step

@@ -108,7 +108,7 @@ def ours_loss(policy, reference, batch, options: DPOOptions):
     total, pairs = loss_fn(policy, batch)
     loss = total / pairs
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     policy.zero_grad(set_to_none=True)
     with torch.no_grad():
         logps, counts = sequence_logps(policy, batch)
@@ -179,3 +179,33 @@ def test_options_refused() -> None:
     ]:
         with pytest.raises(ValueError, match=problem):
             DPOOptions(**kwargs)
+
+
+def test_a_lora_runs_reference_is_its_base_without_adapters(models) -> None:
+    """With LoRA the reference is the policy with its adapters left out (no second model):
+    exactly the base it was adapted from, and the DPO loss and gradients equal those with the
+    base as a separate reference."""
+    from pipeline.core.model.lora import LoRASpec, adapter_names, apply_lora
+    from pipeline.train.dpo import BaseOfLoRA
+
+    _, base, *_ = models
+    policy = apply_lora(copy.deepcopy(base), LoRASpec(rank=4, alpha=8.0))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if name in adapter_names(policy):
+                param.normal_(0.0, 0.05)  # B non-zero: the adapters change the output
+    _, batch = pair_batch(seed=9)
+    adapted, _ = sequence_logps(policy, batch)
+    off, _ = sequence_logps(BaseOfLoRA(policy), batch)
+    assert_close(off, sequence_logps(base, batch)[0], "the base's log-probabilities")
+    assert float((adapted - off).abs().max()) > 1e-3  # the adapters were left out, then back
+    assert_close(sequence_logps(policy, batch)[0], adapted, "adapters back on")
+    options = DPOOptions(0.5)
+    loss, terms, grads, _ = ours_loss(policy, BaseOfLoRA(policy), batch, options)
+    expected, expected_terms, expected_grads, _ = ours_loss(policy, base, batch, options)
+    assert_close(loss, expected, "loss")
+    assert_close(terms.chosen_rewards, expected_terms.chosen_rewards, "chosen rewards")
+    assert grads.keys() == expected_grads.keys() == set(adapter_names(policy))  # base frozen
+    for name in adapter_names(policy):
+        assert_close(grads[name], expected_grads[name], f"gradient of {name}")

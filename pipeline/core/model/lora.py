@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "adapters_off",
     "ALL_TARGETS",
     "ExpertAdapters",
     "LoRAAdapted",
@@ -113,6 +115,8 @@ class LoRAAdapted:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_forward(x)
+        if getattr(self, "adapters_off", False):  # `adapters_off`: the base alone
+            return out
         x = x.to(self.lora_A.dtype)  # a no-op unless the base (and so the stream) is bf16
         x = F.dropout(x, self.dropout, self.training) if self.dropout else x
         delta = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
@@ -176,11 +180,28 @@ class ExpertAdapters(nn.Module):
         def plain(t: torch.Tensor) -> torch.Tensor:
             return t.to_local() if isinstance(t, DTensor) else t
 
+        if getattr(self, "adapters_off", False):  # `adapters_off`: the base alone
+            return {}
         return {w: (plain(getattr(self, f"{w}_A")), plain(getattr(self, f"{w}_B")))
                 for w in self.stacks}  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"stacks={self.stacks}, scaling={self.scaling}"
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` without its adapters' updates for the duration: the frozen base it was adapted
+    from, at no extra memory (DPO's reference in a LoRA run). A no-op on a model without
+    adapters."""
+    adapted = [m for m in model.modules() if isinstance(m, (LoRAAdapted, ExpertAdapters))]
+    for module in adapted:
+        module.adapters_off = True
+    try:
+        yield model
+    finally:
+        for module in adapted:
+            module.adapters_off = False
 
 
 def apply_lora(model: nn.Module, spec: LoRASpec) -> nn.Module:
