@@ -101,6 +101,23 @@ def engine_threads() -> int:
     return max(1, cores or 1)
 
 
+def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,
+                 **limits):  # fmt: skip
+    """An engine for `gen` (a loaded `Generator`) whose KV cache fits `kv_cache_bytes`;
+    `max_batch` 0 sizes the batch from the cache (`batch_for_cache`). No `decode`: the server
+    process makes the text, off the engine's path."""
+    from pipeline.serve.engine import Engine
+    from pipeline.serve.kv_cache import BlockKVCache
+
+    param = next(gen.model.parameters())
+    blocks = BlockKVCache.blocks_for_budget(gen.model.config, kv_cache_bytes, block_size,
+                                            param.dtype, gen.tp)  # fmt: skip
+    if blocks < 1:
+        raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds not one block")
+    return Engine(gen.model, cache_blocks=blocks, block_size=block_size, tp=gen.tp,
+                  max_batch=max_batch or batch_for_cache(blocks), **limits)  # fmt: skip
+
+
 def run_engine(spec: EngineSpec, pipe: Connection) -> None:
     """The engine process's body (module docstring)."""
     import torch
@@ -123,7 +140,6 @@ def _load(spec: EngineSpec):
 
     from pipeline.serve.cpu_linear import prepack_linears
     from pipeline.serve.loading import LoadError, open_generator
-    from pipeline.serve.server import build_engine
 
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
     try:

@@ -33,11 +33,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from pipeline import __version__
-from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine import PromptTooLong, QueueFull
 from pipeline.serve.engine_client import EngineClient
-from pipeline.serve.engine_process import EngineSpec, batch_for_cache
-from pipeline.serve.kv_cache import BlockKVCache
-from pipeline.serve.loading import Generator
+from pipeline.serve.engine_process import EngineSpec
 from pipeline.serve.openai_api import (
     APIError,
     ChatBody,
@@ -489,20 +487,6 @@ class ChatWriter:
             last = envelope(ident, model, kind, [])
             last["usage"] = usage(self.prompt_tokens, sum(generated))
             yield last
-
-
-def build_engine(gen: Generator, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,
-                 **limits) -> Engine:  # fmt: skip
-    """An engine whose KV cache fits `kv_cache_bytes`; `max_batch` 0 sizes the batch from the
-    cache (`batch_for_cache`)."""
-    param = next(gen.model.parameters())
-    blocks = BlockKVCache.blocks_for_budget(gen.model.config, kv_cache_bytes, block_size,
-                                            param.dtype, gen.tp)  # fmt: skip
-    if blocks < 1:
-        raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds not one block")
-    # No `decode`: the server process makes the text, off the engine's path.
-    return Engine(gen.model, cache_blocks=blocks, block_size=block_size, tp=gen.tp,
-                  max_batch=max_batch or batch_for_cache(blocks), **limits)  # fmt: skip
 
 
 def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,

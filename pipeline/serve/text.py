@@ -32,15 +32,16 @@ class TextStream:
         self._decode = decode
         self._stop = [s for s in stop if s]
         context = list(context[-CONTEXT_IDS:]) if context else []
-        if decode(context).endswith(_INCOMPLETE):
-            context = []  # the prompt ends inside a character: no clean seam to start from
+        context_text = decode(context) if context else ""
+        if context_text.endswith(_INCOMPLETE):
+            context, context_text = [], ""  # the prompt ends inside a character: no clean seam
         self.ids: list[int] = context
         self.text = ""  # released so far
         self.stopped = False
         self._complete = ""  # decoded and whole: released, or held for a stop string
         self._prefix = 0  # ids[_prefix:_read] is the context decoded before the new ids
         self._read = len(context)
-        self._prefix_text = decode(context) if context else ""
+        self._prefix_text = context_text
 
     def push(self, token: int) -> str:
         """Add a token; the newly released text (sets `stopped` at a stop string)."""
