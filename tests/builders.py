@@ -365,19 +365,19 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 
 def nan_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batch calls (all of them when None)."""
-    import pipeline.train.step_runner as ts
+    import pipeline.train.objectives.language_model as lm
 
-    original = ts.micro_batch_loss
+    original = lm.token_loss
     calls = {"n": 0}
 
-    def poisoned(model, batch):
+    def poisoned(model, hidden, batch):
         calls["n"] += 1
-        loss_sum, tokens = original(model, batch)
+        loss_sum, tokens = original(model, hidden, batch)
         if bad_calls is None or calls["n"] in bad_calls:
             loss_sum = loss_sum * float("nan")
         return loss_sum, tokens
 
-    monkeypatch.setattr(ts, "micro_batch_loss", poisoned)
+    monkeypatch.setattr(lm, "token_loss", poisoned)
 
 
 # ---- running pipe ---------------------------------------------------------------------------

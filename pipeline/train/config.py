@@ -150,8 +150,9 @@ class DataSection:
     """Exclude end-of-document tokens from the loss."""
     data_cache_path: str | None = None
     """Directory for the cached sample/shuffle indices (default: beside the data)."""
-    kind: Literal["gpt", "sft", "dpo"] = "gpt"
-    """gpt: pre-training samples cut from the token stream. sft (`pipe train --sft`): chat
+    kind: str = "gpt"
+    """The training objective, one of `pipeline.train.objectives.OBJECTIVES`. gpt: pre-training
+    samples cut from the token stream. sft (`pipe train --sft`): chat
     datasets (`pipe preprocess --chat`, prefixes `*_messages_document` with their loss mask),
     whole conversations packed per sample, each attending only to itself, and the loss on
     assistant tokens only; the reset and EOD flags above do not apply. dpo (`pipe train
@@ -354,7 +355,7 @@ class LoggingSection:
 @dataclass
 class DPOSection:
     """Preference tuning (`data.kind = "dpo"`, `pipe train --dpo`): the loss and its reference,
-    the starting weights frozen (pipeline.train.dpo_loss)."""
+    the starting weights frozen (pipeline.train.objectives.dpo)."""
 
     beta: float = 0.1
     """Strength of the pull towards the reference (the rewards are beta * log-ratios)."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pipeline.core.kernels.fp8 import normalize_recipe
 from pipeline.core.parallel.layout_rules import layout_problems
 from pipeline.train.config_types import ConfigError
+from pipeline.train.objectives import objective_problems
 
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
@@ -47,12 +48,7 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("data.blend excludes data.train_blend/valid_blend/test_blend")
     if d.mock and (d.blend is not None or split_blends):
         problems.append("data.mock is set together with a data blend; set one or the other")
-    if d.kind == "sft" and d.mock:
-        problems.append(
-            "data.kind = sft trains on chat data with a loss mask; mock data has none: pass "
-            "--data PREFIX_messages_document (made by `pipe preprocess --chat`)"
-        )
-    problems += _dpo_problems(cfg)
+    problems += objective_problems(cfg)
     if not d.mock and d.blend is None and d.train_blend is None:
         problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
     problems += _split_problems(d.split)
@@ -139,24 +135,3 @@ def _split_problems(split: str) -> list[str]:
     if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         return [f"data.split {split!r}: up to three non-negative numbers with a positive sum"]
     return []
-
-
-def _dpo_problems(cfg: TrainConfig) -> list[str]:
-    """DPO trains on preference pairs with the whole model on each rank (the reference and the
-    pair losses need every position of a sequence): no mock data, pipeline or context split."""
-    if cfg.data.kind != "dpo":
-        return []
-    problems = []
-    if cfg.data.mock:
-        problems.append(
-            "data.kind = dpo trains on preference pairs; mock data has none: pass --data "
-            "PREFIX (made by `pipe preprocess --preference`)"
-        )
-    p, k = cfg.parallel, cfg.dpo
-    if p.pp > 1 or p.cp > 1:
-        problems.append("data.kind = dpo runs without pipeline or context parallelism (pp, cp 1)")
-    if k.beta <= 0 or not 0.0 <= k.label_smoothing < 0.5:
-        problems.append("dpo.beta must be > 0 and dpo.label_smoothing in [0, 0.5)")
-    if k.loss == "ipo" and k.label_smoothing:
-        problems.append("dpo.label_smoothing applies to the sigmoid loss, not ipo")
-    return problems

@@ -26,6 +26,8 @@ from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.train.config import ConfigError
 from pipeline.train.model_parts import StageUnion, TrainableModel
+from pipeline.train.objectives import objective_spec
+from pipeline.train.objectives.base import Objective
 from pipeline.train.parallelize import build_model_parts, parallelize
 from pipeline.train.pipeline_step import PipelineRunner
 from pipeline.train.step_runner import LocalStepRunner, StepRunner
@@ -57,7 +59,9 @@ def model_options(
     backend = resolve_backend(
         cfg.training.attention_backend,
         device=device,
-        document_masking=cfg.data.reset_attention_mask or cfg.data.kind == "sft",
+        document_masking=(
+            cfg.data.reset_attention_mask or objective_spec(cfg.data.kind).document_masking
+        ),
     )
     log.info("attention backend: %s", backend)
     return ModelOptions(
@@ -96,9 +100,10 @@ def build_model(
     device: torch.device,
     fp8: Fp8Training | None,
     num_micro_batches: int,
+    objective: Objective,
 ) -> BuiltModel:
     """Built on `meta`, split into this rank's pipeline stages, parallelised, materialised on
-    `device` and initialised (fp32)."""
+    `device` and initialised (fp32); its runner applies `objective`."""
 
     def build() -> Transformer:
         with torch.device("meta"):
@@ -121,11 +126,11 @@ def build_model(
             init_adapters(part, cfg.training.seed)
     model = StageUnion(parts) if num_stages > 1 else parts[0]
     model.train()
-    runner: StepRunner = LocalStepRunner(model)
+    runner: StepRunner = LocalStepRunner(model, objective)
     if num_stages > 1:
         runner = PipelineRunner(
             parts, stage_indices, num_stages, cfg.parallel.pipeline_schedule,
-            num_micro_batches, device, layout.pipeline_group,
+            num_micro_batches, device, layout.pipeline_group, objective,
         )  # fmt: skip
     if device.type == "cpu" and cfg.training.dtype == "bf16" and layout.rank == 0:
         log.warning("training.dtype = bf16 on a CPU: real bf16 compute, slower than fp32 here")

@@ -2,44 +2,75 @@
 
 `PipelineRunner`, the pipeline-parallel `StepRunner` (`pipeline.train.step_runner`), wraps this
 rank's stages in `PipelineStage`s and one torch schedule, and turns the trainer's list of
-micro-batches into the schedule's whole-batch call: the first stage feeds tokens, the last gets
-the targets (labels with the loss mask folded in) and computes the loss, every stage gets the
-position (and document) ids. The loss function divides by the loss tokens
-of the global batch, so the per-micro-batch losses add up to the single-device loss and the
-gradients are those of one device (`scale_grads=False`).
+micro-batches into the schedule's whole-batch call: the first stage feeds tokens, every stage
+gets the position (and document) ids. The schedule's loss function is the run's objective
+(`ObjectiveLoss`): its target is each micro-batch's index, by which the loss finds the
+micro-batch's labels, mask and whatever else the objective needs, and it divides by the
+objective's count over the global batch, so the per-micro-batch losses add up to the
+single-device loss and the gradients are those of one device (`scale_grads=False`).
 
 Evaluation does not use the schedule: torch's `schedule.eval` runs the zero-bubble programs'
 backward actions and fails. `evaluate` instead passes each micro-batch through the stages in
 order, sending hidden states to the rank of the next stage (a GPipe forward without the
-overlap, which evaluation does not need).
+overlap, which evaluation does not need). The same walk gives an objective the hidden states
+of a frozen reference (`hidden_states`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.core.parallel.pipeline import (
-    TokenNormalisedLoss,
-    build_schedule,
-    build_stages,
-    local_stage_indices,
-    make_loss_fn,
-    masked_labels,
-)
+from pipeline.core.parallel.pipeline import build_schedule, build_stages, local_stage_indices
+from pipeline.train.objectives.base import Batch, Objective
 
-__all__ = ["PipelineRunner"]
+__all__ = ["ObjectiveLoss", "PipelineRunner"]
+
+
+class ObjectiveLoss:
+    """The schedule's loss function: `loss_fn(hidden, target)` with `target` the micro-batch's
+    index into the batches stated around the schedule's call (`with loss.step(batches, n)`),
+    the objective's loss of those hidden states divided by `n`, the global batch's count.
+    Only the rank holding the last stage calls it; the output layer is looked up among this
+    rank's stage `modules`."""
+
+    def __init__(self, objective: Objective, modules: Sequence[nn.Module]) -> None:
+        self.objective = objective
+        self.modules = list(modules)
+        self.batches: Sequence[Batch] = ()
+        self.num_tokens: float | torch.Tensor = 1.0
+
+    @contextlib.contextmanager
+    def step(self, batches: Sequence[Batch], num_tokens: float | torch.Tensor) -> Iterator[None]:
+        """Inside the block, micro-batch `i`'s loss reads `batches[i]` and divides by
+        `num_tokens` (it changes every step: torch 2.11's `step` passes unknown keywords to
+        the model, so the schedule's `loss_kwargs` is not used)."""
+        self.batches, self.num_tokens = batches, num_tokens
+        try:
+            yield
+        finally:
+            self.batches, self.num_tokens = (), 1.0
+
+    @property
+    def last_stage(self) -> nn.Module:
+        stage = next((m for m in self.modules if m.output is not None), None)
+        if stage is None:
+            raise RuntimeError("the loss was called on a rank that does not hold the output layer")
+        return stage
+
+    def __call__(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        batch = self.batches[int(target.reshape(-1)[0])]
+        loss_sum, _ = self.objective.loss(self.last_stage, hidden, batch)
+        return loss_sum / self.num_tokens  # the caller clamps it to >= 1 (no host sync)
 
 
 class PipelineRunner:
-    """Runs global batches of `n_microbatches` micro-batches through this rank's stages.
-
-    `loss_fn` is the schedule's loss (default: `make_loss_fn(parts)`, the token-normalised
-    cross-entropy); another objective plugs in here."""
+    """Runs global batches of `n_microbatches` micro-batches through this rank's stages, the
+    `objective` giving the loss on the last stage."""
 
     def __init__(
         self,
@@ -50,12 +81,13 @@ class PipelineRunner:
         n_microbatches: int,
         device: torch.device,
         pp_group: dist.ProcessGroup,
-        loss_fn: TokenNormalisedLoss | None = None,
+        objective: Objective,
     ) -> None:
         self.parts = list(parts)
+        self.objective = objective
         self.is_first = 0 in stage_indices
         self.is_last = num_stages - 1 in stage_indices
-        self.loss_fn = loss_fn or make_loss_fn(self.parts)
+        self.loss_fn = ObjectiveLoss(objective, self.parts)
         stages = build_stages(self.parts, stage_indices, num_stages, device, pp_group)
         self.schedule = build_schedule(
             stages, n_microbatches, self.loss_fn, schedule, scale_grads=False
@@ -70,61 +102,53 @@ class PipelineRunner:
         }
         self.local_stages = dict(zip(stage_indices, self.parts, strict=True))
 
-    def _call(
-        self,
-        run: object,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
-        num_tokens: float,
-        autocast: contextlib.AbstractContextManager | None,
-    ) -> torch.Tensor:
-        """Run `schedule.step` or `schedule.eval` (`run`) over the concatenated micro-batches;
-        returns the summed loss tokens' loss (0 on stages without the loss)."""
-        batch = {key: torch.cat([mb[key] for mb in micro_batches]) for key in micro_batches[0]}
-        args = (batch["tokens"],) if self.is_first else ()
-        kwargs = _model_kwargs(batch)
-        target = masked_labels(batch["labels"], batch["loss_mask"]) if self.is_last else None
-        losses: list[torch.Tensor] = []
-        with autocast or contextlib.nullcontext(), self.loss_fn.normalised_by(num_tokens):
-            run(  # type: ignore[operator]
-                *args,
-                target=target,
-                losses=losses if self.is_last else None,
-                return_outputs=False,
-                **kwargs,
-            )
-        device = batch["tokens"].device
-        if not losses:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack([loss.detach().float() for loss in losses]).sum() * num_tokens
-
     def forward_backward(
         self,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
-        num_tokens: float,
+        micro_batches: Sequence[Batch],
+        num_tokens: float | torch.Tensor,
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one global batch (this data-parallel rank's share); the
         gradients accumulate in the stages' parameters. Returns the loss sum (last stage)."""
-        return self._call(self.schedule.step, micro_batches, num_tokens, autocast)
+        autocast = autocast or contextlib.nullcontext()
+        with autocast:
+            self.objective.prepare(micro_batches, self)
+        keys = _model_keys(micro_batches[0])
+        batch = {key: torch.cat([mb[key] for mb in micro_batches]) for key in keys}
+        args = (batch["tokens"],) if self.is_first else ()
+        target = torch.arange(len(micro_batches)) if self.is_last else None
+        losses: list[torch.Tensor] = []
+        with autocast, self.loss_fn.step(micro_batches, num_tokens):
+            self.schedule.step(
+                *args, target=target, losses=losses if self.is_last else None,
+                return_outputs=False, **_model_kwargs(batch),
+            )  # fmt: skip
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=batch["tokens"].device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * num_tokens
 
     @torch.no_grad()
     def evaluate(
         self,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
+        micro_batches: Sequence[Batch],
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> tuple[torch.Tensor, float]:
-        """Forward only: (loss sum, loss tokens) of the micro-batches (loss 0 off the last
-        stage). Every pipeline rank must call it with its copy of the same micro-batches."""
-        tokens = float(sum(mb["loss_mask"].sum() for mb in micro_batches))
+        """Forward only: (loss sum, count) of the micro-batches (loss 0 off the last stage).
+        Every pipeline rank must call it with its copy of the same micro-batches."""
+        count = float(sum(self.objective.count(mb) for mb in micro_batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
         with autocast or contextlib.nullcontext():
+            self.objective.prepare(micro_batches, self)
             for batch in micro_batches:
-                loss_sum += self._forward_micro_batch(batch)
-        return loss_sum, tokens
+                out = self.hidden_states(batch)
+                if out is not None:
+                    loss_sum += self.objective.loss(*out, batch)[0].detach().float()
+        return loss_sum, count
 
-    def _forward_micro_batch(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Walk one micro-batch through the stages; returns its loss sum on the rank of the
-        last stage (0 elsewhere)."""
+    @torch.no_grad()
+    def hidden_states(self, batch: Batch) -> tuple[nn.Module, torch.Tensor] | None:
+        """Walk one micro-batch through the stages; returns (last stage, its hidden states) on
+        the rank of the last stage (None elsewhere)."""
         my_rank = dist.get_rank(self.pp_group)
         last = len(self.stage_owner) - 1
         hidden: torch.Tensor | None = None
@@ -141,11 +165,15 @@ class PipelineRunner:
             # takes exactly one positional input).
             hidden = self.local_stages[stage](hidden, **_model_kwargs(batch))
             if stage == last:
-                target = masked_labels(batch["labels"], batch["loss_mask"])
-                return self.loss_fn(hidden, target, 1.0).detach().float()
+                return self.local_stages[stage], hidden
             if self.stage_owner[stage + 1] != my_rank:
                 _send(hidden, self.stage_owner[stage + 1], self.pp_group)
-        return torch.zeros((), dtype=torch.float32, device=batch["tokens"].device)
+        return None
+
+
+def _model_keys(batch: Batch) -> list[str]:
+    """The keys the stages take: tokens, position ids, and document ids when present."""
+    return [key for key in ("tokens", "position_ids", "document_ids") if key in batch]
 
 
 def _model_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

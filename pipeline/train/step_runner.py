@@ -10,43 +10,30 @@ whether the model is split into pipeline stages:
 - `PipelineRunner` (`pipeline.train.pipeline_step`): this rank's pipeline stages, the
   micro-batches handed to a `torch.distributed.pipelining` schedule.
 
-The loss is the runner's to apply, and pluggable: a `LocalStepRunner` takes any `MicroBatchLoss`
-(default: `micro_batch_loss`, token cross-entropy plus the multi-token-prediction gradient), a
-`PipelineRunner` any schedule loss function (default: the token-normalised cross-entropy of
-`pipeline.core.parallel.pipeline.make_loss_fn`). A loss returns a sum and the count it is a sum
-over; the step divides by the count of the whole global batch.
+The objective (`pipeline.train.objectives`) is the runner's to apply: both runners take the same
+`Objective` object and hand it the hidden states of the module holding the output layer, so
+every objective runs on the plain path and inside a pipeline schedule alike. A loss returns a
+sum and the count it is a sum over; the step divides by the count of the whole global batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-from pipeline.core.model.mtp import mtp_loss_sum
-from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
 from pipeline.train.model_parts import TrainableModel
+from pipeline.train.objectives.base import Batch, Objective, model_hidden
 
-__all__ = [
-    "Batch",
-    "LocalStepRunner",
-    "MicroBatchLoss",
-    "StepRunner",
-    "evaluation_mode",
-    "micro_batch_loss",
-]
-
-Batch = dict[str, torch.Tensor]
-"""One micro-batch on the device: tokens, labels, loss_mask, position_ids (and document_ids)."""
-
-MicroBatchLoss = Callable[[TrainableModel, Batch], tuple[torch.Tensor, torch.Tensor]]
-"""(model, micro-batch) -> (summed loss, the number of loss terms summed): a training objective."""
+__all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode"]
 
 
 class StepRunner(Protocol):
     """The model work of one step or evaluation on this rank's micro-batches."""
+
+    objective: Objective
 
     def forward_backward(
         self,
@@ -54,8 +41,9 @@ class StepRunner(Protocol):
         num_tokens: torch.Tensor,
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> torch.Tensor:
-        """Accumulate the gradients of the loss divided by `num_tokens` (the loss tokens of the
-        whole global batch); returns this rank's loss sum (0 where no stage computes it)."""
+        """Accumulate the gradients of the loss divided by `num_tokens` (the objective's count
+        over the whole global batch); returns this rank's loss sum (0 where no stage computes
+        it)."""
         ...
 
     def evaluate(
@@ -63,36 +51,26 @@ class StepRunner(Protocol):
         micro_batches: Sequence[Batch],
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> tuple[torch.Tensor, float]:
-        """Forward only: (loss sum, loss tokens) of the micro-batches (the caller puts the model
-        in eval mode, `evaluation_mode`)."""
+        """Forward only: (loss sum, count) of the micro-batches (the caller puts the model in
+        eval mode, `evaluation_mode`)."""
+        ...
+
+    def hidden_states(self, batch: Batch) -> tuple[torch.nn.Module, torch.Tensor] | None:
+        """Forward only, every rank of the layout together: (module holding the output layer,
+        its hidden states) for one micro-batch on the rank that holds the output, else None."""
         ...
 
 
-def micro_batch_loss(model: TrainableModel, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of masked token losses, number of loss tokens) of one micro-batch. With
-    multi-token prediction (training only) the MTP loss joins the gradient, not the value."""
-    hidden = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"))
-    loss_sum, tokens = tp_linear_cross_entropy(
-        hidden, model.output.weight, batch["labels"], batch["loss_mask"]
-    )
-    if getattr(model, "mtp", None) is not None and torch.is_grad_enabled():
-        mtp = mtp_loss_sum(model, model.mtp_input, batch, tp_linear_cross_entropy)
-        loss_sum = loss_sum + (mtp - mtp.detach())
-    return loss_sum, tokens
-
-
 class LocalStepRunner:
-    """Runs micro-batches through the whole `model` held by this rank, one after another.
+    """Runs micro-batches through the whole `model` held by this rank, one after another, the
+    `objective` giving each one's loss."""
 
-    `loss` is the objective; unset, `micro_batch_loss` as this module holds it when called
-    (so a test may replace it there)."""
-
-    def __init__(self, model: TrainableModel, loss: MicroBatchLoss | None = None) -> None:
+    def __init__(self, model: TrainableModel, objective: Objective) -> None:
         self.model = model
-        self.loss = loss
+        self.objective = objective
 
     def _loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.loss or micro_batch_loss)(self.model, batch)
+        return self.objective.loss(self.model, model_hidden(self.model, batch), batch)
 
     def forward_backward(
         self,
@@ -105,6 +83,8 @@ class LocalStepRunner:
         autocast = autocast or contextlib.nullcontext()
         device = micro_batches[0]["tokens"].device
         total = torch.zeros((), dtype=torch.float32, device=device)
+        with autocast:
+            self.objective.prepare(micro_batches, self)
         for batch in micro_batches:
             with autocast:
                 loss_sum, _ = self._loss(batch)
@@ -118,17 +98,23 @@ class LocalStepRunner:
         micro_batches: Sequence[Batch],
         autocast: contextlib.AbstractContextManager | None = None,
     ) -> tuple[torch.Tensor, float]:
-        """(loss sum, loss tokens) of the micro-batches."""
+        """(loss sum, count) of the micro-batches."""
         autocast = autocast or contextlib.nullcontext()
         device = micro_batches[0]["tokens"].device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        tokens = 0.0
+        count = 0.0
+        with autocast:
+            self.objective.prepare(micro_batches, self)
         for batch in micro_batches:
             with autocast:
-                batch_loss, batch_tokens = self._loss(batch)
+                batch_loss, _ = self._loss(batch)
             loss_sum += batch_loss.double()
-            tokens += float(batch_tokens)
-        return loss_sum, tokens
+            count += float(self.objective.count(batch))
+        return loss_sum, count
+
+    @torch.no_grad()
+    def hidden_states(self, batch: Batch) -> tuple[torch.nn.Module, torch.Tensor]:
+        return self.model, model_hidden(self.model, batch)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,11 @@
 """One optimizer step over a global batch, and one evaluation pass.
 
-The loss of a step is the sum of the masked token losses of all its micro-batches divided by
-the number of loss tokens in the whole global batch (not a mean of per-micro-batch means), so
-a step gives the same loss and gradients whatever the micro-batch size: 1 x 8 == 8 x 1 up to
-floating-point summation order. MoE auxiliary losses are per forward pass; each MoE layer
-attaches its own gradient with the weight the model was built with (`ModelOptions`), so they
-are not added here. The output projection is fused with the loss in chunks (the vocabulary-
-parallel form under tensor parallelism), so full-vocabulary fp32 logits never exist.
+The loss of a step is the sum of the objective's losses over all its micro-batches divided by
+the objective's count over the whole global batch (loss tokens for language modelling, pairs
+for DPO; not a mean of per-micro-batch means), so a step gives the same loss and gradients
+whatever the micro-batch size: 1 x 8 == 8 x 1 up to floating-point summation order. MoE
+auxiliary losses are per forward pass; each MoE layer attaches its own gradient with the weight
+the model was built with (`ModelOptions`), so they are not added here.
 
 Under a parallel layout the same function runs on every rank: `dp_group` is the group whose
 ranks hold different tokens of the global batch (data x context parallel), the step runner
@@ -34,7 +33,7 @@ from pipeline.core.parallel.grad_norm import clip_grad_norm_
 from pipeline.core.parallel.tensor_parallel import sum_moe_gradients
 from pipeline.train.expert_bias import update_expert_biases
 from pipeline.train.model_parts import TrainableModel
-from pipeline.train.step_runner import Batch, LocalStepRunner, StepRunner
+from pipeline.train.step_runner import Batch, StepRunner
 
 if TYPE_CHECKING:
     from pipeline.core.kernels.fp8 import Fp8Training
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "StepResult",
     "autocast_context",
-    "batch_to_device",
     "forward_backward",
     "reduce_loss_sum",
     "train_step",
@@ -98,26 +96,6 @@ class _Nested(contextlib.AbstractContextManager):
         return self._stacks.pop().__exit__(*exc)
 
 
-def document_ids_from_tokens(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """Document index of each position: the count of EOD tokens strictly before it, so an EOD
-    belongs to the document it ends (Megatron's `reset_attention_mask` rule)."""
-    is_eod = (tokens == eod_id).long()
-    return torch.cumsum(is_eod, dim=1) - is_eod
-
-
-def batch_to_device(
-    batch: dict[str, torch.Tensor], device: torch.device, eod_id: int | None = None
-) -> Batch:
-    """The model's inputs from a loader batch, on `device`. Attention stops at document
-    boundaries where the batch carries `document_ids` (packed SFT samples) or, with `eod_id`,
-    at the documents its EOD tokens end (the dataset's dense mask is not used)."""
-    keys = ("tokens", "labels", "loss_mask", "position_ids", "document_ids", "pairs", "ref_logps")
-    out = {key: batch[key].to(device, non_blocking=True) for key in keys if key in batch}
-    if eod_id is not None and "document_ids" not in out:
-        out["document_ids"] = document_ids_from_tokens(out["tokens"], eod_id)
-    return out
-
-
 def train_step(
     model: TrainableModel,
     optimizer: torch.optim.Optimizer,
@@ -127,7 +105,7 @@ def train_step(
     clip_grad: float,
     autocast: contextlib.AbstractContextManager | None = None,
     dp_group: dist.ProcessGroup | None = None,
-    runner: StepRunner | None = None,
+    runner: StepRunner,
     pp_group: dist.ProcessGroup | None = None,
     after_optimizer_step: Callable[[], None] | None = None,
 ) -> StepResult:
@@ -138,8 +116,8 @@ def train_step(
     `skipped`; the caller counts it and holds the learning rate back (`MegatronLR.rewind`).
     Every rank divides by the loss tokens of the whole global batch (summed over `dp_group`,
     whose gradients are summed as `apply_fsdp` does) and reports the global loss, so every rank
-    takes the same skip decision and any layout equals one device. `runner` (default: the
-    whole `model`, `LocalStepRunner`) does the forward and backward work.
+    takes the same skip decision and any layout equals one device. `runner` does the forward
+    and backward work with the run's objective.
     """
     optimizer.zero_grad(set_to_none=True)
     loss_sum, global_tokens = forward_backward(
@@ -190,25 +168,18 @@ def reduce_loss_sum(
     return loss_sum
 
 
-def loss_terms(batch: Batch) -> torch.Tensor:
-    """What a micro-batch's loss is a sum over: its pairs for preference data (`pairs`, the
-    DPO loss is a mean over pairs), else its loss tokens."""
-    return batch["pairs"].sum() if "pairs" in batch else batch["loss_mask"].sum()
-
-
 def forward_backward(
     model: TrainableModel,
     micro_batches: Sequence[Batch],
     *,
     autocast: contextlib.AbstractContextManager | None = None,
     dp_group: dist.ProcessGroup | None = None,
-    runner: StepRunner | None = None,
+    runner: StepRunner,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate the gradients of one global batch (this rank's share) through `runner`
-    (default: `LocalStepRunner(model)`): returns this rank's loss sum (0 on pipeline stages
-    without the loss) and the global loss-token count, both 0-dim tensors."""
-    runner = runner or LocalStepRunner(model)
-    local_tokens = sum(loss_terms(mb) for mb in micro_batches)
+    """Accumulate the gradients of one global batch (this rank's share) through `runner`:
+    returns this rank's loss sum (0 on pipeline stages without the loss) and the global count
+    the loss is normalised by (the objective's: loss tokens, pairs), both 0-dim tensors."""
+    local_tokens = sum(runner.objective.count(mb) for mb in micro_batches)
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()
     loss_sum = runner.forward_backward(micro_batches, denominator, autocast)

@@ -67,11 +67,12 @@ from pipeline.train.loop_state import LogWindow, LoopState, TrainResult
 from pipeline.train.metrics import MetricsLogger, router_statistics
 from pipeline.train.model_build import build_fp8_backend, build_model, model_options
 from pipeline.train.model_parts import model_parts
+from pipeline.train.objectives import build_objective
 from pipeline.train.optimizer import build_optimizer, build_scheduler
 from pipeline.train.perf import memory_gib, peak_tflops
 from pipeline.train.samples import TrainingSamples, sample_tokenizer_path
-from pipeline.train.step_runner import Batch, LocalStepRunner, evaluation_mode
-from pipeline.train.train_step import StepResult, autocast_context, batch_to_device, train_step
+from pipeline.train.step_runner import Batch, evaluation_mode
+from pipeline.train.train_step import StepResult, autocast_context, train_step
 
 __all__ = ["TrainResult", "Trainer", "seed_everything"]
 
@@ -108,16 +109,13 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.layout, self.device = build_layout(cfg, resolve_device(cfg.training.device))
+        self.objective = build_objective(cfg, layout=self.layout)
         self.num_micro_batches = micro_batches_per_step(cfg, self.layout)
         seed_everything(cfg.training.seed, deterministic=self.device.type == "cpu")
         check_checkpoint_model(cfg, load_iteration)  # before anything is built or read
         self.model_config = cfg.model_config()
-        options = model_options(cfg, self.layout, self.device, self.num_micro_batches)
         self.fp8 = build_fp8_backend(cfg, self.layout, self.device)
-        built = build_model(
-            cfg, self.model_config, options, self.layout, self.device, self.fp8,
-            self.num_micro_batches,
-        )  # fmt: skip
+        built = self.build_same_model()
         self.model, self.step_runner, self.parts = built.model, built.runner, built.parts
         self.hf_start = self._open_hf_start()
         self.optimizer = build_optimizer(self.model, cfg)
@@ -138,15 +136,16 @@ class Trainer:
         self.lora_base: lora_run.BaseRecord | None = None
         self._resume(load_iteration)
         self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
-        self.dpo = self._setup_dpo(options) if cfg.data.kind == "dpo" else None
+        self.objective.setup(self)
         self.train_loader = self._build_loader(0, "train")
         self.valid_loader = self._build_loader(1, "valid")
         self._valid_iterator: Iterator[Any] | None = None
         self._evaluated_at: int | None = None
+        self._signals: StopSignals | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
-        sides = 2 if cfg.data.kind == "dpo" else 1  # a DPO sample is a pair of sequences
-        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sides
+        sequences = self.objective.spec.sequences_per_sample  # DPO: a pair
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sequences
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
 
@@ -166,39 +165,14 @@ class Trainer:
             self.datasets[split], self.cfg, self.consumed[name], self.layout.dp_rank, self.layout.dp
         )
 
-    def _setup_dpo(self, options: Any) -> Any:
-        """The DPO loss as the step runner's objective, with its reference (pipeline.train.dpo):
-        a frozen second model holding the starting weights, the base itself in a LoRA run (its
-        adapters left out), or their log-probabilities computed once now and stored next to the
-        data (`dpo.precompute_reference`)."""
-        from pipeline.train import dpo
-
-        cfg = self.cfg
-        if self.iteration > 0:
-            raise ConfigError(
-                "resuming a DPO run is not supported yet: its reference (the weights it started "
-                "from) is no longer what checkpoint.load holds; start again from those weights"
-            )
-        reference = None
-        if cfg.dpo.precompute_reference:
-            key = dpo.start_key(cfg, self.model_config)
-            members = dpo.preference_members(self.datasets)
-            dpo.precompute_reference(
-                self.model, members, key, self.layout, self.device, self.autocast,
-                cfg.training.micro_batch_size,
-            )  # fmt: skip
-        elif cfg.lora.enabled:  # the frozen base is the reference: no second model
-            reference = dpo.BaseOfLoRA(self.model)
-        else:
-            built = build_model(
-                cfg, self.model_config, options, self.layout, self.device, self.fp8,
-                self.num_micro_batches,
-            )  # fmt: skip
-            built.model.load_state_dict(self.model.state_dict())
-            reference = dpo.freeze(built.model)
-        loss = dpo.build_dpo_loss(cfg, reference)
-        self.step_runner = LocalStepRunner(self.model, loss)
-        return loss
+    def build_same_model(self) -> Any:
+        """A model built as this run's is (layout, options, FP8, initialisation), with its step
+        runner: the run's own, or a frozen reference beside it."""
+        options = model_options(self.cfg, self.layout, self.device, self.num_micro_batches)
+        return build_model(
+            self.cfg, self.model_config, options, self.layout, self.device, self.fp8,
+            self.num_micro_batches, self.objective,
+        )  # fmt: skip
 
     def _open_hf_start(self) -> Any:
         """The Hugging Face model `checkpoint.load` names (an `HFSource`), or None."""
@@ -245,7 +219,7 @@ class Trainer:
         if not (t.sample_prompts and t.sample_interval):
             return None
         path = sample_tokenizer_path(self.cfg.data.tokenizer, self.tokenizer.fingerprint)
-        chat = self.cfg.data.kind in ("sft", "dpo")  # prompts asked as a user's turn
+        chat = self.objective.spec.chat_prompts  # prompts asked as a user's turn
         return TrainingSamples(t.sample_prompts, path, t.sample_tokens, chat=chat)
 
     def log_samples(self) -> dict[str, str]:
@@ -290,6 +264,7 @@ class Trainer:
             **(
                 {"lora": lora_run.lora_metadata(self.cfg, self.lora_base)} if self.lora_base else {}
             ),
+            **{record.name: record.record() for record in self.objective.records()},
         }
 
     def _tokenizer_record(self) -> dict[str, Any]:
@@ -387,6 +362,8 @@ class Trainer:
             "valid": int(meta.get("consumed_valid_samples", 0)),
         }
         self.guard.total = int(meta.get("skipped_iterations", 0))
+        for record in self.objective.records():
+            record.check(meta.get(record.name), resuming=True)
         log.info("resumed from %s at iteration %d", self.checkpoints.load_dir, self.iteration)
 
     def _start_from_hf(self) -> None:
@@ -460,7 +437,7 @@ class Trainer:
         """This rank's micro-batches of the next global batch (its context-parallel chunks)."""
         return [
             self.layout.shard_batch(
-                batch_to_device(next(iterator), self.device, self.eod_for_documents)
+                self.objective.device_batch(next(iterator), self.device, self.eod_for_documents)
             )
             for _ in range(self.num_micro_batches)
         ]
@@ -486,6 +463,7 @@ class Trainer:
         iterator = iter(self.train_loader)
         try:
             with StopSignals() as signals:
+                self._signals = signals
                 while self.iteration < t.iters:
                     self._timed_step(iterator, loop)
                     if self._due(t.log_interval) or self.iteration == t.iters:
@@ -610,41 +588,37 @@ class Trainer:
         }
         if self.peak_tflops is not None:
             metrics["mfu"] = tflops / self.peak_tflops
-        if self.dpo is not None:
-            metrics |= self.dpo.take_stats(self.layout.batch_group, self._reduce_device())
+        metrics |= self.objective.metrics()
         self.metrics.log(self.iteration, metrics)
         if bar is not None:
             bar.set_postfix_str(f"loss {metrics['loss']:.4f}", refresh=False)
 
     def run_evaluation(self) -> float | None:
-        """`eval_iters` global batches of the valid split; logs and returns the loss."""
+        """`eval_iters` global batches of the valid split; logs and returns the loss. A stop
+        signal is noticed between batches: the evaluation ends there, unlogged (None), and
+        the loop saves and exits as it does during training."""
         self._evaluated_at = self.iteration
         if self.valid_loader is None or self.cfg.training.eval_iters == 0:
             return None
         if self._valid_iterator is None:
             self._valid_iterator = iter(self.valid_loader)
-        self.consumed["valid"] += self.cfg.training.eval_iters * self.cfg.training.global_batch_size
-        loss_sum, tokens = 0.0, 0.0
-        held = self.dpo.swap_stats() if self.dpo is not None else None
-        for _ in range(self.cfg.training.eval_iters):
-            micro_batches = self.next_global_batch(self._valid_iterator)
-            with evaluation_mode(self.model):
-                batch_sum, batch_tokens = self.step_runner.evaluate(micro_batches, self.autocast)
-            loss_sum, tokens = loss_sum + float(batch_sum), tokens + batch_tokens
-        loss = self._global_eval_loss(loss_sum, tokens)
-        if self.dpo is not None:  # a mean over pairs: no perplexity
-            figures = self.dpo.take_stats(self.layout.batch_group, self._reduce_device())
-            self.dpo.swap_stats(held)
-            self.metrics.log(self.iteration, {"loss": loss, **figures}, split="valid")
-            return loss
-        ppl = math.exp(loss) if loss < 700 else math.inf
-        self.metrics.log(self.iteration, {"loss": loss, "ppl": ppl}, split="valid")
+        loss_sum, count = 0.0, 0.0
+        with self.objective.evaluating():
+            for _ in range(self.cfg.training.eval_iters):
+                if self._signals is not None and self._signals.received is not None:
+                    log.warning("%s received: evaluation stopped", self._signals.name)
+                    return None
+                micro_batches = self.next_global_batch(self._valid_iterator)
+                self.consumed["valid"] += self.cfg.training.global_batch_size
+                with evaluation_mode(self.model):
+                    batch_sum, batch_count = self.step_runner.evaluate(micro_batches, self.autocast)
+                loss_sum, count = loss_sum + float(batch_sum), count + batch_count
+            loss = self._global_eval_loss(loss_sum, count)
+            figures = {"loss": loss, **self.objective.metrics()}
+        if self.objective.reports_perplexity:
+            figures["ppl"] = math.exp(loss) if loss < 700 else math.inf
+        self.metrics.log(self.iteration, figures, split="valid")
         return loss
-
-    def _reduce_device(self) -> torch.device:
-        """Where small all-reduces run: the device under NCCL, else the CPU."""
-        on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
-        return self.device if on_gpu else torch.device("cpu")
 
     def _global_eval_loss(self, loss_sum: float, tokens: float) -> float:
         """The token-normalised loss over every rank's evaluation batches: token counts are

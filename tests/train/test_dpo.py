@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from pipeline.data.loss_mask import loss_mask_prefix
 from pipeline.data.preference_dataset import PreferencePairs
 from pipeline.train.config import ConfigError
 from pipeline.train.config_loader import resolve_config
-from tests.builders import layout_sets, records, run_pipe, train_and_probe
+from tests.builders import layout_sets, records, run_pipe, run_python, train_and_probe
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -138,22 +140,22 @@ def test_first_step_is_ln2_and_precomputed_equals_live(tmp_path: Path) -> None:
     assert precomputed["valid"] == pytest.approx(live["valid"], rel=1e-5)
     files = list(tmp_path.glob("pairs_reference-*.npy"))
     assert len(files) == 1 and np.load(files[0]).shape == (40, 2)
-    # A resumed run's checkpoint is no longer its reference: refused, not silently wrong.
-    from pipeline.train.trainer import Trainer
-
-    load = f"checkpoint.load={tmp_path / 'live' / 'checkpoints'}"
-    resumed = _dpo_sets(tmp_path / "live", prefix, load, "training.iters=5")
-    with pytest.raises(ConfigError, match="resuming a DPO run"):
-        Trainer(resolve_config("tiny_dpo", resumed), console=False)
 
 
 # ---- layouts ---------------------------------------------------------------------------------
 
+PRECOMPUTED = "dpo.precompute_reference=true"
 LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "dp2": ["parallel.dp=2"],
-    "dp2_precomputed": ["parallel.dp=2", "dpo.precompute_reference=true"],  # a shared pass
+    "dp2_precomputed": ["parallel.dp=2", PRECOMPUTED],  # a shared pass
+    # The objective inside the pipeline schedule; the live reference walks its own stages.
+    "pp2": ["parallel.pp=2"],
+    "pp2_precomputed": ["parallel.pp=2", PRECOMPUTED],
+    # Each rank holds half of every sequence: the per-side sums are added over the pair.
+    "cp2": ["parallel.cp=2"],
+    "cp2_precomputed": ["parallel.cp=2", PRECOMPUTED],
 }
 
 
@@ -162,6 +164,14 @@ def _dpo_layout_worker(rank: int, world_size: int, tmp: Path, prefix: str) -> di
         name: train_and_probe("tiny_dpo", _dpo_sets(tmp / name, prefix, *extra))
         for name, extra in LAYOUTS.items()
     }
+
+
+def _stage_gradients(per_rank: list[dict], name: str) -> dict:
+    """Every parameter's gradient from the ranks of a layout (pipeline stages report theirs)."""
+    grads: dict = {}
+    for result in per_rank:
+        grads |= result[name]["grads"]
+    return grads
 
 
 @pytest.mark.dist
@@ -175,10 +185,103 @@ def test_dpo_layouts_equal_one_process(tmp_path: Path) -> None:
                 assert result["losses"][step] == pytest.approx(loss, rel=1e-4), (name, step)
             assert result["probe"] == pytest.approx(reference["probe"], rel=1e-4), name
             assert result["valid"] == pytest.approx(reference["valid"], rel=1e-4), name
-            for param, grad in reference["grads"].items():
-                torch.testing.assert_close(
-                    result["grads"][param], grad, atol=1e-6, rtol=1e-4, msg=name
-                )
+        figures = records(tmp_path / "dist" / name, "valid")  # summed over stages and ranks
+        for step, record in records(tmp_path / "single", "valid").items():
+            for key in ("margin", "accuracy", "rewards_chosen"):
+                assert figures[step][key] == pytest.approx(record[key], rel=1e-4, abs=1e-6), name
+        grads = _stage_gradients(per_rank, name)
+        assert grads.keys() == reference["grads"].keys(), name
+        for param, grad in reference["grads"].items():
+            torch.testing.assert_close(grads[param], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+# ---- resume --------------------------------------------------------------------------------
+
+KILL_AFTER_SAVE = """
+    import os, signal, sys
+    from pipeline.train.config_loader import resolve_config
+    from pipeline.train.trainer import Trainer
+
+    original = Trainer.save_checkpoint
+
+    def save_then_die(self):
+        path = original(self)
+        if self.iteration == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    Trainer.save_checkpoint = save_then_die
+    Trainer(resolve_config("tiny_dpo", sys.argv[1:]), console=False).train()
+"""
+
+
+def _train(sets: list[str]):
+    from pipeline.train.trainer import Trainer
+
+    return Trainer(resolve_config("tiny_dpo", sets), console=False).train()
+
+
+def _start_sets(tmp_path: Path, prefix: str, start: str) -> list[str]:
+    """How the run starts: its seeded initialisation, a precomputed reference, or the weights of
+    another run's checkpoint (`--load CKPT --finetune`)."""
+    if start == "precomputed":
+        return [PRECOMPUTED]
+    if start == "checkpoint":
+        _train(_dpo_sets(tmp_path / "base", prefix, "training.iters=1"))
+        return [f"checkpoint.load={tmp_path / 'base' / 'checkpoints'}", "checkpoint.finetune=true"]
+    return []
+
+
+@pytest.mark.parametrize("start", ["seeded", "precomputed", "checkpoint"])
+def test_dpo_resumes_exactly_after_sigkill(tmp_path: Path, start: str) -> None:
+    """A DPO run SIGKILLed after saving iteration 2 and resumed with --load of its checkpoints
+    continues as the uninterrupted run (losses, valid margin bit for bit): the checkpoint records
+    its reference and the resumed run rebuilds it. A changed reference is refused in one line."""
+    prefix = write_pairs(tmp_path / "pairs", 40, 128)
+    extra = ["training.iters=4", "checkpoint.save_interval=2", "training.eval_interval=2",
+             *_start_sets(tmp_path, prefix, start)]  # fmt: skip
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    _train(_dpo_sets(run_a, prefix, *extra))
+    proc = run_python(KILL_AFTER_SAVE, *_dpo_sets(run_b, prefix, *extra))
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == -signal.SIGKILL, output
+    again = [s for s in _dpo_sets(run_b, prefix, *extra) if not s.startswith("checkpoint.")]
+    resume = [*again, f"checkpoint.load={run_b / 'checkpoints'}", "checkpoint.save_interval=2"]
+    _train(resume)
+    a, b = records(run_a), records(run_b)
+    assert [a[s]["loss"] for s in (3, 4)] == [b[s]["loss"] for s in (3, 4)]
+    assert a[4]["grad_norm"] == b[4]["grad_norm"]
+    assert records(run_a, "valid")[4]["margin"] == records(run_b, "valid")[4]["margin"]
+    metadata = json.loads((run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json")
+                          .read_text())["metadata"]  # fmt: skip
+    recorded = metadata["dpo_reference"]
+    if start == "seeded":
+        assert recorded["load"] is None
+    elif start == "checkpoint":
+        base = tmp_path / "base" / "checkpoints" / "iter_0000001"
+        assert recorded["load"] == str(base.resolve())
+        os.utime(next(base.iterdir()), (1, 1))  # the start is not what it was
+        with pytest.raises(ConfigError, match="started from .* changed since"):
+            _train(resume)
+    else:
+        (path,) = recorded["files"]
+        np.save(path, np.load(path) + 1.0)
+        with pytest.raises(ConfigError, match="have changed since"):
+            _train(resume)
+
+
+def test_resuming_a_language_model_checkpoint_as_dpo_is_refused(tmp_path: Path) -> None:
+    """A checkpoint of another kind of run is no DPO run to resume: one line says to start DPO
+    from it with --finetune."""
+    from pipeline.train.trainer import Trainer
+
+    prefix = write_pairs(tmp_path / "pairs", 16, 128)
+    lm = tmp_path / "lm"
+    sets = layout_sets("tiny", lm, "training.iters=1")
+    Trainer(resolve_config("tiny", sets), console=False).train()
+    sets = _dpo_sets(tmp_path / "dpo", prefix, f"checkpoint.load={lm / 'checkpoints'}")
+    with pytest.raises(ConfigError, match="--finetune"):
+        _train(sets)
 
 
 # ---- pipe train --dpo ------------------------------------------------------------------------
@@ -214,7 +317,7 @@ def test_dpo_config_refused(tmp_path: Path) -> None:
     prefix = write_pairs(tmp_path / "pairs", 8, 128)
     for extra, problem in [
         (["--set", "dpo.loss=ipo", "--set", "dpo.label_smoothing=0.1"], "not ipo"),
-        (["--set", "parallel.pp=2"], "without pipeline or context"),
+        (["--set", "model.mtp_num_layers=1"], "no multi-token prediction"),
         (["--sft"], "--sft and --dpo"),
     ]:
         result = run_pipe(
@@ -229,7 +332,7 @@ def test_dpo_config_refused(tmp_path: Path) -> None:
 def test_with_lora_the_base_is_the_reference(tmp_path: Path) -> None:
     """`pipe train --dpo --lora`: the reference is the base without adapters, live (no second
     model) or precomputed, with the same losses."""
-    from pipeline.train.dpo import BaseOfLoRA
+    from pipeline.train.objectives.dpo_reference import AdaptersOffRunner
     from pipeline.train.trainer import Trainer
 
     prefix = write_pairs(tmp_path / "pairs", 40, 128)
@@ -239,8 +342,9 @@ def test_with_lora_the_base_is_the_reference(tmp_path: Path) -> None:
         sets = _dpo_sets(tmp_path / name, prefix, *lora, *extra)
         trainer = Trainer(resolve_config("tiny_dpo", sets), console=False)
         runs[name] = trainer.train().losses
-        if name == "live":
-            assert isinstance(trainer.step_runner.loss.reference, BaseOfLoRA)
+        if name == "live":  # the policy's own runner, its adapters left out
+            reference = trainer.objective.reference
+            assert isinstance(reference, AdaptersOffRunner) and reference.policy is trainer.model
     live, precomputed = runs["live"], runs["pre"]
     assert live[1] == pytest.approx(math.log(2), abs=1e-6)
     assert live[3] != pytest.approx(math.log(2), abs=1e-4)  # the adapters moved

@@ -218,7 +218,10 @@ def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
 def test_packed_loss_equals_transformers_per_conversation(tmp_path: Path) -> None:
     """Packed micro-batches through pipe's loss (forward_backward: accumulation and the global
     token count) against transformers' loss on each conversation alone."""
-    from pipeline.train.train_step import batch_to_device, forward_backward
+    from pipeline.train.objectives.base import batch_to_device
+    from pipeline.train.objectives.language_model import LanguageModelling
+    from pipeline.train.step_runner import LocalStepRunner
+    from pipeline.train.train_step import forward_backward
     from pipeline.weights.hf_reader import HFSource
     from tests.builders import VOCAB, load_from_source, save_hf
 
@@ -236,7 +239,8 @@ def test_packed_loss_equals_transformers_per_conversation(tmp_path: Path) -> Non
         batch_to_device(collate_numpy(samples[i : i + 2]), torch.device("cpu"))
         for i in range(0, len(samples), 2)
     ]
-    loss_sum, tokens = forward_backward(model, micro_batches)
+    runner = LocalStepRunner(model, LanguageModelling())
+    loss_sum, tokens = forward_backward(model, micro_batches, runner=runner)
     ours = float(loss_sum) / float(tokens)
 
     total, count = 0.0, 0

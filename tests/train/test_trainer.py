@@ -125,6 +125,42 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path) -> None:
     assert int(latest.removeprefix("iter_")) >= 2
 
 
+SIGTERM_DURING_EVALUATION = """
+    import os, signal, sys
+    from pipeline.train.commands import train
+    from pipeline.train.step_runner import LocalStepRunner
+
+    original = LocalStepRunner.evaluate
+    calls = []
+
+    def evaluate_then_signal(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the scheduler's SIGTERM, in the middle of a long evaluation
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, *args, **kwargs)
+
+    LocalStepRunner.evaluate = evaluate_then_signal
+    try:
+        train()
+    finally:
+        print(f"evaluation batches: {len(calls)}")
+"""
+
+
+def test_sigterm_during_evaluation_saves_and_exits_before_it_ends(tmp_path: Path) -> None:
+    """SIGTERM during a 1000-batch evaluation is noticed at the next batch: the evaluation
+    stops there (unlogged), the iteration is saved and the run exits 0."""
+    sets = micro_sets(tmp_path, "training.eval_interval=2", "training.eval_iters=1000")
+    args = [*("--set=" + s for s in sets), "--iters", "100", "--set", "checkpoint.save_interval=0"]
+    proc = run_python(SIGTERM_DURING_EVALUATION, *args)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    assert "SIGTERM received: evaluation stopped" in output and "evaluation batches: 2" in output
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "iter_0000002"
+    assert verify(tmp_path / "checkpoints" / "iter_0000002").ok
+    assert not records(tmp_path, "valid")  # an interrupted evaluation is no figure
+
+
 def test_help_and_dry_run_do_not_import_torch() -> None:
     code = """
         import sys

@@ -1,10 +1,12 @@
 """Direct preference optimisation: the loss of chosen/rejected pairs against a frozen reference.
 
 A preference micro-batch holds whole pairs: `tokens`, `labels`, `loss_mask` and `position_ids`
-of shape `[pairs, 2, seq]` (side 0 the chosen conversation, side 1 the rejected one), so a pair
-is never split across micro-batches or ranks. A side's log-probability is the sum, over the
-positions whose loss mask is 1 (the assistant's reply), of the log-probability of the label
-(`sequence_logps`). With policy log-probabilities `pc, pr` and the reference's `rc, rr`:
+of shape `[pairs, 2, seq]` (side 0 the chosen conversation, side 1 the rejected one), taken as
+rows `[pairs * 2, seq]` by the model (`pair_rows`), so a pair is never split across micro-batches
+or data-parallel ranks (context parallelism splits every sequence, and sums its parts). A
+side's log-probability is the sum, over the positions whose loss mask is 1 (the assistant's
+reply), of the log-probability of the label (`sequence_logps`). With policy log-probabilities
+`pc, pr` and the reference's `rc, rr`:
 
 - rewards: `beta * (pc - rc)` (chosen) and `beta * (pr - rr)` (rejected); margin their
   difference, accuracy whether it is positive;
@@ -14,10 +16,10 @@ positions whose loss mask is 1 (the assistant's reply), of the log-probability o
 - `ipo`: `((pc - rc) / nc - (pr - rr) / nr - 1 / (2 beta))^2`, the log-ratios averaged over
   the `nc`, `nr` mask tokens of each side (as TRL computes IPO).
 
-`DPOLoss` is a `MicroBatchLoss` (pipeline.train.step_runner): it returns the summed per-pair
-losses and the number of pairs, so the step's division by the pairs of the global batch gives
-the mean over pairs whatever the micro-batch size or data-parallel layout. It keeps running
-sums of the rewards, margins and accuracies for the trainer to log (`take_stats`).
+`DPOLoss` returns the summed per-pair losses and the number of pairs (the DPO objective,
+`pipeline.train.objectives.dpo`, hands it to the loop), so the step's division by the pairs of
+the global batch gives the mean over pairs whatever the micro-batch size or layout. It keeps
+running sums of the rewards, margins and accuracies for the objective to log (`take_stats`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ import torch.nn.functional as F
 
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
 
-__all__ = ["DPOLoss", "DPOOptions", "PairTerms", "dpo_terms", "sequence_logps"]
+__all__ = [
+    "DPOLoss", "DPOOptions", "PairTerms", "dpo_terms", "pair_rows", "row_logps", "sequence_logps",
+    "sum_over",
+]
 
 LOSSES = ("sigmoid", "ipo")
+ROW_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "document_ids")
 STATS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy")
 
 
@@ -98,41 +104,64 @@ def dpo_terms(
     return PairTerms(losses, rewards[:, 0], rewards[:, 1])
 
 
+def pair_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A preference batch with its sequence fields as rows `[pairs * 2, seq]` (pair-major:
+    chosen, rejected, chosen, ...), the form the model and the layouts take; a batch already
+    in that form is returned as it is."""
+    if batch["tokens"].dim() == 2:
+        return batch
+    return {
+        key: value.reshape(-1, value.shape[-1]) if key in ROW_FIELDS else value
+        for key, value in batch.items()
+    }
+
+
 def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """`[pairs, 2]` summed log-probabilities of the mask-1 labels of each side, and the mask-1
     counts, without gradients (the reference, the precomputed pass, evaluation)."""
+    rows = pair_rows(batch)
     with torch.no_grad():
-        return _row_logps(_hidden(model, batch), model.output.weight, batch)
+        return row_logps(_hidden(model, rows), model.output.weight, rows)
 
 
-def _hidden(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    pairs, sides, seq = batch["tokens"].shape
-    tokens = batch["tokens"].reshape(pairs * sides, seq)
-    return model(tokens, batch["position_ids"].reshape(pairs * sides, seq), None)
+def _hidden(model: Any, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(rows["tokens"], rows["position_ids"], None)
 
 
 @torch.no_grad()
-def _row_logps(hidden: torch.Tensor, weight: Any, batch: dict[str, torch.Tensor]):
-    """Per-sequence log-probabilities (and mask counts) of the model output `hidden`: the
-    output projection fused with the loss, one sequence at a time, so neither full-vocabulary
-    logits nor a weight-gradient buffer per sequence ever exist."""
-    pairs, sides, seq = batch["tokens"].shape
-    labels = batch["labels"].reshape(pairs * sides, seq)
-    mask = batch["loss_mask"].reshape(pairs * sides, seq)
+def row_logps(hidden: torch.Tensor, weight: Any, rows: dict[str, torch.Tensor]):
+    """Per-side log-probabilities `[pairs, 2]` (and mask counts) of the model output `hidden`
+    of `rows`: the output projection fused with the loss, one sequence at a time, so neither
+    full-vocabulary logits nor a weight-gradient buffer per sequence ever exist. Under context
+    parallelism these are this rank's partial sums."""
+    labels, mask = rows["labels"], rows["loss_mask"]
     logps, counts = [], []
-    for row in range(pairs * sides):
-        rows = slice(row, row + 1)
-        nll, count = tp_linear_cross_entropy(hidden[rows], weight, labels[rows], mask[rows])
+    for row in range(labels.shape[0]):
+        part = slice(row, row + 1)
+        nll, count = tp_linear_cross_entropy(hidden[part], weight, labels[part], mask[part])
         logps.append(-nll)
         counts.append(count)
-    return torch.stack(logps).view(pairs, sides), torch.stack(counts).view(pairs, sides)
+    return torch.stack(logps).view(-1, 2), torch.stack(counts).view(-1, 2)
+
+
+def sum_over(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """`tensor` summed over `group` (a context-parallel group: each rank holds part of every
+    sequence), on a copy; as it is without a group."""
+    if group is None:
+        return tensor
+    import torch.distributed as dist
+
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, group=group)
+    return tensor
 
 
 class DPOLoss:
-    """The DPO objective as a `MicroBatchLoss`: (summed pair losses, number of pairs).
+    """The DPO objective's arithmetic: (summed pair losses, number of pairs) of a micro-batch.
 
-    The reference log-probabilities come from the batch (`ref_logps`, precomputed) or, when
-    `reference` is given, from that frozen model run under no_grad on the same micro-batch."""
+    The reference log-probabilities come from the batch (`ref_logps`: precomputed, or put there
+    by the objective before the step) or, when `reference` is given, from that frozen model
+    run under no_grad on the same micro-batch."""
 
     def __init__(self, options: DPOOptions, reference: Any | None = None) -> None:
         self.options = options
@@ -149,15 +178,31 @@ class DPOLoss:
             return sequence_logps(self.reference, batch)[0]
 
     def __call__(self, model: Any, batch: dict[str, torch.Tensor]):
-        """(summed pair losses, pairs). The gradient is taken in a second fused pass: with
-        `g` the loss's derivative by each sequence's log-probability, the gradient of the sum
-        is that of the cross-entropy with each sequence's mask weighed by `-g`, so one weight-
-        gradient buffer serves the whole micro-batch."""
-        hidden = _hidden(model, batch)
-        weight = model.output.weight
-        policy, counts = _row_logps(hidden, weight, batch)
-        reference = self.reference_logps(batch)
-        weights = batch.get("pairs")  # 0 for a filler pair, which counts for nothing
+        """(summed pair losses, pairs) of the whole `model` on `batch`."""
+        rows = pair_rows(batch)
+        return self.from_hidden(model.output.weight, _hidden(model, rows), rows)
+
+    def from_hidden(
+        self,
+        weight: Any,
+        hidden: torch.Tensor,
+        rows: dict[str, torch.Tensor],
+        context_group: Any = None,
+        share: float = 1.0,
+    ):
+        """(summed pair losses, pairs) from the output `hidden` of `rows` and the output
+        layer's `weight`. Under context parallelism (`context_group`) each rank holds part of
+        every sequence: the per-side sums are added over the group, and only the rank with
+        `share` 1 counts the pairs' losses, so the group counts each pair once.
+
+        The gradient is taken in a second fused pass: with `g` the loss's derivative by each
+        sequence's log-probability, the gradient of the sum is that of the cross-entropy with
+        each sequence's mask weighed by `-g`, so one weight-gradient buffer serves the whole
+        micro-batch (and each context-parallel rank its own positions)."""
+        policy, counts = row_logps(hidden, weight, rows)
+        policy, counts = sum_over(policy, context_group), sum_over(counts, context_group)
+        reference = self.reference_logps(rows)  # whole sequences' sums, under any layout
+        weights = rows.get("pairs")  # 0 for a filler pair, which counts for nothing
         if weights is None:
             weights = torch.ones(policy.shape[0], device=policy.device)
         weights = weights.to(policy.dtype)
@@ -166,18 +211,15 @@ class DPOLoss:
             terms = dpo_terms(leaf, reference, self.options, counts)
             total = (terms.losses * weights).sum()
             slope = torch.autograd.grad(total, leaf)[0] if hidden.requires_grad else None
-        for name, value in terms.stats(weights).items():
+        counted = weights * share
+        for name, value in terms.stats(counted).items():
             self._stats[name] = self._stats.get(name, 0.0) + value.detach().double()
-        self._pairs = self._pairs + weights.sum().detach().double()
+        self._pairs = self._pairs + counted.sum().detach().double()
         if slope is None:  # evaluation: no gradient wanted
-            return total.detach(), weights.sum()
-        pairs, sides, seq = batch["tokens"].shape
-        weighed = batch["loss_mask"] * -slope.to(batch["loss_mask"].dtype)[..., None]
-        surrogate, _ = tp_linear_cross_entropy(
-            hidden, weight, batch["labels"].reshape(pairs * sides, seq),
-            weighed.reshape(pairs * sides, seq),
-        )  # fmt: skip
-        return total.detach() + (surrogate - surrogate.detach()), weights.sum()
+            return total.detach() * share, counted.sum()
+        weighed = rows["loss_mask"] * -slope.to(rows["loss_mask"].dtype).reshape(-1, 1)
+        surrogate, _ = tp_linear_cross_entropy(hidden, weight, rows["labels"], weighed)
+        return total.detach() * share + (surrogate - surrogate.detach()), counted.sum()
 
     def swap_stats(self, stats: tuple | None = None) -> tuple:
         """The running sums now held, replaced by `stats` (a value this returned, or empty):
@@ -186,18 +228,18 @@ class DPOLoss:
         self._stats, self._pairs = stats if stats is not None else ({}, 0.0)
         return held
 
-    def take_stats(self, group: Any = None, device: Any = None) -> dict[str, float]:
-        """The means over the pairs seen since the last call (sums over the ranks of `group`,
-        reduced on `device`), then reset. Every rank of `group` calls it."""
+    def take_stats(self, groups: Any = (), device: Any = None) -> dict[str, float]:
+        """The means over the pairs seen since the last call (sums over the ranks of each of
+        `groups` in turn, reduced on `device`), then reset. Every rank of the groups calls it."""
         import torch.distributed as dist
 
         names = list(STATS)
         values = [torch.as_tensor(self._stats.get(n, 0.0)).double().cpu() for n in names]
         totals = torch.stack([*values, torch.as_tensor(self._pairs).double().cpu()])
-        if group is not None:
+        for group in [g for g in (groups or ()) if g is not None]:
             totals = totals.to(device or "cpu")
             dist.all_reduce(totals, group=group)
-            totals = totals.cpu()
+        totals = totals.cpu()
         self._stats, self._pairs = {}, 0.0
         pairs = float(totals[-1])
         if pairs == 0:

@@ -1,0 +1,113 @@
+"""The training objectives, one file each, found by `data.kind` in one registry.
+
+An objective is what a run optimises: language modelling (pre-training, and supervised
+fine-tuning, which is language modelling with a loss mask), DPO, and the next ones. Its class
+(`pipeline.train.objectives.base.Objective`) owns the loss and what the loss is normalised by,
+the batch keys it needs, its metrics, its setup (a reference model) and what it records in a
+checkpoint; the loop (trainer, train step, step runners) calls it and names none.
+
+This module is the registry and stays free of torch, so that `pipe train --dry-run` and the
+config checks can ask what an objective is without importing it. Each entry gives the facts a
+run needs before the model exists (sequences per sample, attention masking, how sample prompts
+are asked, the config problems) and where the class lives; `build_objective` imports it.
+
+To add an objective: write `objectives/NAME.py` with a subclass of `Objective`, and add one
+`ObjectiveSpec` to `OBJECTIVES` below (docs/architecture.md walks through it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.train.config import TrainConfig
+
+__all__ = ["OBJECTIVES", "ObjectiveSpec", "build_objective", "objective_problems", "objective_spec"]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """What the run knows of an objective before building it.
+
+    `target` is "module:Class"; `sequences_per_sample` counts the sequences one sample holds
+    (throughput counts them all); `document_masking` stops attention at document boundaries;
+    `chat_prompts` asks `training.sample_prompts` as a user's turn; `problems` lists what is
+    wrong with a config for this objective (one line each, no torch)."""
+
+    kind: str
+    target: str
+    description: str
+    sequences_per_sample: int = 1
+    document_masking: bool = False
+    chat_prompts: bool = False
+    problems: Callable[[TrainConfig], list[str]] = field(default=lambda cfg: [])
+
+
+def _sft_problems(cfg: TrainConfig) -> list[str]:
+    if cfg.data.mock:
+        return [
+            "data.kind = sft trains on chat data with a loss mask; mock data has none: pass "
+            "--data PREFIX_messages_document (made by `pipe preprocess --chat`)"
+        ]
+    return []
+
+
+def _dpo_problems(cfg: TrainConfig) -> list[str]:
+    """DPO trains on whole preference pairs against a frozen reference."""
+    problems = []
+    if cfg.data.mock:
+        problems.append(
+            "data.kind = dpo trains on preference pairs; mock data has none: pass --data "
+            "PREFIX (made by `pipe preprocess --preference`)"
+        )
+    k = cfg.dpo
+    if k.beta <= 0 or not 0.0 <= k.label_smoothing < 0.5:
+        problems.append("dpo.beta must be > 0 and dpo.label_smoothing in [0, 0.5)")
+    if k.loss == "ipo" and k.label_smoothing:
+        problems.append("dpo.label_smoothing applies to the sigmoid loss, not ipo")
+    if cfg.model.mtp_num_layers:
+        problems.append("data.kind = dpo trains no multi-token prediction: model.mtp_num_layers 0")
+    return problems
+
+
+_LM = "pipeline.train.objectives.language_model:LanguageModelling"
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    spec.kind: spec
+    for spec in (
+        ObjectiveSpec("gpt", _LM, "pre-training: next-token cross-entropy over every token"),
+        ObjectiveSpec(
+            "sft", _LM, "supervised fine-tuning: cross-entropy over the assistant's tokens",
+            document_masking=True, chat_prompts=True, problems=_sft_problems,
+        ),  # fmt: skip
+        ObjectiveSpec(
+            "dpo", "pipeline.train.objectives.dpo:DPO",
+            "preference tuning: the DPO loss of chosen/rejected pairs against a frozen reference",
+            sequences_per_sample=2, chat_prompts=True, problems=_dpo_problems,
+        ),  # fmt: skip
+    )
+}
+
+
+def objective_spec(kind: str) -> ObjectiveSpec:
+    """The registry entry of `data.kind` (KeyError for an unknown kind: config checks first)."""
+    return OBJECTIVES[kind]
+
+
+def objective_problems(cfg: TrainConfig) -> list[str]:
+    """What is wrong with `cfg` for its objective, an unknown `data.kind` included."""
+    spec = OBJECTIVES.get(cfg.data.kind)
+    if spec is None:
+        return [f"data.kind {cfg.data.kind!r}: one of {', '.join(OBJECTIVES)}"]
+    return spec.problems(cfg)
+
+
+def build_objective(cfg: TrainConfig, **context: Any) -> Any:
+    """The objective of `cfg.data.kind`, its class imported now; `context` goes to it."""
+    spec = objective_spec(cfg.data.kind)
+    module, name = spec.target.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(cfg, spec, **context)
