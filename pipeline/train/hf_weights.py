@@ -35,6 +35,7 @@ __all__ = [
     "TrainedModelSource",
     "hf_directory",
     "load_hf_weights",
+    "open_hf",
     "prune_rotated",
     "start_record",
     "tokenizer_mismatch",
@@ -79,6 +80,17 @@ def load_hf_weights(parts: list[Transformer], source: TensorSource) -> None:
         for part in parts:
             copy_full_weights_(part, full)
         del tensor, full
+
+
+def open_hf(directory: str | os.PathLike, what: str) -> Any:
+    """The `HFSource` of a Hugging Face model directory, or one `ConfigError` line naming it
+    (`what directory: why`) when it cannot be read as one."""
+    from pipeline.weights.hf_reader import HFSource
+
+    try:
+        return HFSource(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} {directory}: {' '.join(str(e).split())}") from None
 
 
 def tokenizer_record(data: dict[str, Any], hf_start: TensorSource | None) -> dict[str, Any]:

@@ -9,9 +9,10 @@ resumes. A run with none of these trains adapters on its seeded random initialis
 experiments), which it records as its base.
 
 Checkpoints hold the adapters, their optimizer state and everything else a resume needs, never
-the base; `pipe_metadata.json` records under `lora` the adapter settings and the base: its
-directory, iteration and checksum (the SHA-256 of its `pipe_metadata.json`, which lists the
-SHA-256 of every file of the checkpoint). Resuming refuses a base whose checksum differs.
+the base (`LoRAState`, the run's `run_state.StateAdapter`); `pipe_metadata.json` records under
+`lora` the adapter settings and the base: its directory, iteration and checksum (the SHA-256 of
+its `pipe_metadata.json`, which lists the SHA-256 of every file of the checkpoint). Resuming
+refuses a base whose checksum differs.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from pipeline.train.config import ConfigError
 
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
+    from pipeline.train.run_state import FoundCheckpoint
 
-__all__ = ["BaseRecord", "adapter_only", "find_base", "load_base", "lora_metadata", "lora_spec"]
+__all__ = [
+    "BaseRecord",
+    "LoRAState",
+    "adapter_only",
+    "find_base",
+    "load_base",
+    "lora_metadata",
+    "lora_spec",
+]
 
 log = logging.getLogger("pipeline.train")
 
@@ -71,21 +81,21 @@ def _checkpoint_base(path: str | Path) -> BaseRecord:
     return BaseRecord(str(directory.resolve()), iteration, checksum)
 
 
-def find_base(cfg: TrainConfig, loaded_meta: dict[str, Any] | None) -> tuple[BaseRecord, bool]:
-    """(the run's base, whether `checkpoint.load` is that base rather than adapters to
-    resume). `loaded_meta`: the metadata of the checkpoint `checkpoint.load` names, or None."""
-    recorded = (loaded_meta or {}).get("lora")
+def find_base(cfg: TrainConfig, found: FoundCheckpoint | None) -> tuple[BaseRecord, bool]:
+    """(the run's base, whether the checkpoint `found` is that base rather than adapters to
+    resume). `found`: the checkpoint `checkpoint.load` leads to, or None."""
+    recorded = found.metadata.get("lora") if found is not None else None
     if cfg.lora.base is not None:
         base = _checkpoint_base(cfg.lora.base)
-    elif loaded_meta is not None and recorded is None:
-        return _checkpoint_base(cfg.checkpoint.load), True
+    elif found is not None and recorded is None:
+        return _checkpoint_base(found.directory), True
     elif recorded is not None and recorded["base"]["path"] is not None:
         base = _checkpoint_base(recorded["base"]["path"])
     else:
         return BaseRecord(None, seed=cfg.training.seed), False
-    if loaded_meta is not None and recorded is None:
+    if found is None or recorded is None:
         return base, False  # a full checkpoint to resume is not a LoRA run's: refused by caller
-    expected = (recorded or {}).get("base", {}).get("checksum")
+    expected = recorded.get("base", {}).get("checksum")
     if expected is not None and expected != base.checksum:
         raise ConfigError(
             f"LoRA base {base.path} is not the one the adapters in {cfg.checkpoint.load} were "
@@ -130,3 +140,38 @@ def lora_metadata(cfg: TrainConfig, base: BaseRecord) -> dict[str, Any]:
         "base_dtype": cfg.lora.base_dtype,
         "base": asdict(base),
     }
+
+
+class LoRAState:
+    """LoRA's `run_state.StateAdapter`: checkpoints hold the adapters and their optimizer state;
+    the frozen base is found (`find_base`), read (`load_base`) and recorded (`lora_metadata`)."""
+
+    def __init__(self, cfg: TrainConfig, model: Any, process_group: Any | None = None) -> None:
+        self.cfg, self.model, self.process_group = cfg, model, process_group
+        self.base: BaseRecord | None = None
+        """The base `load_base` read (None before)."""
+
+    def filter_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The adapters of the model part; everything else as it is."""
+        return adapter_only(state)
+
+    def load_base(self, found: FoundCheckpoint | None, hf_start: Any | None) -> bool:
+        """Find and read the frozen base; True when `found` holds adapters to resume."""
+        c = self.cfg.checkpoint
+        if hf_start is not None:
+            raise ConfigError(
+                f"--lora with --load {c.load} (a Hugging Face directory): convert it first "
+                "(pipe convert DIR --from hf --output CKPT) and pass --lora-base CKPT"
+            )
+        self.base, load_is_base = find_base(self.cfg, found)
+        if found is not None and not load_is_base and "lora" not in found.metadata:
+            raise ConfigError(
+                f"--load {c.load} holds a full checkpoint while lora.base names the base: "
+                "with --lora, --load takes the base or an adapter checkpoint"
+            )
+        load_base(self.model, self.base, self.cfg, self.process_group)
+        return found is not None and not load_is_base
+
+    def metadata(self) -> dict[str, Any]:
+        """`{"lora": ...}`: the adapter settings and the base (see `lora_metadata`)."""
+        return {"lora": lora_metadata(self.cfg, self.base)} if self.base is not None else {}
