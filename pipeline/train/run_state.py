@@ -12,8 +12,8 @@ knowing them:
 
 - a `StateAdapter` for runs whose checkpoints hold part of the model: it filters the state
   saved, reads the rest (a frozen base) before a resume, and adds its record to the metadata.
-  LoRA's is `lora_run.LoRAState`: adapters only, the base from a pipe checkpoint, recorded
-  with its checksum.
+  LoRA's is `lora_run.LoRAState`: adapters only, the base from a pipe checkpoint or a Hugging
+  Face directory, recorded with its checksum.
 - `RunRecord`s: each records a small dict under its name in every checkpoint's metadata and
   checks, on a resume, that the run still matches what it recorded (one `ConfigError` line if
   not).

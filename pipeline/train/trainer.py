@@ -177,7 +177,7 @@ class Trainer:
         cfg = self.cfg
         adapter = None
         if cfg.lora.enabled:
-            adapter = lora_run.LoRAState(cfg, self.model, self.layout.world_group)
+            adapter = lora_run.LoRAState(cfg, self.model, self.parts, self.layout.world_group)
         return RunState(
             cfg, self.model_config, self.layout, model=self.model, parts=self.parts,
             optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
