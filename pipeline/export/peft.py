@@ -37,9 +37,7 @@ def export_peft(
             base = record["base"]["path"]
             recorded = adapters.metadata.get("hf_architecture")
             if base is not None and recorded is None:  # a base converted from transformers
-                recorded = PipeCheckpointSource(base, verify_checksums=False).metadata.get(
-                    "hf_architecture"
-                )
+                recorded = _base_architecture(Path(base))
             architecture = choose_architecture(adapters.model_config, recorded)
             names = write_peft(adapters, record, output, architecture, base)
     except (CheckpointError, ValueError, KeyError, OSError) as e:
@@ -47,4 +45,14 @@ def export_peft(
     return (
         f"wrote {output} (peft LoRA for {architecture}: {len(names)} tensors, rank "
         f"{record['rank']}, alpha {record['alpha']:g}; base {base or 'random init'})"
+    )
+
+
+def _base_architecture(base: Path) -> str | None:
+    """The transformers architecture a LoRA base records: a pipe checkpoint converted from
+    Hugging Face, or a Hugging Face model directory itself."""
+    from pipeline.weights.formats import detect_format, open_source
+
+    return open_source(base, detect_format(base), verify_checksums=False).metadata.get(
+        "hf_architecture"
     )

@@ -81,7 +81,8 @@ def _default_run_dir(recipe: str | None) -> str:
 )  # fmt: skip
 @click.option(
     "--lora-base", metavar="CKPT",
-    help="With --lora: the pipe checkpoint holding the frozen base (else --load's full one).",
+    help="With --lora: the pipe checkpoint holding the frozen base (else --load's full one or "
+    "Hugging Face directory).",
 )  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @click.option(

@@ -334,8 +334,8 @@ class LoraSection:
     fp32 like every other weight."""
     base: str | None = None
     """Pipe checkpoint holding the frozen base (a checkpoint directory or an iter_ directory);
-    unset: `checkpoint.load` when it holds a full checkpoint, or the base recorded by the
-    adapter checkpoint it resumes."""
+    unset: `checkpoint.load` when it holds a full checkpoint or names a Hugging Face directory,
+    or the base recorded by the adapter checkpoint it resumes."""
 
 
 @dataclass

@@ -85,7 +85,8 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
 
 
 def _lora_problems(cfg: TrainConfig) -> list[str]:
-    """The `[lora]` settings of a LoRA run: targets known, rank positive, dropout in [0, 1)."""
+    """The `[lora]` settings of a LoRA run: targets known, rank positive, dropout in [0, 1);
+    no `checkpoint.save_hf`, whose writer knows the base weights only (not the adapters)."""
     lo = cfg.lora
     if not lo.enabled:
         return []
@@ -101,6 +102,11 @@ def _lora_problems(cfg: TrainConfig) -> list[str]:
     if lo.rank <= 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
         problems.append(f"need lora.rank > 0, alpha > 0 and 0 <= dropout < 1, got {lo.rank}, "
                         f"{lo.alpha}, {lo.dropout}")  # fmt: skip
+    if cfg.checkpoint.save_hf != "off":
+        problems.append(
+            "checkpoint.save_hf would write the base without the adapters under --lora: export "
+            "them (pipe export CKPT --peft) or merge them in (pipe convert CKPT --to hf)"
+        )
     return problems
 
 

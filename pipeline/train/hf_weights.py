@@ -15,9 +15,12 @@ nothing. The directory appears under its final name only when complete.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +36,10 @@ from pipeline.weights.source import TensorInfo, TensorSource
 
 __all__ = [
     "TrainedModelSource",
+    "hf_checksum",
     "hf_directory",
     "load_hf_weights",
+    "open_hf",
     "prune_rotated",
     "start_record",
     "tokenizer_mismatch",
@@ -59,13 +64,16 @@ def _local_tensors(parts: list[Transformer]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_weights(parts: list[Transformer], source: TensorSource) -> None:
+def load_hf_weights(
+    parts: list[Transformer], source: TensorSource, skip: Callable[[str], bool] | None = None
+) -> None:
     """Fill `parts` from `source`, one full tensor at a time; a weight the model has and the
-    source lacks is a `ConfigError` naming it."""
+    source lacks is a `ConfigError` naming it. `skip`: the model's tensors no Hugging Face
+    model holds, left as they are (a LoRA run's adapters)."""
     tied = source.model_config.tie_word_embeddings
     names = list(source.tensors())
     provided = set(names) | ({"output.weight"} if tied else set())
-    missing = sorted(set(_local_tensors(parts)) - provided)
+    missing = sorted(n for n in set(_local_tensors(parts)) - provided if not (skip and skip(n)))
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConfigError(f"{source.metadata.get('source')}: no weight {missing[0]}{more}")
@@ -79,6 +87,43 @@ def load_hf_weights(parts: list[Transformer], source: TensorSource) -> None:
         for part in parts:
             copy_full_weights_(part, full)
         del tensor, full
+
+
+def open_hf(directory: str | os.PathLike, what: str) -> Any:
+    """The `HFSource` of a Hugging Face model directory, or one `ConfigError` line naming it
+    (`what directory: why`) when it cannot be read as one."""
+    from pipeline.weights.hf_reader import HFSource
+
+    try:
+        return HFSource(directory)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} {directory}: {' '.join(str(e).split())}") from None
+
+
+def hf_checksum(source: Any, process_group: Any | None = None) -> str:
+    """What identifies a Hugging Face model directory's weights (of an `HFSource`): the
+    SHA-256 of a list of its `config.json`, its safetensors index (when it has one) and every
+    weight file the source reads, each by name, size and the SHA-256 of all its bytes. Every
+    byte is read once, at disk speed; under a process group the files are dealt out over the
+    ranks and their hashes gathered, so every rank returns the same checksum."""
+    from pipeline.common.hashing import sha256_file_and_size
+
+    directory = source.directory
+    index = directory / "model.safetensors.index.json"
+    files = [directory / "config.json", *([index] if index.is_file() else [])]
+    files += [f for f in source.weight_files if f not in files]
+    rank, world = 0, 1
+    if process_group is not None:
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    names = [str(f.relative_to(directory)) for f in files]
+    mine = {name: sha256_file_and_size(directory / name) for name in names[rank::world]}
+    hashed = [mine]
+    if world > 1:
+        hashed = [None] * world
+        dist.all_gather_object(hashed, mine, group=process_group)
+    every = {name: entry for share in hashed for name, entry in share.items()}
+    listing = [[name, every[name][1], every[name][0]] for name in names]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
 def tokenizer_record(data: dict[str, Any], hf_start: TensorSource | None) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The run's parallel layout, built once: process group, `ParallelDims` and its meshes.
+"""The run's parallel layout, built once: process group, `ParallelDims` and its meshes; what
+follows from it before anything is built (the micro-batches per step, the seeds).
 
 `build_layout` is the trainer's first step. One process gets a layout of degree 1 everywhere
 (no process group, no mesh); a run launched by torchrun (`pipe train --nproc-per-node N`) or
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,7 +29,14 @@ from pipeline.core.parallel.process_group import (
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
 
-__all__ = ["build_layout", "init_distributed", "resolve_device", "wants_distributed"]
+__all__ = [
+    "build_layout",
+    "init_distributed",
+    "micro_batches_per_step",
+    "resolve_device",
+    "seed_everything",
+    "wants_distributed",
+]
 
 log = logging.getLogger("pipeline.train")
 
@@ -42,6 +52,22 @@ def build_layout(cfg: TrainConfig, device: torch.device) -> tuple[ParallelDims, 
     if layout.distributed:
         log.info("parallel layout: %s", layout.describe())
     return layout, device
+
+
+def micro_batches_per_step(cfg: TrainConfig, layout: ParallelDims) -> int:
+    """Micro-batches each data-parallel rank runs per optimizer step (gradient accumulation)."""
+    t = cfg.training
+    return t.global_batch_size // (t.micro_batch_size * layout.dp)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed Python, numpy and torch (all devices); with `deterministic`, refuse
+    nondeterministic torch kernels (used on CPU, where resumed runs must match bit for bit)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -8,10 +8,12 @@ the call ended.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeline.train.train_step import StepResult
@@ -62,6 +64,21 @@ class LogWindow:
             if not skipped:
                 self.losses.append(loss)
                 self.grad_norms.append(norm)
+        return out
+
+    def figures(self, flops_per_token: float, peak_tflops: float | None) -> dict[str, float]:
+        """The window's read steps as logged: mean loss and gradient norm, tokens/s, model
+        TFLOP/s and (with the device's peak) MFU."""
+        seconds = max(self.seconds, 1e-9)
+        tflops = flops_per_token * self.tokens / seconds / 1e12
+        out = {
+            "loss": float(np.mean(self.losses)) if self.losses else math.nan,
+            "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else math.nan,
+            "tokens_per_s": self.tokens / seconds,
+            "tflops": tflops,
+        }
+        if peak_tflops is not None:
+            out["mfu"] = tflops / peak_tflops
         return out
 
 

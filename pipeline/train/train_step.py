@@ -37,12 +37,14 @@ from pipeline.train.step_runner import Batch, StepRunner
 
 if TYPE_CHECKING:
     from pipeline.core.kernels.fp8 import Fp8Training
+    from pipeline.core.parallel.dims import ParallelDims
     from pipeline.train.optimizer import MegatronLR
 
 __all__ = [
     "StepResult",
     "autocast_context",
     "forward_backward",
+    "global_mean",
     "reduce_loss_sum",
     "train_step",
 ]
@@ -152,6 +154,24 @@ def _balance_experts(model: TrainableModel, finite: torch.Tensor) -> None:
     layers = model.moe_layers()
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     update_expert_biases(config, layers, world, apply=finite)
+
+
+def global_mean(
+    loss_sum: float, count: float, layout: ParallelDims, device: torch.device
+) -> float:
+    """The loss normalised by its count over every rank's evaluation batches: counts are summed
+    over the ranks holding different tokens, loss sums also over pipeline stages (only the last
+    one has them)."""
+    sums = torch.tensor([loss_sum, count], dtype=torch.float64)
+    batch_group, pipeline_group = layout.batch_group, layout.pipeline_group
+    if batch_group is not None or pipeline_group is not None:
+        on_gpu = dist.get_backend() == "nccl"
+        sums = sums.to(device if on_gpu else "cpu")
+        if batch_group is not None:
+            dist.all_reduce(sums, group=batch_group)
+        if pipeline_group is not None:
+            dist.all_reduce(sums[:1], group=pipeline_group)
+    return float(sums[0] / sums[1].clamp(min=1.0))
 
 
 def reduce_loss_sum(

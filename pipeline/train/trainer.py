@@ -20,49 +20,42 @@ Between log steps nothing waits for the device: each step's loss, gradient norm 
 stay tensors and are read together at the next log step, where skipped steps are counted, the
 learning rate is held back for them and the divergence guard is checked.
 
-Resuming restores weights, optimizer, scheduler, RNG states, the iteration and the consumed
-sample counts, and the loaders restart from those counts, so on a CPU a resumed run repeats an
-uninterrupted one bit for bit.
+The objective (`pipeline.train.objectives`, chosen by `data.kind`) is the one object the loop
+asks about the loss: what a batch holds, what the loss is normalised by, its reference, its
+metrics and what it records in a checkpoint; the loop itself names none.
 
-`--load HF_DIR` (a Hugging Face model directory) starts from its weights at iteration 0 with a
-fresh optimizer (`hf_weights.py`), records its tokenizer and Hugging Face settings in every
-checkpoint, and saves to `checkpoint.save`: once that holds a checkpoint, the same command
-resumes from it instead (a requeued job continues). `checkpoint.save_hf` also writes the model
-as a Hugging Face directory, `<save>/hf/iter_XXXXXXX`, at the end of the run or with every
-checkpoint (not with the save a stop signal makes: that one must be quick).
+Checkpoints are the run's `RunState` (`run_state.py`): saving, resuming, `--finetune`, the
+start from a Hugging Face directory (`--load HF_DIR`), `checkpoint.save_hf`, and adapter-only
+checkpoints through the adapters' hook (`adapters.py`). The trainer keeps the
+counters (iteration, consumed samples, skipped steps) and hands them over as a `Progress`.
+Resuming restores weights, optimizer, scheduler, RNG states and those counters, and the loaders
+restart from the consumed counts, so on a CPU a resumed run repeats an uninterrupted one bit
+for bit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
-from pipeline.checkpoint import (
-    CheckpointManager,
-    load,
-    load_model_and_optimizer_state,
-    model_and_optimizer_state,
-)
 from pipeline.common.progress import terminal_bar
-from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.flavors import flops_per_token
-from pipeline.core.parallel.dims import ParallelDims
-from pipeline.train import lora_run, train_data
-from pipeline.train.checkpoint_model import check_checkpoint_model, is_hf_directory
-from pipeline.train.config import ConfigError, TrainConfig
+from pipeline.train import train_data
+from pipeline.train.adapters import state_adapter
+from pipeline.train.checkpoint_model import check_checkpoint_model
+from pipeline.train.config import TrainConfig
 from pipeline.train.config_loader import save_config_toml
 from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
-from pipeline.train.layout import build_layout, resolve_device
+from pipeline.train.layout import (
+    build_layout,
+    micro_batches_per_step,
+    resolve_device,
+    seed_everything,
+)
 from pipeline.train.loop_state import LogWindow, LoopState, TrainResult
 from pipeline.train.metrics import MetricsLogger, router_statistics
 from pipeline.train.model_build import build_fp8_backend, build_model, model_options
@@ -70,29 +63,14 @@ from pipeline.train.model_parts import model_parts
 from pipeline.train.objectives import build_objective
 from pipeline.train.optimizer import build_optimizer, build_scheduler
 from pipeline.train.perf import memory_gib, peak_tflops
+from pipeline.train.run_state import Progress, RunState
 from pipeline.train.samples import TrainingSamples, sample_tokenizer_path
 from pipeline.train.step_runner import Batch, evaluation_mode
-from pipeline.train.train_step import StepResult, autocast_context, train_step
+from pipeline.train.train_step import StepResult, autocast_context, global_mean, train_step
 
-__all__ = ["TrainResult", "Trainer", "seed_everything"]
+__all__ = ["TrainResult", "Trainer"]
 
 log = logging.getLogger("pipeline.train")
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed Python, numpy and torch (all devices); with `deterministic`, refuse
-    nondeterministic torch kernels (used on CPU, where resumed runs must match bit for bit)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-
-
-def micro_batches_per_step(cfg: TrainConfig, layout: ParallelDims) -> int:
-    """Micro-batches each data-parallel rank runs per optimizer step (gradient accumulation)."""
-    t = cfg.training
-    return t.global_batch_size // (t.micro_batch_size * layout.dp)
 
 
 class Trainer:
@@ -117,7 +95,6 @@ class Trainer:
         self.fp8 = build_fp8_backend(cfg, self.layout, self.device)
         built = self.build_same_model()
         self.model, self.step_runner, self.parts = built.model, built.runner, built.parts
-        self.hf_start = self._open_hf_start()
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         data = train_data.build_run_data(cfg, self.model_config)
@@ -125,16 +102,12 @@ class Trainer:
         self.eod_for_documents = data.eod_for_documents
         if self.rank == 0 and (note := train_data.long_conversations(cfg, self.datasets)):
             log.warning(note)
-        self.iteration = 0
-        self.consumed = {"train": 0, "valid": 0}
         self.guard = NonFiniteGuard(max_consecutive_skips)
         self.diverged_at: int | None = None
-        self.hf_saved_at: int | None = None
         self.run_dir = Path(cfg.logging.run_dir)
-        self.process_group = self.layout.world_group
-        self.checkpoints = self._build_checkpointing()
-        self.lora_base: lora_run.BaseRecord | None = None
-        self._resume(load_iteration)
+        self.run_state = self._build_run_state()
+        self.checkpoints = self.run_state.checkpoints
+        self._restore(self.run_state.resume(load_iteration))
         self.autocast = autocast_context(self.device, cfg.training.dtype, self.fp8)
         self.objective.setup(self)
         self.train_loader = self._build_loader(0, "train")
@@ -174,30 +147,15 @@ class Trainer:
             self.num_micro_batches, self.objective,
         )  # fmt: skip
 
-    def _open_hf_start(self) -> Any:
-        """The Hugging Face model `checkpoint.load` names (an `HFSource`), or None."""
-        load = self.cfg.checkpoint.load
-        if load is None or not is_hf_directory(load):
-            return None
-        from pipeline.weights.hf_reader import HFSource
-
-        try:
-            return HFSource(load)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.load {load}: {' '.join(str(e).split())}") from None
-
-    def _build_checkpointing(self) -> CheckpointManager:
-        c = self.cfg.checkpoint
-        save_dir = Path(c.save) if c.save else self.run_dir / "checkpoints"
-        return CheckpointManager(
-            save_dir,
-            keep_last=c.keep_last or None,
-            async_save=c.async_save,
-            load_dir=save_dir if self.hf_start is not None else c.load,
-            process_group=self.process_group,
-            verify_checksums=c.verify_checksums,
-            save_interval=c.save_interval,
-        )
+    def _build_run_state(self) -> RunState:
+        """The run's checkpoints (`run_state.py`), with the adapters' hook when the model has
+        adapters on a frozen base, and what the objective records in every checkpoint."""
+        adapter = state_adapter(self.cfg, self.model, self.parts, self.layout.world_group)
+        return RunState(
+            self.cfg, self.model_config, self.layout, model=self.model, parts=self.parts,
+            optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
+            adapter=adapter, records=self.objective.records(),
+        )  # fmt: skip
 
     def _build_logging(self, console: bool) -> MetricsLogger:
         """The run directory with the resolved `config.toml`, and the metrics logger."""
@@ -230,206 +188,25 @@ class Trainer:
             self.metrics.log(self.iteration, texts, split="sample")
         return texts
 
-    # ---- checkpoints --------------------------------------------------------------------------
+    # ---- checkpoints (run_state.py) -----------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
-        state = {
-            **model_and_optimizer_state(self.model, self.optimizer),
-            "scheduler": self.scheduler,
-        }
-        return lora_run.adapter_only(state) if self.cfg.lora.enabled else state
-
-    def _metadata(self) -> dict[str, Any]:
-        d = self.cfg.data
-        return {
-            "iteration": self.iteration,
-            "consumed_samples": self.consumed["train"],
-            "consumed_valid_samples": self.consumed["valid"],
-            "skipped_iterations": self.guard.total,
-            "config": self.cfg.to_dict(),
-            "model": dataclasses.asdict(self.model_config),
-            "data": {
-                "kind": d.kind,
-                "mock": d.mock,
-                "blend": d.blend,
-                "train_blend": d.train_blend,
-                "valid_blend": d.valid_blend,
-                "test_blend": d.test_blend,
-                "split": d.split,
-                "seq_length": d.seq_length,
-            },
-            "tokenizer": self._tokenizer_record(),
-            "layout": self.layout.describe(),
-            **self._hf_start_record(),
-            **(
-                {"lora": lora_run.lora_metadata(self.cfg, self.lora_base)} if self.lora_base else {}
-            ),
-            **{record.name: record.record() for record in self.objective.records()},
-        }
-
-    def _tokenizer_record(self) -> dict[str, Any]:
-        """The data's tokenizer ids, with the Hugging Face model's tokenizer files when the run
-        started from one (`hf_weights.tokenizer_record`)."""
-        from pipeline.train.hf_weights import tokenizer_record
-
-        return tokenizer_record(self.tokenizer.to_metadata(), self.hf_start)
-
-    def _hf_start_record(self) -> dict[str, Any]:
-        from pipeline.train.hf_weights import start_record
-
-        return start_record(self.hf_start)
+    def _restore(self, progress: Progress) -> None:
+        """Take back the counters a resume read (all 0 for a run that starts)."""
+        self.iteration = progress.iteration
+        self.consumed = {"train": progress.consumed_train, "valid": progress.consumed_valid}
+        self.guard.total = progress.skipped
 
     def save_checkpoint(self) -> Path:
-        """Save the full training state at the current iteration; returns its directory.
-
-        With `checkpoint.async_save` the call returns once the state is staged in memory and
-        the files are written and committed in the background while training goes on;
-        `_collect_background_save` reports (or waits for) the commit."""
-        self._collect_background_save(block=True)  # one background save at a time
-        self.checkpoints.save(self.iteration, self._state(), self._metadata())
-        path = self.checkpoints.save_dir / f"iter_{self.iteration:07d}"
-        if self.checkpoints.pending is None:
-            log.info("saved checkpoint %s", path)
-        else:
-            log.info("saving checkpoint %s in the background", path)
-        return path
-
-    def _collect_background_save(self, block: bool = False) -> None:
-        """Report a background save that has committed (with `block`, wait for it first);
-        its failure is raised here."""
-        pending = self.checkpoints.pending
-        if pending is None or not (block or pending.done()):
-            return
-        self.checkpoints.wait()
-        log.info(
-            "saved checkpoint %s (written in the background in %.1f s)",
-            pending.directory, pending.seconds,
-        )  # fmt: skip
-
-    def _finish_background_save_after_error(self) -> None:
-        """On the way out of a failed run: let a background save commit, so the newest
-        resumable point survives; its own failure is logged, not raised over the first."""
-        try:
-            self._collect_background_save(block=True)
-        except Exception as error:  # the run's error is the one to report
-            log.error("the background checkpoint save failed too: %s", error)
-
-    def _resume(self, iteration: int | None) -> None:
-        """Resume from `checkpoint.load` (everything) or, with `finetune`, take its weights only.
-
-        A load directory without a checkpoint starts from scratch, so a requeued job can always
-        pass the same `--load` as `--save`.
-        """
-        c = self.cfg.checkpoint
-        found = c.load is not None and (
-            self.checkpoints.has_checkpoint() or iteration is not None or _is_iter_dir(c.load)
-        )
-        if self.cfg.lora.enabled and self.hf_start is not None:
-            raise ConfigError(
-                f"--lora with --load {c.load} (a Hugging Face directory): convert it first "
-                "(pipe convert DIR --from hf --output CKPT) and pass --lora-base CKPT"
-            )
-        if self.cfg.lora.enabled and not self._load_lora_base(iteration if found else None, found):
-            return
-        if c.load is None:
-            return
-        if self.hf_start is not None:
-            if not found:
-                self._start_from_hf()
-                return
-            log.info("%s holds a checkpoint: resuming it", self.checkpoints.load_dir)
-        elif not found:
-            log.info("no checkpoint in %s yet: starting from scratch", c.load)
-            return
-        if c.finetune and self.hf_start is None:
-            state = model_and_optimizer_state(self.model)
-            load(
-                c.load, iteration, state, restore_rng=False, process_group=self.process_group,
-                verify_checksums=c.verify_checksums,
-            )  # fmt: skip
-            load_model_and_optimizer_state(self.model, None, state)
-            log.info("finetuning from the weights in %s (iteration 0)", c.load)
-            return
-        state = self._state()
-        with quiet_dcp():
-            meta = self.checkpoints.load(state, iteration)
-        # A LoRA checkpoint holds the adapters only; the base was read from its own checkpoint.
-        strict = not self.cfg.lora.enabled
-        load_model_and_optimizer_state(self.model, self.optimizer, state, strict=strict)
-        self.iteration = int(meta["iteration"])
-        self.consumed = {
-            "train": int(meta.get("consumed_samples", 0)),
-            "valid": int(meta.get("consumed_valid_samples", 0)),
-        }
-        self.guard.total = int(meta.get("skipped_iterations", 0))
-        for record in self.objective.records():
-            record.check(meta.get(record.name), resuming=True)
-        log.info("resumed from %s at iteration %d", self.checkpoints.load_dir, self.iteration)
-
-    def _start_from_hf(self) -> None:
-        """This rank's shards of the Hugging Face model's weights; iteration 0, fresh optimizer."""
-        from pipeline.train.hf_weights import load_hf_weights, tokenizer_mismatch
-
-        try:
-            load_hf_weights(self.parts, self.hf_start)
-        except ConfigError:
-            raise
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.load {self.hf_start.directory}: {e}") from None
-        log.info("starting from the Hugging Face model %s (iteration 0)", self.hf_start.directory)
-        mismatch = tokenizer_mismatch(
-            {"fingerprint": self.tokenizer.fingerprint}, self.hf_start.metadata.get("tokenizer")
-        )
-        if mismatch is not None:
-            log.warning("%s (%s): check data.blend", mismatch, self.hf_start.directory)
+        """Save the full training state at the current iteration; returns its directory (in
+        the background with `checkpoint.async_save`: `RunState.save`)."""
+        done = self.consumed
+        progress = Progress(self.iteration, done["train"], done["valid"], self.guard.total)
+        return self.run_state.save(progress)
 
     def save_hf(self) -> Path:
         """Write the model at the current iteration as a Hugging Face directory (every rank
-        calls this; the first writes); older ones whose checkpoint was rotated away go."""
-        from pipeline.train.hf_weights import hf_directory, prune_rotated, write_hf_from_model
-
-        path = hf_directory(self.checkpoints.save_dir, self.iteration)
-        with torch.no_grad():
-            write_hf_from_model(
-                self.parts, self.model_config, self.layout, self._hf_source_metadata(), path,
-                self.cfg.checkpoint.save_hf_dtype,
-            )  # fmt: skip
-        self.hf_saved_at = self.iteration
-        if self.rank == 0:
-            log.info("saved Hugging Face model %s", path)
-            if self.cfg.checkpoint.keep_last:
-                prune_rotated(self.checkpoints.save_dir, self.iteration)
-        return path
-
-    def _hf_source_metadata(self) -> dict[str, Any]:
-        """What the Hugging Face writer reads from a source's metadata: the tokenizer record
-        and, when the run started from one, the Hugging Face model's settings."""
-        metadata = {"tokenizer": self._tokenizer_record()}
-        return metadata | self._hf_start_record().get("hf", {})
-
-    def _save_hf_if_wanted(self, final: bool) -> None:
-        mode = self.cfg.checkpoint.save_hf
-        wanted = mode == "every" or (mode == "final" and final)
-        if wanted and self.hf_saved_at != self.iteration:
-            self.save_hf()
-
-    def _load_lora_base(self, iteration: int | None, found: bool) -> bool:
-        """A LoRA run: find and read its frozen base (`lora_run`); True when `checkpoint.load`
-        holds adapters to resume, False when there is nothing more to load."""
-        from pipeline.checkpoint.loader import resolve_checkpoint
-
-        c = self.cfg.checkpoint
-        loaded = None
-        if found:
-            loaded = resolve_checkpoint(c.load, iteration)[1].get("metadata") or {}
-        self.lora_base, load_is_base = lora_run.find_base(self.cfg, loaded)
-        if loaded is not None and not load_is_base and "lora" not in loaded:
-            raise ConfigError(
-                f"--load {c.load} holds a full checkpoint while lora.base names the base: "
-                "with --lora, --load takes the base or an adapter checkpoint"
-            )
-        lora_run.load_base(self.model, self.lora_base, self.cfg, self.process_group)
-        return found and not load_is_base
+        calls this; the first writes)."""
+        return self.run_state.save_hf(self.iteration)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -476,9 +253,9 @@ class Trainer:
                         break
                 if loop.result.stop_reason == "finished":
                     self._finish(loop)
-                self._collect_background_save(block=True)  # a resumable point before exiting
+                self.run_state.collect_background_save(block=True)  # resumable on exit
         except Exception:
-            self._finish_background_save_after_error()
+            self.run_state.finish_background_save_after_error()
             raise
         finally:
             loop.close()
@@ -515,14 +292,14 @@ class Trainer:
         stop, due = signals.received is not None, self.checkpoints.save_due(self.iteration)
         if stop or due:
             self._account(loop.window, loop.result)
-        self._collect_background_save()
+        self.run_state.collect_background_save()
         if stop:
             loop.result.stop_reason = signals.name or "signal"
             log.warning("%s received: saving and exiting", loop.result.stop_reason)
         if stop or due:
             loop.result.checkpoint = self.save_checkpoint()
         if due and not stop:
-            self._save_hf_if_wanted(final=False)
+            self.run_state.save_hf_if_wanted(self.iteration, final=False)
         return stop
 
     def _finish(self, loop: LoopState) -> None:
@@ -531,7 +308,7 @@ class Trainer:
             self.run_evaluation()
         if not self.checkpoints.saved(self.iteration):
             loop.result.checkpoint = self.save_checkpoint()
-        self._save_hf_if_wanted(final=True)
+        self.run_state.save_hf_if_wanted(self.iteration, final=True)
 
     def _progress_bar(self) -> Any:
         """A terminal progress bar on rank 0 (None elsewhere or off a terminal)."""
@@ -565,7 +342,7 @@ class Trainer:
         if self.diverged_at is None:
             return
         path = self.save_checkpoint()
-        self._collect_background_save(block=True)
+        self.run_state.collect_background_save(block=True)
         first = self.diverged_at - self.guard.max_consecutive + 1
         raise NonFiniteStop(
             f"stopping at iteration {self.iteration}: the {self.guard.max_consecutive} steps "
@@ -573,22 +350,15 @@ class Trainer:
         )
 
     def _log_train(self, window: LogWindow, bar: Any) -> None:
-        seconds = max(window.seconds, 1e-9)
-        tflops = self.flops_per_token * window.tokens / seconds / 1e12
         metrics = {
-            "loss": float(np.mean(window.losses)) if window.losses else math.nan,
+            **window.figures(self.flops_per_token, self.peak_tflops),
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(np.mean(window.grad_norms)) if window.grad_norms else math.nan,
-            "tokens_per_s": window.tokens / seconds,
-            "tflops": tflops,
             "mem_gib": memory_gib(self.device),
             "skipped": self.guard.total,
             "iters": self.cfg.training.iters,
             **router_statistics(self.model),
+            **self.objective.metrics(),
         }
-        if self.peak_tflops is not None:
-            metrics["mfu"] = tflops / self.peak_tflops
-        metrics |= self.objective.metrics()
         self.metrics.log(self.iteration, metrics)
         if bar is not None:
             bar.set_postfix_str(f"loss {metrics['loss']:.4f}", refresh=False)
@@ -613,28 +383,9 @@ class Trainer:
                 with evaluation_mode(self.model):
                     batch_sum, batch_count = self.step_runner.evaluate(micro_batches, self.autocast)
                 loss_sum, count = loss_sum + float(batch_sum), count + batch_count
-            loss = self._global_eval_loss(loss_sum, count)
+            loss = global_mean(loss_sum, count, self.layout, self.device)
             figures = {"loss": loss, **self.objective.metrics()}
         if self.objective.reports_perplexity:
             figures["ppl"] = math.exp(loss) if loss < 700 else math.inf
         self.metrics.log(self.iteration, figures, split="valid")
         return loss
-
-    def _global_eval_loss(self, loss_sum: float, tokens: float) -> float:
-        """The token-normalised loss over every rank's evaluation batches: token counts are
-        summed over the ranks holding different tokens, loss sums also over pipeline stages
-        (only the last one has them)."""
-        sums = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-        batch_group, pipeline_group = self.layout.batch_group, self.layout.pipeline_group
-        if batch_group is not None or pipeline_group is not None:
-            on_gpu = dist.get_backend() == "nccl"
-            sums = sums.to(self.device if on_gpu else "cpu")
-            if batch_group is not None:
-                dist.all_reduce(sums, group=batch_group)
-            if pipeline_group is not None:
-                dist.all_reduce(sums[:1], group=pipeline_group)
-        return float(sums[0] / sums[1].clamp(min=1.0))
-
-
-def _is_iter_dir(path: str) -> bool:
-    return (Path(path) / "pipe_metadata.json").is_file()

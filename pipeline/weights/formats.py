@@ -45,7 +45,8 @@ def open_source(
                 f"{source.directory} holds LoRA adapters trained on a random initialisation "
                 "(no base checkpoint recorded): there is no base to merge them into"
             )
-        base = PipeCheckpointSource(record["base"]["path"], verify_checksums=verify_checksums)
+        base_path = Path(record["base"]["path"])  # a pipe checkpoint or a Hugging Face model
+        base = open_source(base_path, detect_format(base_path), verify_checksums=verify_checksums)
         return MergedLoRASource(base, source, record)
     if fmt == "hf":
         from pipeline.weights.hf_reader import HFSource

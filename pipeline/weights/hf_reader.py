@@ -109,6 +109,8 @@ class HFSource:
         self._infos: dict[str, TensorInfo] = {}
         self._pickled = False
         files = self._weight_files(allow_pickle)
+        self.weight_files: list[Path] = files
+        """The files the weights are read from (an index's, in its order, or every shard)."""
         pieces = self._scan(files)
         self._assemble(pieces)
         # Layers past num_hidden_layers are DeepSeek's multi-token prediction modules: the
