@@ -21,31 +21,31 @@ import itertools
 import multiprocessing
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 
 from pipeline.serve.engine import PromptTooLong, QueueFull, fit_problem
-from pipeline.serve.engine_process import EngineSpec, Failed, Output, Ready, run_engine
+from pipeline.serve.engine_process import EngineSpec, run_engine
 from pipeline.serve.loading import LoadError, open_tokenizer
+from pipeline.serve.messages import (
+    AbortRequest,
+    AddRequest,
+    Delta,
+    EngineExited,
+    Failed,
+    FromEngine,
+    LoadReport,
+    Ready,
+    Rejected,
+    StepFailed,
+    StepOutputs,
+    StopEngine,
+    TokenOutput,
+)
 from pipeline.serve.sampling import SamplingParams
 from pipeline.serve.text import TextStream
 
 
 class EngineFailed(RuntimeError):
     """The engine process failed a step or died; the requests in flight are lost."""
-
-
-@dataclass
-class Delta:
-    """What one request gained since its consumer last looked."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list = field(default_factory=list)  # one per token, when the request asked
-    prompt_logprobs: object = None  # on the first delta, when the request asked
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # so far
-    queue_time: float | None = None  # seconds queued in the engine, on the first delta
 
 
 class RequestStream:
@@ -58,7 +58,7 @@ class RequestStream:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._text = TextStream(client.tokenizer.decode, params.stop, context=prompt)
-        self._arrived: list[Output] = []
+        self._arrived: list[TokenOutput] = []
         self._error: Exception | None = None
         self._wake = asyncio.Event()
         self._first = True
@@ -84,7 +84,7 @@ class RequestStream:
             self.client._abort(self.request_id)
             self._close("abort")
 
-    def _delta(self, arrived: list[Output]) -> Delta:
+    def _delta(self, arrived: list[TokenOutput]) -> Delta:
         tokens, text, finish = [], "", None
         for output in arrived:
             tokens.append(output.token)
@@ -113,7 +113,7 @@ class RequestStream:
             self.finish_reason = reason
             self.client._forget(self.request_id, reason)
 
-    def _receive(self, output: Output) -> None:
+    def _receive(self, output: TokenOutput) -> None:
         self._arrived.append(output)
         self._wake.set()
 
@@ -175,7 +175,7 @@ class EngineClient:
     def stop(self) -> None:
         """Tell the engine process to exit and wait for it (the server has drained)."""
         with contextlib.suppress(OSError, ValueError):  # already gone
-            self._pipe.send(("stop", None))
+            self._pipe.send(StopEngine())
         self.process.join(30)
         if self.process.is_alive():
             self.process.terminate()
@@ -211,12 +211,12 @@ class EngineClient:
             raise QueueFull(f"{waiting} requests already waiting")
         stream = RequestStream(self, next(self._ids), list(prompt), params)
         self._streams[stream.request_id] = stream
-        self._pipe.send(("add", stream.request_id, stream.prompt, params))
+        self._pipe.send(AddRequest(stream.request_id, stream.prompt, params))
         return stream
 
     def _abort(self, request_id: int) -> None:
         if request_id in self._streams:
-            self._pipe.send(("abort", request_id))
+            self._pipe.send(AbortRequest(request_id))
 
     def _forget(self, request_id: int, reason: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -229,32 +229,31 @@ class EngineClient:
             try:
                 message = self._pipe.recv()
             except (EOFError, OSError):
-                message = ("exited", None)
+                message = EngineExited()
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:  # the server's event loop is closed: nobody is listening
                 return
-            if message[0] == "exited":
+            if isinstance(message, EngineExited):
                 return
 
-    def _dispatch(self, message: tuple) -> None:
-        kind, payload, *rest = message
-        if kind == "step":
-            for output in payload:
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, StepOutputs):
+            for output in message.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     stream._receive(output)
-            self._engine_running = rest[0][0]
-        elif kind == "load":
-            self._engine_running = payload[0]
-        elif kind == "rejected":
-            stream = self._streams.get(payload.request_id)
+            self._engine_running = message.running
+        elif isinstance(message, LoadReport):
+            self._engine_running = message.running
+        elif isinstance(message, Rejected):
+            stream = self._streams.get(message.request_id)
             if stream is not None:
-                stream._fail(PromptTooLong(payload.message))
-        elif kind == "exited":
+                stream._fail(PromptTooLong(message.message))
+        elif isinstance(message, EngineExited):
             self._fail_all(EngineFailed("the engine process exited"))
-        elif kind == "step_failed":
-            self._fail_all(EngineFailed(f"generation step failed: {payload}"), dead=False)
+        elif isinstance(message, StepFailed):
+            self._fail_all(EngineFailed(f"generation step failed: {message.message}"), dead=False)
 
     def _fail_all(self, error: Exception, dead: bool = True) -> None:
         if dead:
