@@ -41,7 +41,7 @@ from pipeline.serve.messages import (
     TokenOutput,
 )
 from pipeline.serve.sampling import SamplingParams
-from pipeline.serve.text import TextStream
+from pipeline.serve.text import RequestText
 
 
 class EngineFailed(RuntimeError):
@@ -57,7 +57,7 @@ class RequestStream:
         self.client, self.request_id, self.prompt, self.params = client, request_id, prompt, params
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._text = TextStream(client.tokenizer.decode, params.stop, context=prompt)
+        self._text = RequestText(client.tokenizer.decode, params, prompt)
         self._arrived: list[TokenOutput] = []
         self._error: Exception | None = None
         self._wake = asyncio.Event()
@@ -85,18 +85,15 @@ class RequestStream:
             self._close("abort")
 
     def _delta(self, arrived: list[TokenOutput]) -> Delta:
-        tokens, text, finish = [], "", None
+        tokens, text = [], ""
         for output in arrived:
             tokens.append(output.token)
-            finish = output.finish_reason
-            if not (finish == "stop" and output.token in self.params.stop_token_ids):
-                text += self._text.push(output.token)
-            if self._text.stopped and finish is None:
-                finish = "stop"  # a stop string: the engine need not go on
+            text += self._text.add(output.token, output.finish_reason)
+            if self._text.stopped_by_text:  # a stop string: the engine need not go on
                 self.client._abort(self.request_id)
-            if finish is not None:
-                text += self._text.finish()
+            if self._text.finish_reason is not None:
                 break
+        finish = self._text.finish_reason
         self.completion_tokens += len(tokens)
         delta = Delta(
             tokens, text, [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],

@@ -75,8 +75,8 @@ def engine_threads() -> int:
 def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,
                  **limits):  # fmt: skip
     """An engine for `gen` (a loaded `Generator`) whose KV cache fits `kv_cache_bytes`;
-    `max_batch` 0 sizes the batch from the cache (`batch_for_cache`). No `decode`: the server
-    process makes the text, off the engine's path."""
+    `max_batch` 0 sizes the batch from the cache (`batch_for_cache`). The engine makes no text:
+    the server process does, off the engine's path."""
     from pipeline.serve.engine import Engine
     from pipeline.serve.kv_cache import BlockKVCache
 
