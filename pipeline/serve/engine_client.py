@@ -4,9 +4,10 @@
 is loaded, and then lives in the server's event loop. A reader thread turns each message of the
 engine (one per step, for the whole batch) into one callback on the loop, which appends each
 token to its request's `RequestStream`. The text is made when the stream's consumer asks for it:
-incremental detokenisation and stop strings run in the server process, off the engine's path,
-and a consumer slower than the engine gets every token that arrived meanwhile in one `Delta`
-(several tokens per streamed chunk instead of a growing backlog).
+incremental detokenisation and stop strings (`pipeline.serve.text.RequestText`, as for `pipe
+generate`) run in the server process, off the engine's path, and a consumer slower than the
+engine gets every token that arrived meanwhile in one `Delta` (several tokens per streamed chunk
+instead of a growing backlog).
 
 Admission is checked here, with the limits the engine reported when it started: a prompt that
 can never fit is refused at once (`PromptTooLong`), and so is a request beyond the engine's batch

@@ -16,8 +16,10 @@ and stop at the same place.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from pipeline.serve.sampling import SamplingParams
+if TYPE_CHECKING:  # only a type here: detokenising needs no torch
+    from pipeline.serve.sampling import SamplingParams
 
 _INCOMPLETE = "\ufffd"  # what decoders give for a partial UTF-8 sequence
 CONTEXT_IDS = 5  # prompt ids decoded before the first output token
