@@ -7,7 +7,9 @@ their blocks return to the pool. Each `step` runs one token for every request al
 then spends at most `prefill_chunk` tokens on prompts (a long prompt is split over several
 steps, so it never stalls the requests already generating). Sampling is per request, with its
 own parameters and random generator; logit biases, penalties and log-probabilities
-(`pipeline.serve.sampling.choose`) cost only the requests that ask for them.
+(`pipeline.serve.sampling.choose`) cost only the requests that ask for them. The engine deals in
+token ids only: a request ends at a stop token or after `max_new_tokens`; its text, and the stop
+strings, are its consumer's (`pipeline.serve.text.RequestText`), which aborts it at a stop string.
 
 The engine is thread-safe: a server thread may `add` and `abort` while another thread calls
 `step` in a loop.
@@ -19,7 +21,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +37,6 @@ from pipeline.serve.sampling import (
     make_generator,
     token_logprobs,
 )
-from pipeline.serve.text import TextStream
 
 
 class QueueFull(RuntimeError):
@@ -71,8 +72,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "abort"
-    text: TextStream | None = None
+    finish_reason: str | None = None  # "stop" (a stop token), "length", "abort"
     generator: torch.Generator | None = None
     blocks: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
@@ -94,7 +94,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Event:
-    """A request produced `token` (and released `text`); `finished` when it is done.
+    """A request produced `token`; `finished` when it is done.
 
     `logprobs`: the token's log-probabilities when the request asked (`params.logprobs`);
     `prompt_logprobs`: the whole prompt's, on a request's first event when it asked
@@ -102,7 +102,6 @@ class Event:
 
     request: Request
     token: int
-    text: str
     finished: bool
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
@@ -113,9 +112,9 @@ class Engine:
 
     max_batch: requests running at once; cache_blocks x block_size: cache slots (see
     `BlockKVCache.blocks_for_budget` to size it by memory); max_waiting: the queue bound;
-    decode: token ids -> text, for stop strings and streamed text; max_context: the longest
-    prompt + output allowed (default: the model's max_position_embeddings); tp: the model's
-    tensor-parallel degree (`pipeline.serve.tensor_parallel`)."""
+    max_context: the longest prompt + output allowed (default: the model's
+    max_position_embeddings); tp: the model's tensor-parallel degree
+    (`pipeline.serve.tensor_parallel`)."""
 
     def __init__(
         self,
@@ -126,7 +125,6 @@ class Engine:
         block_size: int = 16,
         prefill_chunk: int = 256,
         max_waiting: int = 64,
-        decode: Callable[[list[int]], str] | None = None,
         max_context: int | None = None,
         tp: int = 1,
     ) -> None:
@@ -140,7 +138,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.max_context = max_context or model.config.max_position_embeddings
-        self._decode = decode
         self._ids = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -164,8 +161,6 @@ class Engine:
             request.generator = make_generator(params, self.device)
             if params.prompt_logprobs is not None:
                 request.prompt_logprobs.append(None)
-            if self._decode is not None:
-                request.text = TextStream(self._decode, params.stop, context=prompt)
             self._waiting.append(request)
         return request
 
@@ -317,24 +312,17 @@ class Engine:
 
     def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None = None) -> Event:
         request.output.append(token)
-        params, text = request.params, ""
+        params, reason = request.params, None
         if token in params.stop_token_ids:
             reason = "stop"
-        else:
-            if request.text is not None:
-                text = request.text.push(token)
-            stopped = request.text is not None and request.text.stopped
-            reason = "stop" if stopped else None
-        if reason is None and len(request.output) >= params.max_new_tokens:
+        elif len(request.output) >= params.max_new_tokens:
             reason = "length"
         if reason is not None:
-            if request.text is not None:
-                text += request.text.finish()
             self._finish(request, reason)
         prompt_logprobs = None
         if params.prompt_logprobs is not None and len(request.output) == 1:
             prompt_logprobs = tuple(request.prompt_logprobs)
-        return Event(request, token, text, reason is not None, logprobs, prompt_logprobs)
+        return Event(request, token, reason is not None, logprobs, prompt_logprobs)
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = reason

@@ -4,9 +4,10 @@
 is loaded, and then lives in the server's event loop. A reader thread turns each message of the
 engine (one per step, for the whole batch) into one callback on the loop, which appends each
 token to its request's `RequestStream`. The text is made when the stream's consumer asks for it:
-incremental detokenisation and stop strings run in the server process, off the engine's path,
-and a consumer slower than the engine gets every token that arrived meanwhile in one `Delta`
-(several tokens per streamed chunk instead of a growing backlog).
+incremental detokenisation and stop strings (`pipeline.serve.text.RequestText`, as for `pipe
+generate`) run in the server process, off the engine's path, and a consumer slower than the
+engine gets every token that arrived meanwhile in one `Delta` (several tokens per streamed chunk
+instead of a growing backlog).
 
 Admission is checked here, with the limits the engine reported when it started: a prompt that
 can never fit is refused at once (`PromptTooLong`), and so is a request beyond the engine's batch
@@ -21,31 +22,31 @@ import itertools
 import multiprocessing
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 
 from pipeline.serve.engine import PromptTooLong, QueueFull, fit_problem
-from pipeline.serve.engine_process import EngineSpec, Failed, Output, Ready, run_engine
+from pipeline.serve.engine_process import EngineSpec, run_engine
 from pipeline.serve.loading import LoadError, open_tokenizer
+from pipeline.serve.messages import (
+    AbortRequest,
+    AddRequest,
+    Delta,
+    EngineExited,
+    Failed,
+    FromEngine,
+    LoadReport,
+    Ready,
+    Rejected,
+    StepFailed,
+    StepOutputs,
+    StopEngine,
+    TokenOutput,
+)
 from pipeline.serve.sampling import SamplingParams
-from pipeline.serve.text import TextStream
+from pipeline.serve.text import RequestText
 
 
 class EngineFailed(RuntimeError):
     """The engine process failed a step or died; the requests in flight are lost."""
-
-
-@dataclass
-class Delta:
-    """What one request gained since its consumer last looked."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list = field(default_factory=list)  # one per token, when the request asked
-    prompt_logprobs: object = None  # on the first delta, when the request asked
-    finish_reason: str | None = None  # "stop", "length", "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # so far
-    queue_time: float | None = None  # seconds queued in the engine, on the first delta
 
 
 class RequestStream:
@@ -57,8 +58,8 @@ class RequestStream:
         self.client, self.request_id, self.prompt, self.params = client, request_id, prompt, params
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._text = TextStream(client.tokenizer.decode, params.stop, context=prompt)
-        self._arrived: list[Output] = []
+        self._text = RequestText(client.tokenizer.decode, params, prompt)
+        self._arrived: list[TokenOutput] = []
         self._error: Exception | None = None
         self._wake = asyncio.Event()
         self._first = True
@@ -84,19 +85,16 @@ class RequestStream:
             self.client._abort(self.request_id)
             self._close("abort")
 
-    def _delta(self, arrived: list[Output]) -> Delta:
-        tokens, text, finish = [], "", None
+    def _delta(self, arrived: list[TokenOutput]) -> Delta:
+        tokens, text = [], ""
         for output in arrived:
             tokens.append(output.token)
-            finish = output.finish_reason
-            if not (finish == "stop" and output.token in self.params.stop_token_ids):
-                text += self._text.push(output.token)
-            if self._text.stopped and finish is None:
-                finish = "stop"  # a stop string: the engine need not go on
+            text += self._text.add(output.token, output.finish_reason)
+            if self._text.stopped_by_text:  # a stop string: the engine need not go on
                 self.client._abort(self.request_id)
-            if finish is not None:
-                text += self._text.finish()
+            if self._text.finish_reason is not None:
                 break
+        finish = self._text.finish_reason
         self.completion_tokens += len(tokens)
         delta = Delta(
             tokens, text, [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],
@@ -113,7 +111,7 @@ class RequestStream:
             self.finish_reason = reason
             self.client._forget(self.request_id, reason)
 
-    def _receive(self, output: Output) -> None:
+    def _receive(self, output: TokenOutput) -> None:
         self._arrived.append(output)
         self._wake.set()
 
@@ -175,7 +173,7 @@ class EngineClient:
     def stop(self) -> None:
         """Tell the engine process to exit and wait for it (the server has drained)."""
         with contextlib.suppress(OSError, ValueError):  # already gone
-            self._pipe.send(("stop", None))
+            self._pipe.send(StopEngine())
         self.process.join(30)
         if self.process.is_alive():
             self.process.terminate()
@@ -211,12 +209,12 @@ class EngineClient:
             raise QueueFull(f"{waiting} requests already waiting")
         stream = RequestStream(self, next(self._ids), list(prompt), params)
         self._streams[stream.request_id] = stream
-        self._pipe.send(("add", stream.request_id, stream.prompt, params))
+        self._pipe.send(AddRequest(stream.request_id, stream.prompt, params))
         return stream
 
     def _abort(self, request_id: int) -> None:
         if request_id in self._streams:
-            self._pipe.send(("abort", request_id))
+            self._pipe.send(AbortRequest(request_id))
 
     def _forget(self, request_id: int, reason: str) -> None:
         if self._streams.pop(request_id, None) is not None:
@@ -229,32 +227,31 @@ class EngineClient:
             try:
                 message = self._pipe.recv()
             except (EOFError, OSError):
-                message = ("exited", None)
+                message = EngineExited()
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:  # the server's event loop is closed: nobody is listening
                 return
-            if message[0] == "exited":
+            if isinstance(message, EngineExited):
                 return
 
-    def _dispatch(self, message: tuple) -> None:
-        kind, payload, *rest = message
-        if kind == "step":
-            for output in payload:
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, StepOutputs):
+            for output in message.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     stream._receive(output)
-            self._engine_running = rest[0][0]
-        elif kind == "load":
-            self._engine_running = payload[0]
-        elif kind == "rejected":
-            stream = self._streams.get(payload.request_id)
+            self._engine_running = message.running
+        elif isinstance(message, LoadReport):
+            self._engine_running = message.running
+        elif isinstance(message, Rejected):
+            stream = self._streams.get(message.request_id)
             if stream is not None:
-                stream._fail(PromptTooLong(payload.message))
-        elif kind == "exited":
+                stream._fail(PromptTooLong(message.message))
+        elif isinstance(message, EngineExited):
             self._fail_all(EngineFailed("the engine process exited"))
-        elif kind == "step_failed":
-            self._fail_all(EngineFailed(f"generation step failed: {payload}"), dead=False)
+        elif isinstance(message, StepFailed):
+            self._fail_all(EngineFailed(f"generation step failed: {message.message}"), dead=False)
 
     def _fail_all(self, error: Exception, dead: bool = True) -> None:
         if dead:

@@ -3,10 +3,10 @@ cannot stall it.
 
 The process loads the model, builds the `Engine` and then loops: take every message waiting on
 its pipe (add a request, abort one, stop), run one `Engine.step`, send what the step produced as
-one message for the whole batch. Messages are small tuples of ints and plain dataclasses, so a
-step of 32 requests costs one pickle, not 32 thread hops. Text is not made here: token ids go out
-and the server process detokenises them and matches stop strings (`pipeline.serve.engine_client`)
-while the next step runs.
+one message for the whole batch. The messages are the small dataclasses of
+`pipeline.serve.messages`, so a step of 32 requests costs one pickle, not 32 thread hops. Text is
+not made here: token ids go out and the server process detokenises them and matches stop strings
+(`pipeline.serve.engine_client`) while the next step runs.
 
 The process ignores SIGINT and SIGTERM: the server drains its requests first, then tells the
 engine to stop; a server that dies closes the pipe, and the engine exits on that too.
@@ -19,6 +19,19 @@ import os
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+
+from pipeline.serve.messages import (
+    AbortRequest,
+    AddRequest,
+    Failed,
+    LoadReport,
+    Ready,
+    Rejected,
+    StepFailed,
+    StepOutputs,
+    StopEngine,
+    TokenOutput,
+)
 
 log = logging.getLogger(__name__)
 MAX_AUTO_BATCH = 256  # vLLM's default max_num_seqs
@@ -42,48 +55,6 @@ class EngineSpec:
     lora_adapter: str | None = None  # LoRA adapters run beside the weights, unmerged
 
 
-@dataclass(frozen=True)
-class Ready:
-    """The engine is loaded: what the server needs to know of it."""
-
-    name: str
-    tokenizer_path: str | None
-    eos_ids: frozenset[int]
-    max_context: int
-    cache_blocks: int
-    block_size: int
-    max_batch: int
-    vocab_size: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The model could not be loaded (one line naming the path)."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class Output:
-    """One token of one request in a step's message."""
-
-    request_id: int
-    token: int
-    finish_reason: str | None
-    logprobs: object = None
-    prompt_logprobs: object = None
-    queue_time: float | None = None  # seconds the request waited for the batch, first token
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """The engine refused a request the server had let through (it should not happen: the
-    server checks the same limits first)."""
-
-    request_id: int
-    message: str
-
-
 def batch_for_cache(cache_blocks: int) -> int:
     """The default number of requests at once: as many as the cache has blocks (each running
     request holds at least one), up to `MAX_AUTO_BATCH`. Admission still waits for a request's
@@ -104,8 +75,8 @@ def engine_threads() -> int:
 def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,
                  **limits):  # fmt: skip
     """An engine for `gen` (a loaded `Generator`) whose KV cache fits `kv_cache_bytes`;
-    `max_batch` 0 sizes the batch from the cache (`batch_for_cache`). No `decode`: the server
-    process makes the text, off the engine's path."""
+    `max_batch` 0 sizes the batch from the cache (`batch_for_cache`). The engine makes no text:
+    the server process does, off the engine's path."""
     from pipeline.serve.engine import Engine
     from pipeline.serve.kv_cache import BlockKVCache
 
@@ -169,14 +140,14 @@ def _serve(engine, pipe: Connection) -> None:
         wait, handled = None if not engine.busy else 0, False
         while pipe.poll(wait):
             message = pipe.recv()
-            if message[0] == "stop":
+            if isinstance(message, StopEngine):
                 return
             _handle(engine, requests, client_ids, message, pipe)
             wait, handled = 0, True
         if engine.busy:
             _step(engine, requests, client_ids, pipe)
         elif handled:  # an abort while idle: the server's /health must see it
-            pipe.send(("load", engine.load))
+            pipe.send(LoadReport(*engine.load))
 
 
 def _step(engine, requests: dict, client_ids: dict, pipe: Connection) -> None:
@@ -188,37 +159,36 @@ def _step(engine, requests: dict, client_ids: dict, pipe: Connection) -> None:
         engine.abort_all()
         requests.clear()
         client_ids.clear()
-        pipe.send(("step_failed", str(error)))
+        pipe.send(StepFailed(str(error)))
         return
     outputs = [_output(client_ids[event.request], event) for event in events]
-    pipe.send(("step", outputs, engine.load))
+    pipe.send(StepOutputs(outputs, *engine.load))
     for event in events:
         if event.finished:
             requests.pop(client_ids.pop(event.request), None)
 
 
-def _handle(engine, requests: dict, client_ids: dict, message: tuple, pipe: Connection) -> None:
-    kind, request_id, *rest = message
-    if kind == "add":
-        prompt, params = rest
+def _handle(engine, requests: dict, client_ids: dict, message: AddRequest | AbortRequest,
+            pipe: Connection) -> None:  # fmt: skip
+    if isinstance(message, AddRequest):
         try:
-            request = engine.add(prompt, params)
+            request = engine.add(message.prompt, message.params)
         except ValueError as error:  # PromptTooLong and bad values: the server checks first
-            pipe.send(("rejected", Rejected(request_id, str(error))))
+            pipe.send(Rejected(message.request_id, str(error)))
             return
-        requests[request_id] = request
-        client_ids[request] = request_id
-    elif kind == "abort":
-        request = requests.pop(request_id, None)
+        requests[message.request_id] = request
+        client_ids[request] = message.request_id
+    elif isinstance(message, AbortRequest):
+        request = requests.pop(message.request_id, None)
         if request is not None:
             client_ids.pop(request, None)
             engine.abort(request)
 
 
-def _output(request_id: int, event) -> Output:
+def _output(request_id: int, event) -> TokenOutput:
     request = event.request
     first = len(request.output) == 1 and request.admitted is not None
-    return Output(
+    return TokenOutput(
         request_id, event.token, request.finish_reason if event.finished else None,
         event.logprobs, event.prompt_logprobs,
         request.admitted - request.arrived if first else None,

@@ -1,5 +1,8 @@
 """What `pipe generate` does once the model is loaded: run the prompts through the engine and
-write the text to the terminal as it comes (one prompt), or each text when done (several)."""
+write the text to the terminal as it comes (one prompt), or each text when done (several).
+
+The text is made as `pipe serve` makes it (`pipeline.serve.text.RequestText`): the engine hands
+out token ids, and a request that reaches a stop string is aborted there."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from collections.abc import Callable
 from pipeline.serve.engine import Engine
 from pipeline.serve.loading import Generator
 from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.text import RequestText
 
 
 def run_generation(
@@ -27,17 +31,22 @@ def run_generation(
     blocks = sum(-(-(len(ids) + params.max_new_tokens) // block_size) for ids in encoded)
     engine = Engine(
         gen.model, max_batch=len(prompts), cache_blocks=max(blocks, 1), block_size=block_size,
-        max_waiting=len(prompts), decode=gen.decode, tp=gen.tp,
+        max_waiting=len(prompts), tp=gen.tp,
     )  # fmt: skip
-    requests = [engine.add(ids, params) for ids in encoded]
-    if len(prompts) == 1:
+    texts = {engine.add(ids, params): RequestText(gen.decode, params, ids) for ids in encoded}
+    streaming = len(prompts) == 1
+    if streaming:
         echo(shown[0], nl=False)
-        for event in engine.run():
-            echo(event.text, nl=False)
+    for event in engine.run():
+        text = texts[event.request]
+        piece = text.add(event.token, event.request.finish_reason if event.finished else None)
+        if text.stopped_by_text:
+            engine.abort(event.request)
+        if streaming:
+            echo(piece, nl=False)
+    if streaming:
         echo("")
     else:
-        for _ in engine.run():
-            pass
-        for index, (prompt, request) in enumerate(zip(shown, requests)):
-            echo(f"--- {index} ---\n{prompt}{request.text.text}")
-    return [request.text.text for request in requests]
+        for index, (prompt, text) in enumerate(zip(shown, texts.values())):
+            echo(f"--- {index} ---\n{prompt}{text.text}")
+    return [text.text for text in texts.values()]

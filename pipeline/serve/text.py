@@ -7,11 +7,19 @@ decoder does at the start of a sequence, and the window moves on once that text 
 token costs the decoding of a handful of ids, not of the whole output. Only what can no longer
 change is released: nothing that ends in an incomplete character, nothing that might be the start
 of a stop string.
+
+`RequestText` is that stream for one request as the engine's tokens come: the HTTP server's
+engine client and `pipe generate` both make their text through it, so they release the same text
+and stop at the same place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only a type here: detokenising needs no torch
+    from pipeline.serve.sampling import SamplingParams
 
 _INCOMPLETE = "\ufffd"  # what decoders give for a partial UTF-8 sequence
 CONTEXT_IDS = 5  # prompt ids decoded before the first output token
@@ -86,3 +94,36 @@ class TextStream:
                     held = size
                     break
         return held
+
+
+class RequestText:
+    """One request's text from the tokens the engine generates for it (module docstring).
+
+    The engine ends a request on token ids only (a stop token, `max_new_tokens`); the stop
+    strings are found here. When one ends the text first, `stopped_by_text` says so: the engine
+    does not know, and the caller must abort the request."""
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], params: SamplingParams, prompt: Sequence[int]
+    ) -> None:
+        self._stream = TextStream(decode, params.stop, context=prompt)
+        self._stop_token_ids = params.stop_token_ids
+        self.finish_reason: str | None = None
+        self.stopped_by_text = False
+
+    @property
+    def text(self) -> str:
+        """All the text released so far."""
+        return self._stream.text
+
+    def add(self, token: int, finish_reason: str | None) -> str:
+        """The text `token` releases, given the engine's `finish_reason` for it (None while the
+        request goes on). A stop token adds no text of its own; at the end, whatever was held
+        back (an incomplete character, a possible stop string's start) is released."""
+        text = "" if token in self._stop_token_ids else self._stream.push(token)
+        if self._stream.stopped and finish_reason is None:
+            finish_reason, self.stopped_by_text = "stop", True
+        if finish_reason is not None:
+            text += self._stream.finish()
+            self.finish_reason = finish_reason
+        return text

@@ -203,6 +203,29 @@ def test_stop_strings_and_eos_end_the_text() -> None:
     assert [stream.push(t) for t in (1, 2, 5)] == ["Hel", "lo", "!"] and not stream.stopped
 
 
+def test_a_requests_text_ends_at_a_stop_string_or_where_the_engine_ends_it() -> None:
+    """`RequestText`, the text path of `pipe generate` and `pipe serve` alike: a stop string
+    ends the text before the engine knows (the caller must abort), a stop token adds no text,
+    and the engine's end releases what was held back."""
+    from pipeline.serve.text import RequestText
+
+    pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 9: "<eos>"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    params = SamplingParams(stop=("world",), stop_token_ids=frozenset({9}))
+    text = RequestText(decode, params, prompt=[])
+    assert [text.add(t, None) for t in (1, 2, 3, 4)] == ["Hel", "lo", " ", ""]
+    assert text.finish_reason == "stop" and text.stopped_by_text and text.text == "Hello "
+    text = RequestText(decode, params, prompt=[])  # " wor" is held: it may begin "world"
+    assert [text.add(1, None), text.add(3, None), text.add(9, "stop")] == ["Hel", " ", "wor"]
+    assert text.finish_reason == "stop" and not text.stopped_by_text and text.text == "Hel wor"
+    text = RequestText(decode, params, prompt=[])
+    assert text.add(1, None) + text.add(3, "length") == "Hel wor"
+    assert text.finish_reason == "length" and not text.stopped_by_text
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_without_stalling_others(llama) -> None:
     engine = Engine(llama, max_batch=2, block_size=4, prefill_chunk=4)
     params = SamplingParams(max_new_tokens=30, greedy=True)

@@ -1,0 +1,145 @@
+"""What `pipe serve`'s engine process and HTTP process say to each other, as types.
+
+The HTTP process (`pipeline.serve.engine_client`) sends `ToEngine` messages down the pipe; the
+engine process (`pipeline.serve.engine_process`) answers with `FromEngine` ones. Every message is
+a frozen dataclass of ints, strings and other such dataclasses, so it pickles across the process
+boundary as it is; a receiver tells them apart by type, and a field has a name instead of a
+position in a tuple. `Delta` is what the engine client hands on to the HTTP routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.serve.sampling import SamplingParams, TokenLogprobs
+
+# ---- to the engine process ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a generation. `request_id` is the HTTP process's own number for it: every answer
+    about the request names it, so the engine's `Request` objects never cross the pipe."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request now (its client went away or a stop string ended it), so its batch slot
+    and cache blocks are free at the next step."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class StopEngine:
+    """Exit the engine process: the HTTP server has drained its requests."""
+
+
+ToEngine = AddRequest | AbortRequest | StopEngine
+
+
+# ---- from the engine process --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The engine is loaded: what the HTTP process needs to know of it to admit requests and to
+    make their text (the engine process sends it once, first)."""
+
+    name: str
+    tokenizer_path: str | None
+    eos_ids: frozenset[int]
+    max_context: int
+    cache_blocks: int
+    block_size: int
+    max_batch: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The model could not be loaded (one line naming the path); sent instead of `Ready`, and
+    the engine process exits."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One token of one request. Only ids travel: the HTTP process makes the text, off the
+    engine's path. `finish_reason` is the engine's ("stop" at a stop token, "length");
+    `prompt_logprobs` and `queue_time` (seconds the request waited for the batch) come with a
+    request's first token, `logprobs` with every token of a request that asked."""
+
+    request_id: int
+    token: int
+    finish_reason: str | None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    queue_time: float | None = None
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one engine step produced, for the whole batch in one message (one pickle a step, not
+    one a token), and how many requests the engine is running after it."""
+
+    outputs: list[TokenOutput]
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The engine's request counts after a message changed them while it was idle (an abort), so
+    the HTTP process's /health does not wait for a step that will not come."""
+
+    running: int
+    waiting: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused a request the HTTP process had let through (it should not happen: the
+    HTTP process checks the same limits first)."""
+
+    request_id: int
+    message: str
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A step raised: the engine aborted every request in flight and goes on serving new ones."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineExited:
+    """The pipe closed: the engine process is gone. Never sent; the HTTP process's reader makes
+    it, so that the end reaches the event loop as one more message."""
+
+
+FromEngine = Ready | Failed | StepOutputs | LoadReport | Rejected | StepFailed | EngineExited
+
+
+# ---- to the HTTP routes -------------------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    """What one request gained since its consumer last looked: every token that arrived
+    meanwhile (several per streamed chunk for a slow client) and the text they released."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # on the first delta
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+    queue_time: float | None = None  # seconds queued in the engine, on the first delta

@@ -1,0 +1,154 @@
+"""The endpoints of `pipe serve`, registered on its FastAPI application.
+
+A generation route turns a body into prompt token ids and jobs (`pipeline.serve.jobs`), submits
+them to the engine client and hands the streams to a response writer
+(`pipeline.serve.responses`). Besides the OpenAI routes: vLLM's /tokenize, /detokenize and
+/version, Prometheus' /metrics and /health.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations as objects.
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from pipeline import __version__
+from pipeline.serve.codec import Codec
+from pipeline.serve.engine_client import EngineClient
+from pipeline.serve.jobs import plan_jobs, submit_jobs
+from pipeline.serve.metrics import ServeMetrics
+from pipeline.serve.openai_api import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    completion_prompts,
+)
+from pipeline.serve.responses import ChatWriter, CompletionWriter, respond
+from pipeline.serve.sampling import SamplingParams
+
+
+@dataclass
+class ServedModel:
+    """What the routes share: the engine client, the name the model is served under, its
+    tokenizer (`codec`), the metrics and when the server started."""
+
+    client: EngineClient
+    name: str
+    codec: Codec
+    metrics: ServeMetrics
+    started: int = field(default_factory=lambda: int(time.time()))
+    _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
+
+    @classmethod
+    def of(cls, client: EngineClient, name: str) -> "ServedModel":
+        """The model behind a started `client`, served as `name`."""
+        codec = Codec(client.tokenizer, client.chat_template, client.ready.vocab_size)
+        return cls(client, name, codec, ServeMetrics(name, lambda: client.load))
+
+    @property
+    def token_budget(self) -> int:
+        """What max_tokens null may use: a request reserves its whole length in the cache."""
+        ready = self.client.ready
+        return min(ready.max_context, ready.cache_blocks * ready.block_size)
+
+    def new_id(self, prefix: str) -> str:
+        """A fresh response id, e.g. `cmpl-7`."""
+        return f"{prefix}-{next(self._ids)}"
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless `name` (when given) is the served model's."""
+        if name is not None and name != self.name:
+            raise APIError(f"The model `{name}` does not exist.", 404, "model")
+
+    def submit(self, prompt: list[int], params: SamplingParams):
+        """One engine request's stream of deltas, its latencies recorded."""
+        return self.metrics.track(self.client.submit(prompt, params))
+
+
+def add_routes(app: FastAPI, served: ServedModel) -> None:
+    """Register every endpoint of `pipe serve` on `app`."""
+    _add_status_routes(app, served)
+    _add_generation_routes(app, served)
+    _add_token_routes(app, served)
+
+
+def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
+    client, metrics = served.client, served.metrics
+
+    @app.get("/health")
+    async def health():
+        running, waiting = client.load
+        finished = dict(client.finish_counts)
+        if client.failure is not None:  # a load balancer must stop sending requests here
+            body = {"status": "failed", "error": str(client.failure), "finished": finished}
+            return JSONResponse(body, status_code=503)
+        return {"status": "ok", "running": running, "waiting": waiting, "finished": finished}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {"id": served.name, "object": "model", "created": served.started,
+                 "owned_by": "pipe", "root": served.name,
+                 "max_model_len": client.ready.max_context}  # fmt: skip
+        return {"object": "list", "data": [entry]}
+
+
+def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
+    eos_ids = served.client.ready.eos_ids
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest, body: CompletionBody):
+        served.check_model(body.model)
+        body.check(served.codec.vocab_size)
+        prompts = [served.codec.prompt(p) for p in completion_prompts(body.prompt)]
+        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids)
+        streams = submit_jobs(served.submit, jobs, "prompt")
+        writer = CompletionWriter(body, prompts, served.codec.token_text)
+        return await respond(writer, served.new_id("cmpl"), served.name, jobs, streams,
+                             body.stream, http.is_disconnected)  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest, body: ChatBody):
+        served.check_model(body.model)
+        body.check(served.codec.vocab_size)
+        prompt = served.codec.encode(served.codec.chat(body.messages))
+        jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids)
+        streams = submit_jobs(served.submit, jobs, "messages")
+        writer = ChatWriter(body, len(prompt), served.codec.token_text)
+        return await respond(writer, served.new_id("chatcmpl"), served.name, jobs, streams,
+                             body.stream, http.is_disconnected)  # fmt: skip
+
+
+def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
+    codec = served.codec
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        served.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give either prompt or messages", param="prompt")
+        if body.prompt is not None:
+            text = body.prompt
+        else:
+            text = codec.chat(body.messages, body.add_generation_prompt is not False)
+        tokens = codec.encode(text)
+        max_model_len = served.client.ready.max_context
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        served.check_model(body.model)
+        codec.prompt(body.tokens, param="tokens")  # checks the ids
+        return {"prompt": codec.decode(body.tokens)}
