@@ -363,6 +363,31 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
     )  # fmt: skip
 
 
+KILL_AFTER_SAVE = """
+    import os, signal, sys
+    from pipeline.train.config_loader import resolve_config
+    from pipeline.train.trainer import Trainer
+
+    iteration, recipe, sets = int(sys.argv[1]), sys.argv[2] or None, sys.argv[3:]
+    original = Trainer.save_checkpoint
+
+    def save_then_die(self):
+        path = original(self)
+        if self.iteration == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    Trainer.save_checkpoint = save_then_die
+    Trainer(resolve_config(recipe, sets), console=False).train()
+"""
+
+
+def kill_after_save(iteration: int, recipe: str | None, sets: list[str]) -> subprocess.Popen:
+    """A training run of `recipe` (None: the defaults) with `sets` in a subprocess that SIGKILLs
+    itself right after saving `iteration`."""
+    return run_python(KILL_AFTER_SAVE, str(iteration), recipe or "", *sets)
+
+
 def nan_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batch calls (all of them when None)."""
     import pipeline.train.objectives.language_model as lm

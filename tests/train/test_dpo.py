@@ -25,7 +25,7 @@ from pipeline.data.loss_mask import loss_mask_prefix
 from pipeline.data.preference_dataset import PreferencePairs
 from pipeline.train.config import ConfigError
 from pipeline.train.config_loader import resolve_config
-from tests.builders import layout_sets, records, run_pipe, run_python, train_and_probe
+from tests.builders import kill_after_save, layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -197,24 +197,6 @@ def test_dpo_layouts_equal_one_process(tmp_path: Path) -> None:
 
 # ---- resume --------------------------------------------------------------------------------
 
-KILL_AFTER_SAVE = """
-    import os, signal, sys
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
-
-    original = Trainer.save_checkpoint
-
-    def save_then_die(self):
-        path = original(self)
-        if self.iteration == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
-
-    Trainer.save_checkpoint = save_then_die
-    Trainer(resolve_config("tiny_dpo", sys.argv[1:]), console=False).train()
-"""
-
-
 def _train(sets: list[str]):
     from pipeline.train.trainer import Trainer
 
@@ -242,7 +224,7 @@ def test_dpo_resumes_exactly_after_sigkill(tmp_path: Path, start: str) -> None:
              *_start_sets(tmp_path, prefix, start)]  # fmt: skip
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     _train(_dpo_sets(run_a, prefix, *extra))
-    proc = run_python(KILL_AFTER_SAVE, *_dpo_sets(run_b, prefix, *extra))
+    proc = kill_after_save(2, "tiny_dpo", _dpo_sets(run_b, prefix, *extra))
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode == -signal.SIGKILL, output
     again = [s for s in _dpo_sets(run_b, prefix, *extra) if not s.startswith("checkpoint.")]

@@ -18,7 +18,14 @@ from pipeline.weights.formats import open_source
 from pipeline.weights.model import model_from_source
 from pipeline.weights.pipe_checkpoint import write_pipe_checkpoint
 from pipeline.weights.source import InMemorySource
-from tests.builders import build_model, export_family, micro_sets, perturbed, records, run_python
+from tests.builders import (
+    build_model,
+    export_family,
+    kill_after_save,
+    micro_sets,
+    perturbed,
+    records,
+)
 
 ATTENTION_AND_MLP = '["q", "k", "v", "o", "gate", "up", "down"]'
 # Expert adapters are written per expert (the on-disk module names), which peft 0.21 fuses for
@@ -125,24 +132,6 @@ def _assert_generation_runs_the_adapters_unmerged(base, adapters, peft_dir, expe
         open_generator(base, lora_adapter=base)
 
 
-KILL_AFTER_SAVE = """
-    import os, signal, sys
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
-
-    original = Trainer.save_checkpoint
-
-    def save_then_die(self):
-        path = original(self)
-        if self.iteration == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
-
-    Trainer.save_checkpoint = save_then_die
-    Trainer(resolve_config(None, sys.argv[1:]), console=False).train()
-"""
-
-
 def test_exact_resume_after_sigkill_and_adapter_checkpoint_size(tmp_path: Path) -> None:
     """A LoRA run (dropout on) SIGKILLed after saving iteration 2 and resumed with --load of
     its adapter checkpoints (the base found from the record, checksum checked) gives the
@@ -153,7 +142,7 @@ def test_exact_resume_after_sigkill_and_adapter_checkpoint_size(tmp_path: Path) 
     extra = ("lora.dropout=0.1", "checkpoint.save_interval=2")
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     Trainer(resolve_config(None, _lora_sets(run_a, base, *extra, iters=4)), console=False).train()
-    proc = run_python(KILL_AFTER_SAVE, *_lora_sets(run_b, base, *extra, iters=4))
+    proc = kill_after_save(2, None, _lora_sets(run_b, base, *extra, iters=4))
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, output
     resumed = [s for s in _lora_sets(run_b, base, *extra, iters=4) if "checkpoint.load" not in s]

@@ -20,7 +20,15 @@ from pipeline.train import toml_io
 from pipeline.train.config_loader import resolve_config
 from pipeline.train.guards import NonFiniteStop
 from pipeline.train.trainer import Trainer
-from tests.builders import MICRO_MODEL, micro_sets, nan_loss, records, run_python, write_jsonl
+from tests.builders import (
+    MICRO_MODEL,
+    kill_after_save,
+    micro_sets,
+    nan_loss,
+    records,
+    run_python,
+    write_jsonl,
+)
 
 
 def test_accumulation_equivalence(tmp_path: Path) -> None:
@@ -41,31 +49,13 @@ def test_accumulation_equivalence(tmp_path: Path) -> None:
         torch.testing.assert_close(param, params_b[name], rtol=0, atol=1e-6, msg=name)
 
 
-KILL_AFTER_SAVE = """
-    import os, signal, sys
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
-
-    original = Trainer.save_checkpoint
-
-    def save_then_die(self):
-        path = original(self)
-        if self.iteration == 4:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
-
-    Trainer.save_checkpoint = save_then_die
-    Trainer(resolve_config(None, sys.argv[1:]), console=False).train()
-"""
-
-
 def test_exact_resume_after_sigkill(tmp_path: Path) -> None:
     """A run SIGKILLed right after saving iteration 4 and resumed gives bit-identical train and
     valid losses to an uninterrupted run; evaluation logs valid loss and perplexity."""
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     Trainer(resolve_config(None, micro_sets(run_a)), console=False).train()
 
-    proc = run_python(KILL_AFTER_SAVE, *micro_sets(run_b))
+    proc = kill_after_save(4, None, micro_sets(run_b))
     output, _ = proc.communicate(timeout=90)
     assert proc.returncode == -signal.SIGKILL, output
     assert max(records(run_b)) == 4
