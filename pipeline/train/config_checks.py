@@ -1,8 +1,9 @@
 """The training config's cross-field checks: what no single field's type can say.
 
 `TrainConfig.validate` calls `config_problems`, which lists every problem at once (batch
-geometry, data sources, optimizer and schedule ranges, FP8 recipe) and adds the layout rules of
-`pipeline.core.parallel.layout_rules` for the run's model, so one `ConfigError` names them all.
+geometry, data sources, the optimizer's name and ranges, the schedule, FP8 recipe) and adds the
+layout rules of `pipeline.core.parallel.layout_rules` for the run's model, so one `ConfigError`
+names them all.
 Reads no file: a model taken from a checkpoint was read once by the config loader.
 """
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from pipeline.core.kernels.fp8 import normalize_recipe
 from pipeline.core.parallel.layout_rules import layout_problems
 from pipeline.train.config_types import ConfigError
+from pipeline.train.optimizers import optimizer_spec
 
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
@@ -57,6 +59,7 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
     problems += _split_problems(d.split)
 
+    problems += _optimizer_name_problems(o.name)
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
     if not 0 <= s.warmup_init_lr <= o.lr:
@@ -86,6 +89,15 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
     problems += _lora_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     return problems
+
+
+def _optimizer_name_problems(name: str) -> list[str]:
+    """`optimizer.name` must be in the optimizer registry; the line names the known ones."""
+    try:
+        optimizer_spec(name)
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
 def _lora_problems(cfg: TrainConfig) -> list[str]:

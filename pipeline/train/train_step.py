@@ -38,7 +38,7 @@ from pipeline.train.step_runner import Batch, LocalStepRunner, StepRunner
 
 if TYPE_CHECKING:
     from pipeline.core.kernels.fp8 import Fp8Training
-    from pipeline.train.optimizer import MegatronLR
+    from pipeline.train.optimizers.lr_scheduler import MegatronLR
 
 __all__ = [
     "StepResult",
