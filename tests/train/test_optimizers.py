@@ -1,5 +1,5 @@
 """The optimizer registry: `optimizer.name` builds its entry's optimizer (AdamW as before), an
-unknown name is refused in one line."""
+unknown name is refused in one line, and each entry says how it skips a non-finite step."""
 
 from __future__ import annotations
 
@@ -61,3 +61,41 @@ def test_an_unknown_name_is_one_line_naming_the_known() -> None:
     with pytest.raises(ConfigError) as error:
         optimizer_spec("sgd")
     assert str(error.value) == expected
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_entry_builds_what_it_declares(name: str) -> None:
+    """An entry's optimizer takes every trainable parameter and no frozen one, and reads
+    `found_inf` on the device exactly when the entry says it skips there."""
+    from pipeline.train.optimizers.nonfinite import reads_found_inf
+
+    spec = optimizer_spec(name)
+    model = Toy()
+    optimizer = spec.build(model, resolve_config("tiny", [f"optimizer.name={name}"]))
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert held == {id(p) for p in model.parameters() if p.requires_grad}
+    assert reads_found_inf(optimizer) is spec.skips_on_device
+    assert spec.state_bytes_per_param >= 0 and spec.state
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nonfinite_step_leaves_weights_and_state_untouched(fused: bool, monkeypatch) -> None:
+    """`step_unless_nonfinite`: a finite step steps; a non-finite one changes no weight, moment
+    or step count. A fused AdamW is told on the device (no tensor is read on the host)."""
+    from pipeline.train.optimizers.nonfinite import step_unless_nonfinite
+
+    model = Toy()
+    optimizer = torch.optim.AdamW(model.wq.parameters(), lr=0.1, fused=fused)
+    if fused:
+        monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("host sync"))
+    initial = model.wq.weight.detach().clone()
+    model.wq.weight.grad = torch.ones_like(model.wq.weight)
+    step_unless_nonfinite(optimizer, torch.tensor(True))
+    before = model.wq.weight.detach().clone()
+    assert not torch.equal(before, initial)
+    state = {k: v.clone() for k, v in optimizer.state[model.wq.weight].items()}
+    model.wq.weight.grad = torch.full_like(model.wq.weight, float("nan"))
+    step_unless_nonfinite(optimizer, torch.tensor(False))
+    assert torch.equal(model.wq.weight, before)
+    for key, value in optimizer.state[model.wq.weight].items():
+        assert torch.equal(value, state[key]), key
