@@ -59,15 +59,9 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
     problems += _split_problems(d.split)
 
-    problems += _optimizer_name_problems(o.name)
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
+    problems += _optimizer_problems(cfg)
     if not 0 <= s.warmup_init_lr <= o.lr:
         problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
-    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
-        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
 
     decay = cfg.decay_iters
     if s.warmup_iters < 0:
@@ -91,13 +85,22 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
     return problems
 
 
-def _optimizer_name_problems(name: str) -> list[str]:
-    """`optimizer.name` must be in the optimizer registry; the line names the known ones."""
+def _optimizer_problems(cfg: TrainConfig) -> list[str]:
+    """`[optimizer]`: a name of the optimizer registry (the line names the known ones) and
+    hyper-parameters in range."""
+    o = cfg.optimizer
+    problems = []
     try:
-        optimizer_spec(name)
+        optimizer_spec(o.name)
     except ConfigError as e:
-        return [str(e)]
-    return []
+        problems.append(str(e))
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
+    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
+        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    return problems
 
 
 def _lora_problems(cfg: TrainConfig) -> list[str]:
