@@ -99,3 +99,37 @@ def test_a_nonfinite_step_leaves_weights_and_state_untouched(fused: bool, monkey
     assert torch.equal(model.wq.weight, before)
     for key, value in optimizer.state[model.wq.weight].items():
         assert torch.equal(value, state[key]), key
+
+
+def test_the_memory_estimate_takes_the_state_bytes_from_the_registry(monkeypatch) -> None:
+    """Weights and gradients are 4 + 4 bytes a trainable parameter and the chosen entry adds its
+    state (LoRA: to the adapters only); the dry run names the entry and its bytes."""
+    from pipeline.train.estimates import (
+        dry_run_report,
+        estimate_memory,
+        lora_parameters,
+        parameter_counts,
+    )
+    from pipeline.train.optimizers import OptimizerSpec
+
+    fake = OptimizerSpec(
+        name="fake", builder="unused:unused", state_bytes_per_param=2, state="one bf16 moment",
+        skips_on_device=False,
+    )  # fmt: skip
+    monkeypatch.setitem(OPTIMIZERS, "fake", fake)
+    for recipe, world in (("llama3_8b", 8), ("tiny_lora", 1)):
+        adamw = resolve_config(recipe, world_size=world)
+        chosen = resolve_config(recipe, ["optimizer.name=fake"], world_size=world)
+        model = adamw.model_config()
+        before, after = (estimate_memory(c, model, world) for c in (adamw, chosen))
+        trained = before.params_per_device  # what one device holds of the trained parameters
+        if adamw.lora.enabled:
+            trained *= lora_parameters(adamw, model) / parameter_counts(model).total
+        assert before.state - after.state == pytest.approx(trained * (8 - 2))
+        assert after.activations_none == before.activations_none
+        report = dry_run_report(chosen, world_size=world)
+        assert (
+            "optimizer    fake: one bf16 moment, 2 B/param of state; a non-finite step is "
+            "skipped after a host check (one sync a step)"
+        ) in report
+        assert any("fake state (4 + 4 + 2 B/param)" in line for line in report)
