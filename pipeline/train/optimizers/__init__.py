@@ -8,8 +8,8 @@ builder is imported on first use, so the registry, read by the config checks and
 never imports torch.
 
 Adding an optimizer is one new module here with a `build_<name>(model, cfg)` function and one
-`register(OptimizerSpec(...))` line below. The learning-rate scheduler (`lr_scheduler`) drives
-the param groups of any of them.
+`register(OptimizerSpec(...))` below (docs/architecture.md, "Adding an optimizer"). The
+learning-rate scheduler (`lr_scheduler`) drives the param groups of any of them.
 """
 
 from __future__ import annotations
