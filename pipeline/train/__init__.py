@@ -1,4 +1,4 @@
-"""Training: config sections and recipes, LR schedules, optimizer, dry-run estimates, trainer.
+"""Training: config and recipes, LR schedules, the optimizer registry, dry-run estimates, trainer.
 
 The config (`config`: the schema; `config_checks`, `model_overrides`; `config_loader` layers it
 and reads the loaded checkpoint's model once) reads no file itself. The trainer's loop

@@ -204,8 +204,10 @@ class TrainingSection:
 
 @dataclass
 class OptimizerSection:
-    """AdamW hyper-parameters and gradient clipping."""
+    """Which optimizer, its hyper-parameters, and gradient clipping."""
 
+    name: str = "adamw"
+    """An optimizer of the registry (`pipeline.train.optimizers.OPTIMIZERS`): adamw."""
     lr: float = 3e-4
     """Peak learning rate (reached at the end of warmup)."""
     min_lr: float = 3e-5

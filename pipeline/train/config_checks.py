@@ -1,8 +1,9 @@
 """The training config's cross-field checks: what no single field's type can say.
 
 `TrainConfig.validate` calls `config_problems`, which lists every problem at once (batch
-geometry, data sources, optimizer and schedule ranges, FP8 recipe) and adds the layout rules of
-`pipeline.core.parallel.layout_rules` for the run's model, so one `ConfigError` names them all.
+geometry, data sources, the optimizer's name and ranges, the schedule, FP8 recipe) and adds the
+layout rules of `pipeline.core.parallel.layout_rules` for the run's model, so one `ConfigError`
+names them all.
 Reads no file: a model taken from a checkpoint was read once by the config loader.
 """
 
@@ -14,6 +15,7 @@ from pipeline.core.kernels.fp8 import normalize_recipe
 from pipeline.core.parallel.layout_rules import layout_problems
 from pipeline.train.config_types import ConfigError
 from pipeline.train.objectives import objective_problems
+from pipeline.train.optimizers import optimizer_spec
 
 if TYPE_CHECKING:
     from pipeline.train.config import TrainConfig
@@ -53,14 +55,9 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
     problems += _split_problems(d.split)
 
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
+    problems += _optimizer_problems(cfg)
     if not 0 <= s.warmup_init_lr <= o.lr:
         problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
-    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
-        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
-    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
-        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
 
     decay = cfg.decay_iters
     if s.warmup_iters < 0:
@@ -81,6 +78,24 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
 
     problems += _lora_problems(cfg)
     problems += _layout_problems(cfg, world_size)
+    return problems
+
+
+def _optimizer_problems(cfg: TrainConfig) -> list[str]:
+    """`[optimizer]`: a name of the optimizer registry (the line names the known ones) and
+    hyper-parameters in range."""
+    o = cfg.optimizer
+    problems = []
+    try:
+        optimizer_spec(o.name)
+    except ConfigError as e:
+        problems.append(str(e))
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
+    if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
+        problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
+    if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
+        problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
     return problems
 
 

@@ -4,9 +4,12 @@ Parameter and FLOP counts come from `pipeline.core.model.flavors`; this module a
 parameters active per token (MoE), the split of parameters across the parallel layout, and a
 memory model. The memory model is an estimate, stated so it can be checked:
 
-* Training state, 16 bytes per parameter whatever the compute dtype: fp32 weights (4), fp32
-  gradients (4), Adam's two fp32 moments (8). With bf16 the forward/backward runs on bf16 copies
-  gathered one block at a time by FSDP; those transient copies are not counted.
+* Training state per trainable parameter, whatever the compute dtype: fp32 weights (4), fp32
+  gradients (4) and the optimizer's state, as many bytes as its registry entry declares
+  (`OptimizerSpec.state_bytes_per_param`; AdamW's two fp32 moments: 8, so 16 in all). A LoRA
+  run's frozen base holds its weights only (in `lora.base_dtype`); its adapters hold all three.
+  With bf16 the forward/backward runs on bf16 copies gathered one block at a time by FSDP; those
+  transient copies are not counted.
 * Split: non-expert parameters over tp * pp, expert parameters over ep * pp (experts are whole
   on each tp rank: an expert tensor-parallel size of 1); then all of it sharded by FSDP over
   dp * cp (for experts, dp * cp / ep), as torchtitan's meshes do. Pipeline stages are assumed
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.flavors import flops_per_token, num_parameters
 from pipeline.train.config import TrainConfig
+from pipeline.train.optimizers import optimizer_spec
 
 __all__ = [
     "FIT_FRACTION",
@@ -45,10 +49,12 @@ __all__ = [
     "gpu_fit_line",
     "gpu_memory_gib",
     "parameter_counts",
+    "training_bytes_per_param",
 ]
 
 _GIB = 1024**3
-_STATE_BYTES_PER_PARAM = 16  # fp32 weight + fp32 grad + Adam exp_avg + exp_avg_sq
+_WEIGHT_BYTES = 4  # fp32 weights of a trainable parameter (the master copy under bf16)
+_GRAD_BYTES = 4  # fp32 gradients; the optimizer adds its state (`training_bytes_per_param`)
 
 GPU_MEMORY_GIB = {
     "h100": 79.1,  # H100 80 GB (SXM and PCIe)
@@ -86,7 +92,7 @@ class MemoryEstimate:
     params_per_device: float
     """Parameters held by one device after the tp/pp/ep split and FSDP sharding."""
     state: float
-    """Weights + gradients + Adam moments."""
+    """Weights + gradients + optimizer state (`training_bytes_per_param` per trainable one)."""
     activations_none: float
     """Activations of one micro batch without activation checkpointing."""
     activations_full: float
@@ -128,6 +134,12 @@ def lora_parameters(cfg: TrainConfig, model: ModelConfig) -> int:
     return sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
+def training_bytes_per_param(cfg: TrainConfig) -> float:
+    """Bytes a trainable parameter holds: its fp32 weight and gradient and the state of the
+    optimizer `optimizer.name` chooses (its registry entry says how much)."""
+    return _WEIGHT_BYTES + _GRAD_BYTES + optimizer_spec(cfg.optimizer.name).state_bytes_per_param
+
+
 def estimate_memory(
     cfg: TrainConfig, model: ModelConfig, world_size: int | None = None
 ) -> MemoryEstimate:
@@ -159,11 +171,12 @@ def estimate_memory(
     per_layer = per_token_layer * tokens * act_bytes
     none = layers_local * per_layer * in_flight + logits
     full = layers_local * (h / p.tp) * tokens * act_bytes * in_flight + per_layer + logits
-    state = params_local * _STATE_BYTES_PER_PARAM
-    if cfg.lora.enabled:  # a frozen base: weights only; adapters get grads and Adam state
+    trained_bytes = training_bytes_per_param(cfg)
+    state = params_local * trained_bytes
+    if cfg.lora.enabled:  # a frozen base: weights only; adapters get grads and optimizer state
         base_bytes = 2 if cfg.lora.base_dtype == "bf16" else 4
         share = params_local / max(counts.total, 1)
-        state = params_local * base_bytes + lora_parameters(cfg, model) * share * 16
+        state = params_local * base_bytes + lora_parameters(cfg, model) * share * trained_bytes
     return MemoryEstimate(
         params_per_device=params_local,
         state=state,
@@ -236,45 +249,93 @@ def dry_run_report(
     """Human-readable lines describing the resolved run and what it will cost; with `gpu`, a
     last line saying whether the per-device memory fits that GPU."""
     model = cfg.model_config()
-    t, p, d, o, s = cfg.training, cfg.parallel, cfg.data, cfg.optimizer, cfg.scheduler
-    dp = cfg.data_parallel_size(world_size)
-    dp_note = " (inferred)" if p.dp == -1 and world_size is not None else ""
-    if p.dp == -1 and world_size is None:
-        dp_note = " (dp=-1 with no world size: assuming 1)"
-    accumulation = t.global_batch_size // (t.micro_batch_size * dp)
-    tokens_per_step = t.global_batch_size * d.seq_length
-    counts = parameter_counts(model)
-    fpt = flops_per_token(model, d.seq_length)
     mem = estimate_memory(cfg, model, world_size)
+    lines = [
+        _model_line(cfg, model),
+        _data_line(cfg),
+        *_layout_lines(cfg, world_size),
+        _optimizer_line(cfg),
+        _numerics_line(cfg),
+        *_parameter_lines(cfg, model),
+        *_flop_lines(cfg, model),
+        *_memory_lines(cfg, mem),
+    ]
+    if gpu is not None:
+        lines.append(gpu_fit_line(cfg, mem, gpu))
+    return lines
 
+
+def _model_line(cfg: TrainConfig, model: ModelConfig) -> str:
+    """`model ...`: the flavor's shape, its attention and, for a MoE, its experts."""
     moe = ""
     if model.moe is not None:
         moe = (
             f", MoE {model.moe.num_experts} experts top-{model.moe.top_k} (ffn "
             f"{model.expert_ffn_hidden_size}) in {model.num_moe_layers}/{model.num_layers} layers"
         )
-    attention = _attention_description(model)
+    return (
+        f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"heads {_attention_description(model)}, "
+        f"ffn {model.ffn_hidden_size}, "
+        f"vocab {model.vocab_size}{moe}"
+    )
+
+
+def _data_line(cfg: TrainConfig) -> str:
+    """`data ...`: where the tokens come from (SFT: how conversations are packed)."""
+    d = cfg.data
     data = "mock (synthetic tokens)" if d.mock else (d.blend or d.train_blend or "-")
     if d.kind == "sft":
         long = "truncated" if d.sft_truncate else "dropped"
         data += f" (SFT: conversations packed per sample, longer ones {long})"
-    lines = [
-        f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
-        f"heads {attention}, "
-        f"ffn {model.ffn_hidden_size}, "
-        f"vocab {model.vocab_size}{moe}",
-        f"data         {data}; seq {d.seq_length}, split {d.split}",
+    return f"data         {data}; seq {d.seq_length}, split {d.split}"
+
+
+def _layout_lines(cfg: TrainConfig, world_size: int | None) -> list[str]:
+    """`layout`, `batch` and `schedule`: the parallel degrees, how a global batch is made, and
+    the iterations and learning rates."""
+    t, p, o, s = cfg.training, cfg.parallel, cfg.optimizer, cfg.scheduler
+    dp = cfg.data_parallel_size(world_size)
+    dp_note = " (inferred)" if p.dp == -1 and world_size is not None else ""
+    if p.dp == -1 and world_size is None:
+        dp_note = " (dp=-1 with no world size: assuming 1)"
+    accumulation = t.global_batch_size // (t.micro_batch_size * dp)
+    tokens_per_step = _tokens_per_step(cfg)
+    return [
         f"layout       tp {p.tp} pp {p.pp} cp {p.cp} ep {p.ep} dp {dp}{dp_note} "
         f"= {p.tp * p.pp * p.cp * dp} devices",
         f"batch        micro {t.micro_batch_size} x accumulation {accumulation} x dp {dp} "
         f"= global {t.global_batch_size} samples = {tokens_per_step:,} tokens/step",
         f"schedule     {t.iters:,} iters ({t.iters * tokens_per_step:,} tokens); lr {o.lr:g} "
         f"-> {o.min_lr:g}, warmup {s.warmup_iters}, {s.decay_style} until {cfg.decay_iters:,}",
+    ]
+
+
+def _optimizer_line(cfg: TrainConfig) -> str:
+    """`optimizer ...`: the registry entry `optimizer.name` chooses, its state bytes and where
+    it skips a non-finite step."""
+    spec = optimizer_spec(cfg.optimizer.name)
+    where = "on the device" if spec.skips_on_device else "after a host check (one sync a step)"
+    return (
+        f"optimizer    {spec.name}: {spec.state}, {spec.state_bytes_per_param:g} B/param of "
+        f"state; a non-finite step is skipped {where}"
+    )
+
+
+def _numerics_line(cfg: TrainConfig) -> str:
+    """`numerics ...`: dtype, device, activation checkpointing, compile and FP8."""
+    t = cfg.training
+    return (
         f"numerics     {t.dtype} on {t.device}, activation checkpointing "
         f"{t.activation_checkpointing}, compile {'auto' if t.compile is None else t.compile}, "
-        f"fp8 {cfg.fp8.recipe or 'off'}",
-        f"parameters   {counts.total:,} total ({_count(counts.total)})",
-    ]
+        f"fp8 {cfg.fp8.recipe or 'off'}"
+    )
+
+
+def _parameter_lines(cfg: TrainConfig, model: ModelConfig) -> list[str]:
+    """`parameters ...`: the total, the active share of a MoE, LoRA's trainable adapters."""
+    counts = parameter_counts(model)
+    lines = [f"parameters   {counts.total:,} total ({_count(counts.total)})"]
     if model.moe is not None:
         lines.append(f"             {counts.active:,} active per token ({_count(counts.active)})")
     if cfg.lora.enabled:
@@ -286,27 +347,44 @@ def dry_run_report(
             f"{lo.alpha:g}, targets {', '.join(lo.targets)}; base frozen in "
             f"{lo.base_dtype or 'fp32'}: no gradients, no optimizer state"
         )
-    lines += [
+    return lines
+
+
+def _flop_lines(cfg: TrainConfig, model: ModelConfig) -> list[str]:
+    """`FLOPs ...`: per token, per step and for the whole run."""
+    fpt = flops_per_token(model, cfg.data.seq_length)
+    per_step = fpt * _tokens_per_step(cfg)
+    return [
         f"FLOPs        {_si(fpt)}FLOP/token (Megatron's num_floating_point_operations, "
         "causal attention, forward + backward)",
-        f"             {_si(fpt * tokens_per_step)}FLOP/step, "
-        f"{fpt * tokens_per_step * t.iters:.3g} FLOP for the run",
-        f"memory/dev   {_count(mem.params_per_device)} params -> "
-        + (
-            "frozen weights + adapters' weights, grads and Adam "
-            if cfg.lora.enabled
-            else "weights + grads + Adam (16 B/param) "
-        )
-        + f"{mem.state / _GIB:.2f} GiB",
+        f"             {_si(per_step)}FLOP/step, "
+        f"{per_step * cfg.training.iters:.3g} FLOP for the run",
+    ]
+
+
+def _memory_lines(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
+    """`memory/dev ...`: the training state (what it holds per parameter), activations and
+    the totals with and without activation checkpointing."""
+    name = cfg.optimizer.name
+    state = optimizer_spec(name).state_bytes_per_param
+    per_param = f"{_WEIGHT_BYTES} + {_GRAD_BYTES} + {state:g} B/param"
+    if cfg.lora.enabled:
+        held = f"frozen weights + adapters' weights, grads, {name} state ({per_param}) "
+    else:
+        held = f"weights + grads + {name} state ({per_param}) "
+    return [
+        f"memory/dev   {_count(mem.params_per_device)} params -> {held}{mem.state / _GIB:.2f} GiB",
         f"             activations per micro batch: {mem.activations_none / _GIB:.2f} GiB "
         f"without checkpointing, {mem.activations_full / _GIB:.2f} GiB with full",
         f"             total ~ {mem.total_none / _GIB:.2f} GiB (none) / "
         f"{mem.total_full / _GIB:.2f} GiB (full); excludes framework, buffers and "
         "fragmentation",
     ]
-    if gpu is not None:
-        lines.append(gpu_fit_line(cfg, mem, gpu))
-    return lines
+
+
+def _tokens_per_step(cfg: TrainConfig) -> int:
+    """Tokens in one global batch."""
+    return cfg.training.global_batch_size * cfg.data.seq_length
 
 
 def _si(value: float) -> str:

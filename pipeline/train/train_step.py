@@ -14,8 +14,9 @@ does the forward and backward work, and `pp_group` makes the gradient norm and t
 those of the whole model.
 
 A step never waits for the device: loss, gradient norm, token count and the skip decision stay
-tensors (`StepResult`), and a non-finite step is skipped by the fused AdamW kernel itself
-(`found_inf`, the mechanism of torch's GradScaler). The trainer reads them on log steps.
+tensors (`StepResult`), and a non-finite step is skipped where the optimizer's registry entry
+says (`pipeline.train.optimizers.nonfinite`: AdamW's fused kernel reads `found_inf` on the
+device). The trainer reads them on log steps.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from pipeline.core.parallel.grad_norm import clip_grad_norm_
 from pipeline.core.parallel.tensor_parallel import sum_moe_gradients
 from pipeline.train.expert_bias import update_expert_biases
 from pipeline.train.model_parts import TrainableModel
+from pipeline.train.optimizers.nonfinite import step_unless_nonfinite
 from pipeline.train.step_runner import Batch, StepRunner
 
 if TYPE_CHECKING:
     from pipeline.core.kernels.fp8 import Fp8Training
     from pipeline.core.parallel.dims import ParallelDims
-    from pipeline.train.optimizer import MegatronLR
+    from pipeline.train.optimizers.lr_scheduler import MegatronLR
 
 __all__ = [
     "StepResult",
@@ -113,8 +115,8 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
-    A non-finite step leaves weights and optimizer state untouched (a fused AdamW skips it on
-    the device, see `build_optimizer`; any other optimizer costs a host sync) and reports
+    A non-finite step leaves weights and optimizer state untouched (`step_unless_nonfinite`:
+    a fused AdamW skips it on the device; any other optimizer costs a host sync) and reports
     `skipped`; the caller counts it and holds the learning rate back (`MegatronLR.rewind`).
     Every rank divides by the loss tokens of the whole global batch (summed over `dp_group`,
     whose gradients are summed as `apply_fsdp` does) and reports the global loss, so every rank
@@ -130,11 +132,7 @@ def train_step(
     reduce_loss_sum(loss_sum, dp_group, pp_group)
     loss = loss_sum / global_tokens.clamp(min=1.0).to(loss_sum)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
-    if optimizer.defaults.get("fused"):
-        optimizer.found_inf = (~finite).float()  # read by the fused kernel: skip when 1
-        optimizer.step()
-    elif finite.item():  # an optimizer without `found_inf` is told on the host
-        optimizer.step()
+    step_unless_nonfinite(optimizer, finite)
     _balance_experts(model, finite)
     if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
         after_optimizer_step()

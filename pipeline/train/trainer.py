@@ -61,7 +61,8 @@ from pipeline.train.metrics import MetricsLogger, router_statistics
 from pipeline.train.model_build import build_fp8_backend, build_model, model_options
 from pipeline.train.model_parts import model_parts
 from pipeline.train.objectives import build_objective
-from pipeline.train.optimizer import build_optimizer, build_scheduler
+from pipeline.train.optimizers import build_optimizer
+from pipeline.train.optimizers.lr_scheduler import build_scheduler
 from pipeline.train.perf import memory_gib, peak_tflops
 from pipeline.train.run_state import Progress, RunState
 from pipeline.train.samples import TrainingSamples, sample_tokenizer_path

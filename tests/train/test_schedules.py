@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from pipeline.train.config_loader import resolve_config
-from pipeline.train.optimizer import build_optimizer, build_scheduler, param_groups
+from pipeline.train.optimizers import build_optimizer
+from pipeline.train.optimizers.adamw import param_groups
+from pipeline.train.optimizers.lr_scheduler import build_scheduler
 from pipeline.train.schedules import LRSchedule, lr_at
 
 

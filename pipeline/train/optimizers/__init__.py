@@ -1,0 +1,89 @@
+"""The optimizer registry: `optimizer.name` picks an entry, the entry builds the optimizer.
+
+An entry (`OptimizerSpec`) names the function that builds its optimizer and declares what the
+rest of the run needs to know without building it: the bytes of state it keeps per trainable
+parameter (the memory estimate and `--dry-run` count them) and whether its step skips a
+non-finite step on the device (`nonfinite.step_unless_nonfinite` holds that contract). The
+builder is imported on first use, so the registry, read by the config checks and `--dry-run`,
+never imports torch.
+
+Adding an optimizer is one new module here with a `build_<name>(model, cfg)` function and one
+`register(OptimizerSpec(...))` below (docs/architecture.md, "Adding an optimizer"). The
+learning-rate scheduler (`lr_scheduler`) drives the param groups of any of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.train.config_types import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.train.config import TrainConfig
+
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "optimizer_spec", "register"]
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """One registry entry: how to build an optimizer and what it costs, known before building."""
+
+    name: str
+    """The `optimizer.name` that selects it."""
+    builder: str
+    """`module:function`, called as `function(model, cfg)` to build the optimizer over the
+    model's trainable parameters; imported only when a run builds it."""
+    state_bytes_per_param: float
+    """Bytes of optimizer state per trainable parameter, beside its fp32 weight and gradient
+    (AdamW: two fp32 moments, 8)."""
+    state: str
+    """What that state is, in a few words, for the dry-run report."""
+    skips_on_device: bool
+    """Its step reads `found_inf` on the device and leaves everything untouched when it is 1,
+    so a non-finite step costs no host sync; False: the host is asked first, every step."""
+
+    def build(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+        """The optimizer over `model`'s trainable parameters with `cfg.optimizer`'s settings."""
+        module, _, function = self.builder.partition(":")
+        return getattr(importlib.import_module(module), function)(model, cfg)
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {}
+"""Every optimizer `optimizer.name` may choose, by name."""
+
+
+def register(spec: OptimizerSpec) -> OptimizerSpec:
+    """Add `spec` to `OPTIMIZERS`; a name taken already is a programming error (ValueError)."""
+    if spec.name in OPTIMIZERS:
+        raise ValueError(f"optimizer {spec.name!r} is registered already")
+    OPTIMIZERS[spec.name] = spec
+    return spec
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    """The entry called `name`; an unknown name is a one-line `ConfigError` naming the known."""
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        known = ", ".join(OPTIMIZERS)
+        raise ConfigError(f"optimizer.name: unknown optimizer {name!r}; known: {known}") from None
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer `cfg.optimizer.name` chooses, over `model`'s trainable parameters."""
+    return optimizer_spec(cfg.optimizer.name).build(model, cfg)
+
+
+register(
+    OptimizerSpec(
+        name="adamw",
+        builder="pipeline.train.optimizers.adamw:build_adamw",
+        state_bytes_per_param=8,
+        state="two fp32 moments",
+        skips_on_device=True,
+    )
+)
