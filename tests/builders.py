@@ -365,8 +365,8 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 
 KILL_AFTER_SAVE = """
     import os, signal, sys
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.loop.trainer import Trainer
 
     iteration, recipe, sets = int(sys.argv[1]), sys.argv[2] or None, sys.argv[3:]
     original = Trainer.save_checkpoint
@@ -487,8 +487,8 @@ def _full_gradients(trainer) -> dict:
 
 def train_and_probe(recipe: str, sets: list[str]) -> dict:
     """Train as `sets` say, then take the gradients of the first global batch again."""
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.loop.trainer import Trainer
 
     trainer = Trainer(resolve_config(recipe, sets), console=False)
     result = trainer.train()
@@ -510,7 +510,7 @@ def train_and_probe(recipe: str, sets: list[str]) -> dict:
 def _probe_gradients(trainer) -> float:
     """Forward and backward of the first global batch again, without an optimizer step: the
     gradients stay in the parameters. Returns the global loss."""
-    from pipeline.train.train_step import forward_backward, reduce_loss_sum
+    from pipeline.train.loop.train_step import forward_backward, reduce_loss_sum
 
     micro_batches = trainer.next_global_batch(iter(trainer.train_loader))
     layout = trainer.layout

@@ -125,8 +125,8 @@ def train(
     Exit codes: 0 when finished or after SIGTERM (a checkpoint was saved: Slurm can requeue
     with --load), 130 after SIGINT (also saved), 1 on errors or a diverged run (saved).
     """
-    from pipeline.train.config import ConfigError, LoggingSection
-    from pipeline.train.config_loader import resolve_config
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.config.schema import ConfigError, LoggingSection
 
     _check_gpu(gpu, dry_run)
     given = {
@@ -155,7 +155,7 @@ def train(
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if dry_run:
-        from pipeline.train.estimates import dry_run_report
+        from pipeline.train.report.estimates import dry_run_report
 
         click.echo("# resolved config (what the run writes to config.toml)")
         click.echo(cfg.to_toml())
@@ -172,7 +172,7 @@ def _check_gpu(gpu: str | None, dry_run: bool) -> None:
         return
     if not dry_run:
         raise click.UsageError("--gpu is for --dry-run (it checks the memory estimate)")
-    from pipeline.train.estimates import gpu_memory_gib
+    from pipeline.train.report.estimates import gpu_memory_gib
 
     try:
         gpu_memory_gib(gpu)
@@ -185,9 +185,9 @@ def _run(cfg: object) -> None:
     import logging
 
     from pipeline.checkpoint import CheckpointError
-    from pipeline.train.config import ConfigError
-    from pipeline.train.guards import NonFiniteStop
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.config.schema import ConfigError
+    from pipeline.train.loop.guards import NonFiniteStop
+    from pipeline.train.loop.trainer import Trainer
 
     rank0 = os.environ.get("RANK", "0") == "0"
     level = logging.INFO if rank0 else logging.WARNING

@@ -30,7 +30,7 @@ def plot(run_dirs: tuple[Path, ...], output: Path | None) -> None:
     Give several RUN_DIRS to compare runs in the same panels. Reads each RUN_DIR/metrics.jsonl;
     needs matplotlib (pip install 'pipe-llm[plot]').
     """
-    from pipeline.train.plot import PlotError, plot_runs
+    from pipeline.train.report.plot import PlotError, plot_runs
 
     try:
         path = plot_runs(list(run_dirs), output)

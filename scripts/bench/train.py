@@ -10,8 +10,8 @@ steps on mock data (the trainer's loader). Printed per run:
   (`flops_per_token`: 12·L·H²·[(1 + G/A + S/2H)·(A·D/H) + 1.5·K·F/H + V/(2·L·H)], i.e. forward
   + both backward GEMMs of every projection, QK^T and AV halved for the causal mask, the output
   layer; FP8 runs are credited the same FLOPs as bf16);
-- MFU: model TFLOP/s / the detected GPU's dense bf16 peak (`pipeline.train.perf`; n/a on a CPU
-  or an unlisted GPU);
+- MFU: model TFLOP/s / the detected GPU's dense bf16 peak (`pipeline.train.report.perf`; n/a on a
+  CPU or an unlisted GPU);
 - peak memory: CUDA max allocated, or on a CPU the process's peak RSS;
 
 and then each FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layouts: not yet).
@@ -46,9 +46,9 @@ def _measure(args: argparse.Namespace) -> dict:
     import torch
 
     from pipeline.core.model.flavors import flops_per_token
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.perf import memory_gib, peak_tflops
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.loop.trainer import Trainer
+    from pipeline.train.report.perf import memory_gib, peak_tflops
 
     iters = args.warmup + args.steps
     sets = [

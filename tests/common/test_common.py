@@ -116,8 +116,8 @@ def test_byte_progress_is_silent_when_quiet_or_not_a_terminal():
 
 
 def test_train_config_toml_is_durable(tmp_path, fsynced):
-    from pipeline.train.config import TrainConfig
-    from pipeline.train.config_loader import save_config_toml
+    from pipeline.train.config.loader import save_config_toml
+    from pipeline.train.config.schema import TrainConfig
 
     save_config_toml(TrainConfig(), tmp_path / "config.toml")
     _assert_durable(tmp_path / "config.toml", fsynced)

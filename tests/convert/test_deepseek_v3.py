@@ -202,7 +202,7 @@ def test_published_config_gives_the_flavor_and_its_size() -> None:
     """DeepSeek-V3's config.json reads as our `deepseek_v3` flavor, whose parameter count is
     transformers' (no MTP module: 671B) and 37B active per token; our `moonlight_16b_a3b`
     written out as a config.json has transformers' count too, about 16B total and 3B active."""
-    from pipeline.train.estimates import parameter_counts
+    from pipeline.train.report.estimates import parameter_counts
     from pipeline.weights.hf_config import config_from_hf, config_to_hf
 
     ours = get_flavor("deepseek_v3")

@@ -149,7 +149,7 @@ def test_published_configs_give_the_flavors_and_their_sizes() -> None:
     """The Qwen3-8B-Base and Qwen3-30B-A3B-Base config.json values give our full-size flavors,
     whose parameter counts equal transformers' models of those configs (built on meta) and the
     published sizes (8.2B; 30.5B total with 3.3B active)."""
-    from pipeline.train.estimates import parameter_counts
+    from pipeline.train.report.estimates import parameter_counts
 
     dense = dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,

@@ -109,8 +109,8 @@ def test_refusals_name_the_fix(monkeypatch):
 
 
 def test_compile_is_on_by_default_on_cuda_only():
-    from pipeline.train.config import TrainConfig
-    from pipeline.train.parallelize import compile_enabled
+    from pipeline.train.build.parallelize import compile_enabled
+    from pipeline.train.config.schema import TrainConfig
 
     assert TrainConfig().training.compile is None
     assert compile_enabled(None, "cuda") and not compile_enabled(None, "cpu")

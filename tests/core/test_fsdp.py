@@ -101,7 +101,7 @@ def _assert_state_close(actual: dict, expected: dict, where: str) -> None:
 
 def _dp_step(model, optimizer, scheduler, micro_batches, dp_group):
     """The real `train_step` under data parallelism: (global loss, grad norm)."""
-    from pipeline.train.train_step import train_step
+    from pipeline.train.loop.train_step import train_step
 
     step = train_step(model, optimizer, scheduler, micro_batches, clip_grad=1.0, dp_group=dp_group)
     return step.loss, step.grad_norm
@@ -126,7 +126,7 @@ def _parity_worker(rank: int, world_size: int, tmp: Path) -> list[str]:
     from torch.distributed.tensor import DTensor
 
     from pipeline.core.parallel.fsdp import copy_full_weights_
-    from pipeline.train.train_step import train_step
+    from pipeline.train.loop.train_step import train_step
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     group = mesh.get_group()
@@ -172,7 +172,7 @@ def test_fsdp_step_equals_single_process(tmp_path: Path) -> None:
 
 def _trained_single(tied: bool) -> tuple[Transformer, torch.optim.Optimizer]:
     """A plain model and AdamW after one step on the whole batch (non-trivial optimizer state)."""
-    from pipeline.train.train_step import train_step
+    from pipeline.train.loop.train_step import train_step
 
     model = _reference_model(tied)
     optimizer, scheduler = _optimizer(model)

@@ -178,7 +178,7 @@ def test_the_checks_catch_an_unplaced_package_and_a_wrong_import(tmp_path: Path)
     (root / "newpkg").mkdir(parents=True)
     (root / "newpkg" / "__init__.py").write_text("")
     (root / "data").mkdir()
-    (root / "data" / "x.py").write_text("from pipeline.train.config import TrainConfig\n")
+    (root / "data" / "x.py").write_text("from pipeline.train.config.schema import TrainConfig\n")
     (root / "export").mkdir()
     (root / "export" / "y.py").write_text("from pipeline.convert.run import open_source\n")
     assert _packages_without_a_layer(root) == ["newpkg"]

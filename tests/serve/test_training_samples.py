@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets, records, run_pipe, tokenized_corpus
 
 TEXTS = [f"line {i}: value={i * 7} {'abc' * (i % 5)}" for i in range(600)]

@@ -21,8 +21,8 @@ import torch
 from pipeline.checkpoint import read_checkpoint_record, verify
 from pipeline.checkpoint import saver as saver_module
 from pipeline.checkpoint.layout import PIPE_METADATA, read_tracker
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets, records, run_python
 
 # 35M parameters, mostly the embedding and output layer: with Adam's two moments a checkpoint

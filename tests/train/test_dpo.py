@@ -23,8 +23,8 @@ import torch
 from pipeline.data.indexed import IndexedDatasetWriter
 from pipeline.data.loss_mask import loss_mask_prefix
 from pipeline.data.preference_dataset import PreferencePairs
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
 from tests.builders import kill_after_save, layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed
 
@@ -198,7 +198,7 @@ def test_dpo_layouts_equal_one_process(tmp_path: Path) -> None:
 # ---- resume --------------------------------------------------------------------------------
 
 def _train(sets: list[str]):
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.loop.trainer import Trainer
 
     return Trainer(resolve_config("tiny_dpo", sets), console=False).train()
 
@@ -255,7 +255,7 @@ def test_dpo_resumes_exactly_after_sigkill(tmp_path: Path, start: str) -> None:
 def test_resuming_a_language_model_checkpoint_as_dpo_is_refused(tmp_path: Path) -> None:
     """A checkpoint of another kind of run is no DPO run to resume: one line says to start DPO
     from it with --finetune."""
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.loop.trainer import Trainer
 
     prefix = write_pairs(tmp_path / "pairs", 16, 128)
     lm = tmp_path / "lm"
@@ -314,8 +314,8 @@ def test_dpo_config_refused(tmp_path: Path) -> None:
 def test_with_lora_the_base_is_the_reference(tmp_path: Path) -> None:
     """`pipe train --dpo --lora`: the reference is the base without adapters, live (no second
     model) or precomputed, with the same losses."""
+    from pipeline.train.loop.trainer import Trainer
     from pipeline.train.objectives.dpo_reference import AdaptersOffRunner
-    from pipeline.train.trainer import Trainer
 
     prefix = write_pairs(tmp_path / "pairs", 40, 128)
     lora = ("lora.enabled=true", "lora.rank=4")

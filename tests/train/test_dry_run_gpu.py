@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.train.commands import train
-from pipeline.train.estimates import GPU_MEMORY_GIB, gpu_memory_gib
+from pipeline.train.report.estimates import GPU_MEMORY_GIB, gpu_memory_gib
 
 
 def _dry_run(*args: str) -> str:

@@ -7,7 +7,7 @@ import torch
 
 from pipeline.core.model.config import ModelConfig, MoEConfig
 from pipeline.core.model.moe import MoE
-from pipeline.train.expert_bias import update_expert_biases
+from pipeline.train.loop.expert_bias import update_expert_biases
 
 EXPERTS, TOKENS, HIDDEN = 8, 256, 16
 
@@ -91,8 +91,8 @@ def test_training_moves_the_bias_and_resume_restores_it_bit_exactly(tmp_path) ->
     """`pipe train` of tiny_deepseek_v3 moves the biases (they start at zero), saves them, and
     a run resumed from the checkpoint starts from exactly those biases, then keeps moving them
     as the uninterrupted run does."""
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.loop.trainer import Trainer
 
     def trainer(run: str, iters: int, *extra: str) -> Trainer:
         sets = [*MICRO_DEEPSEEK, f"logging.run_dir={tmp_path / run}", f"training.iters={iters}"]

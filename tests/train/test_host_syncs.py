@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets
 
 READS = ("item", "__float__", "__int__", "__bool__", "tolist", "numpy", "__index__")

@@ -48,7 +48,7 @@ BROKEN_RANK = """
     import os
     import sys
 
-    from pipeline.train import trainer
+    from pipeline.train.loop import trainer
     from pipeline.train.commands import train
 
     if os.environ["RANK"] == "1":

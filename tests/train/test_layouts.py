@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.loop.trainer import Trainer
 from tests.builders import LAYOUT_ITERS as ITERS
 from tests.builders import LAYOUT_MOE_RECIPES as MOE_RECIPES
 from tests.builders import LAYOUT_RESUMED_ITERS as RESUMED_ITERS

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pipeline.checkpoint import read_checkpoint_record
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.formats import open_source
 from pipeline.weights.model import model_from_source
 from tests.builders import VOCAB, records, run_pipe, save_hf

@@ -34,8 +34,8 @@ def _train_and_probe(run: Path, *extra: str, recipe: str = "tiny_moe") -> dict:
     tensors; every rank calls this, gathering DTensors)."""
     from torch.distributed.tensor import DTensor
 
-    from pipeline.train.config_loader import resolve_config
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.loop.trainer import Trainer
     from tests.builders import _probe_gradients
 
     trainer = Trainer(resolve_config(recipe, layout_sets(recipe, run, *LORA, *extra)),

@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.checkpoint import read_checkpoint_record
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.formats import open_source
 from pipeline.weights.model import model_from_source
 from pipeline.weights.pipe_checkpoint import write_pipe_checkpoint
@@ -179,7 +179,7 @@ def test_base_and_adapters_given_apart_and_a_wrong_base_refused(tmp_path: Path) 
     """`--lora-base FULL --load ADAPTERS` resumes (bf16 base storage); a different base than
     the one recorded is refused in one line; --dry-run shows the trainable adapters."""
     from pipeline.train.commands import train
-    from pipeline.train.config import ConfigError
+    from pipeline.train.config.schema import ConfigError
 
     config = resolve_config(None, micro_sets(tmp_path)).model_config()
     base, _ = _base(config, tmp_path / "base")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pipeline.train.metrics import (
+from pipeline.train.report.metrics import (
     METRICS_FILE,
     MetricsError,
     MetricsLogger,
@@ -184,7 +184,8 @@ def test_wandb_offline_without_credentials(tmp_path):
 def test_import_is_light():
     """Importing the metrics and plot modules pulls in neither torch nor matplotlib."""
     code = (
-        "import sys, pipeline.train.metrics, pipeline.train.plot, pipeline.train.plot_command\n"
+        "import sys, pipeline.train.report.metrics, pipeline.train.report.plot\n"
+        "import pipeline.train.plot_command\n"
         "heavy = [m for m in ('torch', 'matplotlib', 'tensorboard', 'wandb') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
 from pipeline.train.optimizers import OPTIMIZERS, build_optimizer, optimizer_spec
 from pipeline.train.optimizers.adamw import param_groups
 
@@ -104,13 +104,13 @@ def test_a_nonfinite_step_leaves_weights_and_state_untouched(fused: bool, monkey
 def test_the_memory_estimate_takes_the_state_bytes_from_the_registry(monkeypatch) -> None:
     """Weights and gradients are 4 + 4 bytes a trainable parameter and the chosen entry adds its
     state (LoRA: to the adapters only); the dry run names the entry and its bytes."""
-    from pipeline.train.estimates import (
+    from pipeline.train.optimizers import OptimizerSpec
+    from pipeline.train.report.estimates import (
         dry_run_report,
         estimate_memory,
         lora_parameters,
         parameter_counts,
     )
-    from pipeline.train.optimizers import OptimizerSpec
 
     fake = OptimizerSpec(
         name="fake", builder="unused:unused", state_bytes_per_param=2, state="one bf16 moment",

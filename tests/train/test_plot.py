@@ -7,9 +7,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from pipeline.train.metrics import MetricsLogger
-from pipeline.train.plot import PLOT_HINT, PlotError, build_figure, load_series, plot_runs
 from pipeline.train.plot_command import plot
+from pipeline.train.report.metrics import MetricsLogger
+from pipeline.train.report.plot import PLOT_HINT, PlotError, build_figure, load_series, plot_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from pipeline.checkpoint import read_checkpoint_record
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.loop.trainer import Trainer
 from pipeline.train.objectives.language_model import LanguageModelling
-from pipeline.train.trainer import Trainer
 from tests.builders import micro_sets
 
 

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from pipeline.train.config_loader import resolve_config
+from pipeline.train.config.loader import resolve_config
 from pipeline.train.optimizers import build_optimizer
 from pipeline.train.optimizers.adamw import param_groups
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
-from pipeline.train.schedules import LRSchedule, lr_at
+from pipeline.train.optimizers.schedules import LRSchedule, lr_at
 
 
 def megatron_get_lr(

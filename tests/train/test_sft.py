@@ -30,9 +30,9 @@ from pipeline.data.indexed import IndexedDatasetWriter, IndexFormatError
 from pipeline.data.loader import collate_numpy
 from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
 from pipeline.data.sft_packing import first_fit_decreasing
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.samples import TrainingSamples
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.report.samples import TrainingSamples
 from tests.builders import layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed
 
@@ -218,10 +218,10 @@ def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
 def test_packed_loss_equals_transformers_per_conversation(tmp_path: Path) -> None:
     """Packed micro-batches through pipe's loss (forward_backward: accumulation and the global
     token count) against transformers' loss on each conversation alone."""
+    from pipeline.train.loop.step_runner import LocalStepRunner
+    from pipeline.train.loop.train_step import forward_backward
     from pipeline.train.objectives.base import batch_to_device
     from pipeline.train.objectives.language_model import LanguageModelling
-    from pipeline.train.step_runner import LocalStepRunner
-    from pipeline.train.train_step import forward_backward
     from pipeline.weights.hf_reader import HFSource
     from tests.builders import VOCAB, load_from_source, save_hf
 

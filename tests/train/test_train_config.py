@@ -9,8 +9,7 @@ import typing
 import pytest
 
 from pipeline.core.model.flavors import get_flavor
-from pipeline.train.config import SECTIONS, ConfigError, TrainConfig, field_types
-from pipeline.train.config_loader import (
+from pipeline.train.config.loader import (
     FLAG_TARGETS,
     apply_set,
     list_recipes,
@@ -19,8 +18,9 @@ from pipeline.train.config_loader import (
     resolve_config,
     save_config_toml,
 )
-from pipeline.train.estimates import dry_run_report, estimate_memory, parameter_counts
-from pipeline.train.toml_io import dumps, loads
+from pipeline.train.config.schema import SECTIONS, ConfigError, TrainConfig, field_types
+from pipeline.train.config.toml_io import dumps, loads
+from pipeline.train.report.estimates import dry_run_report, estimate_memory, parameter_counts
 
 RECIPES = [
     "deepseek_v3",
@@ -464,8 +464,8 @@ def test_dry_run_report_moe_shows_active_parameters():
 def test_choice_fields_are_literals_checked_by_the_setter():
     """A field with fixed values is a `Literal`; FP8's linear filters are the backend's own."""
     from pipeline.core.kernels.fp8 import LINEAR_FILTERS
-    from pipeline.train.config import Fp8Section, TrainingSection
-    from pipeline.train.config_types import literal_values
+    from pipeline.train.config.fields import literal_values
+    from pipeline.train.config.schema import Fp8Section, TrainingSection
 
     assert literal_values(field_types(Fp8Section)["linear_filter"]) == LINEAR_FILTERS
     assert literal_values(field_types(TrainingSection)["device"]) == ("auto", "cpu", "cuda")
@@ -483,12 +483,12 @@ def test_the_config_module_neither_reads_files_nor_imports_the_checkpoint_reader
     import sys
 
     code = (
-        "import sys, pipeline.train.config as c\n"
+        "import sys, pipeline.train.config.schema as c\n"
         "cfg = c.TrainConfig()\n"
         "cfg.data.mock = True\n"
         "cfg.validate(1).model_config()\n"
         "assert not [m for m in sys.modules if m.startswith('pipeline.checkpoint')], sys.modules\n"
-        "assert 'pipeline.train.checkpoint_model' not in sys.modules\n"
+        "assert 'pipeline.train.state.checkpoint_model' not in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -20,9 +20,9 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.train.checkpoint_model import check_checkpoint_model
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.state.checkpoint_model import check_checkpoint_model
 from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 from tests.builders import ROOT, write_jsonl
 
@@ -139,7 +139,7 @@ def test_which_runs_take_the_checkpoint_model(imported, tmp_path) -> None:
 def test_shape_preserving_changes_are_logged_not_refused(imported, caplog) -> None:
     recorded = PipeCheckpointSource(imported).model_config.rope_theta
     cfg = resolve_config(None, ["model.rope_theta=1234.0"], {"load": str(imported)}, validate=False)
-    with caplog.at_level(logging.WARNING, logger="pipeline.train.checkpoint_model"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.state.checkpoint_model"):
         check_checkpoint_model(cfg)
     assert f"was saved with model.rope_theta={recorded}; this run uses 1234.0" in caplog.text
     wider = resolve_config(None, ["model.num_layers=3"], {"load": str(imported)}, validate=False)
@@ -151,7 +151,7 @@ def test_the_loaded_checkpoint_is_read_once(imported, monkeypatch) -> None:
     """`resolve_config` reads the checkpoint's `pipe_metadata.json` once; validating, the model,
     the shape check and the dry-run report read it no more."""
     import pipeline.checkpoint.loader as loader
-    from pipeline.train.estimates import dry_run_report
+    from pipeline.train.report.estimates import dry_run_report
 
     reads, original = [], loader.read_pipe_metadata
     monkeypatch.setattr(loader, "read_pipe_metadata", lambda d: reads.append(d) or original(d))

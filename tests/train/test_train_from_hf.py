@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from pipeline.checkpoint import CheckpointError
-from pipeline.train.config import ConfigError
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.hf_weights import tokenizer_mismatch
-from pipeline.train.trainer import Trainer
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.loop.trainer import Trainer
+from pipeline.train.state.hf_weights import tokenizer_mismatch
 from pipeline.weights import model_from_source
 from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 from tests.builders import disk_tensors, perturbed, run_pipe, save_hf, write_jsonl

@@ -16,10 +16,10 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.checkpoint import read_checkpoint_record, verify
-from pipeline.train import toml_io
-from pipeline.train.config_loader import resolve_config
-from pipeline.train.guards import NonFiniteStop
-from pipeline.train.trainer import Trainer
+from pipeline.train.config import toml_io
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.loop.guards import NonFiniteStop
+from pipeline.train.loop.trainer import Trainer
 from tests.builders import (
     MICRO_MODEL,
     kill_after_save,
@@ -118,7 +118,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path) -> None:
 SIGTERM_DURING_EVALUATION = """
     import os, signal, sys
     from pipeline.train.commands import train
-    from pipeline.train.step_runner import LocalStepRunner
+    from pipeline.train.loop.step_runner import LocalStepRunner
 
     original = LocalStepRunner.evaluate
     calls = []

@@ -67,7 +67,7 @@ class MoEConfig:
     DeepSeekMoE adds shared experts, sigmoid scores, grouped top-k, a routed scaling factor and
     the auxiliary-loss-free balancing bias (`expert_bias`): added to the scores to choose
     experts (never to weigh them), and moved by `expert_bias_update_rate` after each optimizer
-    step towards an even load (`pipeline.train.expert_bias`)."""
+    step towards an even load (`pipeline.train.loop.expert_bias`)."""
 
     num_experts: int = 8
     top_k: int = 2

@@ -153,7 +153,7 @@ class MoE(nn.Module):
     before dropping) and `num_dropped` (assignments over capacity, 0 when dropless). With
     `expert_bias`, training forwards also add this rank's assignments per expert to
     `expert_load` (float32 `[E]`), which the bias update reads and resets
-    (`pipeline.train.expert_bias`).
+    (`pipeline.train.loop.expert_bias`).
     """
 
     def __init__(

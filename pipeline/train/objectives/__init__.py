@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["OBJECTIVES", "ObjectiveSpec", "build_objective", "objective_problems", "objective_spec"]
 

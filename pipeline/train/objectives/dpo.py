@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from pipeline.core.model.lora import adapter_names
-from pipeline.train.config import ConfigError
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.loop.step_runner import evaluation_mode
 from pipeline.train.objectives import dpo_reference as ref
 from pipeline.train.objectives.base import Batch, Objective, batch_to_device
 from pipeline.train.objectives.dpo_loss import DPOLoss, pair_rows, sum_over
-from pipeline.train.step_runner import evaluation_mode
 
 __all__ = ["DPO", "ReferenceRecord"]
 

@@ -35,9 +35,9 @@ from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.lora import adapters_off
 from pipeline.data.loader import collate_numpy
 from pipeline.data.preference_dataset import PreferenceDataset, PreferencePairs
-from pipeline.train.checkpoint_model import is_hf_directory
-from pipeline.train.config import ConfigError, TrainConfig
+from pipeline.train.config.schema import ConfigError, TrainConfig
 from pipeline.train.objectives.dpo_loss import DPOOptions, pair_rows, row_logps
+from pipeline.train.state.checkpoint_model import is_hf_directory
 
 __all__ = [
     "AdaptersOffRunner", "BaseOfLoRA", "dpo_options", "logps_checksum", "precompute_reference",
@@ -162,7 +162,7 @@ def load_start(built: Any, start: dict[str, Any], run: Any) -> None:
             "have changed since it began; resume needs them as they were"
         )
     if is_hf_directory(load):
-        from pipeline.train.hf_weights import load_hf_weights
+        from pipeline.train.state.hf_weights import load_hf_weights
         from pipeline.weights.hf_reader import HFSource
 
         load_hf_weights(built.parts, HFSource(load))

@@ -18,12 +18,12 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.train.config_types import ConfigError
+from pipeline.train.config.fields import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "optimizer_spec", "register"]
 

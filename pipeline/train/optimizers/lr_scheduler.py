@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from pipeline.train.schedules import LRSchedule
+from pipeline.train.optimizers.schedules import LRSchedule
 
 if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["MegatronLR", "build_scheduler"]
 

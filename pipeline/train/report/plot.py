@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.common.atomic import atomic_path
-from pipeline.train.metrics import MetricsError, read_metrics
+from pipeline.train.report.metrics import MetricsError, read_metrics
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

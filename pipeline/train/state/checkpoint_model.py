@@ -26,11 +26,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.train.config import CHECKPOINT_FLAVOR, ConfigError, RecordedModel
+from pipeline.train.config.schema import CHECKPOINT_FLAVOR, ConfigError, RecordedModel
 
 if TYPE_CHECKING:
     from pipeline.core.model.config import ModelConfig
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = [
     "CHECKPOINT_FLAVOR",

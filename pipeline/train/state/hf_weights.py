@@ -31,7 +31,7 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
-from pipeline.train.config import ConfigError
+from pipeline.train.config.schema import ConfigError
 from pipeline.weights.source import TensorInfo, TensorSource
 
 __all__ = [

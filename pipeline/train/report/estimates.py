@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.flavors import flops_per_token, num_parameters
-from pipeline.train.config import TrainConfig
+from pipeline.train.config.schema import TrainConfig
 from pipeline.train.optimizers import optimizer_spec
 
 __all__ = [
@@ -127,7 +127,7 @@ def lora_parameters(cfg: TrainConfig, model: ModelConfig) -> int:
 
     from pipeline.core.model.lora import apply_lora
     from pipeline.core.model.transformer import Transformer
-    from pipeline.train.lora_run import lora_spec
+    from pipeline.train.state.lora_run import lora_spec
 
     with torch.device("meta"):
         adapted = apply_lora(Transformer(model), lora_spec(cfg))

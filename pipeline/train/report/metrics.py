@@ -3,7 +3,7 @@
 The JSONL file is the record of a run and is always written (by rank 0 only): it needs no extra
 package, survives a kill (each line is flushed as it is written) and is what `pipe plot` reads.
 TensorBoard and Weights & Biases are optional (`pip install 'pipe-llm[track]'`) and imported only
-when enabled, so `import pipeline.train.metrics` never pulls in torch, tensorboard or wandb.
+when enabled, so `import pipeline.train.report.metrics` never pulls in torch, tensorboard or wandb.
 
 A line looks like `{"step": 100, "split": "train", "time": 1718000000.0, "loss": 4.12, ...}`.
 Known metric keys, which the console line shows when present (others are written but not shown):
@@ -53,7 +53,7 @@ class MetricsLogger:
 
     Only rank 0 logs: on any other rank every method is a no-op, so callers need no rank checks.
     A resumed run appends to the same file; steps logged again after the resume simply follow the
-    earlier ones (readers keep the last value of a step, see `pipeline.train.plot`).
+    earlier ones (readers keep the last value of a step, see `pipeline.train.report.plot`).
     """
 
     def __init__(

@@ -2,8 +2,8 @@
 
 The CLI keeps a small, fixed set of options (the "first-class flags" in `FLAG_TARGETS`); anything
 else is reachable as `--set section.key=value`, type-checked against the schema in
-`pipeline.train.config`. Flags win over `--set` because they are the explicit, named way to say
-the same thing; the CLI passes only flags the user actually typed (not click defaults).
+`pipeline.train.config.schema`. Flags win over `--set` because they are the explicit, named way
+to say the same thing; the CLI passes only flags the user actually typed (not click defaults).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.train.config import CHECKPOINT_FLAVOR, SECTIONS, ConfigError, TrainConfig
-from pipeline.train.config_types import field_types, literal_values
-from pipeline.train.toml_io import load as load_toml
+from pipeline.train.config.fields import field_types, literal_values
+from pipeline.train.config.schema import CHECKPOINT_FLAVOR, SECTIONS, ConfigError, TrainConfig
+from pipeline.train.config.toml_io import load as load_toml
 
 __all__ = [
     "save_config_toml",
@@ -31,7 +31,7 @@ __all__ = [
     "resolve_config",
 ]
 
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 # CLI flag name (as the click parameter is called) -> the config field it sets.
 FLAG_TARGETS: dict[str, str] = {
@@ -181,7 +181,7 @@ def resolve_config(
     its model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it. A Hugging Face
     directory is read the same way, and its tokenizer is `data.tokenizer` unless one is set.
     """
-    from pipeline.train.checkpoint_model import read_recorded_model
+    from pipeline.train.state.checkpoint_model import read_recorded_model
 
     cfg, tables = TrainConfig(), {}
     if recipe is not None:

@@ -1,6 +1,6 @@
 """Forward and backward of a global batch through a pipeline schedule (pipeline parallelism).
 
-`PipelineRunner`, the pipeline-parallel `StepRunner` (`pipeline.train.step_runner`), wraps this
+`PipelineRunner`, the pipeline-parallel `StepRunner` (`pipeline.train.loop.step_runner`), wraps this
 rank's stages in `PipelineStage`s and one torch schedule, and turns the trainer's list of
 micro-batches into the schedule's whole-batch call: the first stage feeds tokens, every stage
 gets the position (and document) ids. The schedule's loss function is the run's objective

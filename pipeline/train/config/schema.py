@@ -3,10 +3,10 @@
 A run is described by `TrainConfig`, whose sections (`model`, `data`, `training`, `optimizer`,
 `scheduler`, `checkpoint`, `parallel`, `fp8`, `logging`) map one to one onto the tables of a recipe
 TOML file and onto the `section.key` names that `--set` accepts. Values are layered
-defaults < recipe < `--set` < first-class CLI flags by `pipeline.train.config_loader`; this module
+defaults < recipe < `--set` < first-class CLI flags by `pipeline.train.config.loader`; this module
 only holds the schema and its typed setter. A field with a fixed set of values is a `Literal`,
-checked by the setter (`pipeline.train.config_types`); the cross-field checks are in
-`pipeline.train.config_checks` and the model overrides in `pipeline.train.model_overrides`.
+checked by the setter (`pipeline.train.config.fields`); the cross-field checks are in
+`pipeline.train.config.checks` and the model overrides in `pipeline.train.config.model_overrides`.
 
 The config reads no file. A run that takes its model from a checkpoint (`model.flavor =
 "checkpoint"`) finds it in `recorded_model`, which the config loader reads once.
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.core.model.config import ModelConfig
-from pipeline.train.config_checks import config_problems
-from pipeline.train.config_types import ConfigError, coerce, field_types
-from pipeline.train.model_overrides import apply_model_overrides, lookup_flavor
+from pipeline.train.config.checks import config_problems
+from pipeline.train.config.fields import ConfigError, coerce, field_types
+from pipeline.train.config.model_overrides import apply_model_overrides, lookup_flavor
 
 __all__ = [
     "CHECKPOINT_FLAVOR",
@@ -388,7 +388,7 @@ SECTIONS: dict[str, type] = {
 @dataclass(frozen=True)
 class RecordedModel:
     """The model config recorded by the checkpoint `checkpoint.load` resumes from, as the config
-    loader read it (`pipeline.train.checkpoint_model.read_recorded_model`). `problem` says why
+    loader read it (`pipeline.train.state.checkpoint_model.read_recorded_model`). `problem` says why
     `config` is missing (no model recorded, or one that does not parse); it is raised only when
     the run needs the checkpoint's model."""
 
@@ -475,7 +475,7 @@ class TrainConfig:
 
     def to_toml(self) -> str:
         """The resolved config as TOML; `TrainConfig().update(tomllib.loads(...))` reproduces it."""
-        from pipeline.train.toml_io import dumps
+        from pipeline.train.config.toml_io import dumps
 
         return dumps(self.to_dict())
 

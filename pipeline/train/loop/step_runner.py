@@ -2,12 +2,12 @@
 
 A `StepRunner` does the model work of a step and of an evaluation on this rank's share of a
 global batch; the optimizer step, clipping, loss reduction and logging around it are the same
-for every runner (`pipeline.train.train_step`, `pipeline.train.trainer`), so nothing there asks
-whether the model is split into pipeline stages:
+for every runner (`pipeline.train.loop.train_step`, `pipeline.train.loop.trainer`), so nothing
+there asks whether the model is split into pipeline stages:
 
 - `LocalStepRunner` (this module): the whole model on this rank (one device, or data, tensor,
   context or expert parallel), each micro-batch forward and backward in turn;
-- `PipelineRunner` (`pipeline.train.pipeline_step`): this rank's pipeline stages, the
+- `PipelineRunner` (`pipeline.train.loop.pipeline_step`): this rank's pipeline stages, the
   micro-batches handed to a `torch.distributed.pipelining` schedule.
 
 The objective (`pipeline.train.objectives`) is the runner's to apply: both runners take the same
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline.train.model_parts import TrainableModel
+from pipeline.train.build.model_parts import TrainableModel
 from pipeline.train.objectives.base import Batch, Objective, model_hidden
 
 __all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode"]

@@ -17,7 +17,7 @@ def state_adapter(cfg: Any, model: Any, parts: Any, group: Any) -> Any:
     """The run state's adapter hook for the model's converter (`lora_run.LoRAState` with
     `[lora] enabled`), or None for a model trained whole."""
     if cfg.lora.enabled:
-        from pipeline.train.lora_run import LoRAState
+        from pipeline.train.state.lora_run import LoRAState
 
         return LoRAState(cfg, model, parts, group)
     return None

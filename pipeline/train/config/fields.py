@@ -1,7 +1,7 @@
 """The typed setter's rules: which Python value fits a config field's annotation.
 
-The schema (`pipeline.train.config`) says what each field holds with plain annotations: `int`,
-`float`, `bool`, `str`, `list[int]`, `X | None`, and `Literal["a", "b"]` for a field with a
+The schema (`pipeline.train.config.schema`) says what each field holds with plain annotations:
+`int`, `float`, `bool`, `str`, `list[int]`, `X | None`, and `Literal["a", "b"]` for a field with a
 fixed set of allowed values. `coerce` checks a value against one of them (ints widen to floats,
 nothing else is converted) and raises `ConfigError` with a message naming the field.
 """

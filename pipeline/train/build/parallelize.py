@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from pipeline.core.model.transformer import Transformer
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["build_model_parts", "compile_enabled", "parallelize"]
 
@@ -91,7 +91,7 @@ def parallelize(
         model = fp8.convert(model)
     if cfg.lora.enabled:
         from pipeline.core.model.lora import apply_lora
-        from pipeline.train.lora_run import lora_spec
+        from pipeline.train.state.lora_run import lora_spec
 
         if fp8 is not None and not fp8.recipe.startswith("torchao"):
             raise ValueError("LoRA with FP8 runs on torchao's float8 linears; use --fp8 torchao")

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.core.model.lora import ALL_TARGETS, LoRASpec, is_adapter_name
-from pipeline.train.config import ConfigError
+from pipeline.train.config.schema import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
-    from pipeline.train.run_state import FoundCheckpoint
+    from pipeline.train.config.schema import TrainConfig
+    from pipeline.train.state.run_state import FoundCheckpoint
 
 __all__ = [
     "BaseRecord",
@@ -87,7 +87,7 @@ def _checkpoint_base(path: str | Path) -> BaseRecord:
 
 def _hf_base(source: Any, process_group: Any | None) -> BaseRecord:
     """The base record of a Hugging Face model directory (its `HFSource`)."""
-    from pipeline.train.hf_weights import hf_checksum
+    from pipeline.train.state.hf_weights import hf_checksum
 
     return BaseRecord(str(source.directory.resolve()), checksum=hf_checksum(source, process_group))
 
@@ -95,8 +95,8 @@ def _hf_base(source: Any, process_group: Any | None) -> BaseRecord:
 def _recorded_base(path: str, process_group: Any | None) -> BaseRecord:
     """The base an adapter checkpoint recorded, as it is now: a Hugging Face directory (one
     with a `config.json`) or a pipe checkpoint."""
-    from pipeline.train.checkpoint_model import is_hf_directory
-    from pipeline.train.hf_weights import open_hf
+    from pipeline.train.state.checkpoint_model import is_hf_directory
+    from pipeline.train.state.hf_weights import open_hf
 
     if is_hf_directory(path):
         return _hf_base(open_hf(path, "LoRA base"), process_group)
@@ -138,7 +138,7 @@ def find_base(
 
 def _other_base(base: BaseRecord, expected: str, cfg: TrainConfig, found: FoundCheckpoint) -> str:
     """Why the base read now is not the one the adapters of `found` were trained on."""
-    from pipeline.train.checkpoint_model import is_hf_directory
+    from pipeline.train.state.checkpoint_model import is_hf_directory
 
     checksums = f"(checksum {base.checksum[:12]}..., recorded {expected[:12]}...)"
     if is_hf_directory(base.path):
@@ -159,7 +159,7 @@ def load_base(
     `parts`, this rank's pipeline stages or the model, a Hugging Face base is read into)."""
     from pipeline.checkpoint import load, load_model_and_optimizer_state, model_and_optimizer_state
     from pipeline.common.quiet import quiet_dcp
-    from pipeline.train.checkpoint_model import is_hf_directory
+    from pipeline.train.state.checkpoint_model import is_hf_directory
 
     if base.path is None:
         log.warning("LoRA: no base checkpoint (lora.base or --load): adapting the random init")
@@ -180,7 +180,7 @@ def load_base(
 
 def _load_hf_base(parts: list[Any], path: str) -> None:
     """This rank's shards of a Hugging Face model's weights; the adapters are left as they are."""
-    from pipeline.train.hf_weights import load_hf_weights, open_hf
+    from pipeline.train.state.hf_weights import load_hf_weights, open_hf
 
     try:
         load_hf_weights(parts, open_hf(path, "LoRA base"), skip=is_adapter_name)

@@ -10,10 +10,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.model.config import ModelConfig, MoEConfig
-from pipeline.train.config_types import ConfigError
+from pipeline.train.config.fields import ConfigError
 
 if TYPE_CHECKING:
-    from pipeline.train.config import ModelSection
+    from pipeline.train.config.schema import ModelSection
 
 __all__ = ["apply_model_overrides", "lookup_flavor"]
 

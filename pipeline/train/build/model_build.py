@@ -24,16 +24,16 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import ModelOptions, Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
-from pipeline.train.config import ConfigError
-from pipeline.train.model_parts import StageUnion, TrainableModel
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.build.model_parts import StageUnion, TrainableModel
 from pipeline.train.objectives import objective_spec
 from pipeline.train.objectives.base import Objective
-from pipeline.train.parallelize import build_model_parts, parallelize
-from pipeline.train.pipeline_step import PipelineRunner
-from pipeline.train.step_runner import LocalStepRunner, StepRunner
+from pipeline.train.build.parallelize import build_model_parts, parallelize
+from pipeline.train.loop.pipeline_step import PipelineRunner
+from pipeline.train.loop.step_runner import LocalStepRunner, StepRunner
 
 if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["BuiltModel", "build_fp8_backend", "build_model", "init_weights", "model_options"]
 

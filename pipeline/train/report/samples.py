@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pipeline.core.model.greedy import greedy_without_cache
-from pipeline.train.config import ConfigError
+from pipeline.train.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

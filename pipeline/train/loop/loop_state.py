@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.train.train_step import StepResult
+from pipeline.train.loop.train_step import StepResult
 
 __all__ = ["LogWindow", "LoopState", "TrainResult"]
 

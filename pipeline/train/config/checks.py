@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from pipeline.core.kernels.fp8 import normalize_recipe
 from pipeline.core.parallel.layout_rules import layout_problems
-from pipeline.train.config_types import ConfigError
+from pipeline.train.config.fields import ConfigError
 from pipeline.train.objectives import objective_problems
 from pipeline.train.optimizers import optimizer_spec
 
 if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["config_problems"]
 

@@ -34,7 +34,7 @@ from pipeline.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from pipeline.data.loader import build_data_loader
 from pipeline.data.preference_dataset import PreferenceDataset, preference_prefix
 from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
-from pipeline.train.config import ConfigError, TrainConfig
+from pipeline.train.config.schema import ConfigError, TrainConfig
 
 __all__ = [
     "TokenizerInfo",

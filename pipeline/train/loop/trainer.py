@@ -44,30 +44,35 @@ from typing import Any
 
 from pipeline.common.progress import terminal_bar
 from pipeline.core.model.flavors import flops_per_token
-from pipeline.train import train_data
-from pipeline.train.adapters import state_adapter
-from pipeline.train.checkpoint_model import check_checkpoint_model
-from pipeline.train.config import TrainConfig
-from pipeline.train.config_loader import save_config_toml
-from pipeline.train.guards import MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteStop, StopSignals
-from pipeline.train.layout import (
+from pipeline.train.build import train_data
+from pipeline.train.build.layout import (
     build_layout,
     micro_batches_per_step,
     resolve_device,
     seed_everything,
 )
-from pipeline.train.loop_state import LogWindow, LoopState, TrainResult
-from pipeline.train.metrics import MetricsLogger, router_statistics
-from pipeline.train.model_build import build_fp8_backend, build_model, model_options
-from pipeline.train.model_parts import model_parts
+from pipeline.train.build.model_build import build_fp8_backend, build_model, model_options
+from pipeline.train.build.model_parts import model_parts
+from pipeline.train.config.loader import save_config_toml
+from pipeline.train.config.schema import TrainConfig
+from pipeline.train.loop.guards import (
+    MAX_CONSECUTIVE_SKIPS,
+    NonFiniteGuard,
+    NonFiniteStop,
+    StopSignals,
+)
+from pipeline.train.loop.loop_state import LogWindow, LoopState, TrainResult
+from pipeline.train.loop.step_runner import Batch, evaluation_mode
+from pipeline.train.loop.train_step import StepResult, autocast_context, global_mean, train_step
 from pipeline.train.objectives import build_objective
 from pipeline.train.optimizers import build_optimizer
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
-from pipeline.train.perf import memory_gib, peak_tflops
-from pipeline.train.run_state import Progress, RunState
-from pipeline.train.samples import TrainingSamples, sample_tokenizer_path
-from pipeline.train.step_runner import Batch, evaluation_mode
-from pipeline.train.train_step import StepResult, autocast_context, global_mean, train_step
+from pipeline.train.report.metrics import MetricsLogger, router_statistics
+from pipeline.train.report.perf import memory_gib, peak_tflops
+from pipeline.train.report.samples import TrainingSamples, sample_tokenizer_path
+from pipeline.train.state.adapters import state_adapter
+from pipeline.train.state.checkpoint_model import check_checkpoint_model
+from pipeline.train.state.run_state import Progress, RunState
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -118,7 +123,7 @@ class Trainer:
         self._signals: StopSignals | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
-        sequences = self.objective.spec.sequences_per_sample  # DPO: a pair
+        sequences = self.objective.spec.sequences_per_sample  # each counts in tokens/s
         self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sequences
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)

@@ -27,7 +27,7 @@ from pipeline.core.parallel.process_group import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = [
     "build_layout",
@@ -76,7 +76,7 @@ def resolve_device(name: str) -> torch.device:
     try:
         return choose_device(name)
     except NoCudaDevice:
-        from pipeline.train.config import ConfigError
+        from pipeline.train.config.schema import ConfigError
 
         raise ConfigError("training.device = cuda, but torch sees no CUDA device") from None
 
@@ -99,7 +99,7 @@ def init_distributed(device: torch.device) -> torch.device:
     if dist.is_initialized():
         return device
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        from pipeline.train.config import ConfigError
+        from pipeline.train.config.schema import ConfigError
 
         raise ConfigError(
             "parallel training needs one process per rank: launch with "

@@ -36,15 +36,15 @@ from pipeline.checkpoint import (
     model_and_optimizer_state,
 )
 from pipeline.common.quiet import quiet_dcp
-from pipeline.train.checkpoint_model import is_hf_directory
-from pipeline.train.config import ConfigError
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.state.checkpoint_model import is_hf_directory
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from pipeline.core.model.config import ModelConfig
     from pipeline.core.parallel.dims import ParallelDims
-    from pipeline.train.config import TrainConfig
+    from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["FoundCheckpoint", "Progress", "RunRecord", "RunState", "StateAdapter"]
 
@@ -115,7 +115,7 @@ def open_hf_start(load: str | None) -> Any:
     """The Hugging Face model `checkpoint.load` names (an `HFSource`), or None."""
     if load is None or not is_hf_directory(load):
         return None
-    from pipeline.train.hf_weights import open_hf
+    from pipeline.train.state.hf_weights import open_hf
 
     return open_hf(load, "checkpoint.load")
 
@@ -205,12 +205,12 @@ class RunState:
     def _tokenizer_record(self) -> dict[str, Any]:
         """The data's tokenizer ids, with the Hugging Face model's tokenizer files when the run
         started from one (`hf_weights.tokenizer_record`)."""
-        from pipeline.train.hf_weights import tokenizer_record
+        from pipeline.train.state.hf_weights import tokenizer_record
 
         return tokenizer_record(self.tokenizer.to_metadata(), self.hf_start)
 
     def _hf_start_record(self) -> dict[str, Any]:
-        from pipeline.train.hf_weights import start_record
+        from pipeline.train.state.hf_weights import start_record
 
         return start_record(self.hf_start)
 
@@ -254,7 +254,7 @@ class RunState:
     def save_hf(self, iteration: int) -> Path:
         """Write the model at `iteration` as a Hugging Face directory (every rank calls this;
         the first writes); older ones whose checkpoint was rotated away go."""
-        from pipeline.train.hf_weights import hf_directory, prune_rotated, write_hf_from_model
+        from pipeline.train.state.hf_weights import hf_directory, prune_rotated, write_hf_from_model
 
         path = hf_directory(self.checkpoints.save_dir, iteration)
         with torch.no_grad():
@@ -340,7 +340,7 @@ class RunState:
 
     def _start_from_hf(self) -> None:
         """This rank's shards of the Hugging Face model's weights; iteration 0, fresh optimizer."""
-        from pipeline.train.hf_weights import load_hf_weights
+        from pipeline.train.state.hf_weights import load_hf_weights
 
         try:
             load_hf_weights(self.parts, self.hf_start)
@@ -352,7 +352,7 @@ class RunState:
 
     def _warn_on_other_tokenizer(self) -> None:
         """Warn when the data was tokenized with other vocabulary files than the model's."""
-        from pipeline.train.hf_weights import tokenizer_mismatch
+        from pipeline.train.state.hf_weights import tokenizer_mismatch
 
         mismatch = tokenizer_mismatch(
             {"fingerprint": self.tokenizer.fingerprint}, self.hf_start.metadata.get("tokenizer")

@@ -1,17 +1,17 @@
 """One optimizer step over a global batch, and one evaluation pass.
 
 The loss of a step is the sum of the objective's losses over all its micro-batches divided by
-the objective's count over the whole global batch (loss tokens for language modelling, pairs
-for DPO; not a mean of per-micro-batch means), so a step gives the same loss and gradients
+the objective's count over the whole global batch (loss tokens, or pairs of sequences; not a
+mean of per-micro-batch means), so a step gives the same loss and gradients
 whatever the micro-batch size: 1 x 8 == 8 x 1 up to floating-point summation order. MoE
 auxiliary losses are per forward pass; each MoE layer attaches its own gradient with the weight
 the model was built with (`ModelOptions`), so they are not added here.
 
 Under a parallel layout the same function runs on every rank: `dp_group` is the group whose
 ranks hold different tokens of the global batch (data x context parallel), the step runner
-(`pipeline.train.step_runner`: the whole model, or this rank's pipeline stages under a schedule)
-does the forward and backward work, and `pp_group` makes the gradient norm and the reported loss
-those of the whole model.
+(`pipeline.train.loop.step_runner`: the whole model, or this rank's pipeline stages under a
+schedule) does the forward and backward work, and `pp_group` makes the gradient norm and the
+reported loss those of the whole model.
 
 A step never waits for the device: loss, gradient norm, token count and the skip decision stay
 tensors (`StepResult`), and a non-finite step is skipped where the optimizer's registry entry
@@ -32,10 +32,10 @@ import torch.distributed as dist
 from pipeline.core.parallel.fsdp import global_token_count
 from pipeline.core.parallel.grad_norm import clip_grad_norm_
 from pipeline.core.parallel.tensor_parallel import sum_moe_gradients
-from pipeline.train.expert_bias import update_expert_biases
-from pipeline.train.model_parts import TrainableModel
+from pipeline.train.build.model_parts import TrainableModel
+from pipeline.train.loop.expert_bias import update_expert_biases
+from pipeline.train.loop.step_runner import Batch, StepRunner
 from pipeline.train.optimizers.nonfinite import step_unless_nonfinite
-from pipeline.train.step_runner import Batch, StepRunner
 
 if TYPE_CHECKING:
     from pipeline.core.kernels.fp8 import Fp8Training
@@ -142,13 +142,13 @@ def train_step(
 
 
 def _balance_experts(model: TrainableModel, finite: torch.Tensor) -> None:
-    """DeepSeek-V3's expert-bias update after the step (`pipeline.train.expert_bias`), unless
+    """DeepSeek-V3's expert-bias update after the step (`pipeline.train.loop.expert_bias`), unless
     the step was skipped; the loads are summed over every rank of the run."""
     config = getattr(model, "config", None)
     if config is None or config.moe is None or not config.moe.expert_bias:
         return
     if not all(p.requires_grad for p in model.parameters()):
-        return  # a frozen base (LoRA; every rank has frozen norms) keeps its routers' biases
+        return  # a frozen base under trained adapters keeps its routers' biases
     layers = model.moe_layers()
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     update_expert_biases(config, layers, world, apply=finite)
