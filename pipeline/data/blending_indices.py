@@ -292,6 +292,8 @@ def _run_lanes(
     Each step is a handful of whole-array operations. Errors are computed exactly as the C++
     helper does: `w_d * x - double(c_d)`, ties to the lowest dataset index.
     """
+    # Long on purpose: the blend's hot loop keeps its dozen preallocated buffers in one frame;
+    # a function per step would pass them all on each of millions of steps.
     n, lanes = counts.shape
     w_col = w[:, None]
     spent_col = None if limits is None else limits[:, None].astype(np.float64)

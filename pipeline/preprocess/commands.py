@@ -212,6 +212,8 @@ def preprocess(
     pipe preprocess --chat --input chat.jsonl --tokenizer llama3/ --output-prefix out/sft
     pipe preprocess --preference --input pairs.jsonl --tokenizer llama3/ --output-prefix out/dpo
     """
+    # Long on purpose: click hands each of the command's 21 options over as a parameter; the
+    # work itself is the 30 lines below.
     if chat and preference:
         raise click.UsageError("--chat and --preference: choose one")
     _check_chat_flags(ctx, chat or preference, chat_template, append_eod, add_special_tokens)
@@ -219,7 +221,6 @@ def preprocess(
         from pipeline.preprocess.runner import PreprocessConfig, format_summary
         from pipeline.preprocess.runner import preprocess as run
         from pipeline.preprocess.shards import resolve_shard
-        from pipeline.tokenizer.tokenizer import load_tokenizer
 
         shard = resolve_shard(num_shards, shard_index)  # before the tokenizer: fail fast
         setup = None
@@ -227,19 +228,9 @@ def preprocess(
             from pipeline.preprocess.chat import load_chat_setup
 
             setup = load_chat_setup(tokenizer_path, chat_template)
-        tokenizer = load_tokenizer(
-            tokenizer_path,
-            merge_file=merge_file,
-            add_special_tokens=add_special_tokens,
-            engine=tokenizer_engine,
+        tokenizer = _open_tokenizer(
+            tokenizer_path, merge_file, add_special_tokens, tokenizer_engine, quiet
         )
-        if not quiet:
-            note = f" ({tokenizer.engine_note})" if tokenizer.engine_note else ""
-            click.echo(
-                f"tokenizer {tokenizer.files[0]}: vocab {tokenizer.vocab_size:,}, "
-                f"eod {tokenizer.eod}, engine {tokenizer.engine}{note}",
-                err=True,
-            )
         config = PreprocessConfig(
             inputs=list(inputs),
             output_prefix=output_prefix,
@@ -260,6 +251,23 @@ def preprocess(
         summary = run(config, tokenizer)
         for line in format_summary(summary):
             click.echo(line)
+
+
+def _open_tokenizer(path, merge_file, add_special_tokens, engine, quiet: bool):
+    """The tokenizer the run encodes with, and (unless `quiet`) one line saying which."""
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(
+        path, merge_file=merge_file, add_special_tokens=add_special_tokens, engine=engine
+    )
+    if not quiet:
+        note = f" ({tokenizer.engine_note})" if tokenizer.engine_note else ""
+        click.echo(
+            f"tokenizer {tokenizer.files[0]}: vocab {tokenizer.vocab_size:,}, "
+            f"eod {tokenizer.eod}, engine {tokenizer.engine}{note}",
+            err=True,
+        )
+    return tokenizer
 
 
 def _check_chat_flags(ctx, chat, chat_template, append_eod, add_special_tokens) -> None:

@@ -267,6 +267,43 @@ def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
         )
 
 
+def _write_weights(tmp: Path, shards: list, source: TensorSource, step: Callable) -> None:
+    """The safetensors files of `shards` in `tmp` and, for more than one, their index."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, shard in enumerate(shards, start=1):
+        name = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        )
+        _write_shard(tmp / name, shard, source, step)
+        weight_map |= {p.hf_name: name for p in shard.pieces}
+        total += shard.nbytes
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json(tmp / "model.safetensors.index.json", index)
+
+
+def _write_configs(
+    tmp: Path, shards: list, source: TensorSource, config_extra: dict[str, Any] | None
+) -> None:
+    """config.json (with `config_extra`) and generation_config.json for `source`."""
+    pieces = [p for s in shards for p in s.pieces]
+    # config.json's dtype is the embedding's (what from_pretrained allocates by default)
+    embed = next((p for p in pieces if p.source_name == "tok_embeddings.weight"), pieces[0])
+    bos, eos = _token_ids(source)
+    config = config_to_hf(
+        source.model_config,
+        dtype=embed.dtype,
+        architecture=source.metadata.get("hf_architecture"),
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    write_json(tmp / "config.json", config | (config_extra or {}))
+    write_json(tmp / "generation_config.json", generation_config(bos, _generation_eos(source, eos)))
+
+
 def write_hf(
     source: TensorSource,
     output_dir: str | os.PathLike,
@@ -300,35 +337,8 @@ def write_hf(
 
     require_little_endian()
     with staged_directory(output_dir, overwrite=overwrite) as tmp:
-        weight_map: dict[str, str] = {}
-        for k, shard in enumerate(shards, start=1):
-            name = (
-                "model.safetensors"
-                if len(shards) == 1
-                else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-            )
-            _write_shard(tmp / name, shard, source, step)
-            weight_map |= {p.hf_name: name for p in shard.pieces}
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": done},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            write_json(tmp / "model.safetensors.index.json", index)
-        pieces = [p for s in shards for p in s.pieces]
-        # config.json's dtype is the embedding's (what from_pretrained allocates by default)
-        embed = next((p for p in pieces if p.source_name == "tok_embeddings.weight"), pieces[0])
-        bos, eos = _token_ids(source)
-        config = config_to_hf(
-            source.model_config,
-            dtype=embed.dtype,
-            architecture=source.metadata.get("hf_architecture"),
-            bos_token_id=bos,
-            eos_token_id=eos,
-        )
-        write_json(tmp / "config.json", config | (config_extra or {}))
-        generation = generation_config(bos, _generation_eos(source, eos))
-        write_json(tmp / "generation_config.json", generation)
+        _write_weights(tmp, shards, source, step)
+        _write_configs(tmp, shards, source, config_extra)
         for name, obj in (extra_json or {}).items():
             write_json(tmp / name, obj)
         if tokenizer_dir is not None:

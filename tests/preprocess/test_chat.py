@@ -21,8 +21,8 @@ from tests.builders import megatron_builder, run_pipe, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("private_proof_cache")
 
-# Llama 3's template (as ../shared/data/tokenizers/llama3 has it), with the assistant's text and
-# end-of-turn marker inside {% generation %}: the same text for the same messages.
+# Llama 3's template (as the llama3 tokenizer of the test data has it), with the assistant's
+# text and end-of-turn marker inside {% generation %}: the same text for the same messages.
 LLAMA3_MARKED = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
     "{% set header = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' %}"

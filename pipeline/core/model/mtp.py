@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.core.model.block import ModelOptions, RMSNorm, TransformerBlock
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import init_linear
-from pipeline.core.model.transformer import ModelOptions, RMSNorm, TransformerBlock
 
 
 class MTPLayer(TransformerBlock):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.core.model.transformer import Attention, LatentAttention
+from pipeline.core.model.block import Attention, LatentAttention
 
 
 def _chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:

@@ -21,7 +21,8 @@ import torch
 from pipeline.core.kernels.attention import resolve_backend
 from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
 from pipeline.core.model.config import ModelConfig
-from pipeline.core.model.transformer import ModelOptions, Transformer
+from pipeline.core.model.block import ModelOptions
+from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
 from pipeline.train.config.schema import ConfigError
