@@ -4,8 +4,9 @@ Every version-dependent workaround lives here, so the rest of pipe is written ag
 
 - Pipeline schedules. torch 2.13's `schedule.step` takes `loss_kwargs`; 2.11's passes every
   unknown keyword to the first stage's model. pipe never uses it: the loss function is told the
-  batch's token count around the call (`pipeline.core.parallel.pipeline.TokenNormalisedLoss`),
-  which both releases accept.
+  batch's token count around the call (`pipeline.core.parallel.pipeline.TokenNormalisedLoss`,
+  the training objective's `pipeline.train.loop.pipeline_step.ObjectiveLoss`), which both
+  releases accept.
 - Pipeline warm-up. Before its first step, torch 2.11's multi-stage schedules exchange a dummy
   tensor between every pair of neighbouring stages, also when both stages sit on the same rank
   (the "V" placement of ZBVZeroBubble puts stages r and 2*pp-1-r together, so the middle pair
@@ -20,7 +21,10 @@ Every version-dependent workaround lives here, so the rest of pipe is written ag
 - Shape inference. Before its first step a stage runs its forward once to learn its output
   shapes: `_forward_metadata_inference` on 2.13, `_shape_inference` on 2.11 (both private).
   `stage_shape_inference_name` says which one a stage has, for the code that must keep that
-  forward's side effects (MoE expert loads) out of the run.
+  forward's side effects (MoE expert loads) out of the run. 2.13 then infers gradient shapes
+  by calling the loss function on that forward's outputs (`_backward_metadata_inference`; 2.11
+  has no such call): `stage_loss_inference_name` names it, so that call keeps an objective's
+  running figures out.
 - Compiled expert dispatch. Under `torch.compile`, torch 2.11 loses the expert weights'
   gradients through expert parallelism's token exchange (all-to-all in an `autograd.Function`,
   DTensor expert shards): they come out zero, while the same code runs right eagerly and
@@ -71,6 +75,14 @@ def stage_shape_inference_name(stage: object) -> str | None:
         if hasattr(stage, name):
             return name
     return None
+
+
+def stage_loss_inference_name(stage: object) -> str | None:
+    """The name of the method in which a last pipeline stage calls the loss function on its
+    metadata-inference outputs (torch 2.13's backward metadata inference; torch 2.11 calls no
+    loss there), or None."""
+    name = "_backward_metadata_inference"
+    return name if hasattr(stage, name) else None
 
 
 def drop_self_p2p_warmup(stage: object) -> None:

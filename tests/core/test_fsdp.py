@@ -23,7 +23,7 @@ from pipeline.checkpoint import (
 )
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
-from tests.builders import micro_model_config
+from tests.builders import lm_runner, micro_model_config
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -103,7 +103,10 @@ def _dp_step(model, optimizer, scheduler, micro_batches, dp_group):
     """The real `train_step` under data parallelism: (global loss, grad norm)."""
     from pipeline.train.loop.train_step import train_step
 
-    step = train_step(model, optimizer, scheduler, micro_batches, clip_grad=1.0, dp_group=dp_group)
+    step = train_step(
+        model, optimizer, scheduler, micro_batches, clip_grad=1.0, dp_group=dp_group,
+        runner=lm_runner(model),
+    )  # fmt: skip
     return step.loss, step.grad_norm
 
 
@@ -137,7 +140,9 @@ def _parity_worker(rank: int, world_size: int, tmp: Path) -> list[str]:
         reference = _reference_model(tied)
         initial = {k: v.clone() for k, v in reference.state_dict().items()}
         ref_opt, ref_sched = _optimizer(reference)
-        expected = train_step(reference, ref_opt, ref_sched, batches, clip_grad=1.0)
+        expected = train_step(
+            reference, ref_opt, ref_sched, batches, clip_grad=1.0, runner=lm_runner(reference)
+        )
         layouts = [("fsdp", True), ("fsdp", False), ("replicate", True)]
         for mode, reshard in layouts:
             model = _fsdp_model(tied, mesh, mode=mode, reshard_after_forward=reshard)
@@ -158,7 +163,9 @@ def _parity_worker(rank: int, world_size: int, tmp: Path) -> list[str]:
         model = _fsdp_model(tied, mesh)
         copy_full_weights_(model, initial)
         optimizer, scheduler = _optimizer(model)
-        unchanged = train_step(model, optimizer, scheduler, mine, clip_grad=1.0)
+        unchanged = train_step(
+            model, optimizer, scheduler, mine, clip_grad=1.0, runner=lm_runner(model)
+        )
         assert abs(unchanged.grad_norm - expected.grad_norm) > 0.1 * expected.grad_norm
     dist.barrier()
     return checked
@@ -176,7 +183,9 @@ def _trained_single(tied: bool) -> tuple[Transformer, torch.optim.Optimizer]:
 
     model = _reference_model(tied)
     optimizer, scheduler = _optimizer(model)
-    train_step(model, optimizer, scheduler, _global_batch(), clip_grad=1.0)
+    train_step(
+        model, optimizer, scheduler, _global_batch(), clip_grad=1.0, runner=lm_runner(model)
+    )
     return model, optimizer
 
 

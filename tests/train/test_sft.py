@@ -218,12 +218,10 @@ def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
 def test_packed_loss_equals_transformers_per_conversation(tmp_path: Path) -> None:
     """Packed micro-batches through pipe's loss (forward_backward: accumulation and the global
     token count) against transformers' loss on each conversation alone."""
-    from pipeline.train.loop.step_runner import LocalStepRunner
     from pipeline.train.loop.train_step import forward_backward
     from pipeline.train.objectives.base import batch_to_device
-    from pipeline.train.objectives.language_model import LanguageModelling
     from pipeline.weights.hf_reader import HFSource
-    from tests.builders import VOCAB, load_from_source, save_hf
+    from tests.builders import VOCAB, lm_runner, load_from_source, save_hf
 
     directory, hf = save_hf("llama_untied", tmp_path / "hf")
     model = load_from_source(HFSource(directory)).float()
@@ -239,8 +237,7 @@ def test_packed_loss_equals_transformers_per_conversation(tmp_path: Path) -> Non
         batch_to_device(collate_numpy(samples[i : i + 2]), torch.device("cpu"))
         for i in range(0, len(samples), 2)
     ]
-    runner = LocalStepRunner(model, LanguageModelling())
-    loss_sum, tokens = forward_backward(model, micro_batches, runner=runner)
+    loss_sum, tokens = forward_backward(model, micro_batches, runner=lm_runner(model))
     ours = float(loss_sum) / float(tokens)
 
     total, count = 0.0, 0

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipeline.core.parallel.pipeline import build_schedule, build_stages, local_stage_indices
+from pipeline.core.torch_compat import stage_loss_inference_name
 from pipeline.train.objectives.base import Batch, Objective
 
 __all__ = ["ObjectiveLoss", "PipelineRunner"]
@@ -43,6 +45,7 @@ class ObjectiveLoss:
         self.modules = list(modules)
         self.batches: Sequence[Batch] = ()
         self.num_tokens: float | torch.Tensor = 1.0
+        self.inferring = False  # torch's metadata inference is calling: no objective
 
     @contextlib.contextmanager
     def step(self, batches: Sequence[Batch], num_tokens: float | torch.Tensor) -> Iterator[None]:
@@ -63,6 +66,8 @@ class ObjectiveLoss:
         return stage
 
     def __call__(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.inferring:  # shapes only, maybe of uninitialised tensors: keep the objective out
+            return hidden.float().sum() * 0.0
         batch = self.batches[int(target.reshape(-1)[0])]
         loss_sum, _ = self.objective.loss(self.last_stage, hidden, batch)
         return loss_sum / self.num_tokens  # the caller clamps it to >= 1 (no host sync)
@@ -89,6 +94,8 @@ class PipelineRunner:
         self.is_last = num_stages - 1 in stage_indices
         self.loss_fn = ObjectiveLoss(objective, self.parts)
         stages = build_stages(self.parts, stage_indices, num_stages, device, pp_group)
+        for stage in stages:
+            _no_objective_in_metadata_inference(stage, self.loss_fn)
         self.schedule = build_schedule(
             stages, n_microbatches, self.loss_fn, schedule, scale_grads=False
         )
@@ -169,6 +176,26 @@ class PipelineRunner:
             if self.stage_owner[stage + 1] != my_rank:
                 _send(hidden, self.stage_owner[stage + 1], self.pp_group)
         return None
+
+
+def _no_objective_in_metadata_inference(stage: Any, loss_fn: ObjectiveLoss) -> None:
+    """torch 2.13's first step infers the stages' gradient shapes by calling the loss on the
+    outputs of a forward over the first micro-batch or over uninitialised tensors; an objective
+    that keeps running figures (DPO's rewards) must not count that call. (A private torch
+    method, named by torch_compat; without it nothing is done.)"""
+    name = stage_loss_inference_name(stage)
+    if name is None:
+        return
+    infer = getattr(stage, name)
+
+    def without_objective(*args: Any, **kwargs: Any) -> Any:
+        loss_fn.inferring = True
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            loss_fn.inferring = False
+
+    setattr(stage, name, without_objective)
 
 
 def _model_keys(batch: Batch) -> list[str]:
