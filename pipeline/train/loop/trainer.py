@@ -2,17 +2,17 @@
 `TrainConfig` and trains it.
 
 Build order (docs/architecture.md), each step a function returning what it built: the layout
-(`build_layout`: process group, the config validated once for the world size, meshes) -> seed
--> model options and FP8 backend -> the model (`build_model`: on `meta`, this rank's pipeline
+(`build_layout`: process group, the config validated once for the world size, meshes) -> the
+objective -> seed -> FP8 backend -> the model (`build_model`: on `meta`, this rank's pipeline
 stages, `parallelize` each, `to_empty`, initialised as one device would) -> optimizer and
-scheduler -> data -> checkpoints and resume -> loaders -> run directory and metrics. `train` is
-the loop, `train_step` (in `train_step.py`) one step, whose forward and backward work a step
-runner does (`step_runner.py`: the whole model, or this rank's pipeline stages).
+scheduler -> data -> checkpoints and resume -> the objective's setup -> loaders -> metrics.
+`train` is the loop, `train_step` one step, whose forward and backward a step runner does (the
+whole model, or this rank's pipeline stages).
 
 Parallel runs (launched by torchrun, `pipe train --nproc-per-node N`): each data-parallel rank
 loads its slice of each global batch and each context-parallel rank keeps its chunks of every
-sequence (`ParallelDims.shard_batch`); the step divides by the global token count and reports
-the global loss; checkpoints are written by all ranks (DCP, DTensor shards under the
+sequence (`ParallelDims.shard_batch`); the step divides by the objective's global count and
+reports the global loss; checkpoints are written by all ranks (DCP, DTensor shards under the
 single-device names, so they load under any other layout) and only rank 0 writes logs and
 metrics.
 
@@ -24,13 +24,12 @@ The objective (`pipeline.train.objectives`, chosen by `data.kind`) is the one ob
 asks about the loss: what a batch holds, what the loss is normalised by, its reference, its
 metrics and what it records in a checkpoint; the loop itself names none.
 
-Checkpoints are the run's `RunState` (`run_state.py`): saving, resuming, `--finetune`, the
+Checkpoints are the run's `RunState` (`state/run_state.py`): saving, resuming, `--finetune`, the
 start from a Hugging Face directory (`--load HF_DIR`), `checkpoint.save_hf`, and adapter-only
-checkpoints through the adapters' hook (`adapters.py`). The trainer keeps the
-counters (iteration, consumed samples, skipped steps) and hands them over as a `Progress`.
-Resuming restores weights, optimizer, scheduler, RNG states and those counters, and the loaders
-restart from the consumed counts, so on a CPU a resumed run repeats an uninterrupted one bit
-for bit.
+checkpoints through the adapters' hook (`state/adapters.py`). The trainer keeps the counters
+(iteration, consumed samples, skipped steps) and hands them over as a `Progress`. Resuming
+restores weights, optimizer, scheduler, RNG states and those counters, and the loaders restart
+from the consumed counts, so on a CPU a resumed run repeats an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
