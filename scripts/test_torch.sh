@@ -14,13 +14,13 @@ export PIPE_VENV="${PIPE_VENV:-$ROOT/.venv-torch-$VERSION}" PIPE_TORCH="$VERSION
 source "$ROOT/scripts/setup_env.sh" dev
 cd "$ROOT"
 python -c "import torch; assert torch.__version__.startswith('$VERSION'), torch.__version__"
-echo "[test torch $VERSION] pipeline, layouts, checkpoints, FP8, serve's engine process"
+echo "[test torch $VERSION] pipeline, layouts, checkpoints, FP8, serve's engine process, DPO"
 python -m pytest -m "not gpu" -q -p no:cacheprovider \
     tests/core/test_pipeline_parallel.py tests/train/test_schedules.py \
     tests/train/test_layouts.py tests/train/test_gpu_defaults_on_cpu.py \
     tests/checkpoint tests/core/test_fp8.py tests/core/test_tensor_parallel.py \
     tests/core/test_fsdp.py tests/core/test_context_parallel.py \
     tests/core/test_expert_parallel.py tests/core/test_torch_compat.py \
-    tests/serve/test_engine_process.py "$@"
+    tests/serve/test_engine_process.py tests/train/test_dpo.py "$@"
 echo "[test torch $VERSION] scripts/gpu/run.sh --dry"
 bash scripts/gpu/run.sh --dry --out "$ROOT/runs/gpu-dry-torch-$VERSION"
