@@ -181,7 +181,7 @@ class PipelineRunner:
 def _no_objective_in_metadata_inference(stage: Any, loss_fn: ObjectiveLoss) -> None:
     """torch 2.13's first step infers the stages' gradient shapes by calling the loss on the
     outputs of a forward over the first micro-batch or over uninitialised tensors; an objective
-    that keeps running figures (DPO's rewards) must not count that call. (A private torch
+    that keeps running figures (rewards, margins) must not count that call. (A private torch
     method, named by torch_compat; without it nothing is done.)"""
     name = stage_loss_inference_name(stage)
     if name is None:
