@@ -212,14 +212,9 @@ def preprocess(
     pipe preprocess --chat --input chat.jsonl --tokenizer llama3/ --output-prefix out/sft
     pipe preprocess --preference --input pairs.jsonl --tokenizer llama3/ --output-prefix out/dpo
     """
-    # Long on purpose: click hands each of the command's 21 options over as a parameter; the
-    # work itself is the 30 lines below.
-    if chat and preference:
-        raise click.UsageError("--chat and --preference: choose one")
-    _check_chat_flags(ctx, chat or preference, chat_template, append_eod, add_special_tokens)
+    _check_chat_flags(ctx, chat, preference, chat_template, append_eod, add_special_tokens)
     with _user_errors():
-        from pipeline.preprocess.runner import PreprocessConfig, format_summary
-        from pipeline.preprocess.runner import preprocess as run
+        from pipeline.preprocess.runner import PreprocessConfig
         from pipeline.preprocess.shards import resolve_shard
 
         shard = resolve_shard(num_shards, shard_index)  # before the tokenizer: fail fast
@@ -246,11 +241,7 @@ def preprocess(
             chat=setup,
             preference=preference,
         )
-        if setup is not None and not quiet:
-            click.echo(f"chat template {setup.origin}: loss mask by rule {setup.rule}", err=True)
-        summary = run(config, tokenizer)
-        for line in format_summary(summary):
-            click.echo(line)
+        _run_and_summarise(config, tokenizer)
 
 
 def _open_tokenizer(path, merge_file, add_special_tokens, engine, quiet: bool):
@@ -270,9 +261,25 @@ def _open_tokenizer(path, merge_file, add_special_tokens, engine, quiet: bool):
     return tokenizer
 
 
-def _check_chat_flags(ctx, chat, chat_template, append_eod, add_special_tokens) -> None:
-    """--chat renders each conversation as transformers does and writes fixed outputs: the
-    flags that would change that are refused."""
+def _run_and_summarise(config, tokenizer) -> None:
+    """Preprocess as `config` says and print the summary (with progress on, first the chat
+    template in use)."""
+    from pipeline.preprocess.runner import format_summary
+    from pipeline.preprocess.runner import preprocess as run
+
+    if config.chat is not None and config.show_progress:
+        origin, rule = config.chat.origin, config.chat.rule
+        click.echo(f"chat template {origin}: loss mask by rule {rule}", err=True)
+    for line in format_summary(run(config, tokenizer)):
+        click.echo(line)
+
+
+def _check_chat_flags(ctx, chat, preference, chat_template, append_eod, add_special_tokens):
+    """--chat (and --preference) render each conversation as transformers does and write fixed
+    outputs: the flags that would change that are refused, as is asking for both."""
+    if chat and preference:
+        raise click.UsageError("--chat and --preference: choose one")
+    chat = chat or preference
     if chat_template is not None and not chat:
         raise click.UsageError("--chat-template goes with --chat or --preference")
     if not chat:
