@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -289,65 +289,93 @@ def _run_lanes(
     """Advance every lane (column of `counts`, updated in place) by `steps` greedy steps,
     writing lane b's picks to row b of `out_dataset` / `out_sample`.
 
-    Each step is a handful of whole-array operations. Errors are computed exactly as the C++
-    helper does: `w_d * x - double(c_d)`, ties to the lowest dataset index.
+    Each step is a handful of whole-array operations (`_lane_stepper`); the picks gather in a
+    small ring of rows, written out transposed every `_RING` steps.
     """
-    # Long on purpose: the blend's hot loop keeps its dozen preallocated buffers in one frame;
-    # a function per step would pass them all on each of millions of steps.
-    n, lanes = counts.shape
+    lanes = counts.shape[1]
+    # Counts as float64: exact below 2**53, and subtracting them needs no per-step cast.
+    drawn_so_far = counts.astype(np.float64)
+    step = _lane_stepper(w, limits, first_step, drawn_so_far)
+    ring_d = np.empty((_RING, lanes), np.int16)
+    ring_s = np.empty((_RING, lanes), np.float64)
+    for first in range(0, steps, _RING):
+        rows = min(_RING, steps - first)
+        for r in range(rows):
+            step(first + r, ring_d[r], ring_s[r])
+        out_dataset[:, first : first + rows] = ring_d[:rows].T
+        out_sample[:, first : first + rows] = ring_s[:rows].T
+    counts[...] = drawn_so_far
+
+
+def _lane_stepper(
+    w: np.ndarray, limits: np.ndarray | None, first_step: np.ndarray, drawn_so_far: np.ndarray
+) -> Callable[[int, np.ndarray, np.ndarray], None]:
+    """`step(t, picks, samples)`: greedy step `t` of every lane (lane b at schedule step
+    `first_step[b] + t`, its counts in column b of `drawn_so_far`, updated in place), writing
+    each lane's dataset and its sample number there to `picks` / `samples`.
+
+    Errors are computed exactly as the C++ helper does: `w_d * x - double(c_d)`, ties to the
+    lowest dataset index. The step's arrays are allocated here, once, and reused at every step.
+    """
+    n, lanes = drawn_so_far.shape
     w_col = w[:, None]
     spent_col = None if limits is None else limits[:, None].astype(np.float64)
     base = first_step.astype(np.float64)
-    # Counts as float64: exact below 2**53, and subtracting them needs no per-step cast.
-    drawn_so_far = counts.astype(np.float64)
     flat_counts = drawn_so_far.reshape(-1)
     errors = np.empty((n, lanes))
     x = np.empty(lanes)
-    best = np.empty(lanes)
-    greater = np.empty(lanes, bool)
     pick = np.empty(lanes, np.int16)
-    delta = np.empty(lanes, np.int16)
     flat = np.empty(lanes, np.intp)
     after = np.empty(lanes)
     lane_offset = np.arange(lanes, dtype=np.intp)
     stride = np.intp(lanes)
     spent = None if limits is None else np.empty((n, lanes), bool)
     penalty = None if limits is None else np.empty((n, lanes))
-    ring_d = np.empty((_RING, lanes), np.int16)
-    ring_s = np.empty((_RING, lanes), np.float64)
-    for first in range(0, steps, _RING):
-        rows = min(_RING, steps - first)
-        for r in range(rows):
-            t = first + r
-            np.add(base, t, out=x)
-            if t == 0:
-                np.maximum(x, 1.0, out=x)  # Megatron uses max(s, 1)
-            np.multiply(w_col, x, out=errors)
-            np.subtract(errors, drawn_so_far, out=errors)
-            if spent is not None:
-                np.greater_equal(drawn_so_far, spent_col, out=spent)
-                np.multiply(spent, _SPENT, out=penalty)
-                np.add(errors, penalty, out=errors)
-            if n <= _PAIRWISE_MAX:
-                np.greater(errors[1], errors[0], out=greater)
-                np.copyto(pick, greater, casting="unsafe")
-                if n > 2:
-                    np.maximum(errors[0], errors[1], out=best)
-                for d in range(2, n):
-                    np.greater(errors[d], best, out=greater)
-                    np.subtract(d, pick, out=delta, casting="unsafe")  # pick = d where greater
-                    np.multiply(delta, greater, out=delta)
-                    np.add(pick, delta, out=pick)
-                    if d + 1 < n:
-                        np.maximum(best, errors[d], out=best)
-            else:
-                np.copyto(pick, np.argmax(errors, axis=0), casting="unsafe")
-            np.multiply(pick, stride, out=flat)
-            np.add(flat, lane_offset, out=flat)
-            np.take(flat_counts, flat, out=ring_s[r])
-            ring_d[r] = pick
-            np.add(ring_s[r], 1.0, out=after)
-            flat_counts[flat] = after
-        out_dataset[:, first : first + rows] = ring_d[:rows].T
-        out_sample[:, first : first + rows] = ring_s[:rows].T
-    counts[...] = drawn_so_far
+    pick_first_best = _first_argmax(errors, pick)
+
+    def step(t: int, picks: np.ndarray, samples: np.ndarray) -> None:
+        np.add(base, t, out=x)
+        if t == 0:
+            np.maximum(x, 1.0, out=x)  # Megatron uses max(s, 1)
+        np.multiply(w_col, x, out=errors)
+        np.subtract(errors, drawn_so_far, out=errors)
+        if spent is not None:
+            np.greater_equal(drawn_so_far, spent_col, out=spent)
+            np.multiply(spent, _SPENT, out=penalty)
+            np.add(errors, penalty, out=errors)
+        pick_first_best()
+        np.multiply(pick, stride, out=flat)
+        np.add(flat, lane_offset, out=flat)
+        np.take(flat_counts, flat, out=samples)
+        picks[...] = pick
+        np.add(samples, 1.0, out=after)
+        flat_counts[flat] = after
+
+    return step
+
+
+def _first_argmax(errors: np.ndarray, pick: np.ndarray) -> Callable[[], None]:
+    """`pick_first_best()`: writes to `pick` the row of `errors` `[n, lanes]` holding each
+    column's maximum, the lowest row on ties: for up to `_PAIRWISE_MAX` rows by a chain of
+    pairwise comparisons into arrays allocated once here, beyond that by `np.argmax`."""
+    n, lanes = errors.shape
+    if n > _PAIRWISE_MAX:
+        return lambda: np.copyto(pick, np.argmax(errors, axis=0), casting="unsafe")
+    best = np.empty(lanes)
+    greater = np.empty(lanes, bool)
+    delta = np.empty(lanes, np.int16)
+
+    def pick_first_best() -> None:
+        np.greater(errors[1], errors[0], out=greater)
+        np.copyto(pick, greater, casting="unsafe")
+        if n > 2:
+            np.maximum(errors[0], errors[1], out=best)
+        for d in range(2, n):
+            np.greater(errors[d], best, out=greater)
+            np.subtract(d, pick, out=delta, casting="unsafe")  # pick = d where greater
+            np.multiply(delta, greater, out=delta)
+            np.add(pick, delta, out=pick)
+            if d + 1 < n:
+                np.maximum(best, errors[d], out=best)
+
+    return pick_first_best
