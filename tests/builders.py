@@ -1,6 +1,7 @@
-"""Builders shared by the tests, in one place: paths to ../shared/data, sample texts and JSONL
-files, the megatron-core oracle writer, tiny models (ours and Hugging Face's), the micro training
-run's settings, and helpers that run pipe (in-process or in a fresh interpreter).
+"""Builders shared by the tests, in one place: paths into the shared test data (`SHARED_DATA`,
+tokenizers and corpora that sit beside the checkout in CI), sample texts and JSONL files, the
+megatron-core oracle writer, tiny models (ours and Hugging Face's), the micro training run's
+settings, and helpers that run pipe (in-process or in a fresh interpreter).
 
 Fixtures stay in conftest.py; everything here is a plain function or constant, imported as
 `from tests.builders import ...`."""
@@ -26,10 +27,11 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
 def shared_file(relative: str) -> Path:
-    """A file under ../shared/data, or skip the test when the folder is absent (a user's clone)."""
+    """A file of the shared test data (`SHARED_DATA`), or skip the test when the folder is absent
+    (a user's clone)."""
     path = SHARED_DATA / relative
     if not path.exists():
-        pytest.skip(f"{path} not found (../shared/data sits beside the checkout in CI only)")
+        pytest.skip(f"{path} not found (the shared test data sits beside the checkout in CI only)")
     return path
 
 

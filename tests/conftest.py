@@ -1,5 +1,6 @@
-"""Shared fixtures: the shared tokenizers and corpus under ../shared/data, a tiny tokenizer
-trained in-process, a private engine-proof cache. Plain builders are in tests/builders.py."""
+"""Shared fixtures: the tokenizers and corpus of the shared test data
+(`tests.builders.SHARED_DATA`), a tiny tokenizer trained in-process, a private engine-proof
+cache. Plain builders are in tests/builders.py."""
 
 from __future__ import annotations
 

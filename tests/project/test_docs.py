@@ -1,7 +1,8 @@
 """The repository stands alone: its files cite only documents inside it (docs/), every cited
 section exists, and the package import order that docs/architecture.md states holds.
 
-Tests may still read test data from ../shared/data: that is data, not a document."""
+Tests may still read the shared test data beside the checkout (`tests.builders.SHARED_DATA`):
+that is data, not a document."""
 
 from __future__ import annotations
 
