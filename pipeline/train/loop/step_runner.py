@@ -107,9 +107,9 @@ class LocalStepRunner:
             self.objective.prepare(micro_batches, self)
         for batch in micro_batches:
             with autocast:
-                batch_loss, _ = self._loss(batch)
+                batch_loss, batch_count = self._loss(batch)
             loss_sum += batch_loss.double()
-            count += float(self.objective.count(batch))
+            count += float(batch_count)
         return loss_sum, count
 
     @torch.no_grad()

@@ -26,7 +26,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pipeline.core.model.lora import adapter_names
 from pipeline.train.config.schema import ConfigError
@@ -167,7 +166,4 @@ class DPO(Objective):
     def metrics(self) -> dict[str, float]:
         """Rewards, margin and accuracy: means over the pairs since the last call, summed over
         the ranks holding other pairs and the pipeline stages (only the last has them)."""
-        groups = (self.layout.batch_group, self.layout.pipeline_group)
-        on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
-        return self.loss_fn.take_stats(groups, device)
+        return self.loss_fn.take_stats((self.layout.batch_group, self.layout.pipeline_group))

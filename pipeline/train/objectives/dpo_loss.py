@@ -228,18 +228,15 @@ class DPOLoss:
         self._stats, self._pairs = stats if stats is not None else ({}, 0.0)
         return held
 
-    def take_stats(self, groups: Any = (), device: Any = None) -> dict[str, float]:
+    def take_stats(self, groups: Any = ()) -> dict[str, float]:
         """The means over the pairs seen since the last call (sums over the ranks of each of
-        `groups` in turn, reduced on `device`), then reset. Every rank of the groups calls it."""
-        import torch.distributed as dist
+        `groups` in turn), then reset. Every rank of the groups calls it."""
+        from pipeline.core.parallel.reduce import sum_over_groups
 
         names = list(STATS)
         values = [torch.as_tensor(self._stats.get(n, 0.0)).double().cpu() for n in names]
         totals = torch.stack([*values, torch.as_tensor(self._pairs).double().cpu()])
-        for group in [g for g in (groups or ()) if g is not None]:
-            totals = totals.to(device or "cpu")
-            dist.all_reduce(totals, group=group)
-        totals = totals.cpu()
+        totals = sum_over_groups(totals, groups)
         self._stats, self._pairs = {}, 0.0
         pairs = float(totals[-1])
         if pairs == 0:

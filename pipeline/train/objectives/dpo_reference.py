@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pipeline.checkpoint import load as checkpoint_load
 from pipeline.checkpoint import load_model_and_optimizer_state, model_and_optimizer_state
@@ -33,6 +32,7 @@ from pipeline.checkpoint.loader import CheckpointError, resolve_checkpoint_dir
 from pipeline.common.atomic import atomic_file
 from pipeline.common.quiet import quiet_dcp
 from pipeline.core.model.lora import adapters_off
+from pipeline.core.parallel.reduce import sum_over_groups
 from pipeline.data.loader import collate_numpy
 from pipeline.data.preference_dataset import PreferenceDataset, PreferencePairs
 from pipeline.train.config.schema import ConfigError, TrainConfig
@@ -238,9 +238,4 @@ def _reference_pass(runner, member, layout, device, autocast, pairs_per_batch: i
             logps = reference_logps(runner, layout.shard_batch(rows))
         if logps is not None and len(chosen):
             out[torch.as_tensor(chosen, device=device)] = logps.double()
-    for group in (layout.batch_group, layout.pipeline_group):
-        if group is not None:
-            on_gpu = dist.get_backend() == "nccl"
-            out = out.to(device if on_gpu else "cpu")
-            dist.all_reduce(out, group=group)
-    return out.cpu().numpy()
+    return sum_over_groups(out, (layout.batch_group, layout.pipeline_group)).numpy()
