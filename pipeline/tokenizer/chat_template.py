@@ -33,6 +33,7 @@ __all__ = [
     "ChatTemplateError",
     "RenderedChat",
     "chat_prompt",
+    "eos_token_ids",
     "load_chat_template",
     "normalize_messages",
     "special_tokens",
@@ -183,6 +184,14 @@ def chat_prompt(
     if isinstance(template, str):
         template = ChatTemplate.from_string(template)
     return template.render(messages, add_generation_prompt=add_generation_prompt).text
+
+
+def eos_token_ids(template: ChatTemplate | None, tokenizer: Any) -> set[int]:
+    """The id of the template's end-of-sequence token (the token a chat reply ends with),
+    when `tokenizer` encodes it as one token; empty otherwise. Generation stops there."""
+    eos = template.special_tokens.get("eos_token") if template is not None else None
+    ids = tokenizer.encode_batch([eos])[0] if isinstance(eos, str) else []
+    return set(ids) if len(ids) == 1 else set()
 
 
 def load_chat_template(path: str | Path) -> ChatTemplate | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from click.core import ParameterSource
@@ -96,6 +97,17 @@ def _default_run_dir(recipe: str | None) -> str:
     "--data PREFIX): the [dpo] loss against the starting weights, frozen (data.kind=dpo).",
 )  # fmt: skip
 @click.option(
+    "--grpo", is_flag=True,
+    help="Reinforcement learning with verifiable rewards (GRPO) on prompts (--data "
+    "prompts.jsonl): completions generated from the current weights, the [grpo] loss "
+    "(data.kind=grpo).",
+)  # fmt: skip
+@click.option(
+    "--reward-function", "reward_functions", multiple=True, metavar="MODULE:FUNCTION",
+    help="With --grpo: a reward of your own, imported from MODULE (repeatable; adds to "
+    "grpo.reward_funcs).",
+)  # fmt: skip
+@click.option(
     "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
     help="With --load: skip checking each file against its recorded SHA-256 while reading.",
 )  # fmt: skip
@@ -113,6 +125,8 @@ def train(
     finetune: bool,
     sft: bool,
     dpo: bool,
+    grpo: bool,
+    reward_functions: tuple[str, ...],
     verify_checksums: bool,
     run_dir: str | None,
     dry_run: bool,
@@ -139,12 +153,7 @@ def train(
         cfg = resolve_config(recipe, sets, given, validate=False)
         if finetune:
             cfg.checkpoint.finetune = True
-        if sft and dpo:
-            raise ConfigError("--sft and --dpo: choose one")
-        if sft:
-            cfg.set("data.kind", "sft", source="--sft")
-        if dpo:
-            cfg.set("data.kind", "dpo", source="--dpo")
+        _set_objective(cfg, {"sft": sft, "dpo": dpo, "grpo": grpo}, reward_functions)
         if not verify_checksums:
             cfg.checkpoint.verify_checksums = False
         if run_dir is not None:
@@ -164,6 +173,22 @@ def train(
     if nproc_per_node > 1 and not launched_by_torchrun():
         relaunch_under_torchrun(nproc_per_node, "train")
     _run(cfg)
+
+
+def _set_objective(cfg: Any, flags: dict[str, bool], reward_functions: tuple[str, ...]) -> None:
+    """`data.kind` from --sft, --dpo or --grpo (one at most), and --reward-function's rewards."""
+    from pipeline.train.config.schema import ConfigError
+
+    chosen = [name for name, given in flags.items() if given]
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join('--' + n for n in chosen)}: choose one")
+    if chosen:
+        cfg.set("data.kind", chosen[0], source=f"--{chosen[0]}")
+    if reward_functions:
+        if cfg.data.kind != "grpo":
+            raise ConfigError("--reward-function is for --grpo (data.kind = grpo)")
+        funcs = [*cfg.grpo.reward_funcs, *reward_functions]
+        cfg.set("grpo.reward_funcs", funcs, source="--reward-function")
 
 
 def _check_gpu(gpu: str | None, dry_run: bool) -> None:

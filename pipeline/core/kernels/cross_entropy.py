@@ -144,3 +144,42 @@ def chunked_linear_cross_entropy(
         hidden, weight, labels, loss_mask, chunk_tokens, torch.is_grad_enabled(), vocab_shard
     )
     return loss_sum, loss_mask.sum()
+
+
+@torch.no_grad()
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    vocab_shard: VocabShard | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's log-probability of its label under `hidden @ weight.T`, and the entropy of
+    the distribution there: two fp32 tensors `[tokens]`, without gradients.
+
+    What reinforcement learning needs per token (ratios, KL, entropy), computed as the loss
+    above is, a chunk of logits at a time and, with `vocab_shard`, from this rank's slice of
+    the vocabulary (max, normaliser, target logit and the logit-weighted sum combined over the
+    group). The gradient of a function of these values is taken through
+    `chunked_linear_cross_entropy` with the mask weighing each token by it (GRPO's surrogate)."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1)
+    offset = 0 if vocab_shard is None else vocab_shard.start
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        logits = (hidden[start : start + chunk_tokens] @ weight.t()).float()
+        y = labels[start : start + chunk_tokens] - offset
+        row_max = logits.max(dim=-1).values
+        if vocab_shard is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=vocab_shard.group)
+        exp = torch.exp(logits - row_max[:, None])
+        mine = (y >= 0) & (y < logits.shape[-1])
+        target = logits.gather(1, y.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1) * mine
+        sums = torch.stack((exp.sum(dim=-1), target, (exp * logits).sum(dim=-1)))
+        if vocab_shard is not None:
+            dist.all_reduce(sums, group=vocab_shard.group)
+        sum_exp, target, weighted = sums
+        log_z = sum_exp.log() + row_max
+        logps.append(target - log_z)
+        entropies.append(log_z - weighted / sum_exp)  # -sum p log p = log Z - E_p[logit]
+    return torch.cat(logps), torch.cat(entropies)

@@ -52,6 +52,7 @@ from pipeline.core.kernels.cross_entropy import (
     DEFAULT_CHUNK_TOKENS,
     VocabShard,
     chunked_linear_cross_entropy,
+    chunked_token_logprobs,
 )
 
 
@@ -335,10 +336,31 @@ def tp_linear_cross_entropy(
     the hidden gradient summed over the vocabulary shards (reduce-scattered back onto the
     sequence under sequence parallelism).
     """
+    hidden, weight, shard = _vocab_parallel(hidden, output_weight)
+    return chunked_linear_cross_entropy(hidden, weight, labels, loss_mask, chunk_tokens, shard)
+
+
+def tp_token_logprobs(
+    hidden: torch.Tensor,
+    output_weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_token_logprobs` (each token's log-probability and entropy, no gradients) for a
+    model whose output weight may be vocabulary-parallel, as `tp_linear_cross_entropy` takes
+    it; the values are the same on every tp rank."""
+    hidden, weight, shard = _vocab_parallel(hidden, output_weight)
+    return chunked_token_logprobs(hidden, weight, labels, chunk_tokens, shard)
+
+
+def _vocab_parallel(
+    hidden: torch.Tensor, output_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, VocabShard | None]:
+    """(hidden states every rank holds whole, this rank's weight rows, their `VocabShard`) of a
+    vocabulary-parallel output layer; a plain weight gives the full hidden states, the weight
+    and None."""
     if not isinstance(output_weight, DTensor):
-        if isinstance(hidden, DTensor):
-            hidden = hidden.full_tensor()
-        return chunked_linear_cross_entropy(hidden, output_weight, labels, loss_mask, chunk_tokens)
+        return (hidden.full_tensor() if isinstance(hidden, DTensor) else hidden), output_weight, None
     mesh = output_weight.device_mesh
     if mesh.ndim != 1 or output_weight.placements != (Shard(0),):
         raise ValueError(
@@ -357,5 +379,4 @@ def tp_linear_cross_entropy(
     # DTensor's Shard follows torch.chunk: ceil(vocab / tp) rows per rank, the last ones fewer.
     vocab_start = min(mesh.get_local_rank() * -(-vocab // tp), vocab)
 
-    shard = VocabShard(vocab_start, mesh.get_group())
-    return chunked_linear_cross_entropy(hidden, weight, labels, loss_mask, chunk_tokens, shard)
+    return hidden, weight, VocabShard(vocab_start, mesh.get_group())

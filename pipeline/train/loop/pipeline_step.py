@@ -118,8 +118,6 @@ class PipelineRunner:
         """Forward and backward of one global batch (this data-parallel rank's share); the
         gradients accumulate in the stages' parameters. Returns the loss sum (last stage)."""
         autocast = autocast or contextlib.nullcontext()
-        with autocast:
-            self.objective.prepare(micro_batches, self)
         keys = _model_keys(micro_batches[0])
         batch = {key: torch.cat([mb[key] for mb in micro_batches]) for key in keys}
         args = (batch["tokens"],) if self.is_first else ()
@@ -145,7 +143,6 @@ class PipelineRunner:
         count = float(sum(self.objective.count(mb) for mb in micro_batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0]["tokens"].device)
         with autocast or contextlib.nullcontext():
-            self.objective.prepare(micro_batches, self)
             for batch in micro_batches:
                 out = self.hidden_states(batch)
                 if out is not None:

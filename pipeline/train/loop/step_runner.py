@@ -14,6 +14,9 @@ The objective (`pipeline.train.objectives`) is the runner's to apply: both runne
 `Objective` object and hand it the hidden states of the module holding the output layer, so
 every objective runs on the plain path and inside a pipeline schedule alike. A loss returns a
 sum and the count it is a sum over; the step divides by the count of the whole global batch.
+The objective's `prepare` (its rollouts, a reference's log-probabilities) is the loop's to call
+before a runner sees the micro-batches (`prepare_micro_batches`): what it adds can change the
+count.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from pipeline.train.build.model_parts import TrainableModel
 from pipeline.train.objectives.base import Batch, Objective, model_hidden
 
-__all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode"]
+__all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode", "prepare_micro_batches"]
 
 
 class StepRunner(Protocol):
@@ -83,8 +86,6 @@ class LocalStepRunner:
         autocast = autocast or contextlib.nullcontext()
         device = micro_batches[0]["tokens"].device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        with autocast:
-            self.objective.prepare(micro_batches, self)
         for batch in micro_batches:
             with autocast:
                 loss_sum, _ = self._loss(batch)
@@ -103,8 +104,6 @@ class LocalStepRunner:
         device = micro_batches[0]["tokens"].device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         count = 0.0
-        with autocast:
-            self.objective.prepare(micro_batches, self)
         for batch in micro_batches:
             with autocast:
                 batch_loss, batch_count = self._loss(batch)
@@ -115,6 +114,17 @@ class LocalStepRunner:
     @torch.no_grad()
     def hidden_states(self, batch: Batch) -> tuple[torch.nn.Module, torch.Tensor]:
         return self.model, model_hidden(self.model, batch)
+
+
+def prepare_micro_batches(
+    runner: StepRunner,
+    micro_batches: Sequence[Batch],
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> None:
+    """The objective's work before a step's or an evaluation's forward passes (every rank of
+    the layout together), done before anything counts the micro-batches."""
+    with autocast or contextlib.nullcontext():
+        runner.objective.prepare(micro_batches, runner)
 
 
 @contextlib.contextmanager

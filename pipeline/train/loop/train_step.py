@@ -34,7 +34,7 @@ from pipeline.core.parallel.grad_norm import clip_grad_norm_
 from pipeline.core.parallel.tensor_parallel import sum_moe_gradients
 from pipeline.train.build.model_parts import TrainableModel
 from pipeline.train.loop.expert_bias import update_expert_biases
-from pipeline.train.loop.step_runner import Batch, StepRunner
+from pipeline.train.loop.step_runner import Batch, StepRunner, prepare_micro_batches
 from pipeline.train.optimizers.nonfinite import step_unless_nonfinite
 
 if TYPE_CHECKING:
@@ -197,6 +197,7 @@ def forward_backward(
     """Accumulate the gradients of one global batch (this rank's share) through `runner`:
     returns this rank's loss sum (0 on pipeline stages without the loss) and the global count
     the loss is normalised by (the objective's: loss tokens, pairs), both 0-dim tensors."""
+    prepare_micro_batches(runner, micro_batches, autocast)
     local_tokens = sum(runner.objective.count(mb) for mb in micro_batches)
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()

@@ -61,7 +61,7 @@ from pipeline.train.loop.guards import (
     StopSignals,
 )
 from pipeline.train.loop.loop_state import LogWindow, LoopState, TrainResult
-from pipeline.train.loop.step_runner import Batch, evaluation_mode
+from pipeline.train.loop.step_runner import Batch, evaluation_mode, prepare_micro_batches
 from pipeline.train.loop.train_step import StepResult, autocast_context, global_mean, train_step
 from pipeline.train.objectives import build_objective
 from pipeline.train.optimizers import build_optimizer
@@ -122,7 +122,7 @@ class Trainer:
         self._signals: StopSignals | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
-        sequences = self.objective.spec.sequences_per_sample  # each counts in tokens/s
+        sequences = self.objective.spec.sequences(cfg)  # each counts in tokens/s
         self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sequences
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
         self.peak_tflops = peak_tflops(self.device)
@@ -386,6 +386,7 @@ class Trainer:
                 micro_batches = self.next_global_batch(self._valid_iterator)
                 self.consumed["valid"] += self.cfg.training.global_batch_size
                 with evaluation_mode(self.model):
+                    prepare_micro_batches(self.step_runner, micro_batches, self.autocast)
                     batch_sum, batch_count = self.step_runner.evaluate(micro_batches, self.autocast)
                 loss_sum, count = loss_sum + float(batch_sum), count + batch_count
             loss = global_mean(loss_sum, count, self.layout, self.device)

@@ -33,17 +33,22 @@ class ObjectiveSpec:
     """What the run knows of an objective before building it.
 
     `target` is "module:Class"; `sequences_per_sample` counts the sequences one sample holds
-    (throughput counts them all); `document_masking` stops attention at document boundaries;
+    (throughput counts them all; a function of the config where that decides it); `document_masking` stops attention at document boundaries;
     `chat_prompts` asks `training.sample_prompts` as a user's turn; `problems` lists what is
     wrong with a config for this objective (one line each, no torch)."""
 
     kind: str
     target: str
     description: str
-    sequences_per_sample: int = 1
+    sequences_per_sample: int | Callable[[TrainConfig], int] = 1
     document_masking: bool = False
     chat_prompts: bool = False
     problems: Callable[[TrainConfig], list[str]] = field(default=lambda cfg: [])
+
+    def sequences(self, cfg: TrainConfig) -> int:
+        """The sequences one sample of `cfg`'s run holds."""
+        per_sample = self.sequences_per_sample
+        return per_sample(cfg) if callable(per_sample) else per_sample
 
 
 def _sft_problems(cfg: TrainConfig) -> list[str]:
@@ -73,6 +78,38 @@ def _dpo_problems(cfg: TrainConfig) -> list[str]:
     return problems
 
 
+def _grpo_problems(cfg: TrainConfig) -> list[str]:
+    """GRPO generates from prompts with the data's tokenizer, on layouts that hold whole
+    sequences on each rank."""
+    g, p, problems = cfg.grpo, cfg.parallel, []
+    if cfg.data.mock:
+        problems.append("data.kind = grpo trains on prompts: pass --data prompts.jsonl")
+    if cfg.data.tokenizer is None:
+        problems.append(
+            "data.kind = grpo renders prompts and reads completions with the tokenizer: set "
+            "data.tokenizer (a Hugging Face tokenizer directory)"
+        )
+    if p.pp > 1 or p.cp > 1 or p.ep > 1:
+        problems.append("data.kind = grpo runs without pipeline, context or expert parallelism "
+                        "for now: parallel.pp, cp and ep 1")  # fmt: skip
+    if g.num_generations < 2:
+        problems.append("grpo.num_generations must be at least 2 (advantages compare a group)")
+    if not 0 < g.max_completion_length < cfg.data.seq_length:
+        problems.append("grpo.max_completion_length must be > 0 and leave room for a prompt in "
+                        f"data.seq_length ({cfg.data.seq_length})")  # fmt: skip
+    if g.num_iterations < 1:
+        problems.append("grpo.num_iterations must be at least 1")
+    elif cfg.checkpoint.save_interval % g.num_iterations:
+        problems.append(f"checkpoint.save_interval must be a multiple of grpo.num_iterations "
+                        f"({g.num_iterations}): a checkpoint falls between batches of rollouts")  # fmt: skip
+    if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
+        problems.append(f"grpo.reward_weights has {len(g.reward_weights)} weights for "
+                        f"{len(g.reward_funcs)} reward_funcs")  # fmt: skip
+    if cfg.model.mtp_num_layers:
+        problems.append("data.kind = grpo trains no multi-token prediction: model.mtp_num_layers 0")
+    return problems
+
+
 _LM = "pipeline.train.objectives.language_model:LanguageModelling"
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
@@ -87,6 +124,12 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             "dpo", "pipeline.train.objectives.dpo:DPO",
             "preference tuning: the DPO loss of chosen/rejected pairs against a frozen reference",
             sequences_per_sample=2, chat_prompts=True, problems=_dpo_problems,
+        ),  # fmt: skip
+        ObjectiveSpec(
+            "grpo", "pipeline.train.objectives.grpo:GRPO",
+            "reinforcement learning with verifiable rewards: GRPO on completions of prompts",
+            sequences_per_sample=lambda cfg: cfg.grpo.num_generations, chat_prompts=True,
+            problems=_grpo_problems,
         ),  # fmt: skip
     )
 }

@@ -14,7 +14,7 @@ arithmetic, exact against TRL); this file adds what a run needs around it:
 - under context parallelism the per-side sums are added over the context group and one rank
   of the group counts the pair;
 - its metrics (rewards, margin, accuracy), kept apart for training and evaluation;
-- a record in every checkpoint (`ReferenceRecord`) naming the reference, so that a resumed run
+- a record in every checkpoint (`frozen_start.ReferenceRecord`) naming the reference, so that a resumed run
   rebuilds the same one, or refuses in one line when it has changed.
 """
 
@@ -27,43 +27,18 @@ from typing import Any
 
 import torch
 
-from pipeline.core.model.lora import adapter_names
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.step_runner import evaluation_mode
 from pipeline.train.objectives import dpo_reference as ref
 from pipeline.train.objectives.base import Batch, Objective, batch_to_device
 from pipeline.train.objectives.dpo_loss import DPOLoss, pair_rows, sum_over
+from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start, start_record
 
-__all__ = ["DPO", "ReferenceRecord"]
+__all__ = ["DPO"]
 
 log = logging.getLogger("pipeline.train")
 
 PAIR_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "pairs", "ref_logps")
-
-
-class ReferenceRecord:
-    """What a DPO run's reference is, kept in every checkpoint under `dpo_reference`: the
-    starting weights (the checkpoint directory `checkpoint.load` gave, or None for the seeded
-    initialisation) and their key, and for a precomputed reference the SHA-256 of each file's
-    values. On resume the recorded start is rebuilt and a
-    precomputed file whose checksum changed is refused."""
-
-    name = "dpo_reference"
-
-    def __init__(self) -> None:
-        self.value: dict[str, Any] = {}
-        self.recorded: dict[str, Any] | None = None
-
-    def record(self) -> dict[str, Any]:
-        return dict(self.value)
-
-    def check(self, recorded: dict[str, Any] | None, resuming: bool) -> None:
-        if resuming and recorded is None:
-            raise ConfigError(
-                "checkpoint.load holds no DPO run to resume (no record of its reference): to "
-                "start DPO from its weights, add --finetune"
-            )
-        self.recorded = recorded if resuming else None
 
 
 class DPO(Objective):
@@ -76,7 +51,7 @@ class DPO(Objective):
         super().__init__(cfg, spec, layout=layout)
         self.loss_fn = DPOLoss(ref.dpo_options(cfg))
         self.reference: Any = None  # a runner whose hidden states are the reference's
-        self.record = ReferenceRecord()
+        self.record = ReferenceRecord("dpo_reference", "DPO")
         self._share = 1.0 if layout is None or layout.cp_rank == 0 else 0.0
 
     def records(self) -> list[Any]:
@@ -86,20 +61,10 @@ class DPO(Objective):
 
     def setup(self, run: Any) -> None:
         """The reference, as the module docstring says; `run` is the trainer."""
-        start = self.record.recorded or self._start(run)
-        self.record.value = dict(start)
         if self.cfg.dpo.precompute_reference:
-            self._precompute(run, start)
-        elif adapter_names(run.model):  # the frozen base is the reference: no second model
-            self.reference = ref.AdaptersOffRunner(run.step_runner, run.model)
+            self._precompute(run, start_record(run, self.record))
         else:
-            self.reference = self._second_model(run, start)
-
-    def _start(self, run: Any) -> dict[str, Any]:
-        """The weights this run starts from, as `setup` records them: the checkpoint directory
-        (or Hugging Face directory) `checkpoint.load` gave them, None for a seeded start."""
-        load = ref.start_directory(self.cfg.checkpoint.load)
-        return {"key": ref.start_key(self.cfg, run.model_config, load), "load": load}
+            self.reference = frozen_start(run, self.record)
 
     def _precompute(self, run: Any, start: dict[str, Any]) -> None:
         members = ref.preference_members(run.datasets)
@@ -117,19 +82,6 @@ class DPO(Objective):
                 "changed since (checksum differs); resume with the file it was made with"
             )
         self.record.value["files"] = sums
-
-    def _second_model(self, run: Any, start: dict[str, Any]) -> Any:
-        """A frozen copy of the policy's starting weights, built like it (RNG untouched)."""
-        devices = [run.device] if run.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.cfg.training.seed)
-            built = run.build_same_model()
-        if self.record.recorded is None:  # a fresh run: the policy holds the start now
-            built.model.load_state_dict(run.model.state_dict())
-        else:
-            ref.load_start(built, start, run)
-        ref.freeze(built.model)
-        return built.runner
 
     # ---- the loop's calls -------------------------------------------------------------------
 

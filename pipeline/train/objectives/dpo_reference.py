@@ -158,7 +158,7 @@ def load_start(built: Any, start: dict[str, Any], run: Any) -> None:
         return
     if not Path(load).exists() or start_key(run.cfg, run.model_config, load) != start["key"]:
         raise ConfigError(
-            f"{load}: the weights this DPO run started from (its reference) are missing or "
+            f"{load}: the weights this run started from (its reference) are missing or "
             "have changed since it began; resume needs them as they were"
         )
     if is_hf_directory(load):

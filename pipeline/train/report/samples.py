@@ -65,7 +65,7 @@ class TrainingSamples:
     def _chat_prompts(self, prompts: list[str], path: Path, ends: set) -> tuple[list[str], set]:
         """The prompts as a user's turn rendered by the chat template, and the end tokens with
         the template's end-of-sequence token added (the plain prompts without a template)."""
-        from pipeline.tokenizer.chat_template import load_chat_template
+        from pipeline.tokenizer.chat_template import eos_token_ids, load_chat_template
 
         template = load_chat_template(path)
         if template is None:
@@ -76,9 +76,7 @@ class TrainingSamples:
             template.render([{"role": "user", "content": p}], add_generation_prompt=True).text
             for p in prompts
         ]
-        eos = template.special_tokens.get("eos_token")
-        eos_ids = self.tokenizer.encode_batch([eos])[0] if isinstance(eos, str) else []
-        return rendered, ends | set(eos_ids[:1] if len(eos_ids) == 1 else [])
+        return rendered, ends | eos_token_ids(template, self.tokenizer)
 
     def generate(self, model: torch.nn.Module, device: torch.device, one_device: bool) -> dict:
         """The samples (empty, after one warning, when the model is split over devices)."""

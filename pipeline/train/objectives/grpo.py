@@ -1,0 +1,319 @@
+"""The GRPO objective (`data.kind = "grpo"`, `pipe train --grpo`): reinforcement learning with
+verifiable rewards, rollouts generated in the training processes.
+
+A sample is one prompt (`pipeline.data.prompt_dataset`). Before a step's forward passes
+(`prepare`) every prompt of this rank's share of the global batch gets `num_generations`
+completions from the current weights (`grpo_rollout`), each completion its rewards
+(`grpo_rewards`), each group of completions its advantages, and the micro-batch its rows:
+prompt and completion, the loss mask on the completion's tokens, the advantages, and, when
+needed, the log-probabilities of the weights that sampled them (`num_iterations` > 1) and of
+the frozen start (`beta` > 0). With `num_iterations` > 1 the same rollouts serve that many
+optimizer steps (the prompt dataset repeats each global batch as often, so every pass sees
+the same prompts on the same ranks).
+
+The loss is TRL's (`grpo_loss`), its gradient taken as DPO's is: the token log-probabilities
+come from one fused pass without gradients, the loss's derivative by each of them from a small
+autograd graph on a leaf, and the model's gradient from the chunked cross-entropy with the
+mask weighed by that derivative, so full-vocabulary logits never exist and tensor parallelism
+(a vocabulary-parallel output layer) works as it does for the language-model loss.
+
+Evaluation (the valid split) generates one greedy completion per prompt and reports its
+rewards (held-out accuracy); its loss has no advantages to weigh and is not a figure to read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy, tp_token_logprobs
+from pipeline.train.objectives.base import Batch, Objective
+from pipeline.train.objectives.grpo_loss import (
+    GRPOLossOptions,
+    group_advantages,
+    per_token_loss,
+    reduce_loss,
+    weighted_rewards,
+)
+from pipeline.train.objectives.grpo_metrics import RunningFigures
+from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start
+from pipeline.train.objectives.grpo_rollout import RolloutModel, completion_seed, rollout_rows
+
+__all__ = ["GRPO"]
+
+log = logging.getLogger("pipeline.train")
+
+PROMPT_KEYS = ("prompt", "prompt_length", "prompt_index", "sample_index")
+
+
+class GRPO(Objective):
+    """Group relative policy optimisation and its variants; see the module docstring."""
+
+    batch_keys = PROMPT_KEYS
+    reports_perplexity = False
+
+    def __init__(self, cfg: Any, spec: Any, *, layout: Any) -> None:
+        super().__init__(cfg, spec, layout=layout)
+        self.section = cfg.grpo
+        self.options = GRPOLossOptions.from_section(cfg.grpo)
+        self.run: Any = None
+        self.rollout: RolloutModel | None = None
+        self.reference: Any = None  # a runner whose hidden states are the frozen start's
+        self.record = ReferenceRecord("grpo_reference", "GRPO")
+        self.rewards: Any = None
+        self.text: Any = None  # the tokenizer completions are decoded with
+        self.figures = RunningFigures()
+        self._evaluating = False
+        self._kept: list[dict[str, torch.Tensor]] | None = None  # rollouts reused by later passes
+        self._window_start = time.perf_counter()
+        self._examples: list[str] = []
+
+    def records(self) -> list[Any]:
+        """The frozen start, when the KL term needs one."""
+        return [self.record] if self.options.beta else []
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def setup(self, run: Any) -> None:
+        """The rollout model, the rewards, the tokenizer and (beta > 0) the reference."""
+        from pipeline.tokenizer.chat_template import eos_token_ids, load_chat_template
+        from pipeline.tokenizer.tokenizer import load_tokenizer
+        from pipeline.train.objectives.grpo_rewards import build_rewards
+
+        self.run = run
+        self.rollout = RolloutModel(run.model, self.cfg, run.device)
+        records = run.datasets[0].records
+        self.rewards = build_rewards(self.section, any("answer" in r.fields for r in records))
+        self.text = load_tokenizer(self.cfg.data.tokenizer)
+        template = load_chat_template(self.cfg.data.tokenizer)
+        self.stop_ids = frozenset({self.text.eod} - {None} | eos_token_ids(template, self.text))
+        if self.options.beta:
+            self.reference = frozen_start(run, self.record)
+
+    # ---- the loop's calls -------------------------------------------------------------------
+
+    def device_batch(self, batch: dict[str, torch.Tensor], device: torch.device, eod_id: Any):
+        """The prompts stay on the host until `prepare` turns them into rows."""
+        return {key: batch[key] for key in self.batch_keys}
+
+    def count(self, batch: Batch) -> torch.Tensor:
+        mask = batch["loss_mask"]
+        if self.options.loss_type == "dapo":
+            return mask.sum()
+        if self.options.loss_type == "bnpo":
+            return torch.ones((), device=mask.device)
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
+
+    def prepare(self, micro_batches: Sequence[Batch], runner: Any) -> None:
+        """Rollouts, rewards and advantages into each micro-batch's rows (module docstring)."""
+        passes = self.section.num_iterations
+        if self._evaluating or passes == 1 or self.run.iteration % passes == 0 or not self._kept:
+            rows = self._rollout_rows(micro_batches, runner)
+            if not self._evaluating and passes > 1:
+                self._kept = rows
+        else:
+            rows = self._kept
+        for batch, filled in zip(micro_batches, rows):
+            batch.clear()
+            batch.update(filled)
+
+    def loss(self, model: Any, hidden: torch.Tensor, batch: Batch):
+        """(summed GRPO loss, its count) of a micro-batch; the gradient through the fused
+        cross-entropy weighed by the loss's derivative by each token's log-probability."""
+        weight, labels, mask = model.output.weight, batch["labels"], batch["loss_mask"]
+        logps, entropy = tp_token_logprobs(hidden, weight, labels)
+        logps, entropy = logps.view_as(mask) * mask, entropy.view_as(mask) * mask
+        with torch.enable_grad():
+            leaf = logps.detach().requires_grad_(True)
+            token_losses, stats = per_token_loss(
+                leaf, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
+                self.options,
+            )  # fmt: skip
+            loss_sum, count = reduce_loss(token_losses, mask, self.options)
+            slope = torch.autograd.grad(loss_sum, leaf)[0] if hidden.requires_grad else None
+        self.figures.add_stats(stats)
+        self.figures.add("entropy", entropy.sum(), mask.sum())
+        if slope is None:
+            return loss_sum.detach(), count
+        surrogate, _ = tp_linear_cross_entropy(hidden, weight, labels, -slope.to(mask.dtype))
+        return loss_sum.detach() + (surrogate - surrogate.detach()), count
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Inside the block: one greedy completion per prompt, figures kept apart."""
+        held, self.figures = self.figures, RunningFigures()
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
+            self.figures = held
+
+    def metrics(self) -> dict[str, float]:
+        """Means since the last call over every rank holding other prompts; rollout speed and
+        its share of the wall time since the last call; logged completions."""
+        now = time.perf_counter()
+        figures = self.figures.take(self.layout.batch_group)
+        seconds = figures.pop("rollout_seconds_sum", 0.0)
+        if not self._evaluating and seconds:
+            figures["rollout_share"] = seconds / max(now - self._window_start, 1e-9)
+        self._window_start = now
+        for text in self._examples:
+            log.info("%s", text)
+        self._examples = []
+        return figures
+
+    # ---- rollouts into rows -----------------------------------------------------------------
+
+    def _rollout_rows(self, micro_batches: Sequence[Batch], runner: Any) -> list[Batch]:
+        """Generate, score and lay out this rank's completions, one dict per micro-batch."""
+        dataset = self.run.datasets[1 if self._evaluating else 0]
+        group = 1 if self._evaluating else self.section.num_generations
+        prompts, samples = _prompts(micro_batches)
+        self.rollout.refresh()
+        outs = self.rollout.generate(prompts, samples, self._params(samples, group))
+        records = [dataset.records[int(i)] for b in micro_batches for i in b["prompt_index"]]
+        rewards, per_func = self._rewards(outs, [r for r in records for _ in range(group)])
+        advantages, zero_std = self._advantages(rewards, group)
+        rows = rollout_rows(outs, self.cfg.data.seq_length, self.run.device)
+        rows["advantages"] = advantages.to(self.run.device)
+        self._mask_out(rows, outs, zero_std)
+        self._count_rollouts(outs, rewards, per_func, zero_std)
+        per_batch = len(prompts) // len(micro_batches) * group
+        split = [
+            {key: value[i : i + per_batch] for key, value in rows.items()}
+            for i in range(0, len(outs.completions), per_batch)
+        ]
+        for batch in split:
+            self._add_logps(batch, runner)
+        return split
+
+    def _params(self, samples: Sequence[int], group: int) -> list[list[Any]]:
+        """Each completion's sampling parameters: its own seed (`completion_seed`); greedy in
+        evaluation."""
+        from pipeline.serve.sampling import SamplingParams
+
+        s = self.section
+        if self._evaluating:
+            params = SamplingParams(s.max_completion_length, greedy=True,
+                                    stop_token_ids=self.stop_ids)  # fmt: skip
+            return [[params] for _ in samples]
+        seed = self.cfg.training.seed
+        return [
+            [
+                SamplingParams(
+                    s.max_completion_length, s.temperature, s.top_k, s.top_p,
+                    seed=completion_seed(seed, sample, g), stop_token_ids=self.stop_ids,
+                )  # fmt: skip
+                for g in range(group)
+            ]
+            for sample in samples
+        ]
+
+    def _rewards(self, outs: Any, records: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weighted reward `[rows]`, each function's `[rows, F]`) of the completions."""
+        texts = [self.text.decode(_without_stop(c, self.stop_ids)) for c in outs.completions]
+        per_func = torch.as_tensor(self.rewards.score(records, texts, outs.completions))
+        weights = torch.as_tensor(self.rewards.weights, dtype=per_func.dtype)
+        rewards = weighted_rewards(per_func, weights)
+        if self.section.log_completions and not self._evaluating:
+            self._keep_examples(records, texts, rewards)
+        return rewards, per_func
+
+    def _advantages(self, rewards: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group-relative advantages; with scale_rewards = "batch" the standard deviation is
+        the global batch's, summed over the ranks holding other prompts."""
+        scale = self.section.scale_rewards
+        if group == 1:
+            return torch.zeros_like(rewards), torch.ones_like(rewards, dtype=torch.bool)
+        if scale != "batch" or self.layout.batch_group is None:
+            return group_advantages(rewards, group, scale)
+        advantages, zero_std = group_advantages(rewards, group, "none")
+        std = _global_std(rewards, self.layout.batch_group)
+        return advantages / (std + 1e-4), zero_std
+
+    def _mask_out(self, rows: Batch, outs: Any, zero_std: torch.Tensor) -> None:
+        """Truncated completions and equal-reward groups out of the loss where asked."""
+        keep = torch.ones(len(outs.completions), dtype=torch.bool)
+        if self.section.mask_truncated_completions:
+            keep &= ~torch.tensor(outs.truncated, dtype=torch.bool)
+        if self.section.mask_zero_std_groups:
+            keep &= ~zero_std.cpu()
+        rows["loss_mask"] = rows["loss_mask"] * keep.to(rows["loss_mask"])[:, None]
+
+    def _add_logps(self, batch: Batch, runner: Any) -> None:
+        """The sampling weights' log-probabilities (kept for later passes) and the reference's."""
+        with torch.no_grad():
+            if self.section.num_iterations > 1 and not self._evaluating:
+                batch["old_logps"] = _token_logps(runner, batch)
+            if self.reference is not None:
+                batch["ref_logps"] = _token_logps(self.reference, batch)
+
+    # ---- figures ----------------------------------------------------------------------------
+
+    def _count_rollouts(self, outs, rewards, per_func, zero_std) -> None:
+        f, rows = self.figures, len(outs.completions)
+        lengths = torch.tensor([len(c) for c in outs.completions], dtype=torch.float64)
+        f.add_spread("reward", rewards)
+        for name, column in zip(self.rewards.names, per_func.T):
+            f.add_spread(f"rewards/{name}", column)
+            if name == "accuracy":
+                f.add("accuracy", column.nansum(), (~column.isnan()).sum())
+        f.add("completions/mean_length", lengths.sum(), rows)
+        f.add_max("completions/max_length", lengths.max())
+        f.add("completions/clipped_ratio", float(sum(outs.truncated)), rows)
+        f.add("frac_reward_zero_std", zero_std.double().sum(), rows)
+        if not self._evaluating:
+            f.add("rollout_tokens_per_s", outs.generated_tokens, outs.seconds)
+            f.add("rollout_seconds_sum", outs.seconds, 1)
+            f.add("prompt_tokens_cached", outs.prompt_tokens_cached, 1)
+
+    def _keep_examples(self, records: list[Any], texts: list[str], rewards: torch.Tensor) -> None:
+        if self.layout.rank != 0:
+            return
+        self._examples = [
+            f"completion of {record.source} (reward {float(reward):.3f}): {text!r}"
+            for record, text, reward in list(zip(records, texts, rewards))[
+                : self.section.log_completions
+            ]
+        ]
+
+
+def _prompts(micro_batches: Sequence[Batch]) -> tuple[list[list[int]], list[int]]:
+    """The prompts' tokens (padding cut) and global sample indices of every micro-batch."""
+    prompts, samples = [], []
+    for batch in micro_batches:
+        for tokens, length, sample in zip(
+            batch["prompt"], batch["prompt_length"], batch["sample_index"]
+        ):
+            prompts.append(tokens[: int(length)].tolist())
+            samples.append(int(sample))
+    return prompts, samples
+
+
+def _without_stop(completion: list[int], stop_ids: frozenset[int]) -> list[int]:
+    return completion[:-1] if completion and completion[-1] in stop_ids else completion
+
+
+def _token_logps(runner: Any, batch: Batch) -> torch.Tensor:
+    """Each token's log-probability `[rows, seq]` (0 off the mask) by `runner`'s model."""
+    module, hidden = runner.hidden_states(batch)
+    logps, _ = tp_token_logprobs(hidden, module.output.weight, batch["labels"])
+    return logps.view_as(batch["loss_mask"]) * batch["loss_mask"]
+
+
+def _global_std(values: torch.Tensor, group: Any) -> torch.Tensor:
+    """The unbiased standard deviation of `values` over every rank of `group` (NaN left out)."""
+    from pipeline.core.parallel.reduce import sum_over_groups
+
+    seen = ~values.isnan()
+    v = values[seen].double()
+    sums = sum_over_groups(torch.stack([v.sum(), (v * v).sum(), seen.sum().double()]), [group])
+    total, squares, n = sums.tolist()
+    variance = (squares - total * total / n) / (n - 1) if n > 1 else 0.0
+    return torch.tensor(max(variance, 0.0) ** 0.5, dtype=values.dtype)

@@ -1,0 +1,180 @@
+"""GRPO's rollouts: completions of a step's prompts by pipe's own engine, in the training
+processes, from the weights the policy has now (no copy on disk).
+
+The engine (`pipeline.serve.engine.Engine`: continuous batching over a block KV cache) runs the
+model's own cached decoding. Where the policy is one ordinary module on this rank (one process,
+no tensor or data sharding, not compiled) the engine runs on the policy itself; otherwise on a
+plain copy of the model held beside it (`RolloutModel`), refreshed from the policy's full
+weights before each batch of rollouts (under tensor parallelism and FSDP every rank gathers the
+full weights together, then generates its own prompts alone). A LoRA policy's copy carries the
+same adapters, so the copy is the adapted model.
+
+Sampling is reproducible whatever the layout: completion `g` of the prompt at global sample
+index `s` draws from its own generator, seeded by (training.seed, s, g) (`completion_seed`). A
+step's rollouts are thus a function of the weights and the samples alone: one process, tensor
+and data parallelism give the same completions, and a resumed run draws what the killed one
+would have (the sampling state is the iteration, which the checkpoint holds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Rollouts", "RolloutModel", "completion_seed", "rollout_rows"]
+
+
+def completion_seed(seed: int, sample: int, generation: int) -> int:
+    """The sampling seed of completion `generation` of the prompt at global sample index
+    `sample`: the same on every rank and layout, different for every completion."""
+    words = np.random.SeedSequence([seed, sample, generation]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31 | int(words[1]) >> 1) & (2**63 - 1)
+
+
+@dataclass
+class Rollouts:
+    """One batch of rollouts on this rank, row-major: the completions of each prompt in turn
+    (`num_generations` rows per prompt)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    truncated: list[bool]
+    """Cut at `max_completion_length` without an end-of-sequence token."""
+    seconds: float = 0.0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    samples: list[int] = field(default_factory=list)
+    """Global sample index of each row's prompt."""
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(c) for c in self.completions)
+
+
+class RolloutModel:
+    """The module the engine runs on: the policy itself when it is one plain module on this
+    rank, else a plain copy on the same device (see the module docstring)."""
+
+    def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device) -> None:
+        self.policy = policy
+        self.shared = _is_plain(policy)
+        self.module = policy if self.shared else _plain_copy(policy, cfg, device)
+        self.engine: Any = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the policy's current weights into the copy (every rank of the layout calls this
+        at the same point: gathering a sharded weight is a collective). Nothing to do when the
+        engine runs on the policy itself."""
+        if self.shared:
+            return
+        from torch.distributed.tensor import DTensor
+
+        target = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
+        for name, tensor in _named_tensors(self.policy):
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if name in target:
+                target[name].copy_(full)
+
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        samples: Sequence[int],
+        params: Sequence[Sequence[Any]],
+    ) -> Rollouts:
+        """The completions of `prompts` (one group per prompt, one completion per entry of its
+        `params` list), all queued at once; `samples` are the prompts' global sample indices."""
+        engine = self._engine(prompts, max(len(p) for p in params), params[0][0].max_new_tokens)
+        computed, cached = engine.prompt_tokens_computed, engine.prompt_tokens_cached
+        start = time.perf_counter()
+        groups = [engine.add_group(list(p), group) for p, group in zip(prompts, params)]
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            for _ in engine.run():
+                pass
+        finally:
+            self.module.train(was_training)
+        seconds = time.perf_counter() - start
+        rows = [request for group in groups for request in group]
+        return Rollouts(
+            prompts=[list(r.prompt) for r in rows],
+            completions=[list(r.output) for r in rows],
+            truncated=[r.finish_reason == "length" for r in rows],
+            seconds=seconds,
+            prompt_tokens_computed=engine.prompt_tokens_computed - computed,
+            prompt_tokens_cached=engine.prompt_tokens_cached - cached,
+            samples=[s for s, group in zip(samples, groups) for _ in group],
+        )
+
+    def _engine(self, prompts: Sequence[list[int]], group: int, max_new: int) -> Any:
+        """An engine big enough for every completion of `prompts` at once (kept while it is)."""
+        from pipeline.serve.engine import Engine
+
+        rows = len(prompts) * group
+        block = 16
+        blocks = rows * -(-(max(len(p) for p in prompts) + max_new) // block)
+        e = self.engine
+        if e is None or e.max_batch < rows or e.cache.num_blocks < blocks:
+            self.engine = Engine(
+                self.module, max_batch=rows, cache_blocks=blocks, block_size=block,
+                prefill_chunk=4096, max_waiting=rows,
+            )  # fmt: skip
+        return self.engine
+
+
+def rollout_rows(
+    rollouts: Rollouts, seq_length: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The rollouts as training rows `[rows, seq_length]`: prompt and completion, the labels
+    (the next token), the loss mask on the positions that predict a completion token (its
+    end-of-sequence token included), and positions."""
+    n = len(rollouts.completions)
+    tokens = torch.zeros(n, seq_length + 1, dtype=torch.long)
+    mask = torch.zeros(n, seq_length, dtype=torch.float32)
+    for row, (prompt, completion) in enumerate(zip(rollouts.prompts, rollouts.completions)):
+        whole = prompt + completion
+        tokens[row, : len(whole)] = torch.tensor(whole)
+        mask[row, len(prompt) - 1 : len(whole) - 1] = 1.0
+    positions = torch.arange(seq_length).expand(n, -1)
+    return {
+        "tokens": tokens[:, :-1].to(device),
+        "labels": tokens[:, 1:].to(device),
+        "loss_mask": mask.to(device),
+        "position_ids": positions.to(device),
+    }
+
+
+def _is_plain(model: torch.nn.Module) -> bool:
+    """Whether `model` is one ordinary module on this rank (no DTensor weight, not compiled)."""
+    from torch.distributed.tensor import DTensor
+
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    return not compiled and not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _named_tensors(model: torch.nn.Module):
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _plain_copy(policy: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
+    """A plain model of the policy's shape (its adapters included) on `device`, for the engine;
+    `refresh` fills it."""
+    from pipeline.core.model.transformer import Transformer
+
+    with torch.device(device):
+        model = Transformer(policy.config)
+        if cfg.lora.enabled:
+            from pipeline.core.model.lora import apply_lora
+            from pipeline.train.state.lora_run import lora_spec
+
+            apply_lora(model, lora_spec(cfg))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
