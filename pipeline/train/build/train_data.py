@@ -143,6 +143,8 @@ def build_split_datasets(
         pad_id=None,
         **extra,
     )
+    if d.kind == "grpo":
+        return prompt_datasets(cfg)
     dataset_class = {"sft": SFTDataset, "dpo": PreferenceDataset}.get(d.kind, GPTDataset)
     try:
         return build_datasets(spec, config, split_sizes(cfg), dataset_class=dataset_class)
@@ -150,9 +152,58 @@ def build_split_datasets(
         raise ConfigError(f"building the datasets: {e}") from e
 
 
+def prompt_datasets(cfg: TrainConfig) -> list[Any]:
+    """GRPO's prompts per split (`pipeline.data.prompt_dataset`), rendered with the tokenizer's
+    chat template; prompts that leave no room for `grpo.max_completion_length` are skipped and
+    counted. With `grpo.num_iterations` > 1 each global batch of the train split comes back that
+    many times (the rollouts of its first pass serve the others)."""
+    from pipeline.data.prompt_dataset import PromptDataset, PromptFileError, read_prompt_splits
+    from pipeline.tokenizer.chat_template import ChatTemplateError, load_chat_template
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+
+    d, t, passes = cfg.data, cfg.training, cfg.grpo.num_iterations
+    try:
+        sets = read_prompt_splits(
+            d.blend, d.split, (d.train_blend, d.valid_blend, d.test_blend),
+            load_tokenizer(d.tokenizer), load_chat_template(d.tokenizer),
+            d.seq_length - cfg.grpo.max_completion_length,
+        )  # fmt: skip
+    except (PromptFileError, ChatTemplateError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    datasets: list[Any] = []
+    for index, (found, wanted) in enumerate(zip(sets, split_sizes(cfg))):
+        if found is None or not wanted or not found.records:
+            datasets.append(None)
+            continue
+        repeat = passes if index == 0 else 1
+        dataset = PromptDataset(found.records, -(-wanted // repeat), t.seed + index)
+        dataset = RepeatedBatches(dataset, t.global_batch_size, repeat) if repeat > 1 else dataset
+        dataset.skipped = found.skipped
+        datasets.append(dataset)
+    return datasets
+
+
+class RepeatedBatches:
+    """A dataset whose every run of `batch` samples comes back `times` times in a row: sample i
+    is sample `(i // (batch * times)) * batch + i % batch` of `dataset`."""
+
+    def __init__(self, dataset: Any, batch: int, times: int) -> None:
+        self.dataset, self.batch, self.times = dataset, batch, times
+        self.records = dataset.records
+
+    def __len__(self) -> int:
+        return len(self.dataset) * self.times
+
+    def __getitem__(self, index: int) -> Any:
+        group, offset = divmod(index, self.batch * self.times)
+        return self.dataset[group * self.batch + offset % self.batch]
+
+
 def long_conversations(cfg: TrainConfig, datasets: Sequence[Any]) -> str | None:
     """One line saying how many SFT conversations were longer than a sample and so dropped or
     truncated, per split (None when none were, or for GPT data)."""
+    if cfg.data.kind == "grpo":
+        return _skipped_prompts(cfg, datasets)
     counts = []
     for name, dataset in zip(("train", "valid", "test"), datasets):
         members = getattr(dataset, "datasets", [dataset])  # a blend's members, or the dataset
@@ -167,6 +218,22 @@ def long_conversations(cfg: TrainConfig, datasets: Sequence[Any]) -> str | None:
     return (
         f"dropped conversations longer than {seq} tokens: {', '.join(counts)}; "
         "data.sft_truncate = true keeps their first tokens instead"
+    )
+
+
+def _skipped_prompts(cfg: TrainConfig, datasets: Sequence[Any]) -> str | None:
+    """One line counting the GRPO prompts skipped for their length, per split (None: none)."""
+    counts = [
+        f"{sum(dataset.skipped.values())} in {name}"
+        for name, dataset in zip(("train", "valid", "test"), datasets)
+        if dataset is not None and dataset.skipped
+    ]
+    if not counts:
+        return None
+    room = cfg.data.seq_length - cfg.grpo.max_completion_length
+    return (
+        f"skipped prompts longer than {room} tokens (data.seq_length - "
+        f"grpo.max_completion_length): {', '.join(counts)}"
     )
 
 

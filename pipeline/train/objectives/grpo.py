@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy, tp_token_logprobs
+from pipeline.train.config.schema import ConfigError
 from pipeline.train.objectives.base import Batch, Objective
 from pipeline.train.objectives.grpo_loss import (
     GRPOLossOptions,
@@ -217,8 +218,13 @@ class GRPO(Objective):
 
     def _rewards(self, outs: Any, records: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted reward `[rows]`, each function's `[rows, F]`) of the completions."""
+        from pipeline.train.objectives.grpo_rewards import RewardError
+
         texts = [self.text.decode(_without_stop(c, self.stop_ids)) for c in outs.completions]
-        per_func = torch.as_tensor(self.rewards.score(records, texts, outs.completions))
+        try:
+            per_func = torch.as_tensor(self.rewards.score(records, texts, outs.completions))
+        except RewardError as e:  # the user's function: one line naming it and the prompt
+            raise ConfigError(str(e)) from None
         weights = torch.as_tensor(self.rewards.weights, dtype=per_func.dtype)
         rewards = weighted_rewards(per_func, weights)
         if self.section.log_completions and not self._evaluating:
@@ -261,6 +267,7 @@ class GRPO(Objective):
         lengths = torch.tensor([len(c) for c in outs.completions], dtype=torch.float64)
         f.add_spread("reward", rewards)
         for name, column in zip(self.rewards.names, per_func.T):
+            name = name.rsplit(":", 1)[-1]  # a user's function by its own name, as TRL logs it
             f.add_spread(f"rewards/{name}", column)
             if name == "accuracy":
                 f.add("accuracy", column.nansum(), (~column.isnan()).sum())

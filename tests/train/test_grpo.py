@@ -1,0 +1,198 @@
+"""`pipe train --grpo`: rollouts from the current weights, rewards, the loss under each layout,
+exact resume, and the one-line errors of a bad reward or config.
+
+The prompts ask to continue `line N: value=` (the tiny test tokenizer's training text); a
+reward of the test's own (`digits`: the share of digits in the completion, a user function
+named "file.py:function") varies between completions of a random model, so every group has
+advantages and every step a gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.train.config.loader import resolve_config
+from pipeline.train.config.schema import ConfigError
+from tests.builders import kill_after_save, records, run_pipe, train_and_probe, write_jsonl
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+REWARDS = '''
+def digits(prompts, completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+def broken(prompts, completions, **kwargs):
+    return [None if i else "many" for i, _ in enumerate(completions)]
+'''
+
+
+@pytest.fixture
+def task(tmp_path: Path, tiny_tokenizer_dir: Path) -> dict:
+    """The prompts (a held-out tenth), the tokenizer and the reward module of a micro run."""
+    prompts = [{"prompt": f"line {i}: value=", "answer": str(i * 7)} for i in range(40)]
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    return {
+        "prompts": write_jsonl(tmp_path / "prompts.jsonl", prompts),
+        "tokenizer": tiny_tokenizer_dir,
+        "reward": f"{tmp_path / 'rewards.py'}:digits",
+    }
+
+
+def grpo_sets(run_dir: Path, task: dict, *extra: str) -> list[str]:
+    """A micro GRPO run: 4 prompts x 4 completions of at most 8 tokens a step, fp32, CPU."""
+    return [
+        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
+        "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.vocab_size=640",
+        "model.max_position_embeddings=64",
+        "data.kind=grpo", f"data.blend={task['prompts']}", f"data.tokenizer={task['tokenizer']}",
+        "data.split=90,10,0", "data.seq_length=32", "data.num_workers=0",
+        "training.iters=3", "training.micro_batch_size=2", "training.global_batch_size=4",
+        "training.eval_interval=3", "training.eval_iters=1", "training.log_interval=1",
+        "training.dtype=fp32", "training.device=cpu", "scheduler.warmup_iters=1",
+        "scheduler.decay_iters=5", "checkpoint.save_interval=3", f"logging.run_dir={run_dir}",
+        "grpo.num_generations=4", "grpo.max_completion_length=8",
+        f'grpo.reward_funcs=["accuracy", "{task["reward"]}"]', "grpo.temperature=1.5",
+        *extra,
+    ]  # fmt: skip
+
+
+def _train(sets: list[str]):
+    from pipeline.train.loop.trainer import Trainer
+
+    return Trainer(resolve_config(None, sets), console=False).train()
+
+
+def test_a_step_has_rollouts_rewards_and_a_gradient(tmp_path: Path, task: dict) -> None:
+    result = _train(grpo_sets(tmp_path / "run", task))
+    assert result.stop_reason == "finished"
+    train, valid = records(tmp_path / "run"), records(tmp_path / "run", "valid")
+    for step in (1, 2, 3):
+        figures = train[step]
+        assert figures["grad_norm"] > 0
+        assert 0 < figures["completions/mean_length"] <= figures["completions/max_length"] <= 8
+        assert figures["rewards/digits/std"] > 0 and figures["frac_reward_zero_std"] < 1
+        assert figures["rollout_tokens_per_s"] > 0 and 0 < figures["rollout_share"] < 1
+        # Four completions per prompt share its prefill: the engine computed it once.
+        assert figures["prompt_tokens_cached"] > 0
+    # Evaluation: one greedy completion per held-out prompt, its rewards reported.
+    assert {"accuracy", "reward/mean", "rewards/digits/mean"} <= set(valid[3])
+
+
+# ---- layouts -------------------------------------------------------------------------------
+
+LAYOUTS = {
+    "tp2": ["parallel.tp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "dp2": ["parallel.dp=2"],
+    "dp2_batch_scale": ["parallel.dp=2", "grpo.scale_rewards=batch"],
+}
+FIGURES = ("reward/mean", "rewards/digits/std", "completions/mean_length", "entropy")
+
+
+def _grpo_layout_worker(rank: int, world_size: int, tmp: Path, task: dict) -> dict:
+    return {
+        name: train_and_probe(None, grpo_sets(tmp / name, task, *extra))
+        for name, extra in LAYOUTS.items()
+    }
+
+
+@pytest.mark.dist
+def test_grpo_layouts_equal_one_process(tmp_path: Path, task: dict) -> None:
+    """Tensor and FSDP data parallelism draw the same rollouts (each completion its own seed)
+    and give the same losses, figures and gradients as one process."""
+    single = {
+        "plain": train_and_probe(None, grpo_sets(tmp_path / "single", task)),
+        "batch_scale": train_and_probe(
+            None, grpo_sets(tmp_path / "single_batch", task, "grpo.scale_rewards=batch")
+        ),
+    }
+    per_rank = run_distributed(_grpo_layout_worker, 2, tmp_path / "dist", task)
+    for name in LAYOUTS:
+        key, run = ("batch_scale", "single_batch") if "batch" in name else ("plain", "single")
+        reference = single[key]
+        for result in (r[name] for r in per_rank):
+            for step, loss in reference["losses"].items():
+                assert result["losses"][step] == pytest.approx(loss, rel=1e-4, abs=1e-7), name
+            for param, grad in reference["grads"].items():
+                torch.testing.assert_close(result["grads"][param], grad, atol=1e-6, rtol=1e-4)
+        figures = records(tmp_path / "dist" / name)
+        for step, record in records(tmp_path / run).items():
+            for figure in FIGURES:
+                expected = pytest.approx(record[figure], rel=1e-4, abs=1e-6)
+                assert figures[step][figure] == expected, (name, step, figure)
+
+
+# ---- resume --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["grpo.beta=0.05", "grpo.num_iterations=2", "grpo.loss_type=grpo"]],
+    ids=["plain", "kl_and_passes"],
+)
+def test_grpo_resumes_exactly_after_sigkill(tmp_path: Path, task: dict, extra: list) -> None:
+    """Killed after saving iteration 2 and resumed, a GRPO run draws the rollouts the
+    uninterrupted one drew (the sampling state is the iteration) and continues bit for bit;
+    with beta the frozen start is rebuilt from the record in the checkpoint."""
+    extra = ["training.iters=4", "checkpoint.save_interval=2", *extra]
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    _train(grpo_sets(run_a, task, *extra))
+    proc = kill_after_save(2, None, grpo_sets(run_b, task, *extra))
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, output
+    _train(grpo_sets(run_b, task, *extra, f"checkpoint.load={run_b / 'checkpoints'}"))
+    a, b = records(run_a), records(run_b)
+    for step in (3, 4):
+        for key in ("loss", "grad_norm", "reward/mean", "completions/mean_length"):
+            assert a[step][key] == b[step][key], (step, key)
+    if extra[2:]:
+        metadata = json.loads((run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json")
+                              .read_text())["metadata"]  # fmt: skip
+        assert metadata["grpo_reference"]["load"] is None  # the seeded start
+        assert a[1]["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy is its start at step 1
+        assert a[2]["kl"] > 0
+
+
+# ---- errors in one line ----------------------------------------------------------------------
+
+def _pipe_train(tmp_path: Path, task: dict, *extra: str):
+    sets = grpo_sets(tmp_path / "run", task, "training.iters=1", *extra)
+    args = [a for s in sets if not s.startswith("data.kind") for a in ("--set", s)]
+    return run_pipe("train", "--grpo", *args, expect_ok=False)
+
+
+def test_a_reward_returning_a_non_number_is_named_with_its_prompt(tmp_path, task) -> None:
+    broken = task["reward"].replace(":digits", ":broken")
+    result = _pipe_train(tmp_path, task, f'grpo.reward_funcs=["{broken}"]')
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert "prompts.jsonl:" in error and "broken" in error, error
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["parallel.pp=2"], "without pipeline, context or expert parallelism"),
+        (["grpo.num_generations=1"], "num_generations must be at least 2"),
+        (["grpo.max_completion_length=40"], "leave room for a prompt"),
+        (["grpo.num_iterations=2", "checkpoint.save_interval=3"], "multiple of grpo.num_iter"),
+        (['grpo.reward_funcs=["nowhere:reward"]'], "nowhere"),
+    ],
+)
+def test_grpo_config_refused_in_one_line(tmp_path, task, extra, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _train(grpo_sets(tmp_path / "run", task, *extra))
+
+
+def test_lora_grpo_takes_the_base_as_its_reference(tmp_path: Path, task: dict) -> None:
+    """With --lora the KL anchor is the policy with its adapters off: no second model, and at
+    the first step (adapters B = 0) the KL is 0."""
+    _train(grpo_sets(tmp_path / "run", task, "lora.enabled=true", "lora.rank=4", "grpo.beta=0.1"))
+    train = records(tmp_path / "run")
+    assert train[1]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert train[3]["kl"] > 0 and train[3]["grad_norm"] > 0
