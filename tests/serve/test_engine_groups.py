@@ -161,10 +161,11 @@ def test_a_leader_aborted_during_the_step_that_completes_its_prefix_shares_nothi
 def test_aborting_siblings_waiting_or_running_returns_every_block(llama) -> None:
     params = [SamplingParams(max_new_tokens=8, greedy=True)] * 4
     engine = _engine(llama, max_batch=2, cache_blocks=24)
-    leader, running, waiting, unshared = engine.add_group(LONG, params)
-    engine.abort(unshared)  # before the leader shares its prompt
-    while running.admitted is None:
+    leader, running, waiting, early = engine.add_group(LONG, params)
+    engine.abort(early)  # before the leader shares its prompt
+    for _ in range(7):  # 22 shared positions, 4 a step; the sibling joins at the 7th
         engine.step()
+    assert running.admitted is not None and early.cached_tokens == 0
     assert waiting.cached_tokens == len(LONG) - 1 and waiting.admitted is None
     engine.abort(waiting)  # holding the leader's blocks from the queue
     engine.step()
