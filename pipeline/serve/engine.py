@@ -11,6 +11,17 @@ own parameters and random generator; logit biases, penalties and log-probabiliti
 token ids only: a request ends at a stop token or after `max_new_tokens`; its text, and the stop
 strings, are its consumer's (`pipeline.serve.text.RequestText`), which aborts it at a stop string.
 
+Completions of one prompt share its prefill (`add_group`; GRPO's `num_generations`): the group's
+first request, its leader, prefills the prompt as any request does; the others, its siblings,
+wait in the queue until the leader has computed all but the prompt's last token, then take a
+reference on the leader's blocks of those positions (`BlockKVCache.share`, inside the lock, so
+the leader finishing or aborted later frees nothing they read) and run only the last prompt
+token, as a decode row (vLLM recomputes a fully cached prompt's last token the same way). A
+sibling reserves cache for only its own positions. A leader that leaves before it gets that far
+(aborted) leaves its siblings to prefill on their own. `prompt_tokens_computed` and
+`prompt_tokens_cached` count the prompt positions run through the model and those taken from
+another request's cache.
+
 The engine is thread-safe: a server thread may `add` and `abort` while another thread calls
 `step` in a loop.
 """
@@ -21,7 +32,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +88,9 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
+    cached_tokens: int = 0  # prompt positions read from another request's cache (its leader's)
+    leader: Request | None = None  # a sibling's, until it shares the leader's prompt
+    siblings: list[Request] = field(default_factory=list)  # a leader's, until they share
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None  # when it left the queue for the batch (time.monotonic)
     # with params.prompt_logprobs: each prompt token's, filled as the prompt is prefilled (None
@@ -143,26 +157,59 @@ class Engine:
         self._running: list[Request] = []
         self._lock = threading.Lock()
         self.finish_counts = Counter()  # finish reason -> requests so far
+        self.prompt_tokens_computed = 0  # prompt positions run through the model, so far
+        self.prompt_tokens_cached = 0  # prompt positions read from another request's cache
 
     # ---- requests in and out ----------------------------------------------------------------
 
     def add(self, prompt: list[int], params: SamplingParams) -> Request:
         """Queue a request; `QueueFull` over the bound, `PromptTooLong` if it can never fit,
         `BadSamplingValue` for a logit bias on a token outside the vocabulary."""
-        self._check_vocabulary(params)
-        problem = fit_problem(len(prompt), params.max_new_tokens, self.max_context,
-                              self.cache.block_size, self.cache.num_blocks)  # fmt: skip
-        if problem is not None:
-            raise PromptTooLong(problem)
+        return self.add_group(prompt, [params])[0]
+
+    def add_group(self, prompt: list[int], params: Sequence[SamplingParams]) -> list[Request]:
+        """Queue one request per `params` entry (each with its own settings and generator), all
+        on `prompt`, prefilled once: the first (the leader) computes the prompt and the others
+        read its cache (module docstring). Errors as `add`'s, for the whole group (then nothing
+        is queued)."""
+        if not params:
+            raise ValueError("a group needs at least one SamplingParams")
+        for each in params:
+            self._check_vocabulary(each)
+            problem = fit_problem(len(prompt), each.max_new_tokens, self.max_context,
+                                  self.cache.block_size, self.cache.num_blocks)  # fmt: skip
+            if problem is not None:
+                raise PromptTooLong(problem)
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
+            if len(self._waiting) + len(params) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")
-            request = Request(next(self._ids), list(prompt), params)
-            request.generator = make_generator(params, self.device)
-            if params.prompt_logprobs is not None:
-                request.prompt_logprobs.append(None)
-            self._waiting.append(request)
+            group = [self._request(prompt, each) for each in params]
+            leader = group[0]
+            leader.siblings = [r for r in group[1:] if self._can_share(leader, r)]
+            for sibling in leader.siblings:
+                sibling.leader = leader
+            self._waiting.extend(group)
+        return group
+
+    def _request(self, prompt: list[int], params: SamplingParams) -> Request:
+        request = Request(next(self._ids), list(prompt), params)
+        request.generator = make_generator(params, self.device)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs.append(None)
         return request
+
+    def _can_share(self, leader: Request, sibling: Request) -> bool:
+        """Whether `sibling` may read `leader`'s prompt: there is a prefix (the prompt's last
+        token is always run), its prompt log-probabilities are the leader's, and the blocks it
+        shares plus its own fit the cache (a prefix ending mid-block may cost one more)."""
+        shared = len(leader.prompt) - 1
+        total = len(sibling.prompt) + sibling.params.max_new_tokens
+        blocks = self.cache.blocks_needed(shared) + self.cache.blocks_needed(total - shared)
+        return (
+            shared > 0
+            and sibling.params.prompt_logprobs == leader.params.prompt_logprobs
+            and blocks <= self.cache.num_blocks
+        )
 
     def _check_vocabulary(self, params: SamplingParams) -> None:
         vocab = self.model.config.vocab_size
@@ -203,10 +250,21 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
         """Run `prompts` to completion (all queued at once) and return their requests."""
-        requests = [self.add(prompt, params) for prompt in prompts]
+        groups = self.generate_groups(prompts, [[params]] * len(prompts))
+        return [request for (request,) in groups]
+
+    def generate_groups(
+        self, prompts: list[list[int]], params: Sequence[Sequence[SamplingParams]]
+    ) -> list[list[Request]]:
+        """Run one group per prompt (`add_group`: prompt i, one request per entry of params[i])
+        to completion, all queued at once, and return their requests group by group. GRPO's
+        rollouts: `num_generations` entries per prompt, each with its own seed."""
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} lists of params")
+        groups = [self.add_group(prompt, each) for prompt, each in zip(prompts, params)]
         for _ in self.run():
             pass
-        return requests
+        return groups
 
     def run(self) -> Iterator[Event]:
         """Step until every queued request has finished, yielding the events."""
@@ -239,15 +297,42 @@ class Engine:
         return events
 
     def _admit(self) -> None:
+        """Move waiting requests into the batch, first come, first served, reserving the cache
+        of each one's positions beyond those it shares (a sibling's slots continue its
+        leader's)."""
         while self._waiting and len(self._running) < self.max_batch:
             request = self._waiting[0]
-            need = len(request.prompt) + request.params.max_new_tokens
+            if request.leader is not None:
+                if not request.leader.finished:
+                    return  # wait for the leader's prefill
+                request.leader = None  # it left before sharing: prefill alone
+            need = len(request.prompt) + request.params.max_new_tokens - request.cached_tokens
             if self.cache.blocks_needed(need) > self.cache.free_blocks:
                 return  # first come, first served: wait for blocks
-            request.blocks = self.cache.allocate(need)
-            request.slots = self.cache.slots(request.blocks, torch.arange(need))
+            own = self.cache.allocate(need)
+            slots = self.cache.slots(own, torch.arange(need))
+            request.slots = slots if request.slots is None else torch.cat([request.slots, slots])
+            request.blocks += own
             request.admitted = time.monotonic()
             self._running.append(self._waiting.popleft())
+
+    def _share_prompt(self, leader: Request) -> None:
+        """Give `leader`'s waiting siblings its cached prompt but the last token: a reference on
+        its blocks, their slots, and its prompt log-probabilities (theirs are the same)."""
+        shared = len(leader.prompt) - 1
+        blocks = leader.blocks[: self.cache.blocks_needed(shared)]
+        for sibling in leader.siblings:
+            if sibling.finished:
+                continue
+            self.cache.share(blocks)
+            sibling.blocks = list(blocks)
+            sibling.slots = leader.slots[:shared]
+            sibling.computed = sibling.cached_tokens = shared
+            if sibling.params.prompt_logprobs is not None:
+                sibling.prompt_logprobs = list(leader.prompt_logprobs)
+            sibling.leader = None
+            self.prompt_tokens_cached += shared
+        leader.siblings = []
 
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
@@ -268,8 +353,14 @@ class Engine:
         events = []
         with self._lock:
             for index, (request, new) in enumerate(rows):
+                self.prompt_tokens_computed += max(
+                    0, min(new, len(request.prompt) - request.computed)
+                )
                 request.computed += new
                 request.prompt_logprobs += prompt_logprobs.get(index, ())
+                shareable = request.computed >= len(request.prompt) - 1
+                if request.siblings and shareable and not request.finished:
+                    self._share_prompt(request)
                 if index in choices and not request.finished:
                     events.append(self._emit(request, *choices[index]))
         return events

@@ -5,6 +5,11 @@ positions write to). A sequence owns a list of blocks; its token at position p l
 `blocks[p // block_size] * block_size + p % block_size`, so sequences of any length share one
 pool without copying, and a finished sequence's blocks go straight back to the free list.
 
+Blocks are reference-counted so that sequences on the same prompt can read one copy of its
+keys and values (the engine's groups, GRPO's completions of one prompt): `allocate` hands out
+blocks with one reference, `share` takes another on blocks already allocated, and `release`
+drops one, returning a block to the free list only when no sequence holds it any more.
+
 What a slot holds depends on the attention: grouped-query attention caches each token's key
 (after RoPE) and value, `[kv_heads, head_dim]` each; multi-head latent attention caches only the
 normalised compressed latent `[kv_lora_rank]` and the shared RoPE key `[qk_rope_head_dim]`,
@@ -65,6 +70,7 @@ class BlockKVCache:
             for _ in range(config.num_layers)
         ]
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._references = [0] * num_blocks  # sequences holding each block
 
     @staticmethod
     def blocks_for_budget(
@@ -85,11 +91,34 @@ class BlockKVCache:
         count = self.blocks_needed(tokens)
         if count > len(self._free):
             raise CacheFull(f"{count} blocks needed, {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._references[block] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference on `blocks`, already allocated (a sequence that reads another's
+        cached prefix); each reference is dropped by one `release`."""
+        self._check_held(blocks)
+        for block in blocks:
+            self._references[block] += 1
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """Drop one reference on each of `blocks` (and empty the list); a block no sequence holds
+        any more goes back to the free list."""
+        self._check_held(blocks)
+        unheld = []
+        for block in blocks:
+            self._references[block] -= 1
+            if self._references[block] == 0:
+                unheld.append(block)
+        self._free.extend(reversed(unheld))
         blocks.clear()
+
+    def _check_held(self, blocks: list[int]) -> None:
+        free = [block for block in blocks if self._references[block] == 0]
+        if free:
+            raise ValueError(f"block {free[0]} is free: it has no reference to share or release")
 
     def slots(self, blocks: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Slot indices of `positions` (any shape) in a sequence owning `blocks`."""
