@@ -51,7 +51,7 @@ def grpo_sets(run_dir: Path, task: dict, *extra: str) -> list[str]:
         "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.vocab_size=640",
         "model.max_position_embeddings=64",
         "data.kind=grpo", f"data.blend={task['prompts']}", f"data.tokenizer={task['tokenizer']}",
-        "data.split=90,10,0", "data.seq_length=32", "data.num_workers=0",
+        "data.split=90,10,0", "data.seq_length=48", "data.num_workers=0",
         "training.iters=3", "training.micro_batch_size=2", "training.global_batch_size=4",
         "training.eval_interval=3", "training.eval_iters=1", "training.log_interval=1",
         "training.dtype=fp32", "training.device=cpu", "scheduler.warmup_iters=1",
@@ -147,15 +147,16 @@ def test_grpo_resumes_exactly_after_sigkill(tmp_path: Path, task: dict, extra: l
     assert proc.returncode == -signal.SIGKILL, output
     _train(grpo_sets(run_b, task, *extra, f"checkpoint.load={run_b / 'checkpoints'}"))
     a, b = records(run_a), records(run_b)
-    for step in (3, 4):
+    for step in (3, 4):  # with two passes, step 4 trains on step 3's rollouts again
         for key in ("loss", "grad_norm", "reward/mean", "completions/mean_length"):
-            assert a[step][key] == b[step][key], (step, key)
+            assert a[step].get(key) == b[step].get(key), (step, key)
+    assert "reward/mean" in b[3]
     if extra[2:]:
         metadata = json.loads((run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json")
                               .read_text())["metadata"]  # fmt: skip
         assert metadata["grpo_reference"]["load"] is None  # the seeded start
         assert a[1]["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy is its start at step 1
-        assert a[2]["kl"] > 0
+        assert a[3]["kl"] > 0  # (the first step, in warmup, has a learning rate of 0)
 
 
 # ---- errors in one line ----------------------------------------------------------------------
@@ -179,7 +180,7 @@ def test_a_reward_returning_a_non_number_is_named_with_its_prompt(tmp_path, task
     [
         (["parallel.pp=2"], "without pipeline, context or expert parallelism"),
         (["grpo.num_generations=1"], "num_generations must be at least 2"),
-        (["grpo.max_completion_length=40"], "leave room for a prompt"),
+        (["grpo.max_completion_length=48"], "leave room for a prompt"),
         (["grpo.num_iterations=2", "checkpoint.save_interval=3"], "multiple of grpo.num_iter"),
         (['grpo.reward_funcs=["nowhere:reward"]'], "nowhere"),
     ],

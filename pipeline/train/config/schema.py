@@ -379,7 +379,7 @@ class GRPOSection:
 
     num_generations: int = 8
     """Completions sampled per prompt (a group: advantages are relative within it)."""
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     """Most tokens a completion may have; one cut at this limit is flagged as truncated."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts."""
@@ -426,8 +426,10 @@ class GRPOSection:
     length_target: int = 0
     """The length reward is -(tokens past length_target) / max_completion_length (0: the
     limit itself)."""
-    log_completions: int = 0
-    """Log this many completions with their rewards at every log step (0: none)."""
+    log_completions: bool = False
+    """Log completions with their rewards at every log step."""
+    num_completions_to_print: int | None = None
+    """With log_completions: how many (None: every completion of the last step on rank 0)."""
 
 
 SECTIONS: dict[str, type] = {

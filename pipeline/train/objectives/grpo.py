@@ -37,6 +37,7 @@ from pipeline.train.objectives.base import Batch, Objective
 from pipeline.train.objectives.grpo_loss import (
     GRPOLossOptions,
     group_advantages,
+    nanstd,
     per_token_loss,
     reduce_loss,
     weighted_rewards,
@@ -232,16 +233,15 @@ class GRPO(Objective):
         return rewards, per_func
 
     def _advantages(self, rewards: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Group-relative advantages; with scale_rewards = "batch" the standard deviation is
-        the global batch's, summed over the ranks holding other prompts."""
+        """Group-relative advantages, and whether each row's group has rewards all equal; with
+        scale_rewards = "batch" the standard deviation is the global batch's, over every rank
+        holding other prompts (TRL's nanstd, as one sum of squares)."""
         scale = self.section.scale_rewards
-        if group == 1:
-            return torch.zeros_like(rewards), torch.ones_like(rewards, dtype=torch.bool)
-        if scale != "batch" or self.layout.batch_group is None:
-            return group_advantages(rewards, group, scale)
-        advantages, zero_std = group_advantages(rewards, group, "none")
-        std = _global_std(rewards, self.layout.batch_group)
-        return advantages / (std + 1e-4), zero_std
+        advantages, zero_std = group_advantages(rewards, group, "group" if scale == "batch" else scale)
+        if scale == "batch":  # the flags stay the groups' (for mask_zero_std_groups)
+            advantages, _ = group_advantages(rewards, group, "none")
+            advantages = advantages / (_global_std(rewards, self.layout.batch_group) + 1e-4)
+        return advantages, zero_std
 
     def _mask_out(self, rows: Batch, outs: Any, zero_std: torch.Tensor) -> None:
         """Truncated completions and equal-reward groups out of the loss where asked."""
@@ -286,7 +286,7 @@ class GRPO(Objective):
         self._examples = [
             f"completion of {record.source} (reward {float(reward):.3f}): {text!r}"
             for record, text, reward in list(zip(records, texts, rewards))[
-                : self.section.log_completions
+                : self.section.num_completions_to_print
             ]
         ]
 
@@ -318,6 +318,8 @@ def _global_std(values: torch.Tensor, group: Any) -> torch.Tensor:
     """The unbiased standard deviation of `values` over every rank of `group` (NaN left out)."""
     from pipeline.core.parallel.reduce import sum_over_groups
 
+    if group is None:
+        return nanstd(values)
     seen = ~values.isnan()
     v = values[seen].double()
     sums = sum_over_groups(torch.stack([v.sum(), (v * v).sum(), seen.sum().double()]), [group])
