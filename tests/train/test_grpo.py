@@ -78,8 +78,11 @@ def test_a_step_has_rollouts_rewards_and_a_gradient(tmp_path: Path, task: dict) 
         assert 0 < figures["completions/mean_length"] <= figures["completions/max_length"] <= 8
         assert figures["rewards/digits/std"] > 0 and figures["frac_reward_zero_std"] < 1
         assert figures["rollout_tokens_per_s"] > 0 and 0 < figures["rollout_share"] < 1
-        # Four completions per prompt share its prefill: the engine computed it once.
-        assert figures["prompt_tokens_cached"] > 0
+        # The four completions of a prompt share its prefill: the engine ran each prompt of P
+        # tokens once but its last token (P - 1 positions), then each completion's last prompt
+        # token (4), and took the rest from the cache (3 x (P - 1)).
+        computed, cached = figures["prompt_tokens_computed"], figures["prompt_tokens_cached"]
+        assert cached > 0 and computed - 4 * 4 == cached / 3
     # Evaluation: one greedy completion per held-out prompt, its rewards reported.
     assert {"accuracy", "reward/mean", "rewards/digits/mean"} <= set(valid[3])
 

@@ -154,8 +154,8 @@ def build_split_datasets(
 
 def prompt_datasets(cfg: TrainConfig) -> list[Any]:
     """GRPO's prompts per split (`pipeline.data.prompt_dataset`), rendered with the tokenizer's
-    chat template; prompts that leave no room for `grpo.max_completion_length` are skipped and
-    counted. With `grpo.num_iterations` > 1 each global batch of the train split comes back that
+    chat template, whole epochs of them; prompts that leave no room for
+    `grpo.max_completion_length` are skipped and counted. With `grpo.num_iterations` > 1 each global batch of the train split comes back that
     many times (the rollouts of its first pass serve the others)."""
     from pipeline.data.prompt_dataset import PromptDataset, PromptFileError, read_prompt_splits
     from pipeline.tokenizer.chat_template import ChatTemplateError, load_chat_template
@@ -175,8 +175,9 @@ def prompt_datasets(cfg: TrainConfig) -> list[Any]:
         if found is None or not wanted or not found.records:
             datasets.append(None)
             continue
-        repeat = passes if index == 0 else 1
-        dataset = PromptDataset(found.records, -(-wanted // repeat), t.seed + index)
+        repeat, per_epoch = (passes if index == 0 else 1), len(found.records)
+        epochs = -(-wanted // (repeat * per_epoch))  # whole epochs over the prompts
+        dataset = PromptDataset(found.records, epochs * per_epoch, t.seed + index)
         dataset = RepeatedBatches(dataset, t.global_batch_size, repeat) if repeat > 1 else dataset
         dataset.skipped = found.skipped
         datasets.append(dataset)

@@ -278,6 +278,7 @@ class GRPO(Objective):
         if not self._evaluating:
             f.add("rollout_tokens_per_s", outs.generated_tokens, outs.seconds)
             f.add("rollout_seconds_sum", outs.seconds, 1)
+            f.add("prompt_tokens_computed", outs.prompt_tokens_computed, 1)
             f.add("prompt_tokens_cached", outs.prompt_tokens_cached, 1)
 
     def _keep_examples(self, records: list[Any], texts: list[str], rewards: torch.Tensor) -> None:
