@@ -1,0 +1,212 @@
+"""A GRPO step's time split into its parts, and the rollouts' speed against the engine alone.
+
+Builds a GRPO run through the trainer (what `pipe train --grpo` runs) on prompts made here
+(sums of two numbers, with their answers) and a small tokenizer trained on them, times
+`--warmup` untimed + `--steps` timed optimizer steps, and prints each part's share of the step:
+
+- rollout: the engine's generation of every completion (and, on a sharded layout, gathering
+  the weights into the copy the engine runs on);
+- rewards: decoding the completions and scoring them;
+- reference: the log-probabilities of the frozen start (beta > 0) and of the sampling weights
+  (num_iterations > 1), none by default;
+- policy forward/backward: the loss's passes over the rows;
+- optimizer: the optimizer step;
+- other: what is left of the step (loading prompts, laying out rows, clipping).
+
+Then the last step's requests run again on a fresh `Engine` over the same model, outside
+training: the rollouts' generated tokens/s in the step against that run's (the ratio should be
+close to 1: the step adds nothing to generation).
+
+    python scripts/bench/grpo.py [--recipe tiny] [--steps 4] [--warmup 1] [--device cpu]
+        [--set model.num_layers=4 ...] [--json FILE]
+
+On a CPU the default is a small model in fp32; `--device cuda` keeps the recipe's dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PARTS = ("rollout", "rewards", "reference", "policy forward/backward", "optimizer")
+
+
+def write_task(directory: Path, count: int = 512, seed: int = 0) -> tuple[Path, Path]:
+    """Prompts asking for a sum (with the `answer` the accuracy reward reads), and a tokenizer
+    trained on their text; returns (prompts file, tokenizer directory)."""
+    from pipeline.examples.stdlib_corpus import train_tokenizer
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(count):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append({"prompt": f"What is {a} + {b}?", "answer": str(a + b)})
+    prompts = directory / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    texts = [f"{line['prompt']} {line['answer']} #### {line['answer']}" for line in lines]
+    return prompts, train_tokenizer(texts * 4, directory / "tokenizer", vocab_size=400)
+
+
+class PartTimer:
+    """Seconds spent in each part of the step, by wrapping the functions that do them (the
+    device is synchronised around each on a GPU, so the work is counted where it is done)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            self._sync()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._sync()
+                self.seconds[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def _measure(args: argparse.Namespace, work: Path) -> dict:
+    import torch
+
+    from pipeline.serve.engine import Engine
+    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.loop import train_step
+    from pipeline.train.loop.trainer import Trainer
+    from pipeline.train.objectives import grpo, grpo_rollout
+
+    prompts, tokenizer = write_task(work)
+    iters = args.warmup + args.steps
+    cpu = args.device == "cpu"
+    sets = [
+        *(["training.dtype=fp32", "model.num_layers=4", "model.hidden_size=256",
+           "model.num_attention_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=768",
+           "model.vocab_size=512", "data.seq_length=128", "grpo.max_completion_length=64",
+           "training.global_batch_size=8", "training.micro_batch_size=4"] if cpu else []),
+        *args.sets,
+        "data.mock=false", "data.kind=grpo", f"data.blend={prompts}",
+        f"data.tokenizer={tokenizer}",
+        "data.split=100,0,0", "data.num_workers=0", "training.eval_interval=0",
+        f"training.iters={iters}", "scheduler.warmup_iters=0", f"scheduler.decay_iters={iters}",
+        f"training.device={args.device}", f"logging.run_dir={work / 'run'}",
+        "checkpoint.save_interval=1000", 'grpo.reward_funcs=["accuracy", "format"]',
+    ]  # fmt: skip
+    trainer = Trainer(resolve_config(args.recipe, sets), console=False)
+    objective, timer = trainer.objective, PartTimer(trainer.device)
+    captured: dict = {}
+    _capture_generation(grpo_rollout.RolloutModel, captured)
+    timer.wrap(grpo_rollout.RolloutModel, "generate", "rollout")
+    timer.wrap(grpo_rollout.RolloutModel, "refresh", "rollout")
+    timer.wrap(grpo.GRPO, "_rewards", "rewards")
+    timer.wrap(grpo.GRPO, "_add_logps", "reference")
+    timer.wrap(trainer.step_runner, "forward_backward", "policy forward/backward")
+    timer.wrap(train_step, "step_unless_nonfinite", "optimizer")
+    batches = iter(trainer.train_loader)
+    for _ in range(args.warmup):
+        trainer.train_one_step(batches)
+    timer.seconds.clear()
+    timer._sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.train_one_step(batches)
+    timer._sync()
+    step_s = (time.perf_counter() - start) / args.steps
+    shares = {part: timer.seconds[part] / args.steps / step_s for part in PARTS}
+    shares["other"] = 1.0 - sum(shares.values())
+    in_step = captured["tokens"] / captured["seconds"]
+    alone = _engine_alone(Engine, objective.rollout.module, captured)
+    return {
+        "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "cpu",
+        "step_s": step_s,
+        "shares": shares,
+        "rollout_tokens_per_s_in_step": in_step,
+        "rollout_tokens_per_s_engine_alone": alone,
+        "in_step_over_alone": in_step / alone,
+        "completions_per_step": len(captured["rows"]),
+    }
+
+
+def _capture_generation(cls, captured: dict) -> None:
+    """Keep the last step's requests, the weights that generated them, and the generated
+    tokens and seconds."""
+    original = cls.generate
+
+    def generate(self, prompts, samples, params):
+        weights = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        outs = original(self, prompts, samples, params)
+        captured.update(prompts=prompts, params=params, rows=outs.completions, weights=weights,
+                        tokens=outs.generated_tokens, seconds=outs.seconds)  # fmt: skip
+        return outs
+
+    cls.generate = generate
+
+
+def _engine_alone(engine_class, module, captured: dict) -> float:
+    """Generated tokens/s of the captured requests on a fresh engine over the same model, with
+    the weights that generated them (so the same completions come out)."""
+    import torch
+
+    prompts, params = captured["prompts"], captured["params"]
+    module.load_state_dict(captured["weights"])
+    rows = sum(len(group) for group in params)
+    longest = max(len(p) for p in prompts) + params[0][0].max_new_tokens
+    engine = engine_class(module, max_batch=rows, cache_blocks=rows * -(-longest // 16),
+                          block_size=16, prefill_chunk=4096, max_waiting=rows)  # fmt: skip
+    module.eval()
+    with torch.no_grad():
+        engine.generate_groups(prompts, params)  # warm the engine's first shapes
+        start = time.perf_counter()
+        requests = engine.generate_groups(prompts, params)
+        if module.output.weight.is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return sum(len(r.output) for group in requests for r in group) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pipe_bench_grpo_") as work:
+        with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines stay off stdout
+            result = _measure(args, Path(work))
+    print(f"device {result['device']}: {result['step_s'] * 1e3:.0f} ms per GRPO step, "
+          f"{result['completions_per_step']} completions")  # fmt: skip
+    for part, share in result["shares"].items():
+        print(f"  {part:26s} {100 * share:5.1f}%")
+    print(
+        f"rollout tokens/s in the step {result['rollout_tokens_per_s_in_step']:,.0f}, engine "
+        f"alone {result['rollout_tokens_per_s_engine_alone']:,.0f}: "
+        f"{result['in_step_over_alone']:.2f}x"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
