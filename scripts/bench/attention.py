@@ -189,6 +189,8 @@ def main() -> None:
             results[name] = {"error": f"{type(e).__name__}: {reason}"[:300]}
         finally:
             q.grad = k.grad = v.grad = None
+        if args.json:  # after every kernel: a run stopped part-way keeps what it timed
+            _save(args, {"device": str(device), "dtype": str(dtype), "results": results})
     masked = [r["ms"] for n, r in results.items() if "ms" in r and "no document" not in n]
     best = min(masked) if masked else None
     for name, r in results.items():
@@ -197,10 +199,12 @@ def main() -> None:
             print(f"  {name:32s} {r['ms']:10.2f} ms  {ratio}")
         else:
             print(f"  {name:32s} unavailable: {r['error']}")
-    if args.json:
-        record = {"device": str(device), "dtype": str(dtype), **vars(args), "results": results}
-        record["json"] = str(args.json)
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _save(args: argparse.Namespace, figures: dict) -> None:
+    """Write the arguments and the figures so far to `--json`."""
+    record = {**vars(args), **figures, "json": str(args.json)}
+    args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -126,9 +126,10 @@ def main() -> None:
             {"batch": len(batch), "transformers_tok_s": tokens / hf_s,
              "pipe_tok_s": tokens / pipe_s, "ratio": hf_s / pipe_s, "same": same}
         )  # fmt: skip
-    if args.json:
-        record = {"device": str(device), "dtype": str(dtype), "params_m": params, "runs": figures}
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
+        if args.json:  # after every batch size: a run stopped part-way keeps what it timed
+            record = {"device": str(device), "dtype": str(dtype), "params_m": params,
+                      "runs": figures}  # fmt: skip
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

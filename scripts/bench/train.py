@@ -1,9 +1,9 @@
 """Training throughput of a recipe with FP8 against the same recipe in bf16, one invocation.
 
-Each run (FP8 first, then bf16) builds the recipe's model through the trainer (parallelize,
-compile, FP8 conversion: exactly what `pipe train` runs) in its own child process, so peak
-memory and compile caches are its own, then times `--warmup` untimed + `--steps` timed optimizer
-steps on mock data (the trainer's loader). Printed per run:
+Each run (bf16 first, then each FP8 recipe) builds the recipe's model through the trainer
+(parallelize, compile, FP8 conversion: exactly what `pipe train` runs) in its own child process,
+so peak memory and compile caches are its own, then times `--warmup` untimed + `--steps` timed
+optimizer steps on mock data (the trainer's loader). Printed per run:
 
 - tokens/s: global batch x sequence length x timed steps / timed seconds;
 - model TFLOP/s: tokens/s x Megatron-LM's training FLOPs per token with causal attention
@@ -20,7 +20,8 @@ and then each FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layout
         [--steps 20] [--set model.num_layers=8 ...] [--device cpu] [--json FILE]
 
 `--fp8` takes several recipes, comma-separated, each timed in its own child against the one bf16
-run, or `none` for bf16 alone; `--json FILE` writes every figure to FILE as well.
+run, or `none` for bf16 alone; `--json FILE` writes every figure to FILE as well, rewritten after
+each run, so a benchmark stopped part-way keeps the runs it finished.
 
 `--device cpu` is a smoke run: it sets `fp8.emulate=true` and
 `fp8.linear_filter=all` (torchao's emulated FP8 on every aligned linear), so it checks the path,
@@ -171,31 +172,33 @@ def main() -> None:
         return
 
     argv = _child_argv(sys.argv[1:])
-    runs = {recipe: _run_child(argv, recipe) for recipe in _fp8_recipes(args.fp8)}
-    bf16 = _run_child(argv, None)
     print(
-        f"recipe {args.recipe} on {bf16.get('device', args.device)}: {args.warmup} warm-up + "
-        f"{args.steps} timed steps, mock data; {' '.join(args.sets) or 'no overrides'}"
+        f"recipe {args.recipe} on {args.device}: {args.warmup} warm-up + {args.steps} timed "
+        f"steps, mock data; {' '.join(args.sets) or 'no overrides'}"
     )
-    if args.device == "cpu" and runs:
+    if args.device == "cpu" and _fp8_recipes(args.fp8):
         print("CPU smoke run: emulated FP8 (fp8.emulate, linear_filter=all): not FP8 speed")
     print("model FLOPs: Megatron's causal count (flops_per_token), the same for FP8 and bf16")
-    for recipe, figures in runs.items():
+    record = {"recipe": args.recipe, "sets": args.sets, "bf16": _run_child(argv, None), "fp8": {}}
+    bf16 = record["bf16"]
+    _save(args.json, record)
+    print(_line("bf16", bf16), flush=True)
+    for recipe in _fp8_recipes(args.fp8):
+        figures = record["fp8"][recipe] = _run_child(argv, recipe)
+        if "error" not in figures and "error" not in bf16:
+            figures["ratio_to_bf16"] = figures["tokens_per_s"] / bf16["tokens_per_s"]
+        _save(args.json, record)
         print(f"{recipe}: {figures.get('fp8', 'failed')}")
-    for recipe, figures in runs.items():
-        print(_line(recipe, figures))
-    print(_line("bf16", bf16))
-    for recipe, figures in runs.items():
-        if "error" in figures or "error" in bf16:
-            continue
-        ratio = figures["tokens_per_s"] / bf16["tokens_per_s"]
-        figures["ratio_to_bf16"] = ratio
-        print(f"{recipe}/bf16 tokens/s ratio: {ratio:.2f}")
-    if args.json:
-        record = {"recipe": args.recipe, "sets": args.sets, "bf16": bf16, "fp8": runs}
-        args.json.write_text(json.dumps(record, indent=1) + "\n")
-    if any("error" in r for r in [bf16, *runs.values()]):
+        ratio = f"  {figures['ratio_to_bf16']:.2f}x bf16" if "ratio_to_bf16" in figures else ""
+        print(_line(recipe, figures) + ratio, flush=True)
+    if any("error" in r for r in [bf16, *record["fp8"].values()]):
         sys.exit(1)
+
+
+def _save(path: Path | None, record: dict) -> None:
+    """Write the figures so far to `--json`, if given (after every run)."""
+    if path is not None:
+        path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

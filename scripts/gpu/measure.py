@@ -1,33 +1,40 @@
 """Everything pipe measures on a GPU, in one run that always leaves a report.
 
-`scripts/gpu/run.sh` calls this after installing the carried wheels. The steps run in order, each
-in a child process under its own time budget, and the report (`gpu_report.json` and
-`gpu_report.md` in the output folder) is rewritten after every step, so a step that fails or runs
-out of time costs its own figures and nothing else. Every child's output goes to `gpu_run.log`.
+`scripts/gpu/run.sh` calls this after installing the carried wheels. The steps run in order of
+value, each in a child process (its whole process group killed when its time is up) under its own
+time budget, and the report (`gpu_report.json` and `gpu_report.md` in the output folder) is
+rewritten before and after every step, so a step that fails or runs out of time costs its own
+figures and nothing else; the benchmarks write their JSON after every run, so a step cut short
+keeps what it measured. Every child's output goes to `gpu_run.log`.
 
-    environment   GPU, driver, torch, CUDA, cuDNN, NCCL, packages
-    gpu_tests     the `gpu`-marked tests
-    smoke_train   `pipe train`, 20 steps in bf16 with compile (Llama 3.2 1B's width, 2 layers)
-    attention     attention kernels at seq 8192 with document masking (scripts/bench/attention.py)
+    environment   the carried wheels' install (timed by run.sh) and GPU, driver, torch, CUDA,
+                  cuDNN, NCCL, packages
+    gpu_tests     bring-up: the `gpu`-marked tests
+    smoke_train   bring-up: `pipe train`, 10 steps in bf16 with compile (Llama 3.2 1B's width,
+                  2 layers)
     train_1b      bf16 training speed, Llama 3.2 1B shape, seq 8192 (scripts/bench/train.py)
-    train_8b_fp8  FP8 (torchao tensorwise, rowwise, rowwise_with_gw_hp) and bf16, Llama 3 8B
-                  width with 8 layers, seq 8192, one invocation
+    train_8b_fp8  bf16, then FP8 (torchao tensorwise, rowwise, rowwise_with_gw_hp; quick:
+                  tensorwise), Llama 3 8B width with 8 layers, seq 8192, one invocation
+    attention     attention kernels at seq 8192 with document masking (scripts/bench/attention.py)
     memory        `pipe train --dry-run --gpu` estimate against the measured peaks above
-    generate      scripts/bench/generate.py on the GPU against transformers
-    lora_8b       LoRA (`llama3_8b_lora`) against full fine-tuning (`llama3_8b`) at the 8B
-                  width with 8 layers: step time and peak memory of each
+    generate      scripts/bench/generate.py on the GPU against transformers (not in --quick)
+    lora_8b       LoRA (`llama3_8b_lora`) against full fine-tuning (train_8b_fp8's bf16 run) at
+                  the 8B width with 8 layers: step time and peak memory (not in --quick)
 
-Modes: full (fits one 10-minute call), `--quick` (about 4 minutes: fewer steps and recipes) and
+Modes: full (`STEPS` budgets add up to <= 300 s with the install, `--quick` to <= 150 s) and
 `--dry` (a CPU at tiny sizes with emulated FP8, so CI proves the script; what a CPU cannot
-measure is marked "not on a CPU" in the report, never dropped).
+measure is marked "not on a CPU" in the report, never dropped). `--only STEP[,STEP]` runs the
+named steps, `--skip STEP[,STEP]` (repeatable) leaves steps out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,9 +47,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 FULL, QUICK, DRY = "full", "quick", "dry"
-# Seconds for the whole run, per mode, and each step's own budget (full, quick, dry).
-TOTAL_S = {FULL: 560, QUICK: 230, DRY: 900}
-FP8_RECIPES = "torchao:tensorwise,torchao:rowwise,torchao:rowwise_with_gw_hp"
+# Seconds for the whole call per mode, the wheels' install included: two full calls and the
+# machine's start fit a 15-minute GPU lease. Each step's own budget is in STEPS.
+TOTAL_S = {FULL: 300, QUICK: 150, DRY: 900}
+FP8_RECIPES = {
+    FULL: "torchao:tensorwise,torchao:rowwise,torchao:rowwise_with_gw_hp",
+    QUICK: "torchao:tensorwise",
+    DRY: "torchao:tensorwise,torchao:rowwise,torchao:rowwise_with_gw_hp",
+}
 
 
 @dataclass
@@ -54,34 +66,35 @@ class Run:
     deadline: float
     work: Path
     steps: list[dict] = field(default_factory=list)
+    install_s: float = 0.0  # run.sh's wheel install, counted in the environment step
+    step_deadline: float = math.inf  # the running step's, shared by all its commands
 
     @property
     def on_gpu(self) -> bool:
         return self.mode != DRY
 
-    def command(self, name: str, argv: list[str], budget: float) -> tuple[int | None, str]:
-        """Run `argv` from the repository root for at most `budget` seconds (and never past the
+    def command(self, name: str, argv: list[str]) -> tuple[int | None, str]:
+        """Run `argv` from the repository root until the step's budget (and never past the
         run's deadline); append its output to the log. Returns (exit code or None if it ran
-        out of time, its output)."""
-        budget = max(1.0, min(budget, self.deadline - time.monotonic()))
+        out of time, its output). On time out the whole process group is killed, so the
+        benchmarks' own children do not go on holding the GPU."""
+        budget = max(1.0, min(self.step_deadline, self.deadline) - time.monotonic())
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            done = subprocess.run(
-                argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget
-            )
-            code, output = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as e:
+            stdout, stderr = child.communicate(timeout=budget)
+            code, output = child.returncode, stdout + stderr
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            stdout, stderr = child.communicate()
             code = None
-            output = _text(e.stdout) + _text(e.stderr) + f"\n[timed out after {budget:.0f} s]"
+            output = stdout + stderr + f"\n[timed out after {budget:.0f} s]"
         with open(self.out / "gpu_run.log", "a") as log:
             log.write(f"\n===== {name}: {' '.join(argv)}\n{output}\n")
         return code, output
-
-
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode(errors="replace")
 
 
 def _status(code: int | None) -> str:
@@ -134,12 +147,14 @@ print(json.dumps(facts))
 
 
 def step_environment(run: Run) -> dict:
-    code, output = run.command("environment", [PY, "-c", ENV_PROBE], 60)
+    code, output = run.command("environment", [PY, "-c", ENV_PROBE])
     facts = json.loads(output.strip().splitlines()[-1]) if code == 0 else {}
     note = "" if facts.get("gpu") or not run.on_gpu else "no CUDA GPU visible"
     if not run.on_gpu:
         note = "CPU dry run: no GPU, driver, NCCL"
-    return {"status": _status(code), "figures": facts, "note": note or _last_line(output)}
+    facts["wheel_install_s"] = run.install_s
+    return {"status": _status(code), "figures": facts, "note": note or _last_line(output),
+            "extra_s": run.install_s}  # fmt: skip
 
 
 def step_gpu_tests(run: Run) -> dict:
@@ -151,7 +166,7 @@ def step_gpu_tests(run: Run) -> dict:
         if "mark.gpu" in path.read_text()
     )
     argv = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
-    code, output = run.command("gpu_tests", argv, {FULL: 100, QUICK: 60, DRY: 300}[run.mode])
+    code, output = run.command("gpu_tests", argv)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", output)}
     deselected = re.search(r"(\d+) deselected", output)
     if not run.on_gpu:
@@ -169,12 +184,12 @@ def step_gpu_tests(run: Run) -> dict:
 def _train_argv(run: Run) -> list[str]:
     if run.on_gpu:
         return [
-            "--recipe", "llama3_2_1b", "--device", "cuda", "--iters", "20", "--tp", "1",
+            "--recipe", "llama3_2_1b", "--device", "cuda", "--iters", "10", "--tp", "1",
             "--seq-length", "4096", "--global-batch-size", "4", "--micro-batch-size", "1",
             "--set", "model.num_layers=2", "--set", "training.compile=true",
         ]  # fmt: skip
     return [
-        "--recipe", "tiny", "--device", "cpu", "--iters", "20", "--global-batch-size", "4",
+        "--recipe", "tiny", "--device", "cpu", "--iters", "10", "--global-batch-size", "4",
         "--set", "training.compile=false",
     ]  # fmt: skip
 
@@ -184,8 +199,8 @@ def step_smoke_train(run: Run) -> dict:
     argv = [PY, "-m", "pipeline", "train", *_train_argv(run), "--run-dir", str(run_dir),
             "--set", "training.eval_interval=0", "--set", "checkpoint.save_interval=0",
             "--set", "logging.tensorboard=false", "--set", "training.log_interval=1",
-            "--set", "scheduler.warmup_iters=2", "--set", "scheduler.decay_iters=20"]  # fmt: skip
-    code, output = run.command("smoke_train", argv, {FULL: 120, QUICK: 90, DRY: 300}[run.mode])
+            "--set", "scheduler.warmup_iters=2", "--set", "scheduler.decay_iters=10"]  # fmt: skip
+    code, output = run.command("smoke_train", argv)
     losses = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
@@ -207,16 +222,19 @@ def step_smoke_train(run: Run) -> dict:
 def step_attention(run: Run) -> dict:
     result = run.work / "attention.json"
     sizes = {
-        FULL: ["--seq", "8192", "--repeat", "10"],
+        FULL: ["--seq", "8192", "--repeat", "5"],
         QUICK: ["--seq", "8192", "--repeat", "3"],
         DRY: ["--device", "cpu", "--seq", "256", "--heads", "4", "--kv-heads", "2",
               "--head-dim", "32", "--doc-len", "64", "--repeat", "2"],
     }[run.mode]  # fmt: skip
     argv = [PY, "scripts/bench/attention.py", *sizes, "--json", str(result)]
-    code, output = run.command("attention", argv, {FULL: 60, QUICK: 45, DRY: 120}[run.mode])
+    code, output = run.command("attention", argv)
     record = _read_json(result) or {}
-    return {"status": _status(code), "figures": record.get("results", {}),
-            "note": "" if run.on_gpu else "CPU, seq 256, fp32: kernel availability only"}
+    return {
+        "status": _status(code),
+        "figures": record.get("results", {}),
+        "note": "" if run.on_gpu else "CPU, seq 256, fp32: kernel availability only",
+    }
 
 
 # The training benchmarks' settings, shared with the memory step's dry runs.
@@ -236,15 +254,16 @@ BENCH_8B = {
 }  # fmt: skip
 
 
-def _bench_train(run: Run, name: str, recipe: str, fp8: str, sets: list[str], budget: dict):
+def _bench_train(run: Run, name: str, recipe: str, fp8: str, sets: list[str]) -> dict:
     result = run.work / f"{name}.json"
-    steps = {FULL: ["--warmup", "3", "--steps", "6"], QUICK: ["--warmup", "2", "--steps", "3"],
+    # Two warm-up steps: compile's first step and any recompile of the second stay untimed.
+    steps = {FULL: ["--warmup", "2", "--steps", "4"], QUICK: ["--warmup", "2", "--steps", "2"],
              DRY: ["--warmup", "1", "--steps", "2"]}[run.mode]  # fmt: skip
     device = ["--device", "cuda" if run.on_gpu else "cpu"]
     argv = [PY, "scripts/bench/train.py", "--recipe", recipe, "--fp8", fp8, *steps, *device,
             *sets, "--json", str(result)]  # fmt: skip
-    code, output = run.command(name, argv, budget[run.mode])
-    record = _read_json(result) or {}
+    code, output = run.command(name, argv)
+    record = _read_json(result) or {}  # written after every run: what finished survives
     figures = {"bf16": record.get("bf16"), **(record.get("fp8") or {})}
     note = f"recipe {recipe} {' '.join(s for s in sets if s != '--set')}"
     if not run.on_gpu:
@@ -257,15 +276,12 @@ def _bench_train(run: Run, name: str, recipe: str, fp8: str, sets: list[str], bu
 
 def step_train_1b(run: Run) -> dict:
     recipe = "llama3_2_1b" if run.on_gpu else "tiny"
-    budget = {FULL: 130, QUICK: 80, DRY: 300}
-    return _bench_train(run, "train_1b", recipe, "none", BENCH_1B[run.mode], budget)
+    return _bench_train(run, "train_1b", recipe, "none", BENCH_1B[run.mode])
 
 
 def step_train_8b_fp8(run: Run) -> dict:
-    recipes = FP8_RECIPES if run.mode != QUICK else "torchao:tensorwise,torchao:rowwise"
     recipe = "llama3_8b" if run.on_gpu else "tiny"
-    budget = {FULL: 200, QUICK: 90, DRY: 400}
-    return _bench_train(run, "train_8b_fp8", recipe, recipes, BENCH_8B[run.mode], budget)
+    return _bench_train(run, "train_8b_fp8", recipe, FP8_RECIPES[run.mode], BENCH_8B[run.mode])
 
 
 ESTIMATE = re.compile(r"total ~ ([\d.]+) GiB \(none\) / ([\d.]+) GiB \(full\)")
@@ -285,7 +301,7 @@ def step_memory(run: Run) -> dict:
         argv = [PY, "-m", "pipeline", "train", "--recipe", recipe, "--dry-run",
                 "--set", "training.dtype=bf16", *sets[run.mode],
                 *(["--gpu", gpu] if gpu else [])]  # fmt: skip
-        code, output = run.command(f"memory {name}", argv, 60)
+        code, output = run.command(f"memory {name}", argv)
         found = ESTIMATE.search(output)
         if code != 0 or not found:
             problems.append(f"{name}: dry run {_status(code)} {_last_line(output)}")
@@ -307,62 +323,115 @@ def step_memory(run: Run) -> dict:
 def step_generate(run: Run) -> dict:
     result = run.work / "generate.json"
     sizes = {
-        FULL: ["--device", "cuda"],
-        QUICK: ["--device", "cuda", "--batch", "8", "--new-tokens", "32"],
+        FULL: ["--device", "cuda", "--batch", "8", "--new-tokens", "32"],
+        QUICK: ["--device", "cuda", "--batch", "4", "--new-tokens", "16"],
         DRY: ["--device", "cpu", "--hidden", "128", "--layers", "2", "--batch", "4",
               "--new-tokens", "8", "--prompt-len", "16"],
     }[run.mode]  # fmt: skip
     argv = [PY, "scripts/bench/generate.py", *sizes, "--json", str(result)]
-    code, output = run.command("generate", argv, {FULL: 60, QUICK: 40, DRY: 180}[run.mode])
+    code, output = run.command("generate", argv)
     record = _read_json(result) or {}
-    return {"status": _status(code), "figures": {"runs": record.get("runs")},
-            "note": "" if run.on_gpu else "CPU, fp32, a 2-layer model"}
+    return {
+        "status": _status(code),
+        "figures": {"runs": record.get("runs")},
+        "note": "" if run.on_gpu else "CPU, fp32, a 2-layer model",
+    }
 
 
 def step_lora_8b(run: Run) -> dict:
-    """LoRA's step time and peak memory against full fine-tuning, same model and batch."""
-    recipes = ("llama3_8b_lora", "llama3_8b") if run.on_gpu else ("tiny_lora", "tiny")
-    budget = {FULL: 60, QUICK: 40, DRY: 200}
-    figures, statuses, notes = {}, [], []
-    for label, recipe in zip(("lora", "full"), recipes):
-        result = _bench_train(run, f"lora_8b_{label}", recipe, "none", BENCH_8B[run.mode], budget)
-        figures[label] = result["figures"].get("bf16")
+    """LoRA's step time and peak memory against full fine-tuning, same model and batch. The full
+    run is train_8b_fp8's bf16 run (the same recipe and settings) when that step measured it."""
+    on_gpu = ("llama3_8b_lora", "llama3_8b")
+    lora_recipe, full_recipe = on_gpu if run.on_gpu else ("tiny_lora", "tiny")
+    lora = _bench_train(run, "lora_8b_lora", lora_recipe, "none", BENCH_8B[run.mode])
+    statuses, notes = [lora["status"]], [f"lora: {lora['note']}"]
+    full = (_read_json(run.work / "train_8b_fp8.json") or {}).get("bf16")
+    if full and "error" not in full:
+        notes.append("full: train_8b_fp8's bf16 run")
+    else:
+        result = _bench_train(run, "lora_8b_full", full_recipe, "none", BENCH_8B[run.mode])
+        full = result["figures"].get("bf16")
         statuses.append(result["status"])
-        notes.append(f"{label}: {result['note']}")
-    lora, full = figures.get("lora") or {}, figures.get("full") or {}
-    if lora.get("step_s") and full.get("step_s"):
-        figures["lora_over_full_step"] = lora["step_s"] / full["step_s"]
-        figures["lora_over_full_peak"] = lora["peak_gib"] / full["peak_gib"]
+        notes.append(f"full: {result['note']}")
+    figures = {"lora": lora["figures"].get("bf16"), "full": full}
+    mine, theirs = figures["lora"] or {}, full or {}
+    if mine.get("step_s") and theirs.get("step_s"):
+        figures["lora_over_full_step"] = mine["step_s"] / theirs["step_s"]
+        figures["lora_over_full_peak"] = mine["peak_gib"] / theirs["peak_gib"]
     status = next((s for s in statuses if s != "ok"), "ok")
     return {"status": status, "figures": figures, "note": "; ".join(notes)}
 
 
-STEPS: list[tuple[str, Callable[[Run], dict]]] = [
-    ("environment", step_environment),
-    ("gpu_tests", step_gpu_tests),
-    ("smoke_train", step_smoke_train),
-    ("attention", step_attention),
-    ("train_1b", step_train_1b),
-    ("train_8b_fp8", step_train_8b_fp8),
-    ("memory", step_memory),
-    ("generate", step_generate),
-    ("lora_8b", step_lora_8b),
+@dataclass(frozen=True)
+class Step:
+    """One step of the run: its name, what it measures, and its seconds per mode (0: not run)."""
+
+    name: str
+    measure: Callable[[Run], dict]
+    budget: dict[str, int]
+
+
+# In order of value: what a call cut short loses is what matters least. A full run's budgets add
+# up to 270 of its 300 s, keeping 30 s for a GRPO step on the 1B shape.
+STEPS: list[Step] = [
+    Step("environment", step_environment, {FULL: 30, QUICK: 30, DRY: 60}),  # install + probe
+    Step("gpu_tests", step_gpu_tests, {FULL: 25, QUICK: 15, DRY: 300}),
+    Step("smoke_train", step_smoke_train, {FULL: 35, QUICK: 25, DRY: 300}),
+    Step("train_1b", step_train_1b, {FULL: 40, QUICK: 25, DRY: 300}),
+    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 70, QUICK: 35, DRY: 400}),
+    Step("attention", step_attention, {FULL: 30, QUICK: 15, DRY: 120}),
+    Step("memory", step_memory, {FULL: 5, QUICK: 5, DRY: 120}),  # no torch import
+    Step("generate", step_generate, {FULL: 15, QUICK: 0, DRY: 180}),
+    Step("lora_8b", step_lora_8b, {FULL: 20, QUICK: 0, DRY: 200}),
 ]
+
+
+def budget_total(mode: str) -> int:
+    """The seconds a mode's steps may take in all (install included: it is the environment's)."""
+    return sum(step.budget[mode] for step in STEPS)
+
+
+def choose_steps(only: str | None, skip: list[str]) -> list[str]:
+    """The names of the steps to run, in STEPS order: those `--only` names (comma-separated;
+    default all) less those `--skip` names. Raises ValueError on a name that is no step."""
+    names = [step.name for step in STEPS]
+    wanted = _names(only) if only else names
+    left_out = {name for value in skip for name in _names(value)}
+    unknown = [name for name in [*wanted, *left_out] if name not in names]
+    if unknown:
+        raise ValueError(f"unknown step {unknown[0]!r}; the steps: {', '.join(names)}")
+    return [name for name in names if name in wanted and name not in left_out]
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 # --------------------------------------------------------------------------------- the report
 
 
 def write_report(run: Run) -> None:
-    """Rewrite gpu_report.json and gpu_report.md from the steps so far (atomically)."""
-    record = {"mode": run.mode, "steps": run.steps}
+    """Rewrite gpu_report.json and gpu_report.md from the steps so far (atomically): each step's
+    status, wall time against its budget (this mode's, and a full and a quick run's), figures."""
+    record = {"mode": run.mode, "total_s": TOTAL_S[run.mode],
+              "budget_full_s": budget_total(FULL), "budget_quick_s": budget_total(QUICK),
+              "steps": run.steps}  # fmt: skip
     _atomic_write(run.out / "gpu_report.json", json.dumps(record, indent=1) + "\n")
     lines = [f"# pipe on the GPU machine ({run.mode} run)", "",
-             "| step | status | seconds | note |", "| --- | --- | --- | --- |"]  # fmt: skip
+             f"Budgets: a full run's steps {budget_total(FULL)} s of its {TOTAL_S[FULL]} s, a "
+             f"quick run's {budget_total(QUICK)} s of {TOTAL_S[QUICK]} s (wheel install "
+             "included in the environment's).", "",
+             "| step | status | seconds | budget | full / quick budget | note |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for step in run.steps:
         note = str(step.get("note", "")).replace("|", "/")
-        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | {note} |")
-    for step in run.steps:
+        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
+                     f"{step['budget_s']} | {step['budget_full_s']} / {step['budget_quick_s']} "
+                     f"| {note} |")  # fmt: skip
+    spent = sum(step["seconds"] for step in run.steps)
+    lines.append(f"| total | | {spent:.0f} | {sum(s['budget_s'] for s in run.steps)} | "
+                 f"{budget_total(FULL)} / {budget_total(QUICK)} | |")  # fmt: skip
+    for step in (step for step in run.steps if step["figures"]):
         lines += ["", f"## {step['name']}", ""]
         lines += [f"- {key}: {_short(value)}" for key, value in step["figures"].items()]
     _atomic_write(run.out / "gpu_report.md", "\n".join(lines) + "\n")
@@ -382,36 +451,60 @@ def _atomic_write(path: Path, text: str) -> None:
     temporary.replace(path)
 
 
+def run_step(run: Run, step: Step, chosen: bool) -> None:
+    """Run one step under its budget (or record why it did not run) and rewrite the report
+    before and after it: a call cut off mid-step still shows where it stopped."""
+    entry = {"name": step.name, "seconds": 0.0, "budget_s": step.budget[run.mode],
+             "budget_full_s": step.budget[FULL], "budget_quick_s": step.budget[QUICK]}  # fmt: skip
+    started = time.monotonic()
+    if not chosen:
+        result = {"status": "skipped (--only/--skip)", "figures": {}}
+    elif not step.budget[run.mode]:
+        result = {"status": f"skipped (not in a {run.mode} run)", "figures": {}}
+    elif started >= run.deadline:
+        result = {"status": "not run (the run's time was spent)", "figures": {}}
+    else:
+        cut_off = "cut off (the call ended during this step)"
+        run.steps.append({**entry, "status": cut_off, "figures": {}})
+        write_report(run)
+        run.steps.pop()
+        run.step_deadline = started + step.budget[run.mode]
+        try:
+            result = step.measure(run)
+        except Exception as e:  # a broken step costs its own figures only
+            result = {"status": f"failed ({type(e).__name__}: {e})", "figures": {}}
+        entry["seconds"] = time.monotonic() - started + result.pop("extra_s", 0.0)
+    run.steps.append({**entry, **result})
+    write_report(run)
+    print(f"[gpu] {step.name}: {result['status']}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="about 4 minutes")
+    mode.add_argument("--quick", action="store_true", help=f"within {TOTAL_S[QUICK]} s")
     mode.add_argument("--dry", action="store_true", help="a CPU at tiny sizes (CI)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the report")
     parser.add_argument("--only", help="comma-separated step names (default: all)")
+    parser.add_argument("--skip", action="append", default=[], help="step names to leave out")
+    parser.add_argument("--install-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    chosen = DRY if args.dry else QUICK if args.quick else FULL
+    try:
+        chosen = choose_steps(args.only, args.skip)
+    except ValueError as e:
+        print(f"measure.py: {e}", file=sys.stderr)
+        sys.exit(2)
+    mode = DRY if args.dry else QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_run.log").write_text("")
-    only = set(args.only.split(",")) if args.only else None
+    deadline = time.monotonic() + TOTAL_S[mode] - args.install_s
     with tempfile.TemporaryDirectory(prefix="pipe_gpu_") as work:
-        run = Run(chosen, args.out, time.monotonic() + TOTAL_S[chosen], Path(work))
-        for name, step in STEPS:
-            if only is not None and name not in only:
-                continue
-            started = time.monotonic()
-            if started >= run.deadline:
-                result = {"status": "not run (the run's time was spent)", "figures": {}}
-            else:
-                try:
-                    result = step(run)
-                except Exception as e:  # a broken step costs its own figures only
-                    result = {"status": f"failed ({type(e).__name__}: {e})", "figures": {}}
-            run.steps.append({"name": name, "seconds": time.monotonic() - started, **result})
-            write_report(run)
-            print(f"[gpu] {name}: {result['status']}", flush=True)
+        run = Run(mode, args.out, deadline, Path(work), install_s=args.install_s)
+        for step in STEPS:
+            run_step(run, step, step.name in chosen)
     print(f"[gpu] report: {args.out / 'gpu_report.md'}")
-    failed = [s["name"] for s in run.steps if not s["status"].startswith(("ok", "not on a CPU"))]
+    done = ("ok", "not on a CPU", "skipped")
+    failed = [s["name"] for s in run.steps if not s["status"].startswith(done)]
     if failed:
         print(f"[gpu] steps that did not finish: {', '.join(failed)}")
         sys.exit(1)

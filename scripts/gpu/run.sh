@@ -5,10 +5,10 @@
 # or in the folder given with --out, or in runs/gpu-report; it is rewritten after every step,
 # so it holds what was measured even when a step fails or the call is cut short.
 #
-#   bash scripts/gpu/run.sh            the full run (fits one 10-minute call)
-#   bash scripts/gpu/run.sh --quick    about 4 minutes
+#   bash scripts/gpu/run.sh            the full run: within 300 s, the install included
+#   bash scripts/gpu/run.sh --quick    within 150 s
 #   bash scripts/gpu/run.sh --dry      on a CPU at tiny sizes, emulated FP8 (what CI runs)
-#   ... [--out DIR] [--only STEP,STEP]
+#   ... [--out DIR] [--only STEP,STEP] [--skip STEP,STEP]   (measure.py lists the steps)
 #
 # With your own GPU and network, skip pack.sh: `pip install -e '.[dev]'` and run this script.
 set -euo pipefail
@@ -30,8 +30,11 @@ done
 if [ -z "$DRY" ] && compgen -G ".whl/*.whl" > /dev/null; then
     SITE="${PIPE_WHEEL_TARGET:-/tmp/pipe-site}"
     echo "[gpu] installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE (no network)"
+    started=$(date +%s%N)
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --disable-pip-version-check --target "$SITE" .whl/*.whl
+    # The install counts against the run's budget: measure.py reports it with the environment.
+    ARGS+=(--install-s "$(( ($(date +%s%N) - started) / 1000000000 + 1 ))")
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # pipe itself runs from this checkout (python -m pipeline), installed or not.
