@@ -192,9 +192,11 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="pipe_bench_grpo_") as work:
-        with contextlib.redirect_stdout(sys.stderr):  # the trainer's own lines stay off stdout
-            result = _measure(args, Path(work))
+    with (
+        tempfile.TemporaryDirectory(prefix="pipe_bench_grpo_") as work,
+        contextlib.redirect_stdout(sys.stderr),  # the trainer's own lines stay off stdout
+    ):
+        result = _measure(args, Path(work))
     print(f"device {result['device']}: {result['step_s'] * 1e3:.0f} ms per GRPO step, "
           f"{result['completions_per_step']} completions")  # fmt: skip
     for part, share in result["shares"].items():

@@ -360,7 +360,8 @@ def _vocab_parallel(
     vocabulary-parallel output layer; a plain weight gives the full hidden states, the weight
     and None."""
     if not isinstance(output_weight, DTensor):
-        return (hidden.full_tensor() if isinstance(hidden, DTensor) else hidden), output_weight, None
+        whole = hidden.full_tensor() if isinstance(hidden, DTensor) else hidden
+        return whole, output_weight, None
     mesh = output_weight.device_mesh
     if mesh.ndim != 1 or output_weight.placements != (Shard(0),):
         raise ValueError(

@@ -33,7 +33,8 @@ class ObjectiveSpec:
     """What the run knows of an objective before building it.
 
     `target` is "module:Class"; `sequences_per_sample` counts the sequences one sample holds
-    (throughput counts them all; a function of the config where that decides it); `document_masking` stops attention at document boundaries;
+    (throughput counts them all; a function of the config where that decides it);
+    `document_masking` stops attention at document boundaries;
     `chat_prompts` asks `training.sample_prompts` as a user's turn; `problems` lists what is
     wrong with a config for this objective (one line each, no torch)."""
 
@@ -100,8 +101,10 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
     if g.num_iterations < 1:
         problems.append("grpo.num_iterations must be at least 1")
     elif cfg.checkpoint.save_interval % g.num_iterations:
-        problems.append(f"checkpoint.save_interval must be a multiple of grpo.num_iterations "
-                        f"({g.num_iterations}): a checkpoint falls between batches of rollouts")  # fmt: skip
+        problems.append(
+            f"checkpoint.save_interval must be a multiple of grpo.num_iterations "
+            f"({g.num_iterations}): a checkpoint falls between batches of rollouts"
+        )
     if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
         problems.append(f"grpo.reward_weights has {len(g.reward_weights)} weights for "
                         f"{len(g.reward_funcs)} reward_funcs")  # fmt: skip

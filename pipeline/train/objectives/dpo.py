@@ -14,8 +14,8 @@ arithmetic, exact against TRL); this file adds what a run needs around it:
 - under context parallelism the per-side sums are added over the context group and one rank
   of the group counts the pair;
 - its metrics (rewards, margin, accuracy), kept apart for training and evaluation;
-- a record in every checkpoint (`frozen_start.ReferenceRecord`) naming the reference, so that a resumed run
-  rebuilds the same one, or refuses in one line when it has changed.
+- a record in every checkpoint (`frozen_start.ReferenceRecord`) naming the reference, so that
+  a resumed run rebuilds the same one, or refuses in one line when it has changed.
 """
 
 from __future__ import annotations

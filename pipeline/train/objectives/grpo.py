@@ -34,6 +34,7 @@ import torch
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy, tp_token_logprobs
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.objectives.base import Batch, Objective
+from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start
 from pipeline.train.objectives.grpo_loss import (
     GRPOLossOptions,
     group_advantages,
@@ -43,7 +44,6 @@ from pipeline.train.objectives.grpo_loss import (
     weighted_rewards,
 )
 from pipeline.train.objectives.grpo_metrics import RunningFigures
-from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start
 from pipeline.train.objectives.grpo_rollout import RolloutModel, completion_seed, rollout_rows
 
 __all__ = ["GRPO"]
@@ -237,7 +237,8 @@ class GRPO(Objective):
         scale_rewards = "batch" the standard deviation is the global batch's, over every rank
         holding other prompts (TRL's nanstd, as one sum of squares)."""
         scale = self.section.scale_rewards
-        advantages, zero_std = group_advantages(rewards, group, "group" if scale == "batch" else scale)
+        per_group = "group" if scale == "batch" else scale
+        advantages, zero_std = group_advantages(rewards, group, per_group)
         if scale == "batch":  # the flags stay the groups' (for mask_zero_std_groups)
             advantages, _ = group_advantages(rewards, group, "none")
             advantages = advantages / (_global_std(rewards, self.layout.batch_group) + 1e-4)

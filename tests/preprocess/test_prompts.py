@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from pipeline.data.loader import build_data_loader
-from pipeline.data.prompt_dataset import (
-    PromptDataset,
+from pipeline.data.prompt_dataset import PromptDataset, PromptRecord
+from pipeline.preprocess.prompts import (
     PromptFileError,
-    PromptRecord,
     read_prompt_splits,
     read_prompts,
     split_records,
