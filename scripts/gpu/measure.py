@@ -20,6 +20,8 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
     generate      scripts/bench/generate.py on the GPU against transformers (not in --quick)
     lora_8b       LoRA (`llama3_8b_lora`) against full fine-tuning (train_8b_fp8's bf16 run) at
                   the 8B width with 8 layers: step time and peak memory (not in --quick)
+    grpo          a GRPO step on the 1B shape (scripts/bench/grpo.py): its parts' shares and the
+                  rollouts' tokens/s against the engine alone (not in --quick)
 
 Modes: full (`STEPS` budgets add up to <= 300 s with the install, `--quick` to <= 150 s) and
 `--dry` (a CPU at tiny sizes with emulated FP8, so CI proves the script; what a CPU cannot
@@ -373,6 +375,28 @@ class Step:
 
 # In order of value: what a call cut short loses is what matters least. A full run's budgets add
 # up to 270 of its 300 s, keeping 30 s for a GRPO step on the 1B shape.
+def step_grpo(run: Run) -> dict:
+    """One GRPO step on the 1B shape: its parts' shares and rollouts against the engine alone."""
+    result = run.work / "grpo.json"
+    sizes = {
+        FULL: ["--recipe", "llama3_2_1b", "--device", "cuda", "--steps", "2", "--warmup", "1",
+               "--set", "data.seq_length=1024", "--set", "grpo.max_completion_length=128",
+               "--set", "training.global_batch_size=8", "--set", "training.micro_batch_size=8",
+               "--set", "training.compile=false"],
+        QUICK: [],
+        DRY: ["--steps", "1", "--warmup", "1"],
+    }[run.mode]  # fmt: skip
+    argv = [PY, "scripts/bench/grpo.py", *sizes, "--json", str(result)]
+    code, output = run.command("grpo", argv)
+    record = _read_json(result) or {}
+    return {
+        "status": _status(code),
+        "figures": record,
+        "note": "8 prompts x 8 completions of <= 128 tokens, seq 1024, eager"
+        if run.on_gpu else "CPU, fp32, a 4-layer model",
+    }  # fmt: skip
+
+
 STEPS: list[Step] = [
     Step("environment", step_environment, {FULL: 30, QUICK: 30, DRY: 60}),  # install + probe
     Step("gpu_tests", step_gpu_tests, {FULL: 25, QUICK: 15, DRY: 300}),
@@ -383,6 +407,7 @@ STEPS: list[Step] = [
     Step("memory", step_memory, {FULL: 5, QUICK: 5, DRY: 120}),  # no torch import
     Step("generate", step_generate, {FULL: 15, QUICK: 0, DRY: 180}),
     Step("lora_8b", step_lora_8b, {FULL: 20, QUICK: 0, DRY: 200}),
+    Step("grpo", step_grpo, {FULL: 30, QUICK: 0, DRY: 240}),
 ]
 
 
