@@ -164,15 +164,16 @@ def test_grpo_resumes_exactly_after_sigkill(tmp_path: Path, task: dict, extra: l
 
 # ---- errors in one line ----------------------------------------------------------------------
 
-def _pipe_train(tmp_path: Path, task: dict, *extra: str):
-    sets = grpo_sets(tmp_path / "run", task, "training.iters=1", *extra)
+def _pipe_train(tmp_path: Path, task: dict, *flags: str):
+    """`pipe train --grpo FLAGS` of one step of the micro run."""
+    sets = grpo_sets(tmp_path / "run", task, "training.iters=1", "grpo.reward_funcs=[]")
     args = [a for s in sets if not s.startswith("data.kind") for a in ("--set", s)]
-    return run_pipe("train", "--grpo", *args, expect_ok=False)
+    return run_pipe("train", "--grpo", *args, *flags, expect_ok=False)
 
 
 def test_a_reward_returning_a_non_number_is_named_with_its_prompt(tmp_path, task) -> None:
     broken = task["reward"].replace(":digits", ":broken")
-    result = _pipe_train(tmp_path, task, f'grpo.reward_funcs=["{broken}"]')
+    result = _pipe_train(tmp_path, task, "--reward-function", broken)
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     (error,) = [line for line in result.output.splitlines() if line.startswith("Error")]
     assert "prompts.jsonl:" in error and "broken" in error, error

@@ -162,7 +162,7 @@ def estimate_memory(
         moe_share = model.num_moe_layers / model.num_layers
         mlp = moe_share * moe_mlp + (1 - moe_share) * mlp
     per_token_layer = (4 * h + 2 * q + 2 * kv + mlp) / p.tp
-    tokens = cfg.training.micro_batch_size * cfg.data.seq_length / p.cp
+    tokens = cfg.training.micro_batch_size * _sequences(cfg) * cfg.data.seq_length / p.cp
     layers_local = math.ceil(model.num_layers / p.pp)
     micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
     in_flight = min(p.pp, max(micro_batches, 1))
@@ -383,8 +383,17 @@ def _memory_lines(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
 
 
 def _tokens_per_step(cfg: TrainConfig) -> int:
-    """Tokens in one global batch."""
-    return cfg.training.global_batch_size * cfg.data.seq_length
+    """Tokens in one global batch (every sequence of a sample: DPO's two sides, GRPO's
+    completions)."""
+    return cfg.training.global_batch_size * _sequences(cfg) * cfg.data.seq_length
+
+
+def _sequences(cfg: TrainConfig) -> int:
+    """The sequences one sample of the run's objective holds."""
+    from pipeline.train.objectives import OBJECTIVES
+
+    spec = OBJECTIVES.get(cfg.data.kind)
+    return spec.sequences(cfg) if spec is not None else 1
 
 
 def _si(value: float) -> str:
