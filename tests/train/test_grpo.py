@@ -201,3 +201,16 @@ def test_lora_grpo_takes_the_base_as_its_reference(tmp_path: Path, task: dict) -
     train = records(tmp_path / "run")
     assert train[1]["kl"] == pytest.approx(0.0, abs=1e-7)
     assert train[3]["kl"] > 0 and train[3]["grad_norm"] > 0
+
+
+def test_grpo_starts_from_a_hugging_face_directory(tmp_path: Path, task: dict) -> None:
+    """`--load HF_DIR`: GRPO starts from a Hugging Face model (here one a GRPO run saved) and
+    its KL anchor is that model: 0 at the first step, recorded as the start."""
+    _train(grpo_sets(tmp_path / "first", task, "checkpoint.save_hf=final"))
+    (hf_dir,) = (tmp_path / "first" / "checkpoints" / "hf").iterdir()
+    _train(grpo_sets(tmp_path / "second", task, f"checkpoint.load={hf_dir}", "grpo.beta=0.1"))
+    second = records(tmp_path / "second")
+    assert second[1]["kl"] == pytest.approx(0.0, abs=1e-7) and second[3]["kl"] > 0
+    metadata = json.loads(next((tmp_path / "second" / "checkpoints").glob("iter_*/pipe_metadata.json"))
+                          .read_text())["metadata"]  # fmt: skip
+    assert metadata["grpo_reference"]["load"] == str(hf_dir.resolve())
