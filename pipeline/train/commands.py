@@ -228,7 +228,7 @@ def _run(cfg: object) -> None:
             f"interrupted at iteration {result.iteration}; saved {result.checkpoint}", err=True
         )
         sys.exit(EXIT_SIGINT)
-    if result.stop_reason != "finished":
+    if result.stop_reason not in ("finished", "evaluated"):
         click.echo(
             f"{result.stop_reason} at iteration {result.iteration}; saved {result.checkpoint} "
             "(resume with --load)",

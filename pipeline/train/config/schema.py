@@ -179,6 +179,9 @@ class TrainingSection:
     """Validate every this many iterations (0: never)."""
     eval_iters: int = 100
     """Validation batches per evaluation."""
+    skip_train: bool = False
+    """Evaluate the loaded weights once and exit, without training or saving (Megatron's
+    `--skip-train`): the figures of a checkpoint, a start to compare a run with."""
     sample_prompts: list[str] = field(default_factory=list)
     """Prompts the model continues (greedy) every `sample_interval` iterations, logged as text
     to metrics.jsonl, TensorBoard and W&B (needs the data's tokenizer)."""

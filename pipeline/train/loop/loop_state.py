@@ -27,7 +27,8 @@ class TrainResult:
 
     iteration: int
     stop_reason: str
-    """"finished", or the signal's name (SIGTERM, SIGINT) when stopped by one."""
+    """"finished", "evaluated" (`training.skip_train`), or the signal's name (SIGTERM, SIGINT)
+    when stopped by one."""
     checkpoint: Path | None = None
     skipped: int = 0
     losses: dict[int, float] = field(default_factory=dict)

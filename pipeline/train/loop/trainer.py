@@ -241,6 +241,10 @@ class Trainer:
         `checkpoint.async_save`; the next save, a signal, the end of training and an error all
         wait for such a save to commit."""
         t = self.cfg.training
+        if t.skip_train:
+            self.run_evaluation()
+            self.metrics.close()
+            return TrainResult(self.iteration, "evaluated")
         loop = LoopState(TrainResult(self.iteration, "finished"), bar=self._progress_bar())
         iterator = iter(self.train_loader)
         try:

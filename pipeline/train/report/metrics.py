@@ -213,6 +213,8 @@ def _float(fmt: str, template: str, scale: float = 1.0):
 _CONSOLE_FIELDS = [
     ("loss", _float(".4f", "loss {}")),
     ("ppl", _float(".1f", "ppl {}")),
+    ("reward/mean", _float(".3f", "reward {}")),  # GRPO
+    ("accuracy", _float(".3f", "accuracy {}")),  # DPO's pairs, GRPO's answers
     ("lr", _float(".2e", "lr {}")),
     ("grad_norm", _float(".3g", "grad {}")),
     ("tokens_per_s", _float(",.0f", "{} tok/s")),

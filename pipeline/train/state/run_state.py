@@ -365,10 +365,11 @@ class RunState:
         c = self.cfg.checkpoint
         self._check_records(found, resuming=False)
         state = model_and_optimizer_state(self.model)
-        load(
-            c.load, iteration, state, restore_rng=False, process_group=self.layout.world_group,
-            verify_checksums=c.verify_checksums,
-        )  # fmt: skip
+        with quiet_dcp():
+            load(
+                c.load, iteration, state, restore_rng=False, process_group=self.layout.world_group,
+                verify_checksums=c.verify_checksums,
+            )  # fmt: skip
         load_model_and_optimizer_state(self.model, None, state)
         log.info("finetuning from the weights in %s (iteration 0)", c.load)
         return Progress()
