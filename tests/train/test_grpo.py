@@ -214,3 +214,12 @@ def test_grpo_starts_from_a_hugging_face_directory(tmp_path: Path, task: dict) -
     metadata = json.loads(next((tmp_path / "second" / "checkpoints").glob("iter_*/pipe_metadata.json"))
                           .read_text())["metadata"]  # fmt: skip
     assert metadata["grpo_reference"]["load"] == str(hf_dir.resolve())
+
+
+def test_skip_train_evaluates_the_start_and_saves_nothing(tmp_path: Path, task: dict) -> None:
+    """`training.skip_train` (Megatron's --skip-train): one evaluation of the loaded weights,
+    logged at their iteration, no step and no checkpoint: the start a run is compared with."""
+    result = _train(grpo_sets(tmp_path / "run", task, "training.skip_train=true"))
+    assert result.stop_reason == "evaluated" and result.iteration == 0
+    assert set(records(tmp_path / "run", "valid")) == {0} and not records(tmp_path / "run")
+    assert not list((tmp_path / "run").glob("checkpoints/iter_*"))
