@@ -6,8 +6,7 @@ Build order (docs/architecture.md), each step a function returning what it built
 objective -> seed -> FP8 backend -> the model (`build_model`: on `meta`, this rank's pipeline
 stages, `parallelize` each, `to_empty`, initialised as one device would) -> optimizer and
 scheduler -> data -> checkpoints and resume -> the objective's setup -> loaders -> metrics.
-`train` is the loop, `train_step` one step, whose forward and backward a step runner does (the
-whole model, or this rank's pipeline stages).
+`train` is the loop, `train_step` one step, its forward and backward a step runner's.
 
 Parallel runs (launched by torchrun, `pipe train --nproc-per-node N`): each data-parallel rank
 loads its slice of each global batch and each context-parallel rank keeps its chunks of every
@@ -17,12 +16,11 @@ single-device names, so they load under any other layout) and only rank 0 writes
 metrics.
 
 Between log steps nothing waits for the device: each step's loss, gradient norm and skip flag
-stay tensors and are read together at the next log step, where skipped steps are counted, the
-learning rate is held back for them and the divergence guard is checked.
+stay tensors, read at the next log step (skips counted, the learning rate held back for them).
 
 The objective (`pipeline.train.objectives`, chosen by `data.kind`) is the one object the loop
 asks about the loss: what a batch holds, what the loss is normalised by, its reference, its
-metrics and what it records in a checkpoint; the loop itself names none.
+metrics and checkpoint records; the loop names none. `training.skip_train` evaluates only.
 
 Checkpoints are the run's `RunState` (`state/run_state.py`): saving, resuming, `--finetune`, the
 start from a Hugging Face directory (`--load HF_DIR`), `checkpoint.save_hf`, and adapter-only
@@ -241,7 +239,7 @@ class Trainer:
         `checkpoint.async_save`; the next save, a signal, the end of training and an error all
         wait for such a save to commit."""
         t = self.cfg.training
-        if t.skip_train:
+        if t.skip_train:  # Megatron's --skip-train: the loaded weights' figures, nothing saved
             self.run_evaluation()
             self.metrics.close()
             return TrainResult(self.iteration, "evaluated")
