@@ -211,8 +211,8 @@ def test_grpo_starts_from_a_hugging_face_directory(tmp_path: Path, task: dict) -
     _train(grpo_sets(tmp_path / "second", task, f"checkpoint.load={hf_dir}", "grpo.beta=0.1"))
     second = records(tmp_path / "second")
     assert second[1]["kl"] == pytest.approx(0.0, abs=1e-7) and second[3]["kl"] > 0
-    metadata = json.loads(next((tmp_path / "second" / "checkpoints").glob("iter_*/pipe_metadata.json"))
-                          .read_text())["metadata"]  # fmt: skip
+    (saved,) = (tmp_path / "second" / "checkpoints").glob("iter_*/pipe_metadata.json")
+    metadata = json.loads(saved.read_text())["metadata"]
     assert metadata["grpo_reference"]["load"] == str(hf_dir.resolve())
 
 

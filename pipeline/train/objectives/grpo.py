@@ -113,8 +113,13 @@ class GRPO(Objective):
 
     def prepare(self, micro_batches: Sequence[Batch], runner: Any) -> None:
         """Rollouts, rewards and advantages into each micro-batch's rows (module docstring)."""
-        passes = self.section.num_iterations
-        if self._evaluating or passes == 1 or self.run.iteration % passes == 0 or not self._kept:
+        passes, iteration = self.section.num_iterations, self.run.iteration
+        if self._evaluating or passes == 1 or iteration % passes == 0 or not self._kept:
+            if not self._evaluating and iteration % passes:  # a run resumed from a signal's save
+                log.warning(
+                    "iteration %d is a later pass over rollouts this run no longer holds: new "
+                    "rollouts serve the rest of their passes", iteration,
+                )  # fmt: skip
             rows = self._rollout_rows(micro_batches, runner)
             if not self._evaluating and passes > 1:
                 self._kept = rows
@@ -183,7 +188,7 @@ class GRPO(Objective):
         rewards, per_func = self._rewards(outs, [r for r in records for _ in range(group)])
         advantages, zero_std = self._advantages(rewards, group)
         rows = rollout_rows(outs, self.cfg.data.seq_length, self.run.device)
-        rows["advantages"] = advantages.to(self.run.device)
+        rows["advantages"] = advantages.to(self.run.device, torch.float32)
         self._mask_out(rows, outs, zero_std)
         self._count_rollouts(outs, rewards, per_func, zero_std)
         per_batch = len(prompts) // len(micro_batches) * group
