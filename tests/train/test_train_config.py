@@ -36,6 +36,8 @@ RECIPES = [
     "tiny",
     "tiny_deepseek_v3",
     "tiny_dpo",
+    "tiny_grpo",
+    "tiny_grpo_sft",
     "tiny_lora",
     "tiny_moe",
     "tiny_qwen3",
@@ -222,8 +224,11 @@ def test_recipe_loads_and_validates(name):
         cfg.data.blend = "out/chat_messages_document"
     if cfg.data.kind == "dpo":  # nor mock preference pairs
         cfg.data.blend = "out/pairs"
+    if cfg.data.kind == "grpo":  # nor mock prompts
+        cfg.data.blend, cfg.data.tokenizer = "out/prompts.jsonl", "out/tokenizer"
     cfg.validate(WORLD_SIZES.get(name))
-    assert cfg.model.flavor == name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
+    flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
+    assert cfg.model.flavor == flavor.removesuffix("_grpo")
     assert cfg.lora.enabled == name.endswith("_lora")
     assert cfg.model_config().num_layers > 0
 
