@@ -151,9 +151,9 @@ def _capture_generation(cls, captured: dict) -> None:
     tokens and seconds."""
     original = cls.generate
 
-    def generate(self, prompts, samples, params):
+    def generate(self, prompts, params):
         weights = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        outs = original(self, prompts, samples, params)
+        outs = original(self, prompts, params)
         captured.update(prompts=prompts, params=params, rows=outs.completions, weights=weights,
                         tokens=outs.generated_tokens, seconds=outs.seconds)  # fmt: skip
         return outs

@@ -183,7 +183,7 @@ class GRPO(Objective):
         group = 1 if self._evaluating else self.section.num_generations
         prompts, samples = _prompts(micro_batches)
         self.rollout.refresh()
-        outs = self.rollout.generate(prompts, samples, self._params(samples, group))
+        outs = self.rollout.generate(prompts, self._params(samples, group))
         records = [dataset.records[int(i)] for b in micro_batches for i in b["prompt_index"]]
         rewards, per_func = self._rewards(outs, [r for r in records for _ in range(group)])
         advantages, zero_std = self._advantages(rewards, group)

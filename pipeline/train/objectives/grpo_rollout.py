@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,8 +48,6 @@ class Rollouts:
     seconds: float = 0.0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
-    samples: list[int] = field(default_factory=list)
-    """Global sample index of each row's prompt."""
 
     @property
     def generated_tokens(self) -> int:
@@ -84,11 +82,10 @@ class RolloutModel:
     def generate(
         self,
         prompts: Sequence[list[int]],
-        samples: Sequence[int],
         params: Sequence[Sequence[Any]],
     ) -> Rollouts:
         """The completions of `prompts` (one group per prompt, one completion per entry of its
-        `params` list), all queued at once; `samples` are the prompts' global sample indices."""
+        `params` list, each with its own seed), all queued at once."""
         engine = self._engine(prompts, max(len(p) for p in params), params[0][0].max_new_tokens)
         computed, cached = engine.prompt_tokens_computed, engine.prompt_tokens_cached
         start = time.perf_counter()
@@ -109,7 +106,6 @@ class RolloutModel:
             seconds=seconds,
             prompt_tokens_computed=engine.prompt_tokens_computed - computed,
             prompt_tokens_cached=engine.prompt_tokens_cached - cached,
-            samples=[s for s, group in zip(samples, groups) for _ in group],
         )
 
     def _engine(self, prompts: Sequence[list[int]], group: int, max_new: int) -> Any:
