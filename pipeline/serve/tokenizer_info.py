@@ -9,6 +9,7 @@ the tokenizer has none): the harness reads `eos_token` to tell a server with thi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,9 @@ def tokenizer_info(path: str | Path, tokenizer, template) -> dict[str, Any]:
     info.setdefault("bos_token", None)
     info.setdefault("tokenizer_class", _CLASS_BY_KIND.get(tokenizer.kind, _CLASS_BY_KIND["hf"]))
     if template is not None:
-        try:
+        # several templates and none the default: there is none to name
+        with contextlib.suppress(ChatTemplateError):
             info["chat_template"] = template.source()
-        except ChatTemplateError:  # several templates, none the default: none to name
-            pass
     return info
 
 
