@@ -54,6 +54,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pipeline.serve.commands:serve",
         "Serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching).",
     ),
+    "eval": (
+        "pipeline.serve.eval_command:evaluate",
+        "Score a checkpoint with lm-evaluation-harness tasks, served by pipe's engine.",
+    ),
     "train": (
         "pipeline.train.commands:train",
         "Train a Llama-style dense or MoE model from a recipe (--dry-run to size it first).",
@@ -95,6 +99,7 @@ def cli() -> None:
     pipe plot        curves of one or more runs
     pipe generate    text from a checkpoint, at the terminal
     pipe serve       text from a checkpoint, over an OpenAI-compatible HTTP API
+    pipe eval        lm-evaluation-harness scores of a checkpoint
     """
 
 

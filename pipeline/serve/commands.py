@@ -26,10 +26,11 @@ from pipeline.core.parallel.process_group import (
 DTYPES = ("auto", "fp32", "bf16")
 
 
-def _model_options(command):
-    """The options both commands share: where the model and its tokenizer come from."""
+def model_options(command):
+    """The options generate, serve and eval share: where the model and its tokenizer come from.
+    CHECKPOINT stays the text given: served, it is the model's name (as vLLM names it)."""
     options = [
-        click.argument("checkpoint", type=click.Path(exists=True, path_type=Path)),
+        click.argument("checkpoint", type=click.Path(exists=True)),
         click.option(
             "--tokenizer",
             type=click.Path(exists=True, path_type=Path),
@@ -56,7 +57,7 @@ def _model_options(command):
 
 
 def open_for_generation(
-    checkpoint: Path, tokenizer: Path | None, device: str, dtype: str, lora_adapter: Path | None
+    checkpoint: str, tokenizer: Path | None, device: str, dtype: str, lora_adapter: Path | None
 ):
     """The loaded `Generator` (split over torchrun's ranks when launched by it), or a one-line
     click error."""
@@ -96,7 +97,7 @@ _DTYPE_NAMES = {"auto": None, "fp32": "fp32", "bf16": "bf16"}
 
 
 @click.command()
-@_model_options
+@model_options
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
 @click.option(
     "--prompt-file",
@@ -121,7 +122,7 @@ _DTYPE_NAMES = {"auto": None, "fp32": "fp32", "bf16": "bf16"}
     help="Split the model's heads over this many processes (tensor parallel, under torchrun).",
 )  # fmt: skip
 def generate(
-    checkpoint: Path,
+    checkpoint: str,
     prompts: tuple[str, ...],
     prompt_file: Path | None,
     chat: bool,
@@ -163,7 +164,7 @@ def generate(
         destroy_process_group()
 
 
-def _chat_prompts(gen: Any, checkpoint: Path, prompts: list[str], system: str | None) -> list:
+def _chat_prompts(gen: Any, checkpoint: str, prompts: list[str], system: str | None) -> list:
     """Each prompt as a user message (after `system`, when given) rendered by the chat template
     with the assistant's turn opened; a one-line error without a template or when it fails."""
     from pipeline.tokenizer.chat_template import ChatTemplateError, chat_prompt
@@ -199,33 +200,63 @@ def _sampling(options: dict[str, Any]):
         raise click.BadParameter(str(error)) from None
 
 
+def engine_options(command):
+    """The options of the engine behind an HTTP server (serve and eval): batch, cache, threads."""
+    options = [
+        click.option(
+            "--max-batch", type=click.IntRange(min=0), default=0, show_default=True,
+            help="Requests at once; 0: as many as the KV cache holds (up to 256).",
+        ),
+        click.option(
+            "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
+            help="Memory for the KV cache, in MB (how many tokens all requests together may "
+            "hold).",
+        ),
+        click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True),
+        click.option(
+            "--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+            help="Prompt tokens per engine step (longer prompts are split over steps).",
+        ),
+        click.option(
+            "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
+            help="CPU threads of the engine process; 0: every core (fewer leave cores to the "
+            "server).",
+        ),
+    ]  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def engine_spec(checkpoint: str, options: dict[str, Any]):
+    """The `EngineSpec` of `model_options` and `engine_options`, popped from `options`."""
+    from pipeline.serve.engine_process import EngineSpec
+
+    tokenizer, adapter = options.pop("tokenizer"), options.pop("lora_adapter")
+    return EngineSpec(
+        checkpoint=checkpoint, tokenizer=None if tokenizer is None else str(tokenizer),
+        device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
+        kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
+        max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
+        threads=options.pop("engine_threads"),
+        lora_adapter=None if adapter is None else str(adapter),
+    )  # fmt: skip
+
+
 @click.command()
-@_model_options
+@model_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option(
-    "--max-batch", type=click.IntRange(min=0), default=0, show_default=True,
-    help="Requests at once; 0: as many as the KV cache holds (up to 256).",
-)  # fmt: skip
+@engine_options
 @click.option(
     "--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
     help="Requests in flight beyond the batch after which new ones get 503 + Retry-After.",
 )  # fmt: skip
 @click.option(
-    "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
-    help="Memory for the KV cache, in MB (how many tokens all requests together may hold).",
+    "--model-name", "--served-model-name", "model_name", default=None,
+    help="The model's name in /v1/models and the answers (default: CHECKPOINT as given).",
 )  # fmt: skip
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option(
-    "--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
-    help="Prompt tokens per engine step (longer prompts are split over steps).",
-)  # fmt: skip
-@click.option(
-    "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
-    help="CPU threads of the engine process; 0: every core (fewer leave cores to the server).",
-)  # fmt: skip
-@click.option("--model-name", default=None, help="The name /v1/models reports.")
-def serve(checkpoint: Path, **options: Any) -> None:
+def serve(checkpoint: str, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
     in a process of its own."""
     try:
@@ -233,19 +264,11 @@ def serve(checkpoint: Path, **options: Any) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
-    from pipeline.serve.engine_process import EngineSpec
     from pipeline.serve.loading import LoadError
     from pipeline.serve.server import run_server
 
-    tokenizer, adapter = options.pop("tokenizer"), options.pop("lora_adapter")
-    spec = EngineSpec(
-        checkpoint=str(checkpoint), tokenizer=None if tokenizer is None else str(tokenizer),
-        device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
-        kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
-        max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
-        threads=options.pop("engine_threads"),
-        lora_adapter=None if adapter is None else str(adapter),
-    )  # fmt: skip
+    spec = engine_spec(checkpoint, options)
+    options["model_name"] = options["model_name"] or checkpoint
     try:
         run_server(spec, **options)
     except (LoadError, ValueError) as error:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.sampling import MAX_LOGPROBS, SamplingParams
 from pipeline.tokenizer.chat_template import ChatTemplate, chat_prompt  # noqa: F401 - re-exported
 
 ERROR_TYPES = {
@@ -177,13 +177,21 @@ class CompletionBody(_Body):
     """POST /v1/completions."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 with echo: score the prompt alone
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=128)
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens 0 with echo (OpenAI's and vLLM's prompt scoring): the answer is the
+        prompt with its logprobs; the one token the engine generates is dropped."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens 0 needs echo: true (prompt scoring)", param="max_tokens")
         if self.best_of is not None:
             if self.best_of < self.choices_per_prompt:
                 raise APIError(
@@ -199,7 +207,7 @@ class CompletionBody(_Body):
         return self.best_of or self.choices_per_prompt
 
     def requested_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only else self.max_tokens
 
     def logprobs_wanted(self) -> int | None:
         # best_of ranks by cumulative logprob, so it needs the chosen tokens' logprobs
@@ -235,7 +243,7 @@ class ChatBody(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
@@ -254,14 +262,42 @@ class ChatBody(_Body):
 
 
 class TokenizeBody(BaseModel):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template."""
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template, with
+    vLLM's fields. `add_special_tokens` (the tokenizer's own, e.g. BOS) defaults as in vLLM:
+    on for a prompt, off for messages (the template writes them)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+    # the chat form's
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        """What the fields' types cannot say: `APIError` naming the field at fault."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give either prompt or messages", param="prompt")
+        if self.messages is None:
+            for name in ("add_generation_prompt", "chat_template_kwargs", "tools"):
+                if getattr(self, name) is not None:
+                    raise APIError(f"{name} is for messages, not prompt", param=name)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+    @property
+    def special_tokens_wanted(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
 
 class DetokenizeBody(BaseModel):

@@ -79,6 +79,13 @@ class CompletionWriter:
         entries += [None] * (len(ids) - len(entries))
         return self.prompt_texts[job.prompt_index], ids, entries
 
+    def _generated(self, text: str, ids, entries) -> tuple[str, list[int], list]:
+        """What the engine generated, as the answer shows it: nothing when max_tokens 0 asked
+        for the prompt alone (`echo_only`)."""
+        if self.body.echo_only:
+            return "", [], []
+        return text, list(ids), list(entries)
+
     def _logprobs(self, ids: list[int], entries: list, offset: int) -> dict | None:
         if self.body.logprobs is None:
             return None
@@ -96,13 +103,14 @@ class CompletionWriter:
                 mine.sort(key=lambda g: g.cumulative_logprob, reverse=True)
             for rank, g in enumerate(mine[: self.body.choices_per_prompt]):
                 text, ids, entries = self._echo(g.job, g.prompt_logprobs)
-                logprobs = self._logprobs(ids + g.token_ids, entries + g.logprobs, 0)
-                choice = self._choice(self.choice_index(g.job, rank), text + g.text, logprobs,
+                new_text, new_ids, new_entries = self._generated(g.text, g.token_ids, g.logprobs)
+                logprobs = self._logprobs(ids + new_ids, entries + new_entries, 0)
+                choice = self._choice(self.choice_index(g.job, rank), text + new_text, logprobs,
                                       g.finish_reason)  # fmt: skip
                 choices.append(choice)
         answer = envelope(ident, model, "text_completion", choices)
         # every generated token counts, also best_of's discarded ones
-        generated = sum(g.completion_tokens for g in generations)
+        generated = 0 if self.body.echo_only else sum(g.completion_tokens for g in generations)
         answer["usage"] = usage(sum(map(len, self.prompts)), generated)
         return answer
 
@@ -112,15 +120,15 @@ class CompletionWriter:
         started = [False] * len(jobs)
         generated = [0] * len(jobs)
         async for k, delta in merged_deltas(streams):
-            job, text = jobs[k], delta.text
-            ids, entries = list(delta.token_ids), list(delta.logprobs)
+            job = jobs[k]
+            text, ids, entries = self._generated(delta.text, delta.token_ids, delta.logprobs)
             if not started[k]:
                 started[k] = True
                 echo_text, echo_ids, echo_entries = self._echo(job, delta.prompt_logprobs)
                 text, ids, entries = echo_text + text, echo_ids + ids, echo_entries + entries
             logprobs = self._logprobs(ids, entries, offsets[k])
             offsets[k] += sum(len(self.token_text(t)) for t in ids)
-            generated[k] = delta.completion_tokens
+            generated[k] = 0 if self.body.echo_only else delta.completion_tokens
             choice = self._choice(self.choice_index(job, job.number), text, logprobs,
                                   delta.finish_reason)  # fmt: skip
             yield envelope(ident, model, "text_completion", [choice])

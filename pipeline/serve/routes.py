@@ -2,8 +2,8 @@
 
 A generation route turns a body into prompt token ids and jobs (`pipeline.serve.jobs`), submits
 them to the engine client and hands the streams to a response writer
-(`pipeline.serve.responses`). Besides the OpenAI routes: vLLM's /tokenize, /detokenize and
-/version, Prometheus' /metrics and /health.
+(`pipeline.serve.responses`). Besides the OpenAI routes: vLLM's /tokenize, /detokenize,
+/tokenizer_info and /version, Prometheus' /metrics and /health.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations as objects.
@@ -30,6 +30,7 @@ from pipeline.serve.openai_api import (
 )
 from pipeline.serve.responses import ChatWriter, CompletionWriter, respond
 from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.tokenizer_info import tokenizer_info
 
 
 @dataclass
@@ -47,7 +48,9 @@ class ServedModel:
     @classmethod
     def of(cls, client: EngineClient, name: str) -> "ServedModel":
         """The model behind a started `client`, served as `name`."""
-        codec = Codec(client.tokenizer, client.chat_template, client.ready.vocab_size)
+        ready = client.ready
+        codec = Codec(client.tokenizer, client.chat_template, ready.vocab_size,
+                      ready.tokenizer_path)  # fmt: skip
         return cls(client, name, codec, ServeMetrics(name, lambda: client.load))
 
     @property
@@ -134,18 +137,31 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
 def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
     codec = served.codec
 
+    info: list[dict] = []  # /tokenizer_info's body, made on first request
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
         served.check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError("give either prompt or messages", param="prompt")
+        body.check()
         if body.prompt is not None:
             text = body.prompt
         else:
-            text = codec.chat(body.messages, body.add_generation_prompt is not False)
-        tokens = codec.encode(text)
+            continue_final = bool(body.continue_final_message)
+            add_generation_prompt = not continue_final and body.add_generation_prompt is not False
+            text = codec.chat(body.messages, add_generation_prompt, continue_final=continue_final,
+                              tools=body.tools, extra=body.chat_template_kwargs)  # fmt: skip
+        tokens = codec.encode(text, body.special_tokens_wanted)
+        strs = [codec.token_text(t) for t in tokens] if body.return_token_strs else None
         max_model_len = served.client.ready.max_context
-        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+                "token_strs": strs}  # fmt: skip
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        if not info:
+            path = served.client.ready.tokenizer_path
+            info.append(tokenizer_info(path, codec.tokenizer, codec.template))
+        return info[0]
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):

@@ -22,7 +22,8 @@ NO_EOS = {"ignore_eos": True}  # vLLM's extra: exactly max_tokens, whatever is s
 @pytest.fixture(scope="module")
 def server(tiny_hf_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("openai_server") / "stderr.txt"
-    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--block-size", "8")
+    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--block-size", "8",
+                    "--served-model-name", "tiny_hf0")  # fmt: skip
     yield server
     server.stop()
 
@@ -77,7 +78,8 @@ def test_models_and_an_unknown_model(client) -> None:
         ({"logit_bias": {"7": 101}}, "logit_bias"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"999999": 1}}, "logit_bias"),
-        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n"),
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"best_of": 2, "stream": True}, "best_of"),
@@ -205,6 +207,19 @@ def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
     assert scored.usage.prompt_tokens == len(prompt_ids)
+    # max_tokens 0: the prompt scored alone, its logprobs those of the longer answer
+    alone = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=0,
+                                      echo=True, logprobs=20)  # fmt: skip
+    choice = alone.choices[0]
+    assert choice.text == PROMPT and alone.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs == logprobs.token_logprobs[: len(prompt_ids)]
+    # up to 20 alternatives (by text: tokens that decode alike, byte pieces, share an entry)
+    tops = choice.logprobs.top_logprobs[1:]
+    assert 5 < max(map(len, tops)) <= 21
+    assert all(set(few) <= set(many) for few, many in zip(logprobs.top_logprobs[1:], tops))
+    chunks = list(client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=0,
+                                            echo=True, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
 
 
 def test_best_of_keeps_the_most_likely(client) -> None:
@@ -341,7 +356,13 @@ def test_tokenize_detokenize_and_version(server, tokenizer) -> None:
 
     status, body = raw(server, "POST", "/tokenize", {"model": "tiny_hf0", "prompt": PROMPT})
     ids = encode(tokenizer, PROMPT)
-    assert status == 200 and body == {"count": len(ids), "max_model_len": 2048, "tokens": ids}
+    assert status == 200 and body == {"count": len(ids), "max_model_len": 2048, "tokens": ids,
+                                      "token_strs": None}  # fmt: skip
+    # lm-eval's remote tokenizer: no special tokens, the EOS token's text as its one id
+    request = {"prompt": "<|end_of_text|>", "add_special_tokens": False, "return_token_strs": True}
+    status, body = raw(server, "POST", "/tokenize", request)
+    assert status == 200 and body["tokens"] == [tokenizer.eod]
+    assert body["token_strs"] == ["<|end_of_text|>"]
     status, body = raw(server, "POST", "/detokenize", {"model": "tiny_hf0", "tokens": ids})
     assert status == 200 and body == {"prompt": PROMPT}
     messages = [{"role": "user", "content": "Hi"}]
@@ -350,6 +371,17 @@ def test_tokenize_detokenize_and_version(server, tokenizer) -> None:
         status, body = raw(server, "POST", "/tokenize", request)
         expected = encode(tokenizer, chat_prompt(messages, CHAT_TEMPLATE, generation))
         assert status == 200 and body["tokens"] == expected
+    reply = [*messages, {"role": "assistant", "content": "Hel"}]
+    request = {"messages": reply, "continue_final_message": True, "add_generation_prompt": False}
+    status, body = raw(server, "POST", "/tokenize", request)
+    expected = chat_prompt(reply, CHAT_TEMPLATE, False).removesuffix("\n")
+    assert status == 200 and body["tokens"] == encode(tokenizer, expected)
+    both = {"messages": reply, "continue_final_message": True, "add_generation_prompt": True}
+    assert raw(server, "POST", "/tokenize", both)[1]["error"]["param"] == "continue_final_message"
+    status, info = raw(server, "GET", "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == "<|end_of_text|>"
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert info["chat_template"] == CHAT_TEMPLATE
     assert raw(server, "POST", "/tokenize", {"model": "nope", "prompt": "x"})[0] == 404
     status, body = raw(server, "POST", "/detokenize", {"tokens": [10**6]})
     assert status == 400 and body["error"]["param"] == "tokens"

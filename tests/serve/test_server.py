@@ -97,9 +97,9 @@ def server(tiny_hf_dir, tmp_path_factory):
     server.stop()
 
 
-def test_models_health_and_a_completion(server) -> None:
+def test_models_health_and_a_completion(server, tiny_hf_dir) -> None:
     assert server.get("/health")[1]["status"] == "ok"
-    assert server.get("/v1/models")[1]["data"][0]["id"] == "tiny_hf0"
+    assert server.get("/v1/models")[1]["data"][0]["id"] == str(tiny_hf_dir)  # the path given
     body = {"prompt": "line 3: value", "max_tokens": 8, "temperature": 0}
     status, _, whole = server.post("/v1/completions", body)
     assert status == 200 and whole["choices"][0]["finish_reason"] == "length"
