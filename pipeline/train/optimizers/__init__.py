@@ -87,3 +87,13 @@ register(
         skips_on_device=True,
     )
 )
+
+register(
+    OptimizerSpec(
+        name="muon",
+        builder="pipeline.train.optimizers.muon:build_muon",
+        state_bytes_per_param=4,
+        state="an fp32 momentum per hidden matrix; two fp32 moments (AdamW) for the rest",
+        skips_on_device=False,
+    )
+)
