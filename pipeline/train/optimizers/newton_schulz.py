@@ -160,7 +160,7 @@ def _by_owners(items: list[tuple[Tensor, Tensor]], ns: NewtonSchulz) -> list[Ten
     owners = _owners([param.numel() for param, _ in items], mesh.size())
     fulls = [_gathered(param, update) for param, update in items]
     results = [
-        ns.whole(full) if owner == me else torch.empty(full.shape, dtype=ns.dtype, device=full.device)
+        ns.whole(full).contiguous() if owner == me  # a tall result is a transposed view else torch.empty_like(full, dtype=ns.dtype)
         for full, owner in zip(fulls, owners)
     ]
     # Broadcast as 16-bit integers or bytes: gloo knows no bfloat16.
