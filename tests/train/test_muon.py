@@ -166,3 +166,20 @@ def test_kill_minus_nine_resumes_exactly(tmp_path: Path) -> None:
     resumed = _losses("tiny", [*sets, f"checkpoint.load={tmp_path / 'killed' / 'checkpoints'}"])
     uninterrupted = _losses("tiny", _sets("tiny", tmp_path / "whole", iters=7))
     assert resumed == {step: uninterrupted[step] for step in (6, 7)}
+
+
+def test_dry_run_counts_momentum_on_the_matrices_and_adamw_on_the_rest() -> None:
+    """Muon's state in the estimate: 4 B on the hidden matrices, 8 on the embedding, output
+    layer and norms (the Llama flavor's counts), so the mean lies between."""
+    from pipeline.train.report.estimates import dry_run_report, estimate_memory, parameter_counts
+
+    cfg, adamw = resolve_config("tiny_muon"), resolve_config("tiny")
+    model = cfg.model_config()
+    counts = parameter_counts(model)
+    norms = (2 * model.num_layers + 1) * model.hidden_size
+    hidden = counts.total - counts.embedding - norms
+    state = (4 * hidden + 8 * (counts.total - hidden)) / counts.total
+    muon, reference = estimate_memory(cfg, model), estimate_memory(adamw, model)
+    assert muon.state == pytest.approx(reference.state - 4 * hidden)
+    assert 4 < state < 8
+    assert any(f"4 + 4 + {state:.3g} B/param" in line for line in dry_run_report(cfg))

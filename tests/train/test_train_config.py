@@ -25,6 +25,7 @@ from pipeline.train.report.estimates import dry_run_report, estimate_memory, par
 RECIPES = [
     "deepseek_v3",
     "llama3_2_1b",
+    "llama3_2_1b_muon",
     "llama3_2_1b_sft",
     "llama3_70b",
     "llama3_8b",
@@ -40,6 +41,7 @@ RECIPES = [
     "tiny_grpo_sft",
     "tiny_lora",
     "tiny_moe",
+    "tiny_muon",
     "tiny_qwen3",
     "tiny_qwen3_moe",
     "tiny_sft",

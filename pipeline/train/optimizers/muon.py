@@ -31,9 +31,10 @@ from pipeline.train.optimizers.adamw import param_groups
 from pipeline.train.optimizers.newton_schulz import NewtonSchulz, orthogonalize, shard_layout
 
 if TYPE_CHECKING:
+    from pipeline.core.model.config import ModelConfig
     from pipeline.train.config.schema import TrainConfig
 
-__all__ = ["ADAMW_MODULES", "Muon", "build_muon", "is_hidden_matrix", "muon_param_count"]
+__all__ = ["ADAMW_MODULES", "Muon", "build_muon", "is_hidden_matrix", "state_bytes_per_param"]
 
 ADAMW_MODULES = ("tok_embeddings", "output", "router")
 """Modules whose >=2-D weights AdamW keeps: the embedding, the output layer and the router."""
@@ -47,10 +48,22 @@ def is_hidden_matrix(name: str, param: Tensor) -> bool:
     return param.ndim in (2, 3) and not name.endswith(".bias") and module not in ADAMW_MODULES
 
 
-def muon_param_count(named_shapes: dict[str, tuple[int, ...]]) -> int:
-    """How many of the parameters `named_shapes` (name -> shape) Muon trains."""
-    meta = {name: torch.empty(shape, device="meta") for name, shape in named_shapes.items()}
-    return sum(t.numel() for name, t in meta.items() if is_hidden_matrix(name, t))
+def state_bytes_per_param(cfg: TrainConfig, model: ModelConfig) -> float:
+    """Mean optimizer bytes per trainable parameter of `model` (built on `meta`, LoRA's
+    adapters if `cfg` trains them): 4 (fp32 momentum) on Muon's, 8 (AdamW) on the others."""
+    from pipeline.core.model.transformer import Transformer
+
+    with torch.device("meta"):
+        built = Transformer(model)
+        if cfg.lora.enabled:
+            from pipeline.core.model.lora import apply_lora
+            from pipeline.train.state.lora_run import lora_spec
+
+            built = apply_lora(built, lora_spec(cfg))
+    trained = [(n, p) for n, p in built.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for _, p in trained)
+    hidden = sum(p.numel() for n, p in trained if is_hidden_matrix(n, p))
+    return (4 * hidden + 8 * (total - hidden)) / max(total, 1)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str, shape: torch.Size) -> float:

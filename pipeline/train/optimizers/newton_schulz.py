@@ -159,8 +159,9 @@ def _by_owners(items: list[tuple[Tensor, Tensor]], ns: NewtonSchulz) -> list[Ten
     group, me = mesh.get_group(), mesh.get_local_rank()
     owners = _owners([param.numel() for param, _ in items], mesh.size())
     fulls = [_gathered(param, update) for param, update in items]
+    # Contiguous: a tall matrix's result is a transposed view, and collectives send memory.
     results = [
-        ns.whole(full).contiguous() if owner == me  # a tall result is a transposed view else torch.empty_like(full, dtype=ns.dtype)
+        ns.whole(full).contiguous() if owner == me else torch.empty_like(full, dtype=ns.dtype)
         for full, owner in zip(fulls, owners)
     ]
     # Broadcast as 16-bit integers or bytes: gloo knows no bfloat16.
