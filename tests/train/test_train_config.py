@@ -52,6 +52,7 @@ WORLD_SIZES = {
     "llama3_70b": 32,
     "llama3_2_1b": 8,
     "llama3_2_1b_sft": 8,
+    "llama3_2_1b_muon": 8,
     "mixtral_8x7b": 64,
     "qwen3_8b": 8,
     "qwen3_30b_a3b": 16,
@@ -229,7 +230,7 @@ def test_recipe_loads_and_validates(name):
     if cfg.data.kind == "grpo":  # nor mock prompts
         cfg.data.blend, cfg.data.tokenizer = "out/prompts.jsonl", "out/tokenizer"
     cfg.validate(WORLD_SIZES.get(name))
-    flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
+    flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo").removesuffix("_muon")
     assert cfg.model.flavor == flavor.removesuffix("_grpo")
     assert cfg.lora.enabled == name.endswith("_lora")
     assert cfg.model_config().num_layers > 0
