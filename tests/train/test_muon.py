@@ -101,7 +101,9 @@ def test_one_process_equals_torch_muon_plus_adamw(tmp_path: Path, monkeypatch) -
     monkeypatch.setitem(OPTIMIZERS, "by_hand", spec)
     runs = {}
     for name in ("muon", "by_hand"):
-        sets = _sets("tiny", tmp_path / name, f"optimizer.name={name}", "checkpoint.save_interval=0")
+        sets = _sets(
+            "tiny", tmp_path / name, f"optimizer.name={name}", "checkpoint.save_interval=0"
+        )
         sets.remove("optimizer.muon_ns_dtype=fp32")
         trainer = Trainer(resolve_config("tiny", sets), console=False)
         runs[name] = (trainer.train().losses, dict(trainer.model.named_parameters()))
@@ -132,7 +134,9 @@ def _sharded_newton_schulz(rank: int, world_size: int) -> list[str]:
 def _layout_worker(rank: int, world_size: int, tmp: Path) -> dict:
     """Each of LAYOUTS, then the tp2 checkpoint resumed under dp2: their losses."""
     out: dict = {"sharded_newton_schulz": _sharded_newton_schulz(rank, world_size)}
-    out |= {name: _losses(recipe, _sets(recipe, tmp / name, *extra)) for recipe, name, extra in LAYOUTS}
+    out |= {
+        name: _losses(recipe, _sets(recipe, tmp / name, *extra)) for recipe, name, extra in LAYOUTS
+    }
     checkpoint = tmp / "tp2_duplicated" / "checkpoints" / f"iter_{ITERS:07d}"
     load = [f"checkpoint.load={checkpoint}", "parallel.dp=2"]
     out["tp2 -> dp2"] = _losses("tiny", _sets("tiny", tmp / "resumed", *load, iters=RESUMED))
@@ -142,7 +146,8 @@ def _layout_worker(rank: int, world_size: int, tmp: Path) -> dict:
 @pytest.mark.dist
 def test_layouts_equal_one_process_and_resume_across_layouts(tmp_path: Path) -> None:
     """Distributed Newton-Schulz equals it on the whole matrix; tp2 (duplicated, distributed),
-    dp2 (FSDP2 owners) and ep2 equal one process over 10 steps; the tp2 checkpoint resumes under dp2 and continues as the uninterrupted run."""
+    dp2 (FSDP2 owners) and ep2 equal one process over 10 steps; the tp2 checkpoint resumes
+    under dp2 and continues as the uninterrupted run."""
     reference = {
         recipe: _losses(recipe, _sets(recipe, tmp_path / recipe, iters=RESUMED))
         for recipe in ("tiny", "tiny_moe")

@@ -230,8 +230,8 @@ def test_recipe_loads_and_validates(name):
     if cfg.data.kind == "grpo":  # nor mock prompts
         cfg.data.blend, cfg.data.tokenizer = "out/prompts.jsonl", "out/tokenizer"
     cfg.validate(WORLD_SIZES.get(name))
-    flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo").removesuffix("_muon")
-    assert cfg.model.flavor == flavor.removesuffix("_grpo")
+    flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
+    assert cfg.model.flavor == flavor.removesuffix("_grpo").removesuffix("_muon")
     assert cfg.lora.enabled == name.endswith("_lora")
     assert cfg.model_config().num_layers > 0
 

@@ -205,4 +205,6 @@ def _shard_of(full: Tensor, param: Tensor) -> Tensor:
     """This rank's part of `full`, sharded as `param` is (no communication)."""
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    return distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
