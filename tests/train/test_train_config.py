@@ -25,6 +25,7 @@ from pipeline.train.report.estimates import dry_run_report, estimate_memory, par
 RECIPES = [
     "deepseek_v3",
     "llama3_2_1b",
+    "llama3_2_1b_muon",
     "llama3_2_1b_sft",
     "llama3_70b",
     "llama3_8b",
@@ -40,6 +41,7 @@ RECIPES = [
     "tiny_grpo_sft",
     "tiny_lora",
     "tiny_moe",
+    "tiny_muon",
     "tiny_qwen3",
     "tiny_qwen3_moe",
     "tiny_sft",
@@ -50,6 +52,7 @@ WORLD_SIZES = {
     "llama3_70b": 32,
     "llama3_2_1b": 8,
     "llama3_2_1b_sft": 8,
+    "llama3_2_1b_muon": 8,
     "mixtral_8x7b": 64,
     "qwen3_8b": 8,
     "qwen3_30b_a3b": 16,
@@ -228,7 +231,7 @@ def test_recipe_loads_and_validates(name):
         cfg.data.blend, cfg.data.tokenizer = "out/prompts.jsonl", "out/tokenizer"
     cfg.validate(WORLD_SIZES.get(name))
     flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
-    assert cfg.model.flavor == flavor.removesuffix("_grpo")
+    assert cfg.model.flavor == flavor.removesuffix("_grpo").removesuffix("_muon")
     assert cfg.lora.enabled == name.endswith("_lora")
     assert cfg.model_config().num_layers > 0
 

@@ -96,6 +96,12 @@ def _optimizer_problems(cfg: TrainConfig) -> list[str]:
         problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
+    if not 0 <= o.muon_momentum < 1 or o.muon_num_ns_steps < 1:
+        problems.append("optimizer.muon_momentum must be in [0, 1) and muon_num_ns_steps >= 1")
+    if len(o.muon_ns_coefficients) != 3:
+        problems.append(
+            f"optimizer.muon_ns_coefficients: need three (a, b, c), got {o.muon_ns_coefficients}"
+        )
     return problems
 
 

@@ -210,7 +210,8 @@ class OptimizerSection:
     """Which optimizer, its hyper-parameters, and gradient clipping."""
 
     name: str = "adamw"
-    """An optimizer of the registry (`pipeline.train.optimizers.OPTIMIZERS`): adamw."""
+    """An optimizer of the registry (`pipeline.train.optimizers.OPTIMIZERS`): adamw, muon
+    (Muon for the hidden matrices, AdamW for embeddings, output layer, norms, biases, router)."""
     lr: float = 3e-4
     """Peak learning rate (reached at the end of warmup)."""
     min_lr: float = 3e-5
@@ -225,6 +226,28 @@ class OptimizerSection:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0: no clipping)."""
+    muon_momentum: float = 0.95
+    """Muon: momentum of its buffer (Megatron `--muon-momentum`, torch `momentum`)."""
+    muon_use_nesterov: bool = True
+    """Muon: Nesterov momentum (Megatron `--muon-use-nesterov`, torch `nesterov`; torch's
+    default True, Megatron's False)."""
+    muon_num_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations (Megatron `--muon-num-ns-steps`, torch `ns_steps`)."""
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
+    """Muon: the quintic Newton-Schulz coefficients a, b, c (torch `ns_coefficients`; Keller
+    Jordan's by default)."""
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Muon: the dtype Newton-Schulz computes in (bf16 as torch.optim.Muon; fp32 makes every
+    parallel layout equal one device to fp32 rounding)."""
+    muon_adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon: the learning rate of an m x n matrix, torch's `adjust_lr_fn`: match_rms_adamw
+    (Moonlight, lr * 0.2 * sqrt(max(m, n)): AdamW's lr and weight decay carry over) or
+    original (Keller Jordan, lr * sqrt(max(1, m / n)))."""
+    muon_tp_mode: Literal["duplicated", "distributed", "blockwise"] = "duplicated"
+    """Muon under tensor parallelism (Megatron `--muon-tp-mode`): duplicated (gather each
+    matrix, orthogonalise on every rank) or distributed (keep the shards, all-reduce the Gram
+    matrices), both one device's update; blockwise orthogonalises each shard alone, which
+    CHANGES the update (another optimizer than one device's Muon), for less communication."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from pipeline.train.config.fields import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.core.model.config import ModelConfig
     from pipeline.train.config.schema import TrainConfig
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "build_optimizer", "optimizer_spec", "register"]
@@ -45,6 +46,17 @@ class OptimizerSpec:
     skips_on_device: bool
     """Its step reads `found_inf` on the device and leaves everything untouched when it is 1,
     so a non-finite step costs no host sync; False: the host is asked first, every step."""
+    state_bytes_for: str | None = None
+    """`module:function`, called as `function(cfg, model)`: the mean state bytes per trainable
+    parameter of that model, for an optimizer whose state differs between parameters (Muon:
+    4 on the hidden matrices, 8 on the rest); None: `state_bytes_per_param` for every one."""
+
+    def state_bytes(self, cfg: TrainConfig, model: ModelConfig) -> float:
+        """Mean bytes of optimizer state per trainable parameter of `model` under `cfg`."""
+        if self.state_bytes_for is None:
+            return self.state_bytes_per_param
+        module, _, function = self.state_bytes_for.partition(":")
+        return getattr(importlib.import_module(module), function)(cfg, model)
 
     def build(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
         """The optimizer over `model`'s trainable parameters with `cfg.optimizer`'s settings."""
@@ -87,3 +99,16 @@ register(
         skips_on_device=True,
     )
 )
+
+register(
+    OptimizerSpec(
+        name="muon",
+        builder="pipeline.train.optimizers.muon:build_muon",
+        state_bytes_per_param=4,
+        state="an fp32 momentum on the hidden matrices (4 B), two fp32 moments (AdamW, 8 B) on "
+        "the rest",
+        skips_on_device=False,
+        state_bytes_for="pipeline.train.optimizers.muon:state_bytes_per_param",
+    )
+)
+"""Muon for the hidden matrices, AdamW for the rest (`pipeline.train.optimizers.muon`)."""

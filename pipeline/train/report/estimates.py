@@ -6,7 +6,8 @@ memory model. The memory model is an estimate, stated so it can be checked:
 
 * Training state per trainable parameter, whatever the compute dtype: fp32 weights (4), fp32
   gradients (4) and the optimizer's state, as many bytes as its registry entry declares
-  (`OptimizerSpec.state_bytes_per_param`; AdamW's two fp32 moments: 8, so 16 in all). A LoRA
+  (`OptimizerSpec.state_bytes`; AdamW's two fp32 moments: 8, so 16 in all; Muon's the mean of
+  4 on the hidden matrices and 8 on the rest, counted on the model built on `meta`). A LoRA
   run's frozen base holds its weights only (in `lora.base_dtype`); its adapters hold all three.
   With bf16 the forward/backward runs on bf16 copies gathered one block at a time by FSDP; those
   transient copies are not counted.
@@ -134,10 +135,12 @@ def lora_parameters(cfg: TrainConfig, model: ModelConfig) -> int:
     return sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
 
-def training_bytes_per_param(cfg: TrainConfig) -> float:
-    """Bytes a trainable parameter holds: its fp32 weight and gradient and the state of the
-    optimizer `optimizer.name` chooses (its registry entry says how much)."""
-    return _WEIGHT_BYTES + _GRAD_BYTES + optimizer_spec(cfg.optimizer.name).state_bytes_per_param
+def training_bytes_per_param(cfg: TrainConfig, model: ModelConfig | None = None) -> float:
+    """Bytes a trainable parameter of `model` (unset: `cfg`'s) holds: its fp32 weight and
+    gradient and the state of the optimizer `optimizer.name` chooses (its registry entry says
+    how much; Muon's is a mean over the parameters)."""
+    model = model or cfg.model_config()
+    return _WEIGHT_BYTES + _GRAD_BYTES + optimizer_spec(cfg.optimizer.name).state_bytes(cfg, model)
 
 
 def estimate_memory(
@@ -171,7 +174,7 @@ def estimate_memory(
     per_layer = per_token_layer * tokens * act_bytes
     none = layers_local * per_layer * in_flight + logits
     full = layers_local * (h / p.tp) * tokens * act_bytes * in_flight + per_layer + logits
-    trained_bytes = training_bytes_per_param(cfg)
+    trained_bytes = training_bytes_per_param(cfg, model)
     state = params_local * trained_bytes
     if cfg.lora.enabled:  # a frozen base: weights only; adapters get grads and optimizer state
         base_bytes = 2 if cfg.lora.base_dtype == "bf16" else 4
@@ -254,11 +257,11 @@ def dry_run_report(
         _model_line(cfg, model),
         _data_line(cfg),
         *_layout_lines(cfg, world_size),
-        _optimizer_line(cfg),
+        _optimizer_line(cfg, model),
         _numerics_line(cfg),
         *_parameter_lines(cfg, model),
         *_flop_lines(cfg, model),
-        *_memory_lines(cfg, mem),
+        *_memory_lines(cfg, model, mem),
     ]
     if gpu is not None:
         lines.append(gpu_fit_line(cfg, mem, gpu))
@@ -311,13 +314,13 @@ def _layout_lines(cfg: TrainConfig, world_size: int | None) -> list[str]:
     ]
 
 
-def _optimizer_line(cfg: TrainConfig) -> str:
+def _optimizer_line(cfg: TrainConfig, model: ModelConfig) -> str:
     """`optimizer ...`: the registry entry `optimizer.name` chooses, its state bytes and where
     it skips a non-finite step."""
     spec = optimizer_spec(cfg.optimizer.name)
     where = "on the device" if spec.skips_on_device else "after a host check (one sync a step)"
     return (
-        f"optimizer    {spec.name}: {spec.state}, {spec.state_bytes_per_param:g} B/param of "
+        f"optimizer    {spec.name}: {spec.state}, {spec.state_bytes(cfg, model):.3g} B/param of "
         f"state; a non-finite step is skipped {where}"
     )
 
@@ -362,12 +365,12 @@ def _flop_lines(cfg: TrainConfig, model: ModelConfig) -> list[str]:
     ]
 
 
-def _memory_lines(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
+def _memory_lines(cfg: TrainConfig, model: ModelConfig, mem: MemoryEstimate) -> list[str]:
     """`memory/dev ...`: the training state (what it holds per parameter), activations and
     the totals with and without activation checkpointing."""
     name = cfg.optimizer.name
-    state = optimizer_spec(name).state_bytes_per_param
-    per_param = f"{_WEIGHT_BYTES} + {_GRAD_BYTES} + {state:g} B/param"
+    state = optimizer_spec(name).state_bytes(cfg, model)
+    per_param = f"{_WEIGHT_BYTES} + {_GRAD_BYTES} + {state:.3g} B/param"
     if cfg.lora.enabled:
         held = f"frozen weights + adapters' weights, grads, {name} state ({per_param}) "
     else:
