@@ -42,8 +42,8 @@ from pipeline.serve.messages import (
     StepFailed,
     StepOutputs,
     StopEngine,
-    TokenOutput,
     ToEngine,
+    TokenOutput,
 )
 from pipeline.serve.sampling import SamplingParams
 from pipeline.serve.text import RequestText

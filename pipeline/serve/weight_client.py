@@ -61,8 +61,8 @@ class WeightClient:
                 "shapes": [list(t.shape) for _, t in tensors],
                 "offsets": offsets,
             }
-            answer = self._post("/update_weights",
-                                {"update_info": info, "weight_version": weight_version})  # fmt: skip
+            body = {"update_info": info, "weight_version": weight_version}
+            answer = self._post("/update_weights", body)
         finally:
             segment.close()
             segment.unlink()

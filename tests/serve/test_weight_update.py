@@ -132,8 +132,10 @@ def test_a_bad_push_is_refused_in_one_line_and_the_old_weights_serve(server, cli
     good = dict(_params(tiny_hf_dir))
     name = next(iter(good))
     bad_shape = {**good, name: torch.zeros(3, 3)}
-    for tensors, words in ((bad_shape, [name, "shape [3, 3]"]),
-                           ({"layers.9.nope": torch.zeros(2)}, ["layers.9.nope", "no such"])):
+    for tensors, words in (
+        (bad_shape, [name, "shape [3, 3]"]),
+        ({"layers.9.nope": torch.zeros(2)}, ["layers.9.nope", "no such"]),
+    ):
         with pytest.raises(WeightPushError) as refused:
             client.push(tensors)
         message = str(refused.value)
@@ -158,10 +160,26 @@ def test_load_from_disk_and_pause_abort_refuse_resume(server, client, tiny_hf_di
     assert answers[0][2]["choices"][0]["finish_reason"] == "abort"
     assert server.get("/is_paused")[1] == {"is_paused": True}
     status, headers, refused = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
-    assert status == 503 and {k.lower(): v for k, v in headers.items()}["retry-after"] == "1", refused
+    assert status == 503 and _retry_after(headers) == "1", refused
     assert server.post("/pause?mode=keep", {})[0] == 400
     assert server.post("/resume", {})[2] == {"status": "resumed"}
     assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+def test_a_session_of_pushes_takes_one_version(server, client, second_hf_dir):
+    """TRL's `weight_update()`: start, several pushes, finish with the version's name."""
+    assert server.post("/start_weight_update", {})[0] == 200
+    assert server.post("/start_weight_update", {})[0] == 409
+    for name, tensor in _params(second_hf_dir):
+        client.push({name: tensor})
+    assert server.get("/is_paused")[1] == {"is_paused": True}
+    status, _, done = server.post("/finish_weight_update", {"weight_version": "step-9"})
+    assert status == 200 and done["weight_version"] == "step-9", done
+    assert server.get("/is_paused")[1] == {"is_paused": False}
+    ids = _prompt_ids(second_hf_dir)[2]
+    expected = _hf_logprobs(second_hf_dir, ids)
+    assert _served_logprobs(server, ids) == pytest.approx(expected, abs=1e-5)
+    assert server.post("/finish_weight_update", {})[0] == 400
 
 
 def test_requests_during_a_push_are_never_mixed(server, client, tiny_hf_dir, second_hf_dir):
@@ -187,10 +205,14 @@ def test_requests_during_a_push_are_never_mixed(server, client, tiny_hf_dir, sec
     by_weights = {answer["system_fingerprint"]: _choice(answer) for answer in (old, new)}
     for status, headers, answer in seen:
         if status == 503:
-            assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+            assert _retry_after(headers) == "1"
         else:  # batched with others: equal up to the float sums' order
             text, logprobs = by_weights[answer["system_fingerprint"]]
             assert _choice(answer) == (text, pytest.approx(logprobs, abs=1e-5)), answer
+
+
+def _retry_after(headers: dict) -> str:
+    return {key.lower(): value for key, value in headers.items()}["retry-after"]
 
 
 def _choice(answer: dict) -> tuple[str, list[float]]:
