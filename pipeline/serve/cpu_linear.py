@@ -29,7 +29,11 @@ class PrepackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+        self.repack()
+
+    def repack(self) -> None:
+        """Pack the plain weight again: after it was overwritten in place (new weights)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                               PACKED_FOR_ROWS)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,3 +66,12 @@ def prepack_linears(model: nn.Module) -> int:
                 setattr(parent, name, PrepackedLinear(child))
                 swapped += 1
     return swapped
+
+
+def repack_linears(model: nn.Module) -> int:
+    """Pack again every `PrepackedLinear` of `model` whose plain weight was overwritten in place
+    (`pipe serve` taking new weights without a restart); returns how many."""
+    linears = [module for module in model.modules() if isinstance(module, PrepackedLinear)]
+    for linear in linears:
+        linear.repack()
+    return len(linears)

@@ -235,6 +235,12 @@ class Engine:
                 self._finish(request, "abort")
             self._waiting.clear()
 
+    def weights_changed(self) -> None:
+        """The model's weights were replaced in place (`pipe serve`'s /update_weights): forget
+        every cache entry the old weights computed. The hook for prefix caching, whose cached
+        blocks must not outlive the weights that made them; a no-op while the engine shares
+        blocks only between requests in flight, which the server drains before new weights."""
+
     @property
     def capacity(self) -> int:
         return self.cache.num_blocks * self.cache.block_size

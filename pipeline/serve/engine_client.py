@@ -11,7 +11,9 @@ instead of a growing backlog).
 
 Admission is checked here, with the limits the engine reported when it started: a prompt that
 can never fit is refused at once (`PromptTooLong`), and so is a request beyond the engine's batch
-plus `max_waiting` requests in flight (`QueueFull`: 503 with Retry-After).
+plus `max_waiting` requests in flight (`QueueFull`: 503 with Retry-After), and every request while
+generation is paused for new weights (`GenerationPaused`, also 503 with Retry-After;
+`pipeline.serve.weight_control` pauses, drains and resumes).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pipeline.serve.loading import LoadError, open_tokenizer
 from pipeline.serve.messages import (
     AbortRequest,
     AddRequest,
+    ControlDone,
     Delta,
     EngineExited,
     Failed,
@@ -39,6 +42,7 @@ from pipeline.serve.messages import (
     StepFailed,
     StepOutputs,
     StopEngine,
+    ToEngine,
     TokenOutput,
 )
 from pipeline.serve.sampling import SamplingParams
@@ -47,6 +51,10 @@ from pipeline.serve.text import RequestText
 
 class EngineFailed(RuntimeError):
     """The engine process failed a step or died; the requests in flight are lost."""
+
+
+class GenerationPaused(QueueFull):
+    """Generation is paused (new weights): no new request until it resumes; retry later."""
 
 
 class RequestStream:
@@ -63,6 +71,7 @@ class RequestStream:
         self._error: Exception | None = None
         self._wake = asyncio.Event()
         self._first = True
+        self._cancelled = False
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -70,12 +79,16 @@ class RequestStream:
     async def __anext__(self) -> Delta:
         if self.finish_reason is not None and not self._arrived:
             raise StopAsyncIteration
-        while not self._arrived and self._error is None:
+        while not self._arrived and self._error is None and not self._cancelled:
             self._wake.clear()
             await self._wake.wait()
         if self._error is not None:
             self._close("abort")
             raise self._error
+        if not self._arrived:  # cancelled: a last delta says so
+            self.finish_reason = "abort"
+            return Delta([], "", finish_reason="abort", prompt_tokens=len(self.prompt),
+                         completion_tokens=self.completion_tokens)  # fmt: skip
         arrived, self._arrived = self._arrived, []
         return self._delta(arrived)
 
@@ -84,6 +97,15 @@ class RequestStream:
         if self.finish_reason is None:
             self.client._abort(self.request_id)
             self._close("abort")
+
+    def cancel(self) -> None:
+        """Abort the request from the server's side (a pause that aborts what runs): its
+        consumer gets what already arrived, then a last delta with finish reason "abort"."""
+        if self.finish_reason is None and not self._cancelled:
+            self.client._abort(self.request_id)
+            self.client._forget(self.request_id, "abort")
+            self._cancelled = True
+            self._wake.set()
 
     def _delta(self, arrived: list[TokenOutput]) -> Delta:
         tokens, text = [], ""
@@ -133,6 +155,9 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._dead: Exception | None = None
+        self.paused = False  # new requests get `GenerationPaused`
+        self._drained = asyncio.Event()  # set when the last request in flight has ended
+        self._control: asyncio.Future | None = None  # the engine's answer to a control message
 
     # ---- process life -------------------------------------------------------------------------
 
@@ -199,6 +224,8 @@ class EngineClient:
         """Queue a request; `PromptTooLong` if it can never fit, `QueueFull` over capacity."""
         if self._dead is not None:
             raise self._dead
+        if self.paused:
+            raise GenerationPaused("generation is paused for new weights; retry after resume")
         ready = self.ready
         problem = fit_problem(len(prompt), params.max_new_tokens, ready.max_context,
                               ready.block_size, ready.cache_blocks)  # fmt: skip
@@ -212,6 +239,29 @@ class EngineClient:
         self._pipe.send(AddRequest(stream.request_id, stream.prompt, params))
         return stream
 
+    def cancel_all(self) -> None:
+        """Abort every request in flight (`RequestStream.cancel`)."""
+        for stream in list(self._streams.values()):
+            stream.cancel()
+
+    async def drained(self) -> None:
+        """Return once no request is in flight (those running finish as they would)."""
+        while self._streams:
+            self._drained.clear()
+            await self._drained.wait()
+
+    async def control(self, message: ToEngine) -> ControlDone:
+        """Send a control message (new weights, a cache reset) and wait for the engine's
+        answer; the caller has drained the engine and sends one at a time."""
+        if self._dead is not None:
+            raise self._dead
+        self._control = asyncio.get_running_loop().create_future()
+        self._pipe.send(message)
+        try:
+            return await self._control
+        finally:
+            self._control = None
+
     def _abort(self, request_id: int) -> None:
         if request_id in self._streams:
             self._pipe.send(AbortRequest(request_id))
@@ -219,6 +269,8 @@ class EngineClient:
     def _forget(self, request_id: int, reason: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self.finish_counts[reason] += 1
+            if not self._streams:
+                self._drained.set()
 
     # ---- the engine's messages ---------------------------------------------------------------
 
@@ -250,11 +302,16 @@ class EngineClient:
                 stream._fail(PromptTooLong(message.message))
         elif isinstance(message, EngineExited):
             self._fail_all(EngineFailed("the engine process exited"))
+        elif isinstance(message, ControlDone):
+            if self._control is not None and not self._control.done():
+                self._control.set_result(message)
         elif isinstance(message, StepFailed):
             self._fail_all(EngineFailed(f"generation step failed: {message.message}"), dead=False)
 
     def _fail_all(self, error: Exception, dead: bool = True) -> None:
         if dead:
             self._dead = error
+            if self._control is not None and not self._control.done():
+                self._control.set_exception(error)
         for stream in list(self._streams.values()):
             stream._fail(error)

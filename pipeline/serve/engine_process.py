@@ -23,14 +23,17 @@ from multiprocessing.connection import Connection
 from pipeline.serve.messages import (
     AbortRequest,
     AddRequest,
+    ControlDone,
     Failed,
     LoadReport,
     Ready,
     Rejected,
+    ResetPrefixCache,
     StepFailed,
     StepOutputs,
     StopEngine,
     TokenOutput,
+    UpdateWeights,
 )
 
 log = logging.getLogger(__name__)
@@ -168,9 +171,13 @@ def _step(engine, requests: dict, client_ids: dict, pipe: Connection) -> None:
             requests.pop(client_ids.pop(event.request), None)
 
 
-def _handle(engine, requests: dict, client_ids: dict, message: AddRequest | AbortRequest,
-            pipe: Connection) -> None:  # fmt: skip
-    if isinstance(message, AddRequest):
+def _handle(engine, requests: dict, client_ids: dict, message, pipe: Connection) -> None:
+    if isinstance(message, UpdateWeights):
+        pipe.send(_update_weights(engine, message))
+    elif isinstance(message, ResetPrefixCache):
+        engine.weights_changed()
+        pipe.send(ControlDone())
+    elif isinstance(message, AddRequest):
         try:
             request = engine.add(message.prompt, message.params)
         except ValueError as error:  # PromptTooLong and bad values: the server checks first
@@ -183,6 +190,22 @@ def _handle(engine, requests: dict, client_ids: dict, message: AddRequest | Abor
         if request is not None:
             client_ids.pop(request, None)
             engine.abort(request)
+
+
+def _update_weights(engine, message: UpdateWeights) -> ControlDone:
+    """New weights in place (`pipeline.serve.weight_update`); the server drained the engine
+    first, so no request sees both the old weights and the new."""
+    from pipeline.serve.weight_update import WeightUpdateError, update_weights
+
+    try:
+        update_weights(engine.model, message)
+    except WeightUpdateError as error:
+        return ControlDone(str(error))
+    except Exception as error:  # noqa: BLE001 - the server must hear of it, not hang
+        log.exception("weight update failed")
+        return ControlDone(f"weight update failed: {error}")
+    engine.weights_changed()
+    return ControlDone()
 
 
 def _output(request_id: int, event) -> TokenOutput:

@@ -39,7 +39,27 @@ class StopEngine:
     """Exit the engine process: the HTTP server has drained its requests."""
 
 
-ToEngine = AddRequest | AbortRequest | StopEngine
+@dataclass(frozen=True)
+class UpdateWeights:
+    """Replace the model's weights in place (the HTTP process has drained the engine first):
+    from the checkpoint or Hugging Face directory at `path`, or from the tensors a training
+    process wrote into the shared-memory segment `shm_name` (tensor i: `names[i]`, of
+    `dtype_names[i]` and `shapes[i]`, at byte `offsets[i]`). Answered by `ControlDone`."""
+
+    path: str | None = None
+    shm_name: str | None = None
+    names: tuple[str, ...] = ()
+    dtype_names: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    offsets: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every cached prompt block (`Engine.weights_changed`). Answered by `ControlDone`."""
+
+
+ToEngine = AddRequest | AbortRequest | StopEngine | UpdateWeights | ResetPrefixCache
 
 
 # ---- from the engine process --------------------------------------------------------------------
@@ -124,7 +144,17 @@ class EngineExited:
     it, so that the end reaches the event loop as one more message."""
 
 
-FromEngine = Ready | Failed | StepOutputs | LoadReport | Rejected | StepFailed | EngineExited
+@dataclass(frozen=True)
+class ControlDone:
+    """The answer to `UpdateWeights` or `ResetPrefixCache`: `error` is None when it was done,
+    else one line naming the tensor or path at fault (and nothing was changed)."""
+
+    error: str | None = None
+
+
+FromEngine = (
+    Ready | Failed | StepOutputs | LoadReport | Rejected | StepFailed | EngineExited | ControlDone
+)
 
 
 # ---- to the HTTP routes -------------------------------------------------------------------------

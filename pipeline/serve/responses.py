@@ -35,15 +35,22 @@ def error_response(message: str, status: int, param: str | None = None,
 
 
 async def respond(writer, ident: str, model: str, jobs: list[Job], streams: list, stream: bool,
-                  is_disconnected: Callable[[], Awaitable[bool]]):  # fmt: skip
-    """The answer, as server-sent events or whole (499 if the client went away meanwhile)."""
+                  is_disconnected: Callable[[], Awaitable[bool]],
+                  fingerprint: str | None = None):  # fmt: skip
+    """The answer, as server-sent events or whole (499 if the client went away meanwhile), each
+    object with `fingerprint` as its `system_fingerprint` (which weights answered)."""
     if stream:
-        chunks = writer.chunks(ident, model, jobs, streams)
+        chunks = _fingerprinted(writer.chunks(ident, model, jobs, streams), fingerprint)
         return StreamingResponse(_events(chunks), media_type="text/event-stream")
     generations = await gather_generations(jobs, streams, is_disconnected)
     if generations is None:
         return error_response("client disconnected", 499)
-    return writer.whole(ident, model, generations)
+    return {**writer.whole(ident, model, generations), "system_fingerprint": fingerprint}
+
+
+async def _fingerprinted(chunks: AsyncIterator[dict], fingerprint: str | None):
+    async for chunk in chunks:
+        yield {**chunk, "system_fingerprint": fingerprint}
 
 
 async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:

@@ -3,7 +3,8 @@
 A generation route turns a body into prompt token ids and jobs (`pipeline.serve.jobs`), submits
 them to the engine client and hands the streams to a response writer
 (`pipeline.serve.responses`). Besides the OpenAI routes: vLLM's /tokenize, /detokenize,
-/tokenizer_info and /version, Prometheus' /metrics and /health.
+/tokenizer_info and /version, its weight-transfer routes (`pipeline.serve.weight_routes`),
+Prometheus' /metrics and /health.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations as objects.
@@ -31,12 +32,15 @@ from pipeline.serve.openai_api import (
 from pipeline.serve.responses import ChatWriter, CompletionWriter, respond
 from pipeline.serve.sampling import SamplingParams
 from pipeline.serve.tokenizer_info import tokenizer_info
+from pipeline.serve.weight_control import WeightControl
+from pipeline.serve.weight_routes import add_weight_routes
 
 
 @dataclass
 class ServedModel:
     """What the routes share: the engine client, the name the model is served under, its
-    tokenizer (`codec`), the metrics and when the server started."""
+    tokenizer (`codec`), the metrics, when the server started and its weights' version and
+    pause state (`weights`)."""
 
     client: EngineClient
     name: str
@@ -44,6 +48,10 @@ class ServedModel:
     metrics: ServeMetrics
     started: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
+    weights: WeightControl = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.weights = WeightControl(self.client)
 
     @classmethod
     def of(cls, client: EngineClient, name: str) -> "ServedModel":
@@ -78,6 +86,7 @@ def add_routes(app: FastAPI, served: ServedModel) -> None:
     _add_status_routes(app, served)
     _add_generation_routes(app, served)
     _add_token_routes(app, served)
+    add_weight_routes(app, served.weights)
 
 
 def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
@@ -104,7 +113,8 @@ def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
     async def models():
         entry = {"id": served.name, "object": "model", "created": served.started,
                  "owned_by": "pipe", "root": served.name,
-                 "max_model_len": client.ready.max_context}  # fmt: skip
+                 "max_model_len": client.ready.max_context,
+                 "weight_version": served.weights.version}  # fmt: skip
         return {"object": "list", "data": [entry]}
 
 
@@ -120,7 +130,8 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         streams = submit_jobs(served.submit, jobs, "prompt")
         writer = CompletionWriter(body, prompts, served.codec.token_text)
         return await respond(writer, served.new_id("cmpl"), served.name, jobs, streams,
-                             body.stream, http.is_disconnected)  # fmt: skip
+                             body.stream, http.is_disconnected,
+                             served.weights.fingerprint)  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
@@ -131,7 +142,8 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         streams = submit_jobs(served.submit, jobs, "messages")
         writer = ChatWriter(body, len(prompt), served.codec.token_text)
         return await respond(writer, served.new_id("chatcmpl"), served.name, jobs, streams,
-                             body.stream, http.is_disconnected)  # fmt: skip
+                             body.stream, http.is_disconnected,
+                             served.weights.fingerprint)  # fmt: skip
 
 
 def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
