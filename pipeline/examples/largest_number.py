@@ -25,9 +25,8 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.common.atomic import atomic_file, atomic_path, write_json
-from pipeline.examples.stdlib_chat import CHAT_TEMPLATE
-from pipeline.examples.stdlib_corpus import BOS, EOS
+from pipeline.common.atomic import atomic_file
+from pipeline.examples.stdlib_corpus import train_tokenizer
 
 NUMBERS_PER_QUESTION = 4
 
@@ -99,31 +98,17 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 def train_digit_tokenizer(texts: list[str], output_dir: Path, vocab_size: int = 320) -> Path:
     """A byte-level BPE tokenizer of `texts` in which every digit is a token of its own (so a
     number is read digit by digit), with BOS/EOS and the example chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import pre_tokenizers
 
-    tokenizer = Tokenizer(models.BPE(ignore_merges=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    split = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.Punctuation(),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(output_dir / "tokenizer.json") as temporary:
-        tokenizer.save(str(temporary))
-    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
-              "chat_template": CHAT_TEMPLATE}  # fmt: skip
-    write_json(output_dir / "tokenizer_config.json", config)
-    return output_dir
+    return train_tokenizer(texts, output_dir, vocab_size, pre_tokenizer=split)
 
 
 def main() -> None:

@@ -83,15 +83,19 @@ def iter_texts(corpus: str | os.PathLike) -> Iterator[str]:
 
 
 def train_tokenizer(
-    texts: Iterator[str] | list[str], output_dir: str | os.PathLike, vocab_size: int = 8192
+    texts: Iterator[str] | list[str],
+    output_dir: str | os.PathLike,
+    vocab_size: int = 8192,
+    pre_tokenizer: object | None = None,
 ) -> Path:
     """Train a byte-level BPE tokenizer in Llama 3's style (same split regex, BOS/EOS specials)
     and save `tokenizer.json` + `tokenizer_config.json` (with a chat template, for fine-tuning:
-    `stdlib_chat`); returns the directory."""
+    `stdlib_chat`); returns the directory. `pre_tokenizer` (a `tokenizers` pre-tokenizer)
+    replaces Llama 3's split, e.g. to keep every digit a token of its own."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(ignore_merges=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    tokenizer.pre_tokenizer = pre_tokenizer or pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
