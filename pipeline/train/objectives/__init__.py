@@ -113,18 +113,23 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
                         f"{len(g.reward_funcs)} reward_funcs")  # fmt: skip
     if cfg.model.mtp_num_layers:
         problems.append("data.kind = grpo trains no multi-token prediction: model.mtp_num_layers 0")
+    if g.rollout_server and cfg.lora.enabled:
+        problems.append("grpo.rollout_server pushes whole weights: train without --lora, or "
+                        "leave grpo.rollout_server empty")  # fmt: skip
     return problems
 
 
 def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]:
     """The rollout engine's weights (a copy unless the engine runs on the policy itself: one
     fp32 process, not compiled; see `grpo_rollout`) and its KV cache, sized for every
-    completion of this rank's prompts at once."""
+    completion of this rank's prompts at once; nothing with a rollout server."""
     import torch
 
     from pipeline.core.model.flavors import num_parameters
     from pipeline.serve.kv_cache import bytes_per_token
 
+    if cfg.grpo.rollout_server:  # the server holds them
+        return 0.0, ""
     bf16 = cfg.training.dtype == "bf16"
     compile_, device = cfg.training.compile, cfg.training.device
     compiled = compile_ or (compile_ is None and device != "cpu")  # unset: on unless a CPU

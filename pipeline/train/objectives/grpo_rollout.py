@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Rollouts", "RolloutModel", "completion_seed", "rollout_rows"]
+__all__ = ["Rollouts", "RolloutModel", "completion_seed", "named_full_tensors", "rollout_rows"]
 
 
 def completion_seed(seed: int, sample: int, generation: int) -> int:
@@ -78,11 +78,8 @@ class RolloutModel:
         engine runs on the policy itself."""
         if self.shared:
             return
-        from torch.distributed.tensor import DTensor
-
         target = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
-        for name, tensor in _named_tensors(self.policy):
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        for name, full in named_full_tensors(self.policy):
             if name in target:
                 target[name].copy_(full)
 
@@ -162,9 +159,13 @@ def _is_plain(model: torch.nn.Module) -> bool:
     return not compiled and not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _named_tensors(model: torch.nn.Module):
-    yield from model.named_parameters()
-    yield from model.named_buffers()
+def named_full_tensors(model: torch.nn.Module):
+    """(name, whole tensor) of each parameter and buffer of `model`: a sharded (DTensor) one
+    gathered, which every rank of its mesh must ask for at the same point."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _plain_copy(
