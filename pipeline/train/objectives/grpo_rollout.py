@@ -10,10 +10,11 @@ rank gathers the full weights together, then generates its own prompts alone). A
 copy carries the same adapters, so the copy is the adapted model.
 
 With bf16 training the copy is in bf16, as `pipe serve` holds a model on a GPU, and the engine
-runs outside the training step's autocast: under autocast every decoding step would pay the
-casts of the fp32 weights and cache entries (the first GPU run measured rollouts in the step at
-0.85x the engine alone for that reason), while the copy is cast once per step, when refreshed,
-and reads half the bytes.
+runs outside the training step's autocast: under autocast every decoding step pays casts (the
+fp32 KV cache read back and cast at every layer, activations around every matmul; extra
+kernels in a loop bound by kernel launches; the first GPU run measured rollouts in the step at
+0.85x the engine alone), while the copy is cast once per step, when refreshed, and its KV cache
+is bf16: half the bytes.
 
 Sampling is reproducible whatever the layout: completion `g` of the prompt at global sample
 index `s` draws from its own generator, seeded by (training.seed, s, g) (`completion_seed`). A
