@@ -42,7 +42,7 @@ def parse_lora_module(text: str) -> tuple[str, str]:
             entry = json.loads(text)
             return str(entry["name"]), str(entry["path"])
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"--lora-modules {text!r}: JSON needs \"name\" and \"path\"") from None
+            raise ValueError(f'--lora-modules {text!r}: JSON needs "name" and "path"') from None
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--lora-modules {text!r}: use name=path or JSON")

@@ -78,7 +78,12 @@ class UnloadLoRA:
 
 
 ToEngine = (
-    AddRequest | AbortRequest | StopEngine | UpdateWeights | ResetPrefixCache | LoadLoRA
+    AddRequest
+    | AbortRequest
+    | StopEngine
+    | UpdateWeights
+    | ResetPrefixCache
+    | LoadLoRA
     | UnloadLoRA
 )
 
@@ -167,8 +172,9 @@ class EngineExited:
 
 @dataclass(frozen=True)
 class ControlDone:
-    """The answer to `UpdateWeights`, `ResetPrefixCache`, `LoadLoRA` or `UnloadLoRA`: `error` is None when it was done,
-    else one line naming the tensor or path at fault (and nothing was changed)."""
+    """The answer to `UpdateWeights`, `ResetPrefixCache`, `LoadLoRA` or `UnloadLoRA`: `error` is
+    None when it was done, else one line naming the tensor or path at fault (and nothing was
+    changed)."""
 
     error: str | None = None
 

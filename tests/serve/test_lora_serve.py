@@ -94,7 +94,7 @@ def test_auto_peft_loads_the_export_with_pipes_logits(tiny_hf_dir, exported, tmp
     ours = open_generator(base, lora_adapter=adapters["a"]).model.eval()
     with torch.no_grad():
         difference = (ours.logits(probe).float() - theirs(input_ids=probe).logits).abs().max()
-        plain = (open_generator(base).model.logits(probe).float() - theirs(input_ids=probe).logits)
+        plain = open_generator(base).model.logits(probe).float() - theirs(input_ids=probe).logits
     assert difference < 1e-4
     assert plain.abs().max() > 1e-2  # the adapters matter
 
@@ -182,5 +182,7 @@ def test_load_and_unload_while_requests_run(exported, server) -> None:
         400, "The lora adapter 'c' has already been loaded.")  # fmt: skip
     assert error(server, load, {"lora_name": "d"}) == (
         400, "Both 'lora_name' and 'lora_path' must be provided.")  # fmt: skip
-    status, message = error(server, load, {"lora_name": "d", "lora_path": str(adapters["a"].parent)})
+    status, message = error(
+        server, load, {"lora_name": "d", "lora_path": str(adapters["a"].parent)}
+    )
     assert status == 400 and str(adapters["a"].parent) in message

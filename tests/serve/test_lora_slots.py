@@ -18,6 +18,7 @@ from pipeline.tokenizer.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 PROMPTS = ["line 3: value", "def f(x):", "import os"]
 NEW_TOKENS = 8
@@ -42,7 +43,8 @@ def hf_greedy(model, ids: list[int]) -> list[int]:
     tensor = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor),
-                             max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)  # fmt: skip
+                             max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0)  # fmt: skip
     return out[0, len(ids) :].tolist()
 
 
