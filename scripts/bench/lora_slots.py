@@ -1,5 +1,5 @@
-"""Batched LoRA on a CPU: the two ways `pipeline.serve.lora_slots.batched_lora` computes each
-row's adapter update, timed on one decode step's shapes.
+"""Batched LoRA on a CPU: the two ways `pipeline.serve.lora_slots` can compute each row's
+adapter update (`gathered_lora`, `grouped_lora`), timed on one decode step's shapes.
 
 "gather" makes one batched product over every row's gathered A and B; "grouped" one product per
 adapter over the rows that use it. For each width (the 60M serving-benchmark model's 512 and an
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.serve.lora_slots import batched_lora
+from pipeline.serve.lora_slots import gathered_lora, grouped_lora
 
 
 def timed(fn, repeats: int) -> float:
@@ -42,10 +42,11 @@ def case(width: tuple[int, int], rows: int, adapters: int, rank: int, tokens: in
     x = torch.randn(rows, tokens, inp, generator=generator)
     chosen = [adapters if i % 4 == 3 else i % adapters for i in range(rows)]
     index = torch.tensor(chosen)
-    active = frozenset(chosen) - {adapters}
+    groups = {s: torch.tensor([i for i, c in enumerate(chosen) if c == s])
+              for s in sorted(set(chosen) - {adapters})}  # fmt: skip
     repeats = 200 if inp < 2048 else 30
-    return tuple(timed(lambda m=m: batched_lora(x, a, b, index, active, m), repeats)
-                 for m in ("gather", "grouped"))  # fmt: skip
+    return (timed(lambda: gathered_lora(x, a, b, index), repeats),
+            timed(lambda: grouped_lora(x, a, b, groups), repeats))  # fmt: skip
 
 
 def main() -> None:

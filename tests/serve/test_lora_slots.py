@@ -12,7 +12,7 @@ import torch
 
 from pipeline.serve.engine_process import build_engine
 from pipeline.serve.loading import open_generator
-from pipeline.serve.lora_slots import LoRASlotError, LoRASlots, batched_lora
+from pipeline.serve.lora_slots import LoRASlotError, LoRASlots, gathered_lora, grouped_lora
 from pipeline.serve.sampling import SamplingParams
 from pipeline.tokenizer.tokenizer import load_tokenizer
 
@@ -124,8 +124,9 @@ def test_gather_and_grouped_agree() -> None:
     a, b = torch.randn(4, 6, 16, generator=generator), torch.randn(4, 12, 6, generator=generator)
     a[3], b[3] = 0, 0  # the zero slot
     rows = torch.tensor([0, 3, 2, 0, 1])
-    gathered = batched_lora(x, a, b, rows, frozenset({0, 1, 2}), "gather")
-    grouped = batched_lora(x, a, b, rows, frozenset({0, 1, 2}), "grouped")
+    gathered = gathered_lora(x, a, b, rows)
+    groups = {0: torch.tensor([0, 3]), 1: torch.tensor([4]), 2: torch.tensor([2])}
+    grouped = grouped_lora(x, a, b, groups)
     torch.testing.assert_close(gathered, grouped)
     torch.testing.assert_close(grouped[1], torch.zeros(3, 12))
     torch.testing.assert_close(grouped[4], x[4] @ a[1].T @ b[1].T)
