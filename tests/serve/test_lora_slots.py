@@ -143,3 +143,34 @@ def test_adapters_that_do_not_fit_are_refused(tiny_hf_dir, adapters, tmp_path) -
     slots.register("a", str(paths["a"]))
     with pytest.raises(LoRASlotError, match="'a' has already been loaded"):
         slots.register("a", str(paths["a"]))
+
+
+def test_lora_modules_take_vllms_forms() -> None:
+    """`--lora-modules a=X b=Y` (several after one flag, as vLLM's), repeated, and vLLM's JSON
+    form; a bad entry or a repeated name is one line naming it."""
+    import click
+    from click.testing import CliRunner
+
+    from pipeline.serve.lora_options import adapter_settings, lora_options
+
+    @click.command()
+    @click.argument("checkpoint")
+    @lora_options
+    def command(checkpoint: str, **options) -> None:
+        fields, runtime = adapter_settings(options)
+        click.echo(repr((checkpoint, fields["lora_modules"], fields["max_loras"], runtime)))
+
+    json_form = '{"name": "c", "path": "/z", "base_model_name": "m"}'
+    args = ["base", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--lora-modules",
+            json_form]  # fmt: skip
+    result = CliRunner().invoke(command, args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
+    assert result.output.strip() == repr(("base", (("a", "/x"), ("b", "/y"), ("c", "/z")), 2,
+                                          False))  # fmt: skip
+    assert "('base', (), 0, False)" in CliRunner().invoke(command, ["base"]).output
+    enabled = CliRunner().invoke(command, ["base", "--allow-runtime-lora-updating"])
+    assert "('base', (), 1, True)" in enabled.output
+    for bad, message in ((["a"], "'a': use name=path or JSON"),
+                         (["a=/x", "a=/y"], "names 'a' twice"),
+                         (['{"name": "a"}'], 'JSON needs "name" and "path"')):  # fmt: skip
+        result = CliRunner().invoke(command, ["base", "--lora-modules", *bad])
+        assert result.exit_code == 2 and message in result.output, result.output
