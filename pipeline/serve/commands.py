@@ -24,6 +24,7 @@ from pipeline.core.parallel.process_group import (
 )
 
 DTYPES = ("auto", "fp32", "bf16")
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")  # pipeline.serve.tool_parsers' formats
 
 
 def model_options(command):
@@ -256,6 +257,20 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
     "--model-name", "--served-model-name", "model_name", default=None,
     help="The model's name in /v1/models and the answers (default: CHECKPOINT as given).",
 )  # fmt: skip
+@click.option(
+    "--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+    help="How the model writes tool calls (vLLM's names): llama3_json (Llama 3.x JSON), hermes "
+    "(Hermes/Qwen <tool_call> tags), pythonic ([f(x=1)]).",
+)  # fmt: skip
+@click.option(
+    "--enable-auto-tool-choice", is_flag=True,
+    help='Serve tool_choice "auto" (the default when a request has tools): the reply is read '
+    "for calls by --tool-call-parser.",
+)  # fmt: skip
+@click.option(
+    "--access-log/--no-access-log", default=False, show_default=True,
+    help="One line per HTTP request on stderr (client, method, path, status).",
+)  # fmt: skip
 def serve(checkpoint: str, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
     in a process of its own."""
@@ -266,7 +281,17 @@ def serve(checkpoint: str, **options: Any) -> None:
         raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
     from pipeline.serve.loading import LoadError
     from pipeline.serve.server import run_server
+    from pipeline.serve.startup import adapter_hint
+    from pipeline.serve.tool_calls import ToolServing
 
+    hint = adapter_hint(checkpoint)
+    if hint is not None:
+        raise click.ClickException(hint)
+    try:
+        options["tools"] = ToolServing(options.pop("tool_call_parser"),
+                                       options.pop("enable_auto_tool_choice"))  # fmt: skip
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
     spec = engine_spec(checkpoint, options)
     options["model_name"] = options["model_name"] or checkpoint
     try:

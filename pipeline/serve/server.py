@@ -31,9 +31,10 @@ from pipeline.serve.engine_client import EngineClient
 from pipeline.serve.engine_process import EngineSpec
 
 
-def create_app(client: EngineClient, model_name: str):
+def create_app(client: EngineClient, model_name: str, tools=None):
     """The FastAPI application serving the engine behind `client` (module docstring): the engine
-    client delivers on the server's event loop while it runs and is stopped when it ends."""
+    client delivers on the server's event loop while it runs and is stopped when it ends.
+    `tools`: the `ToolServing` options (tool-call parser), None for none."""
     from fastapi import FastAPI
 
     from pipeline.serve.http_errors import add_error_handlers
@@ -48,17 +49,30 @@ def create_app(client: EngineClient, model_name: str):
     app = FastAPI(lifespan=lifespan)
     app.state.engine_client = client
     add_error_handlers(app)
-    add_routes(app, ServedModel.of(client, model_name))
+    add_routes(app, ServedModel.of(client, model_name, tools))
     return app
 
 
 def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
-               model_name: str | None) -> None:  # fmt: skip
-    """Load the model in the engine process, then serve until SIGTERM / Ctrl-C, drain the
-    requests in flight and return. `LoadError` if the model cannot be loaded."""
+               model_name: str | None, tools=None, access_log: bool = False) -> None:  # fmt: skip
+    """Take the address, load the model in the engine process, then serve until SIGTERM /
+    Ctrl-C, drain the requests in flight and return. `LoadError` if the model cannot be
+    loaded; a click error at once if the address is taken (`pipeline.serve.startup`)."""
     import uvicorn
 
-    client = EngineClient(spec, max_waiting)
-    ready = client.start()
-    app = create_app(client, model_name or ready.name)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    from pipeline.serve.startup import announce, bind_socket, enable_access_log, startup_line
+
+    with bind_socket(host, port) as sock:
+        client = EngineClient(spec, max_waiting)
+        name = model_name or client.start().name
+        config = uvicorn.Config(create_app(client, name, tools), log_level="warning",
+                                access_log=access_log)  # fmt: skip
+        if access_log:
+            enable_access_log()
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                announce(startup_line(sock, name))
+
+        Server(config).run(sockets=[sock])
