@@ -194,7 +194,8 @@ class ChatWriter:
         for job in jobs:
             first = {"index": job.number, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}  # fmt: skip
-            yield with_usage(envelope(ident, model, kind, [first]), self.body, self.prompt_tokens, 0)
+            first_chunk = envelope(ident, model, kind, [first])
+            yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
         generated = [0] * len(jobs)
         tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
         async for k, delta in merged_deltas(streams):

@@ -64,7 +64,8 @@ def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
 
     with bind_socket(host, port) as sock:
         client = EngineClient(spec, max_waiting)
-        name = model_name or client.start().name
+        ready = client.start()
+        name = model_name or ready.name
         config = uvicorn.Config(create_app(client, name, tools), log_level="warning",
                                 access_log=access_log)  # fmt: skip
         if access_log:

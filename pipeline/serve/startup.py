@@ -61,9 +61,14 @@ def adapter_hint(checkpoint: str) -> str | None:
 
 
 def enable_access_log() -> None:
-    """uvicorn's access log (one line per request: client, method, path, status) on stderr,
-    while its other messages stay at warnings."""
-    logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    """uvicorn's access log (one line per request: client, method, path, status) on stderr
+    beside pipe's own lines (uvicorn writes it to stdout), while its other messages stay at
+    warnings. Call after uvicorn configured its logging (`uvicorn.Config`)."""
+    access = logging.getLogger("uvicorn.access")
+    access.setLevel(logging.INFO)
+    for handler in access.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
 
 
 def announce(line: str) -> None:

@@ -4,6 +4,7 @@ back, made ready for a chat template. `pipeline.serve.tool_calls` decides what t
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Literal
 
@@ -27,10 +28,8 @@ def template_tool_calls(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]
     for call in tool_calls:
         function = call.get("function")
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
+            with contextlib.suppress(ValueError):  # not JSON: the template gets the text
                 function = {**function, "arguments": json.loads(function["arguments"])}
-            except ValueError:
-                pass
             call = {**call, "function": function}
         out.append(call)
     return out

@@ -93,3 +93,9 @@ def test_parallel_tool_calls_false_keeps_the_first() -> None:
     stream = ToolCallStream(TOOL_PARSERS["hermes"](), max_calls=1)
     _, calls = stream.push(text)
     assert calls_of(calls + stream.finish()[1]) == [("get_weather", WEATHER)]
+
+
+def test_the_cli_offers_every_parser() -> None:
+    from pipeline.serve.commands import TOOL_CALL_PARSERS
+
+    assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
