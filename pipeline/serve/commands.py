@@ -220,8 +220,8 @@ def engine_options(command):
         ),
         click.option(
             "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
-            help="CPU threads of the engine process; 0: every core (fewer leave cores to the "
-            "server).",
+            help="CPU threads of the engine process; 0: every core but one (that one left to "
+            "the HTTP server, as vLLM's CPU build does).",
         ),
     ]  # fmt: skip
     for option in reversed(options):

@@ -11,8 +11,9 @@ numbers them.
 
 Over capacity (the engine's batch full and `max_waiting` more in flight) a request gets 503 with
 Retry-After instead of a longer queue. Every error is OpenAI's `{"error": {...}}` body
-(`pipeline.serve.http_errors`): 400 for a malformed body (bad JSON, unknown fields, values out of
-range, a prompt too long for the context) with the field at fault as `param`, 404 for an unknown
+(`pipeline.serve.http_errors`): 400 for a malformed body (bad JSON, values out of range, a prompt
+too long for the context; unknown fields are ignored and logged, as vLLM does) with the field at
+fault as `param`, 404 for an unknown
 model or path, 405 for a wrong method. A client that disconnects has its requests aborted, which
 frees their batch slots and cache blocks at the next token boundary. On SIGTERM uvicorn stops
 accepting connections and waits for the requests in flight; then the engine process is told to
