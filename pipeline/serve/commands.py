@@ -26,6 +26,7 @@ from pipeline.core.parallel.process_group import (
 from pipeline.serve.lora_options import adapter_settings, lora_options
 
 DTYPES = ("auto", "fp32", "bf16")
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")  # pipeline.serve.tool_parsers' formats
 
 
 def model_options(command):
@@ -221,8 +222,8 @@ def engine_options(command):
         ),
         click.option(
             "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
-            help="CPU threads of the engine process; 0: every core (fewer leave cores to the "
-            "server).",
+            help="CPU threads of the engine process; 0: every core but one (that one left to "
+            "the HTTP server, as vLLM's CPU build does).",
         ),
     ]  # fmt: skip
     for option in reversed(options):
@@ -259,6 +260,20 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
     help="The model's name in /v1/models and the answers (default: CHECKPOINT as given).",
 )  # fmt: skip
 @lora_options
+@click.option(
+    "--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+    help="How the model writes tool calls (vLLM's names): llama3_json (Llama 3.x JSON), hermes "
+    "(Hermes/Qwen <tool_call> tags), pythonic ([f(x=1)]).",
+)  # fmt: skip
+@click.option(
+    "--enable-auto-tool-choice", is_flag=True,
+    help='Serve tool_choice "auto" (the default when a request has tools): the reply is read '
+    "for calls by --tool-call-parser.",
+)  # fmt: skip
+@click.option(
+    "--access-log/--no-access-log", default=False, show_default=True,
+    help="One line per HTTP request on stderr (client, method, path, status).",
+)  # fmt: skip
 def serve(checkpoint: str, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
     in a process of its own."""
@@ -269,7 +284,17 @@ def serve(checkpoint: str, **options: Any) -> None:
         raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
     from pipeline.serve.loading import LoadError
     from pipeline.serve.server import run_server
+    from pipeline.serve.startup import adapter_hint
+    from pipeline.serve.tool_calls import ToolServing
 
+    hint = adapter_hint(checkpoint)
+    if hint is not None:
+        raise click.ClickException(hint)
+    try:
+        options["tools"] = ToolServing(options.pop("tool_call_parser"),
+                                       options.pop("enable_auto_tool_choice"))  # fmt: skip
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
     adapters, runtime_lora = adapter_settings(options)
     spec = dataclasses.replace(engine_spec(checkpoint, options), **adapters)
     options["model_name"] = options["model_name"] or checkpoint

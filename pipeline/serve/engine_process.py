@@ -72,13 +72,15 @@ def batch_for_cache(cache_blocks: int) -> int:
 
 
 def engine_threads() -> int:
-    """The engine's CPU threads by default: every core this process may use. On a CPU a decode
-    step is bound by reading the weights, and a second core nearly halves it (8.0 ms against 14.6
-    ms a step on the serving benchmark's model at batch 1, two cores against one), far more than
-    the HTTP process's share of a core costs it. `--engine-threads` sets fewer, to leave cores
-    to the server (vLLM's CPU build reserves one for its front end)."""
+    """The engine's CPU threads by default: every core this process may use but one, which is
+    left to the HTTP process (as vLLM's CPU build reserves one for its front end). On a quiet
+    machine a second core nearly halves a decode step (8.0 ms against 14.6 ms on the serving
+    benchmark's model at batch 1), but with one more busy process on the machine every core to
+    the engine made requests 3.5-5.7x slower at one client and 20-26x slower at eight than one
+    thread on 2 cores (scripts/bench/engine_threads.py, README): torch's threads wait for the
+    one that shares its core at every product. `--engine-threads N` sets another number."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores or 1)
+    return max(1, (cores or 1) - 1)
 
 
 def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,

@@ -16,6 +16,7 @@ from pipeline.serve.engine import PromptTooLong
 from pipeline.serve.messages import Delta
 from pipeline.serve.openai_api import APIError
 from pipeline.serve.sampling import SamplingParams, TokenLogprobs
+from pipeline.serve.token_limits import check_token_limit
 
 
 @dataclass
@@ -61,6 +62,7 @@ def plan_jobs(body, prompts: list[list[int]], token_budget: int,
     """Each prompt's jobs with their parameters (`body.sampling`); a bad value is a 400."""
     jobs = []
     for index, prompt in enumerate(prompts):
+        check_token_limit(body, len(prompt), token_budget)
         for number in range(body.generations_per_prompt):
             try:
                 params = body.sampling(len(prompt), token_budget, eos_ids, number)

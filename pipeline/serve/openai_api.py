@@ -1,8 +1,9 @@
 """The OpenAI-compatible request bodies and response objects of `pipe serve`.
 
 Bodies follow OpenAI's documented fields, plus the extras vLLM accepts (`top_k`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`). They forbid unknown fields, as OpenAI does
-(vLLM only warns): a misspelt parameter is a 400 naming it rather than silently ignored. `null`
+`repetition_penalty`, `ignore_eos`, `stop_token_ids`) and the chat body's tool fields
+(`pipeline.serve.tool_fields`). Unknown fields are ignored and logged once, as vLLM does
+(`pipeline.serve.lenient`). `null`
 for an optional field means its default. Errors are OpenAI's `{"error": {...}}` body with vLLM's
 type names ("BadRequestError", "NotFoundError") and the field at fault as `param`.
 
@@ -18,9 +19,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from pipeline.serve.lenient import LenientModel
 from pipeline.serve.sampling import MAX_LOGPROBS, SamplingParams
+from pipeline.serve.tool_fields import ToolFields, template_tool_calls
 from pipeline.tokenizer.chat_template import ChatTemplate, chat_prompt  # noqa: F401 - re-exported
 
 ERROR_TYPES = {
@@ -55,18 +58,16 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
-class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
-
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(LenientModel):
+    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices;
+    vLLM's `continuous_usage_stats` (with it) puts the usage so far on every chunk."""
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
-class _Body(BaseModel):
+class _Body(LenientModel):
     """The fields completions and chat share."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -93,6 +94,11 @@ class _Body(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk (vLLM's `continuous_usage_stats`)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def check(self, vocab_size: int) -> None:
         """What one field's type cannot say: `APIError` naming the field at fault."""
@@ -220,10 +226,8 @@ class CompletionBody(_Body):
         return self.logprobs if self.echo else None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(LenientModel):
     """One message; `content` is text or a list of parts (only text parts are supported)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -237,7 +241,7 @@ class ChatMessage(BaseModel):
     function_call: dict[str, Any] | None = None
 
 
-class ChatBody(_Body):
+class ChatBody(_Body, ToolFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -262,12 +266,10 @@ class ChatBody(_Body):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(LenientModel):
     """POST /tokenize (vLLM's): a prompt, or chat messages rendered by the template, with
     vLLM's fields. `add_special_tokens` (the tokenizer's own, e.g. BOS) defaults as in vLLM:
     on for a prompt, off for messages (the template writes them)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
@@ -301,10 +303,8 @@ class TokenizeBody(BaseModel):
         return self.messages is None
 
 
-class DetokenizeBody(BaseModel):
+class DetokenizeBody(LenientModel):
     """POST /detokenize (vLLM's): token ids back to text."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
@@ -337,9 +337,11 @@ def template_messages(messages: Sequence[ChatMessage], template: ChatTemplate | 
             "role": developer if message.role == "developer" else message.role,
             "content": _text_content(message.content, index),
         }
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(message, key) is not None:
                 entry[key] = getattr(message, key)
+        if message.tool_calls is not None:
+            entry["tool_calls"] = template_tool_calls(message.tool_calls)
         plain.append(entry)
     return plain
 

@@ -24,6 +24,7 @@ from pipeline.serve.openai_api import (
     error_body,
     usage,
 )
+from pipeline.serve.tool_calls import ToolReply
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ async def respond(writer, ident: str, model: str, jobs: list[Job], streams: list
     if generations is None:
         return error_response("client disconnected", 499)
     return {**writer.whole(ident, model, generations), "system_fingerprint": fingerprint}
+
+
+def with_usage(chunk: dict, body, prompt_tokens: int, completion_tokens: int) -> dict:
+    """`chunk` with the usage so far when the body asked for it on every chunk (vLLM's
+    `continuous_usage_stats`: that choice's tokens, as vLLM counts them)."""
+    if body.continuous_usage:
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+    return chunk
 
 
 async def _fingerprinted(chunks: AsyncIterator[dict], fingerprint: str | None):
@@ -141,7 +150,8 @@ class CompletionWriter:
             generated[k] = 0 if self.body.echo_only else delta.completion_tokens
             choice = self._choice(self.choice_index(job, job.number), text, logprobs,
                                   delta.finish_reason)  # fmt: skip
-            yield envelope(ident, model, "text_completion", [choice])
+            chunk = envelope(ident, model, "text_completion", [choice])
+            yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
         if self.body.include_usage:
             last = envelope(ident, model, "text_completion", [])
             last["usage"] = usage(sum(map(len, self.prompts)), sum(generated))
@@ -151,8 +161,16 @@ class CompletionWriter:
 class ChatWriter:
     """The /v1/chat/completions answer of one body, whole or as chunks."""
 
-    def __init__(self, body: ChatBody, prompt_tokens: int, token_text: Callable) -> None:
+    def __init__(self, body: ChatBody, prompt_tokens: int, token_text: Callable,
+                 tools: ToolReply | None = None) -> None:  # fmt: skip
+        """`tools`: how to read the reply into tool calls (None: plain text)."""
         self.body, self.prompt_tokens, self.token_text = body, prompt_tokens, token_text
+        self.tools = tools
+
+    def _message(self, g: Generation) -> tuple[dict, str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": g.text}, g.finish_reason
+        return self.tools.message(g.text, g.finish_reason)
 
     def _logprobs(self, ids: list[int], entries: list) -> dict | None:
         if not self.body.logprobs:
@@ -161,15 +179,12 @@ class ChatWriter:
 
     def whole(self, ident: str, model: str, generations: list[Generation]) -> dict:
         """The whole answer: one assistant message per choice."""
-        choices = [
-            {
-                "index": g.job.number,
-                "message": {"role": "assistant", "content": g.text},
-                "logprobs": self._logprobs(g.token_ids, g.logprobs),
-                "finish_reason": g.finish_reason,
-            }
-            for g in generations
-        ]
+        choices = []
+        for g in generations:
+            message, finish_reason = self._message(g)
+            choices.append({"index": g.job.number, "message": message,
+                            "logprobs": self._logprobs(g.token_ids, g.logprobs),
+                            "finish_reason": finish_reason})  # fmt: skip
         answer = envelope(ident, model, "chat.completion", choices)
         generated = sum(g.completion_tokens for g in generations)
         answer["usage"] = usage(self.prompt_tokens, generated)
@@ -182,15 +197,24 @@ class ChatWriter:
         for job in jobs:
             first = {"index": job.number, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None}  # fmt: skip
-            yield envelope(ident, model, kind, [first])
+            first_chunk = envelope(ident, model, kind, [first])
+            yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
         generated = [0] * len(jobs)
+        tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
         async for k, delta in merged_deltas(streams):
             generated[k] = delta.completion_tokens
-            content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            finish_reason = delta.finish_reason
+            if tool_streams is None:
+                content = {"content": delta.text} if delta.text or not finish_reason else {}
+            else:
+                content, finish_reason = tool_streams[k].delta(delta.text, finish_reason)
+                if not content and finish_reason is None and not self.body.logprobs:
+                    continue
             choice = {"index": jobs[k].number, "delta": content,
                       "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
-                      "finish_reason": delta.finish_reason}  # fmt: skip
-            yield envelope(ident, model, kind, [choice])
+                      "finish_reason": finish_reason}  # fmt: skip
+            chunk = envelope(ident, model, kind, [choice])
+            yield with_usage(chunk, self.body, self.prompt_tokens, generated[k])
         if self.body.include_usage:
             last = envelope(ident, model, kind, [])
             last["usage"] = usage(self.prompt_tokens, sum(generated))

@@ -33,6 +33,7 @@ from pipeline.serve.openai_api import (
 from pipeline.serve.responses import ChatWriter, CompletionWriter, respond
 from pipeline.serve.sampling import SamplingParams
 from pipeline.serve.tokenizer_info import tokenizer_info
+from pipeline.serve.tool_calls import ToolServing
 from pipeline.serve.weight_control import WeightControl
 from pipeline.serve.weight_routes import add_weight_routes
 
@@ -40,13 +41,14 @@ from pipeline.serve.weight_routes import add_weight_routes
 @dataclass
 class ServedModel:
     """What the routes share: the engine client, the name the model is served under, its
-    tokenizer (`codec`), the metrics, when the server started and its weights' version and
-    pause state (`weights`)."""
+    tokenizer (`codec`), the metrics, the tool options (`tools`), when the server started and
+    its weights' version and pause state (`weights`)."""
 
     client: EngineClient
     name: str
     codec: Codec
     metrics: ServeMetrics
+    tools: ToolServing = field(default_factory=ToolServing)
     started: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
     weights: WeightControl = field(init=False, repr=False)
@@ -57,12 +59,14 @@ class ServedModel:
         self.adapters = ServedAdapters(self.client)
 
     @classmethod
-    def of(cls, client: EngineClient, name: str) -> "ServedModel":
-        """The model behind a started `client`, served as `name`."""
+    def of(cls, client: EngineClient, name: str,
+           tools: ToolServing | None = None) -> "ServedModel":  # fmt: skip
+        """The model behind a started `client`, served as `name` (with `tools` options)."""
         ready = client.ready
         codec = Codec(client.tokenizer, client.chat_template, ready.vocab_size,
                       ready.tokenizer_path)  # fmt: skip
-        return cls(client, name, codec, ServeMetrics(name, lambda: client.load))
+        metrics = ServeMetrics(name, lambda: client.load)
+        return cls(client, name, codec, metrics, tools or ToolServing())
 
     @property
     def token_budget(self) -> int:
@@ -151,10 +155,11 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     async def chat_completions(http: HTTPRequest, body: ChatBody):
         lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
-        prompt = served.codec.encode(served.codec.chat(body.messages))
+        tools = served.tools.reply(body)
+        prompt = served.codec.encode(served.codec.chat(body.messages, tools=body.tools))
         jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids)
         streams = submit_jobs(served.submitter(lora), jobs, "messages")
-        writer = ChatWriter(body, len(prompt), served.codec.token_text)
+        writer = ChatWriter(body, len(prompt), served.codec.token_text, tools)
         return await respond(writer, served.new_id("chatcmpl"), lora or served.name, jobs,
                              streams, body.stream, http.is_disconnected,
                              served.weights.fingerprint)  # fmt: skip

@@ -11,8 +11,9 @@ numbers them.
 
 Over capacity (the engine's batch full and `max_waiting` more in flight) a request gets 503 with
 Retry-After instead of a longer queue. Every error is OpenAI's `{"error": {...}}` body
-(`pipeline.serve.http_errors`): 400 for a malformed body (bad JSON, unknown fields, values out of
-range, a prompt too long for the context) with the field at fault as `param`, 404 for an unknown
+(`pipeline.serve.http_errors`): 400 for a malformed body (bad JSON, values out of range, a prompt
+too long for the context; unknown fields are ignored and logged, as vLLM does) with the field at
+fault as `param`, 404 for an unknown
 model or path, 405 for a wrong method. A client that disconnects has its requests aborted, which
 frees their batch slots and cache blocks at the next token boundary. On SIGTERM uvicorn stops
 accepting connections and waits for the requests in flight; then the engine process is told to
@@ -31,11 +32,12 @@ from pipeline.serve.engine_client import EngineClient
 from pipeline.serve.engine_process import EngineSpec
 
 
-def create_app(client: EngineClient, model_name: str, runtime_lora: bool = False):
+def create_app(client: EngineClient, model_name: str, tools=None, runtime_lora: bool = False):
     """The FastAPI application serving the engine behind `client` (module docstring): the engine
-    client delivers on the server's event loop while it runs and is stopped when it ends. The
-    engine's adapters are served by name (`pipeline.serve.lora_routes`), loaded and unloaded
-    while serving when `runtime_lora`."""
+    client delivers on the server's event loop while it runs and is stopped when it ends.
+    `tools`: the `ToolServing` options (tool-call parser), None for none. The engine's adapters
+    are served by name (`pipeline.serve.lora_routes`), loaded and unloaded while serving when
+    `runtime_lora`."""
     from fastapi import FastAPI
 
     from pipeline.serve.http_errors import add_error_handlers
@@ -50,7 +52,7 @@ def create_app(client: EngineClient, model_name: str, runtime_lora: bool = False
     app = FastAPI(lifespan=lifespan)
     app.state.engine_client = client
     add_error_handlers(app)
-    served = ServedModel.of(client, model_name)
+    served = ServedModel.of(client, model_name, tools)
     served.adapters.paths.update(dict(client.spec.lora_modules))
     served.adapters.runtime_updates = runtime_lora
     add_routes(app, served)
@@ -58,12 +60,27 @@ def create_app(client: EngineClient, model_name: str, runtime_lora: bool = False
 
 
 def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
-               model_name: str | None, runtime_lora: bool = False) -> None:  # fmt: skip
-    """Load the model in the engine process, then serve until SIGTERM / Ctrl-C, drain the
-    requests in flight and return. `LoadError` if the model cannot be loaded."""
+               model_name: str | None, tools=None, access_log: bool = False,
+               runtime_lora: bool = False) -> None:  # fmt: skip
+    """Take the address, load the model in the engine process, then serve until SIGTERM /
+    Ctrl-C, drain the requests in flight and return. `LoadError` if the model cannot be
+    loaded; a click error at once if the address is taken (`pipeline.serve.startup`)."""
     import uvicorn
 
-    client = EngineClient(spec, max_waiting)
-    ready = client.start()
-    app = create_app(client, model_name or ready.name, runtime_lora)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    from pipeline.serve.startup import announce, bind_socket, enable_access_log, startup_line
+
+    with bind_socket(host, port) as sock:
+        client = EngineClient(spec, max_waiting)
+        ready = client.start()
+        name = model_name or ready.name
+        config = uvicorn.Config(create_app(client, name, tools, runtime_lora), log_level="warning",
+                                access_log=access_log)  # fmt: skip
+        if access_log:
+            enable_access_log()
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets)
+                announce(startup_line(sock, name))
+
+        Server(config).run(sockets=[sock])

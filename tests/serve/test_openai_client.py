@@ -23,7 +23,7 @@ NO_EOS = {"ignore_eos": True}  # vLLM's extra: exactly max_tokens, whatever is s
 def server(tiny_hf_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("openai_server") / "stderr.txt"
     server = Server(tiny_hf_dir, log, "--max-batch", "8", "--block-size", "8",
-                    "--served-model-name", "tiny_hf0")  # fmt: skip
+                    "--served-model-name", "tiny_hf0", "--access-log")  # fmt: skip
     yield server
     server.stop()
 
@@ -68,6 +68,13 @@ def test_models_and_an_unknown_model(client) -> None:
     assert answer.model == "tiny_hf0"
 
 
+def test_startup_line_and_access_log(server, client) -> None:
+    client.models.list()
+    log = server.log.read_text()
+    assert f"pipe serve: listening on http://127.0.0.1:{server.port}, model tiny_hf0\n" in log
+    assert '"GET /v1/models HTTP/1.1" 200' in log
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
@@ -84,7 +91,6 @@ def test_models_and_an_unknown_model(client) -> None:
         ({"best_of": 1, "n": 2}, "best_of"),
         ({"best_of": 2, "stream": True}, "best_of"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"extra_body": {"temprature": 0.5}}, "temprature"),
         ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
         ({"prompt": [[]]}, "prompt"),
         ({"prompt": [10**6]}, "prompt"),

@@ -137,11 +137,14 @@ def test_chat_uses_the_tokenizer_template(server, tiny_hf_dir) -> None:
     ("path", "body", "message"),
     [
         ("/v1/completions", '{"prompt": "x", ', "JSON decode error"),
-        ("/v1/completions", {"prompt": "x", "temprature": 0}, "temprature: Extra inputs"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": "word " * 1500, "max_tokens": 8}, "context of 2048"),
+        (
+            "/v1/completions",
+            {"prompt": "word " * 1500, "max_tokens": 8},
+            "maximum context length is 2048",
+        ),
         ("/v1/completions", {"max_tokens": 8}, "prompt: Field required"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "role"),
