@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.serve.sampling import MAX_LOGPROBS, SamplingParams
+from pipeline.serve.structured_output import StructuredOutput, StructuredOutputError
+from pipeline.serve.structured_request import structured_output_of
 from pipeline.tokenizer.chat_template import ChatTemplate, chat_prompt  # noqa: F401 - re-exported
 
 ERROR_TYPES = {
@@ -85,6 +87,13 @@ class _Body(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool | None = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # structured output: OpenAI's field, vLLM's, and vLLM's older ones (structured_request)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def choices_per_prompt(self) -> int:
@@ -104,6 +113,14 @@ class _Body(BaseModel):
             _token_id(key, vocab_size, "logit_bias")
         for token in self.stop_token_ids or []:
             _token_id(token, vocab_size, "stop_token_ids")
+        self.structured_output()
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint the body asks for (`structured_request`); APIError naming the field."""
+        try:
+            return structured_output_of(self)
+        except StructuredOutputError as error:
+            raise APIError(str(error), param=error.param) from None
 
     def requested_tokens(self) -> int | None:
         """max_tokens as asked (None: up to the context)."""
@@ -144,6 +161,7 @@ class _Body(BaseModel):
             logit_bias=bias,
             logprobs=self.logprobs_wanted(),
             prompt_logprobs=self.prompt_logprobs_wanted(),
+            structured_output=self.structured_output(),
         )
 
     def prompt_logprobs_wanted(self) -> int | None:

@@ -32,7 +32,12 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 class StructuredOutputError(ValueError):
-    """A constraint that cannot be built (the message says why); a 400 at the API."""
+    """A constraint that cannot be built (the message says why); a 400 at the API naming
+    `param`, the request field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def import_llguidance():
