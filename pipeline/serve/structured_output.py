@@ -44,7 +44,6 @@ def import_llguidance():
     """llguidance, or a one-line error naming the extra that installs it."""
     try:
         import llguidance
-        import llguidance.torch  # noqa: F401 - the bitmask helpers, used below
     except ImportError:
         raise StructuredOutputError(
             "structured output needs llguidance: pip install 'pipe-llm[structured]'"
@@ -186,13 +185,14 @@ class GrammarBackend:
         asking = [i for i, row in enumerate(rows) if row.params.structured_output is not None]
         if not asking:
             return
-        import llguidance.torch as llt
-
-        bitmask = llt.allocate_token_bitmask(len(asking), self.vocab_size)
+        # llguidance writes each row's bits straight into the tensor (its torch helpers would
+        # import torch._dynamo, seconds at the first request, for the same two calls)
+        bitmask = torch.zeros(len(asking), -(-self.vocab_size // 32), dtype=torch.int32)
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
         for slot, index in enumerate(asking):
             guide = self.guide(rows[index])
             guide.catch_up(rows[index].output)
-            llt.fill_next_token_bitmask(guide.matcher, bitmask, slot)
+            guide.matcher.unsafe_compute_mask_ptr(bitmask[slot].data_ptr(), row_bytes)
             if not bitmask[slot].any():  # a stopped or failed matcher: end the row
                 self._allow_stop(bitmask[slot], rows[index].params.stop_token_ids)
         logits[asking] = masked(logits[asking], bitmask.to(logits.device))

@@ -155,3 +155,110 @@ def test_a_bad_constraint_is_refused_at_add(gen) -> None:
     no_tokenizer = Engine(gen.model, max_batch=2)
     with pytest.raises(ValueError, match="tokenizer.json"):
         no_tokenizer.add([1, 2], SamplingParams(structured_output=StructuredOutput("json_object")))
+
+
+# ---- through the official client ---------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "line 3: value"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_hf_dir, tmp_path_factory):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from tests.serve.test_server import Server
+
+    log = tmp_path_factory.mktemp("structured_server") / "stderr.txt"
+    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--served-model-name", "tiny",
+                    "--engine-threads", "1")  # fmt: skip
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                        max_retries=0, timeout=120)  # fmt: skip
+    server.stop()
+
+
+def test_response_format_json_schema_through_the_client(client) -> None:
+    schema = {"name": "person", "schema": PERSON, "strict": True}
+    response_format = {"type": "json_schema", "json_schema": schema}
+    answer = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=80, seed=5, n=4,
+        response_format=response_format,
+    )  # fmt: skip
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, seed=5)
+    assert not _parses(plain.choices[0].message.content)
+
+
+def test_response_format_text_changes_nothing(client) -> None:
+    asked = dict(model="tiny", messages=MESSAGES, max_tokens=12, seed=9, logprobs=True)
+    plain = client.chat.completions.create(**asked)
+    text = client.chat.completions.create(**asked, response_format={"type": "text"})
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    assert text.choices[0].logprobs == plain.choices[0].logprobs
+
+
+@pytest.mark.parametrize(
+    ("extra", "matches"),
+    [
+        ({"structured_outputs": {"choice": ["alpha", "beta gamma"]}}, r"alpha|beta gamma"),
+        ({"structured_outputs": {"regex": "[0-9]{2}:[a-z]{3}"}}, r"[0-9]{2}:[a-z]{3}"),
+        ({"guided_choice": ["up", "down"]}, r"up|down"),  # vLLM before 0.12
+        ({"response_format": {"type": "json_object"}, "max_tokens": 400}, None),
+    ],
+    ids=["choice", "regex", "guided_choice", "json_object"],
+)
+def test_vllm_fields_on_completions(client, extra, matches) -> None:
+    extra = {"max_tokens": 40, **extra}
+    max_tokens = extra.pop("max_tokens")
+    answer = client.completions.create(model="tiny", prompt="line 3: value", seed=1, n=3,
+                                       max_tokens=max_tokens, extra_body=extra)  # fmt: skip
+    for choice in answer.choices:
+        if matches is None:  # unbounded keys: a random model may run out of tokens first
+            assert choice.text.startswith("{") and (
+                choice.finish_reason == "length" or isinstance(json.loads(choice.text), dict)
+            )
+        else:
+            assert choice.finish_reason == "stop" and re.fullmatch(matches, choice.text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                    },
+                }
+            },
+            "response_format",
+        ),  # fmt: skip
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+    ids=["type", "schema", "regex", "two_keys", "two_fields"],
+)
+def test_bad_constraints_are_400s_naming_the_field(client, extra, param) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                       extra_body=extra)  # fmt: skip
+    assert caught.value.body["param"] == param
+    assert "\n" not in caught.value.body["message"]
