@@ -4,11 +4,15 @@ llguidance and outlines-core, on the same JSON schema and tokenizers.
 For each engine and tokenizer it prints: the one-off tokenizer preparation (per server), the
 schema's compile time (no cache; llguidance compiles lazily, so its figure is the matcher's
 construction plus its first mask), and the per-token cost of constrained decoding: fill the
-token bitmask, apply it to a row of logits, accept the token, averaged over the tokens of a JSON
-instance of the schema. Two tokenizers: a tiny byte-level BPE (600 tokens, the tests' kind,
-trained here) and Llama 3's (128,256 tokens, from the shared data folder).
+token bitmask and accept the token, averaged over the tokens of a JSON instance of the schema,
+best of the runs (the apply step, pipe's own `masked`, is timed once for all). Two
+tokenizers: a tiny byte-level BPE (600 tokens, the tests' kind, trained here) and Llama 3's
+(128,256 tokens, from the shared data folder). Then pipe's engine on a random Llama-shaped model
+over the larger tokenizer: ms per decode step with every row plain, and with half the rows held
+to the schema in the same batch, and from those the cost per constrained token.
 
-    python scripts/bench/grammar_engines.py [--llama3 DIR] [--repeat 5]
+    pip install xgrammar llguidance outlines-core   # xgrammar: --no-deps, then apache-tvm-ffi
+    python scripts/bench/grammar_engines.py [--llama3 DIR] [--repeat 5] [--engines llguidance]
 """
 
 from __future__ import annotations
@@ -194,6 +198,86 @@ def _byte_level_alphabet() -> dict[int, str]:
     return table
 
 
+def masked_cost(vocab: int, rows: int, repeat: int) -> float:
+    """Seconds to apply a bitmask to `rows` rows of logits with pipe's `masked`."""
+    import torch
+
+    from pipeline.serve.structured_output import masked
+
+    logits = torch.randn(rows, vocab)
+    # a JSON structure state: a few allowed tokens (random bits would cost ~3x more, by the
+    # CPU's mispredicted branches, but no grammar state looks like that)
+    bitmask = torch.zeros(rows, -(-vocab // 32), dtype=torch.int32)
+    bitmask[:, :3] = -1
+    runs = []
+    for _ in range(repeat * 10):
+        start = time.perf_counter()
+        masked(logits, bitmask)
+        runs.append(time.perf_counter() - start)
+    return min(runs)
+
+
+def engine_cost(tokenizer: Path, args: argparse.Namespace) -> None:
+    """ms per decode step of pipe's engine on a random Llama-shaped model over `tokenizer`: a
+    batch of plain rows, then the same batch with half its rows held to `SCHEMA`; the extra time
+    over the constrained row-steps is the cost per constrained token."""
+    import shutil
+
+    import torch
+
+    from pipeline.common.quiet import import_transformers
+    from pipeline.serve.engine import Engine
+    from pipeline.serve.loading import open_generator
+    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.structured_output import GrammarBackend, StructuredOutput
+
+    transformers = import_transformers()
+    with tempfile.TemporaryDirectory() as directory:
+        vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
+        vocab_size = len(vocab) + 256
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+            num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+            max_position_embeddings=1024, eos_token_id=None, bos_token_id=None,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+        shutil.copy(tokenizer, Path(directory) / "tokenizer.json")
+        gen = open_generator(directory)
+        grammars = GrammarBackend.from_path(tokenizer, vocab_size, gen.eos_ids)
+    prompt = gen.tokenizer.encode_batch(["line 3: value"])[0]
+    schema = StructuredOutput.json_schema(SCHEMA)
+    batch, steps = args.batch, args.steps
+    timings = {}
+    for label, constrained in (("plain", 0), ("mixed", batch // 2)):
+        best = float("inf")
+        for _ in range(args.repeat):
+            engine = Engine(gen.model, max_batch=batch, cache_blocks=4096, grammars=grammars)
+            for row in range(batch):  # no stop token: every row runs all the steps
+                structured = schema if row < constrained else None
+                engine.add(prompt, SamplingParams(max_new_tokens=steps + 1, seed=row,
+                                                  structured_output=structured))  # fmt: skip
+            engine.step()  # the prefill, and each matcher's first mask
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            best = min(best, (time.perf_counter() - start) / steps)
+        timings[label] = best
+    extra = (timings["mixed"] - timings["plain"]) / (batch // 2)
+    print(
+        f"engine, vocab {vocab_size}, {args.layers} layers x {args.hidden}, batch {batch}, "
+        f"{steps} decode steps (best of {args.repeat}):"
+    )
+    print(
+        f"  ms/step all plain: {timings['plain'] * 1e3:.2f}; half the rows held to the "
+        f"schema: {timings['mixed'] * 1e3:.2f}"
+    )
+    print(
+        f"  ms per token: plain row {timings['plain'] / batch * 1e3:.3f}, constrained row "
+        f"{(timings['plain'] / batch + extra) * 1e3:.3f} (+{extra * 1e3:.3f})"
+    )
+
+
 ENGINES = {"xgrammar": bench_xgrammar, "llguidance": bench_llguidance,
            "outlines-core": bench_outlines}  # fmt: skip
 
@@ -203,6 +287,10 @@ def main() -> None:
     parser.add_argument("--llama3", type=Path, default=DATA / "tokenizers" / "llama3")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--batch", type=int, default=16, help="engine rows (half constrained)")
+    parser.add_argument("--steps", type=int, default=32, help="engine decode steps timed")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
@@ -226,6 +314,9 @@ def main() -> None:
                 row = ENGINES[name](path, vocab, eos, tokens, args.repeat)
                 print(f"{label:16} {name:14} {row['prepare']:10.2f} {row['compile'] * 1e3:11.1f} "
                       f"{row['token'] * 1e6:9.1f}")  # fmt: skip
+            apply = masked_cost(vocab, 1, args.repeat)
+            print(f"{label:16} {'apply (pipe)':14} {'':10} {'':11} {apply * 1e6:9.1f}")
+        engine_cost(paths[list(paths)[-1]], args)
 
 
 if __name__ == "__main__":
