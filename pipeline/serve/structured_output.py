@@ -141,6 +141,7 @@ class GrammarBackend:
         self.tokenizer_json, self.vocab_size = tokenizer_json, vocab_size
         self.eos_ids = sorted(eos_ids)
         self._tokenizer = None
+        self._checked: set[StructuredOutput] = set()  # n choices of a request check once
 
     @classmethod
     def from_path(cls, tokenizer: str | Path, vocab_size: int,
@@ -166,9 +167,14 @@ class GrammarBackend:
 
     def check(self, output: StructuredOutput) -> None:
         """`StructuredOutputError` if `output` cannot be built for this tokenizer."""
+        if output in self._checked:
+            return
         error = import_llguidance().LLMatcher.validate_grammar(output.grammar(), self.tokenizer)
         if error:
             raise StructuredOutputError(error.strip().splitlines()[0])
+        if len(self._checked) > 1024:
+            self._checked.clear()
+        self._checked.add(output)
 
     def guide(self, row) -> RowGuide:
         """The row's matcher, made at its first constrained step."""
