@@ -30,6 +30,11 @@ DTYPES = ("bfloat16", "float16", "float32")
     "--peft", is_flag=True,
     help="A LoRA checkpoint's adapters as Hugging Face PEFT files (peft, vLLM's --lora-modules).",
 )  # fmt: skip
+@click.option(
+    "--base-model", default=None, metavar="HF_DIR_OR_ID",
+    help="--peft: the base peft loads the adapters onto (default: the Hugging Face directory "
+    "the LoRA run's base came from).",
+)  # fmt: skip
 @click.option("--trtllm", is_flag=True, help="For TensorRT-LLM (a Hugging Face checkpoint).")
 @click.option("--vllm", is_flag=True, help="For vLLM (the same Hugging Face checkpoint).")
 @click.option("--sglang", is_flag=True, help="For SGLang (the same Hugging Face checkpoint).")
@@ -118,12 +123,16 @@ def export(source: Path, output: Path, **options: Any) -> None:
     adapters merged into the base, or, with --peft, as the adapters alone."""
     if output.exists() and any(output.iterdir()) and not options["overwrite"]:
         raise click.UsageError(f"{output} exists and is not empty; pass --overwrite to replace it")
+    base_model = options.pop("base_model")
+    if base_model is not None and not options["peft"]:
+        raise click.UsageError("--base-model is for --peft")
     if options.pop("peft"):
         from pipeline.export.peft import PeftExportError, export_peft
 
         try:
             click.echo(export_peft(source, output, options["iteration"],
-                                   verify_checksums=options["verify_checksums"]))  # fmt: skip
+                                   verify_checksums=options["verify_checksums"],
+                                   base_model=base_model))  # fmt: skip
         except PeftExportError as e:
             raise click.ClickException(str(e)) from None
         return

@@ -11,6 +11,7 @@ Face model directory. click is the only import at module level, so `--help` stay
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from pipeline.core.parallel.process_group import (
     launched_by_torchrun,
     relaunch_under_torchrun,
 )
+from pipeline.serve.lora_options import adapter_settings, lora_options
 
 DTYPES = ("auto", "fp32", "bf16")
 
@@ -256,6 +258,7 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
     "--model-name", "--served-model-name", "model_name", default=None,
     help="The model's name in /v1/models and the answers (default: CHECKPOINT as given).",
 )  # fmt: skip
+@lora_options
 def serve(checkpoint: str, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
     in a process of its own."""
@@ -267,9 +270,10 @@ def serve(checkpoint: str, **options: Any) -> None:
     from pipeline.serve.loading import LoadError
     from pipeline.serve.server import run_server
 
-    spec = engine_spec(checkpoint, options)
+    adapters, runtime_lora = adapter_settings(options)
+    spec = dataclasses.replace(engine_spec(checkpoint, options), **adapters)
     options["model_name"] = options["model_name"] or checkpoint
     try:
-        run_server(spec, **options)
+        run_server(spec, runtime_lora=runtime_lora, **options)
     except (LoadError, ValueError) as error:
         raise click.ClickException(str(error)) from None

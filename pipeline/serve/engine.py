@@ -100,6 +100,8 @@ class Request:
     # with params.prompt_logprobs: each prompt token's, filled as the prompt is prefilled (None
     # for the first token, which has no prefix)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    lora_name: str | None = None  # the adapter it runs with (`pipeline.serve.lora_slots`)
+    lora_slot: int | None = None  # the adapter's slot, once admitted
     guide: Any = None  # with params.structured_output: its matcher (GrammarBackend.guide)
 
     @property
@@ -167,15 +169,20 @@ class Engine:
         self.finish_counts = Counter()  # finish reason -> requests so far
         self.prompt_tokens_computed = 0  # prompt positions run through the model, so far
         self.prompt_tokens_cached = 0  # prompt positions read from another request's cache
+        self.adapters = None  # `LoRASlots` when the engine serves adapters by name
 
     # ---- requests in and out ----------------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Request:
-        """Queue a request; `QueueFull` over the bound, `PromptTooLong` if it can never fit,
-        `BadSamplingValue` for a logit bias on a token outside the vocabulary."""
-        return self.add_group(prompt, [params])[0]
+    def add(self, prompt: list[int], params: SamplingParams,
+            lora_name: str | None = None) -> Request:  # fmt: skip
+        """Queue a request (run with the adapter `lora_name` of `adapters`, when given);
+        `QueueFull` over the bound, `PromptTooLong` if it can never fit, `BadSamplingValue`
+        for a logit bias on a token outside the vocabulary, `LoRASlotError` for an unknown
+        adapter."""
+        return self.add_group(prompt, [params], lora_name)[0]
 
-    def add_group(self, prompt: list[int], params: Sequence[SamplingParams]) -> list[Request]:
+    def add_group(self, prompt: list[int], params: Sequence[SamplingParams],
+                  lora_name: str | None = None) -> list[Request]:  # fmt: skip
         """Queue one request per `params` entry (each with its own settings and generator), all
         on `prompt`, prefilled once: the first (the leader) computes the prompt and the others
         read its cache (module docstring). Errors as `add`'s, for the whole group (then nothing
@@ -191,13 +198,23 @@ class Engine:
         with self._lock:
             if len(self._waiting) + len(params) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")
+            if lora_name is not None:
+                self._hold_adapter(lora_name, len(params))
             group = [self._request(prompt, each) for each in params]
+            for request in group:
+                request.lora_name = lora_name
             leader = group[0]
             leader.siblings = [r for r in group[1:] if self._can_share(leader, r)]
             for sibling in leader.siblings:
                 sibling.leader = leader
             self._waiting.extend(group)
         return group
+
+    def _hold_adapter(self, name: str, count: int) -> None:
+        if self.adapters is None:
+            raise ValueError(f"adapter {name!r}: this engine serves no adapters")
+        for _ in range(count):
+            self.adapters.hold(name)
 
     def _request(self, prompt: list[int], params: SamplingParams) -> Request:
         request = Request(next(self._ids), list(prompt), params)
@@ -327,6 +344,10 @@ class Engine:
             need = len(request.prompt) + request.params.max_new_tokens - request.cached_tokens
             if self.cache.blocks_needed(need) > self.cache.free_blocks:
                 return  # first come, first served: wait for blocks
+            if request.lora_name is not None:
+                request.lora_slot = self.adapters.acquire(request.lora_name)
+                if request.lora_slot is None:
+                    return  # every adapter slot is in use: wait for one
             own = self.cache.allocate(need)
             slots = self.cache.slots(own, torch.arange(need))
             request.slots = slots if request.slots is None else torch.cat([request.slots, slots])
@@ -355,6 +376,8 @@ class Engine:
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
         batch = self._batch(rows)
+        if self.adapters is not None:
+            self.adapters.select([request.lora_slot for request, _ in rows])
         hidden = forward_cached(self.model, self.cache, batch)
         lengths = torch.tensor([n for _, n in rows], device=self.device)
         last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
@@ -440,5 +463,7 @@ class Engine:
         request.finish_reason = reason
         self.finish_counts[reason] += 1
         self.cache.release(request.blocks)
+        if request.lora_name is not None:
+            self.adapters.release(request.lora_name, request.lora_slot)
         if request in self._running:
             self._running.remove(request)

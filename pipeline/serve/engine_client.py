@@ -220,8 +220,10 @@ class EngineClient:
         running = min(self._engine_running, in_flight)
         return running, in_flight - running
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; `PromptTooLong` if it can never fit, `QueueFull` over capacity."""
+    def submit(self, prompt: list[int], params: SamplingParams,
+               lora_name: str | None = None) -> RequestStream:  # fmt: skip
+        """Queue a request (run with the adapter `lora_name`, when given); `PromptTooLong` if it
+        can never fit, `QueueFull` over capacity."""
         if self._dead is not None:
             raise self._dead
         if self.paused:
@@ -236,7 +238,7 @@ class EngineClient:
             raise QueueFull(f"{waiting} requests already waiting")
         stream = RequestStream(self, next(self._ids), list(prompt), params)
         self._streams[stream.request_id] = stream
-        self._pipe.send(AddRequest(stream.request_id, stream.prompt, params))
+        self._pipe.send(AddRequest(stream.request_id, stream.prompt, params, lora_name))
         return stream
 
     def cancel_all(self) -> None:

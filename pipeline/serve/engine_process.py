@@ -25,6 +25,7 @@ from pipeline.serve.messages import (
     AddRequest,
     ControlDone,
     Failed,
+    LoadLoRA,
     LoadReport,
     Ready,
     Rejected,
@@ -33,6 +34,7 @@ from pipeline.serve.messages import (
     StepOutputs,
     StopEngine,
     TokenOutput,
+    UnloadLoRA,
     UpdateWeights,
 )
 
@@ -56,6 +58,10 @@ class EngineSpec:
     prefill_chunk: int
     threads: int = 0  # CPU threads of the engine; 0: `engine_threads()`
     lora_adapter: str | None = None  # LoRA adapters run beside the weights, unmerged
+    # adapters by name (`pipeline.serve.lora_slots`): max_loras 0 serves none
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 def batch_for_cache(cache_blocks: int) -> int:
@@ -125,6 +131,10 @@ def _load(spec: EngineSpec):
             max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,
             grammars=_grammars(gen),
         )  # fmt: skip
+        if spec.max_loras:
+            from pipeline.serve.lora_slots import install_named_adapters
+
+            engine.adapters = install_named_adapters(gen.model, spec)
     except (LoadError, ValueError) as error:
         return None, Failed(str(error))
     ready = Ready(
@@ -188,9 +198,13 @@ def _handle(engine, requests: dict, client_ids: dict, message, pipe: Connection)
     elif isinstance(message, ResetPrefixCache):
         engine.weights_changed()
         pipe.send(ControlDone())
+    elif isinstance(message, (LoadLoRA, UnloadLoRA)):
+        from pipeline.serve.lora_slots import adapter_control
+
+        pipe.send(adapter_control(engine.adapters, message))
     elif isinstance(message, AddRequest):
         try:
-            request = engine.add(message.prompt, message.params)
+            request = engine.add(message.prompt, message.params, message.lora_name)
         except ValueError as error:  # PromptTooLong and bad values: the server checks first
             pipe.send(Rejected(message.request_id, str(error)))
             return

@@ -24,6 +24,7 @@ class AddRequest:
     request_id: int
     prompt: list[int]
     params: SamplingParams
+    lora_name: str | None = None  # the adapter to run with (`pipeline.serve.lora_slots`)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,32 @@ class ResetPrefixCache:
     """Forget every cached prompt block (`Engine.weights_changed`). Answered by `ControlDone`."""
 
 
-ToEngine = AddRequest | AbortRequest | StopEngine | UpdateWeights | ResetPrefixCache
+@dataclass(frozen=True)
+class LoadLoRA:
+    """Serve the LoRA adapter at `path` as `name` (vLLM's /v1/load_lora_adapter). Answered by
+    `ControlDone`."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadLoRA:
+    """Stop serving the adapter `name` to new requests (vLLM's /v1/unload_lora_adapter).
+    Answered by `ControlDone`."""
+
+    name: str
+
+
+ToEngine = (
+    AddRequest
+    | AbortRequest
+    | StopEngine
+    | UpdateWeights
+    | ResetPrefixCache
+    | LoadLoRA
+    | UnloadLoRA
+)
 
 
 # ---- from the engine process --------------------------------------------------------------------
@@ -146,8 +172,9 @@ class EngineExited:
 
 @dataclass(frozen=True)
 class ControlDone:
-    """The answer to `UpdateWeights` or `ResetPrefixCache`: `error` is None when it was done,
-    else one line naming the tensor or path at fault (and nothing was changed)."""
+    """The answer to `UpdateWeights`, `ResetPrefixCache`, `LoadLoRA` or `UnloadLoRA`: `error` is
+    None when it was done, else one line naming the tensor or path at fault (and nothing was
+    changed)."""
 
     error: str | None = None
 

@@ -199,6 +199,7 @@ class CompletionBody(_Body):
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=128)
+    return_token_ids: bool | None = False  # vLLM's: each choice's prompt and generated ids
 
     @property
     def echo_only(self) -> bool:

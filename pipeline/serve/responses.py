@@ -114,6 +114,9 @@ class CompletionWriter:
                 logprobs = self._logprobs(ids + new_ids, entries + new_entries, 0)
                 choice = self._choice(self.choice_index(g.job, rank), text + new_text, logprobs,
                                       g.finish_reason)  # fmt: skip
+                if self.body.return_token_ids:
+                    choice["prompt_token_ids"] = self.prompts[index]
+                    choice["token_ids"] = new_ids
                 choices.append(choice)
         answer = envelope(ident, model, "text_completion", choices)
         # every generated token counts, also best_of's discarded ones

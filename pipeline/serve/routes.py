@@ -20,6 +20,7 @@ from pipeline import __version__
 from pipeline.serve.codec import Codec
 from pipeline.serve.engine_client import EngineClient
 from pipeline.serve.jobs import plan_jobs, submit_jobs
+from pipeline.serve.lora_routes import ServedAdapters, add_lora_routes
 from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.openai_api import (
     APIError,
@@ -49,9 +50,11 @@ class ServedModel:
     started: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
     weights: WeightControl = field(init=False, repr=False)
+    adapters: ServedAdapters = field(init=False, repr=False)  # LoRA adapters by name
 
     def __post_init__(self) -> None:
         self.weights = WeightControl(self.client)
+        self.adapters = ServedAdapters(self.client)
 
     @classmethod
     def of(cls, client: EngineClient, name: str) -> "ServedModel":
@@ -71,14 +74,23 @@ class ServedModel:
         """A fresh response id, e.g. `cmpl-7`."""
         return f"{prefix}-{next(self._ids)}"
 
-    def check_model(self, name: str | None) -> None:
-        """404 unless `name` (when given) is the served model's."""
-        if name is not None and name != self.name:
-            raise APIError(f"The model `{name}` does not exist.", 404, "model")
+    def check_model(self, name: str | None) -> str | None:
+        """The adapter `name` asks for (None: the base model); 404 unless `name` (when given)
+        is the served model's or an adapter's."""
+        if name is None or name == self.name:
+            return None
+        if name in self.adapters:
+            return name
+        raise APIError(f"The model `{name}` does not exist.", 404, "model")
 
-    def submit(self, prompt: list[int], params: SamplingParams):
-        """One engine request's stream of deltas, its latencies recorded."""
-        return self.metrics.track(self.client.submit(prompt, params))
+    def submit(self, prompt: list[int], params: SamplingParams, lora_name: str | None = None):
+        """One engine request's stream of deltas (with the adapter `lora_name`), its latencies
+        recorded."""
+        return self.metrics.track(self.client.submit(prompt, params, lora_name))
+
+    def submitter(self, lora_name: str | None):
+        """`submit` for the requests of one body, all with the adapter `lora_name`."""
+        return lambda prompt, params: self.submit(prompt, params, lora_name)
 
 
 def add_routes(app: FastAPI, served: ServedModel) -> None:
@@ -87,6 +99,7 @@ def add_routes(app: FastAPI, served: ServedModel) -> None:
     _add_generation_routes(app, served)
     _add_token_routes(app, served)
     add_weight_routes(app, served.weights)
+    add_lora_routes(app, served.adapters)
 
 
 def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
@@ -115,7 +128,8 @@ def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
                  "owned_by": "pipe", "root": served.name,
                  "max_model_len": client.ready.max_context,
                  "weight_version": served.weights.version}  # fmt: skip
-        return {"object": "list", "data": [entry]}
+        adapters = served.adapters.cards(served.name, served.started)
+        return {"object": "list", "data": [entry, *adapters]}
 
 
 def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
@@ -123,26 +137,26 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
-        served.check_model(body.model)
+        lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
         prompts = [served.codec.prompt(p) for p in completion_prompts(body.prompt)]
         jobs = plan_jobs(body, prompts, served.token_budget, eos_ids)
-        streams = submit_jobs(served.submit, jobs, "prompt")
+        streams = submit_jobs(served.submitter(lora), jobs, "prompt")
         writer = CompletionWriter(body, prompts, served.codec.token_text)
-        return await respond(writer, served.new_id("cmpl"), served.name, jobs, streams,
+        return await respond(writer, served.new_id("cmpl"), lora or served.name, jobs, streams,
                              body.stream, http.is_disconnected,
                              served.weights.fingerprint)  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
-        served.check_model(body.model)
+        lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
         prompt = served.codec.encode(served.codec.chat(body.messages))
         jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids)
-        streams = submit_jobs(served.submit, jobs, "messages")
+        streams = submit_jobs(served.submitter(lora), jobs, "messages")
         writer = ChatWriter(body, len(prompt), served.codec.token_text)
-        return await respond(writer, served.new_id("chatcmpl"), served.name, jobs, streams,
-                             body.stream, http.is_disconnected,
+        return await respond(writer, served.new_id("chatcmpl"), lora or served.name, jobs,
+                             streams, body.stream, http.is_disconnected,
                              served.weights.fingerprint)  # fmt: skip
 
 

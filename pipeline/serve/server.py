@@ -31,9 +31,11 @@ from pipeline.serve.engine_client import EngineClient
 from pipeline.serve.engine_process import EngineSpec
 
 
-def create_app(client: EngineClient, model_name: str):
+def create_app(client: EngineClient, model_name: str, runtime_lora: bool = False):
     """The FastAPI application serving the engine behind `client` (module docstring): the engine
-    client delivers on the server's event loop while it runs and is stopped when it ends."""
+    client delivers on the server's event loop while it runs and is stopped when it ends. The
+    engine's adapters are served by name (`pipeline.serve.lora_routes`), loaded and unloaded
+    while serving when `runtime_lora`."""
     from fastapi import FastAPI
 
     from pipeline.serve.http_errors import add_error_handlers
@@ -48,17 +50,20 @@ def create_app(client: EngineClient, model_name: str):
     app = FastAPI(lifespan=lifespan)
     app.state.engine_client = client
     add_error_handlers(app)
-    add_routes(app, ServedModel.of(client, model_name))
+    served = ServedModel.of(client, model_name)
+    served.adapters.paths.update(dict(client.spec.lora_modules))
+    served.adapters.runtime_updates = runtime_lora
+    add_routes(app, served)
     return app
 
 
 def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
-               model_name: str | None) -> None:  # fmt: skip
+               model_name: str | None, runtime_lora: bool = False) -> None:  # fmt: skip
     """Load the model in the engine process, then serve until SIGTERM / Ctrl-C, drain the
     requests in flight and return. `LoadError` if the model cannot be loaded."""
     import uvicorn
 
     client = EngineClient(spec, max_waiting)
     ready = client.start()
-    app = create_app(client, model_name or ready.name)
+    app = create_app(client, model_name or ready.name, runtime_lora)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -102,7 +102,7 @@ class WeightClient:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as error:
-            raise WeightPushError(f"{request.full_url}: {_message(error)}") from None
+            raise WeightPushError(f"{request.full_url}: {server_message(error)}") from None
         except OSError as error:
             raise WeightPushError(f"{request.full_url}: {error}") from None
 
@@ -116,7 +116,7 @@ def _write(buffer: memoryview, offset: int, tensor: torch.Tensor) -> None:
         del target  # the segment cannot close while a view of it lives
 
 
-def _message(error: urllib.error.HTTPError) -> str:
+def server_message(error: urllib.error.HTTPError) -> str:
     """The server's one-line error message (OpenAI's error body), else the HTTP status."""
     try:
         return json.loads(error.read())["error"]["message"]

@@ -108,6 +108,11 @@ def _default_run_dir(recipe: str | None) -> str:
     "grpo.reward_funcs).",
 )  # fmt: skip
 @click.option(
+    "--rollout-server", metavar="URL",
+    help="With --grpo: generate the rollouts on the `pipe serve` at URL (on this machine), "
+    "pushing the new weights to it before each batch (grpo.rollout_server).",
+)  # fmt: skip
+@click.option(
     "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
     help="With --load: skip checking each file against its recorded SHA-256 while reading.",
 )  # fmt: skip

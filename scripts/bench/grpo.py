@@ -13,9 +13,11 @@ Builds a GRPO run through the trainer (what `pipe train --grpo` runs) on prompts
 - optimizer: the optimizer step;
 - other: what is left of the step (loading prompts, laying out rows, clipping).
 
-Then the last step's requests run again on a fresh `Engine` over the same model, outside
-training: the rollouts' generated tokens/s in the step against that run's (the ratio should be
-close to 1: the step adds nothing to generation).
+Then every step's requests run again on a fresh `Engine` over the same model, outside
+training, each with the weights that generated it: the warm-up steps' requests untimed, the timed
+steps' requests timed, so the engine alone is as warm as the step's own engine was (same shapes
+seen before, none seen twice). The rollouts' generated tokens/s in the timed steps against that
+run's: the ratio should be close to 1, the step adding nothing to generation.
 
     python scripts/bench/grpo.py [--recipe tiny] [--steps 4] [--warmup 1] [--device cpu]
         [--set model.num_layers=4 ...] [--json FILE]
@@ -113,7 +115,7 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
     ]  # fmt: skip
     trainer = Trainer(resolve_config(args.recipe, sets), console=False)
     objective, timer = trainer.objective, PartTimer(trainer.device)
-    captured: dict = {}
+    captured: list[dict] = []
     _capture_generation(grpo_rollout.RolloutModel, captured)
     timer.wrap(grpo_rollout.RolloutModel, "generate", "rollout")
     timer.wrap(grpo_rollout.RolloutModel, "refresh", "rollout")
@@ -133,8 +135,9 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
     step_s = (time.perf_counter() - start) / args.steps
     shares = {part: timer.seconds[part] / args.steps / step_s for part in PARTS}
     shares["other"] = 1.0 - sum(shares.values())
-    in_step = captured["tokens"] / captured["seconds"]
-    alone = _engine_alone(Engine, objective.rollout.module, captured)
+    warm, timed = captured[: len(captured) - args.steps], captured[len(captured) - args.steps :]
+    in_step = sum(c["tokens"] for c in timed) / sum(c["seconds"] for c in timed)
+    alone = _engine_alone(Engine, objective.rollout.module, warm, timed)
     return {
         "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "cpu",
         "step_s": step_s,
@@ -142,45 +145,52 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
         "rollout_tokens_per_s_in_step": in_step,
         "rollout_tokens_per_s_engine_alone": alone,
         "in_step_over_alone": in_step / alone,
-        "completions_per_step": len(captured["rows"]),
+        "completions_per_step": len(timed[-1]["rows"]),
     }
 
 
-def _capture_generation(cls, captured: dict) -> None:
-    """Keep the last step's requests, the weights that generated them, and the generated
-    tokens and seconds."""
+def _capture_generation(cls, captured: list[dict]) -> None:
+    """Keep each step's requests, the weights that generated them, and the generated tokens
+    and seconds."""
     original = cls.generate
 
     def generate(self, prompts, params):
         weights = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         outs = original(self, prompts, params)
-        captured.update(prompts=prompts, params=params, rows=outs.completions, weights=weights,
-                        tokens=outs.generated_tokens, seconds=outs.seconds)  # fmt: skip
+        captured.append(
+            dict(prompts=prompts, params=params, rows=outs.completions, weights=weights,
+                 tokens=outs.generated_tokens, seconds=outs.seconds)
+        )  # fmt: skip
         return outs
 
     cls.generate = generate
 
 
-def _engine_alone(engine_class, module, captured: dict) -> float:
-    """Generated tokens/s of the captured requests on a fresh engine over the same model, with
-    the weights that generated them (so the same completions come out)."""
+def _engine_alone(engine_class, module, warm: list[dict], timed: list[dict]) -> float:
+    """Generated tokens/s of the `timed` steps' requests on a fresh engine over the same model,
+    each with the weights that generated it (so the same completions come out), after the
+    `warm` steps' requests untimed: the engine has then seen what the step's engine had."""
     import torch
 
-    prompts, params = captured["prompts"], captured["params"]
-    module.load_state_dict(captured["weights"])
-    rows = sum(len(group) for group in params)
-    longest = max(len(p) for p in prompts) + params[0][0].max_new_tokens
+    everything = warm + timed
+    rows = max(sum(len(group) for group in c["params"]) for c in everything)
+    longest = max(max(len(p) for p in c["prompts"]) + c["params"][0][0].max_new_tokens
+                  for c in everything)  # fmt: skip
     engine = engine_class(module, max_batch=rows, cache_blocks=rows * -(-longest // 16),
                           block_size=16, prefill_chunk=4096, max_waiting=rows)  # fmt: skip
     module.eval()
+    tokens, seconds = 0, 0.0
     with torch.no_grad():
-        engine.generate_groups(prompts, params)  # warm the engine's first shapes
-        start = time.perf_counter()
-        requests = engine.generate_groups(prompts, params)
-        if module.output.weight.is_cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return sum(len(r.output) for group in requests for r in group) / seconds
+        for capture in everything:
+            module.load_state_dict(capture["weights"])
+            start = time.perf_counter()
+            requests = engine.generate_groups(capture["prompts"], capture["params"])
+            if module.output.weight.is_cuda:
+                torch.cuda.synchronize()
+            if any(capture is c for c in timed):
+                seconds += time.perf_counter() - start
+                tokens += sum(len(r.output) for group in requests for r in group)
+    return tokens / seconds
 
 
 def main() -> None:

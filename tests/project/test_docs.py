@@ -92,10 +92,10 @@ LAYERS = {
     "export": 6,
     "serve": 6,
 }
-# One way across: GRPO's rollouts run pipe's inference engine in the training processes, so
-# `train` may import the engine's own modules of `serve` (the server, routes and loading stay
-# out of its reach).
-ENGINE_MODULES = {"engine", "sampling", "kv_cache", "decode"}
+# One way across: GRPO's rollouts run pipe's inference engine in the training processes, or
+# on a running server that takes the new weights, so `train` may import the engine's own
+# modules of `serve` and its weight client (the server, routes and loading stay out of reach).
+ENGINE_MODULES = {"engine", "sampling", "kv_cache", "decode", "weight_client"}
 # Above every layer: the command group and the package's own entry points.
 ENTRY_POINTS = {"cli", "__main__", "__init__"}
 # Modules that turn a command line into a run: only the same package's commands import them.

@@ -87,6 +87,72 @@ def test_a_step_has_rollouts_rewards_and_a_gradient(tmp_path: Path, task: dict) 
     assert {"accuracy", "reward/mean", "rewards/digits/mean"} <= set(valid[3])
 
 
+def test_bf16_rollouts_run_a_bf16_copy_outside_autocast(tmp_path: Path, task: dict) -> None:
+    """With bf16 training the engine runs a bf16 copy of the policy (as `pipe serve` holds a
+    model on a GPU), not the fp32 policy under the step's autocast, and its completions are
+    those of the engine alone on a serving copy of the same weights."""
+    import copy
+
+    from pipeline.core.model.transformer import Transformer
+    from pipeline.serve.engine import Engine
+    from pipeline.serve.sampling import SamplingParams
+    from pipeline.train.objectives.grpo_rollout import RolloutModel
+
+    cfg = resolve_config(None, grpo_sets(tmp_path, task, "training.dtype=bf16"))
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model_config())
+    policy.init_weights()
+    rollout = RolloutModel(policy, cfg, torch.device("cpu"))
+    assert rollout.module is not policy
+    assert {p.dtype for p in rollout.module.parameters()} == {torch.bfloat16}
+    assert rollout.module.rope.inv_freq.dtype == torch.float32
+    autocast_seen = []
+    rollout.module.register_forward_hook(
+        lambda *_: autocast_seen.append(torch.is_autocast_enabled("cpu"))
+    )
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    params = [[SamplingParams(8, 1.5, seed=10 * i + g) for g in range(3)] for i in range(2)]
+    with torch.autocast("cpu", torch.bfloat16):  # as the step runs `prepare`
+        rollout.refresh()
+        outs = rollout.generate(prompts, params)
+    assert autocast_seen and not any(autocast_seen)
+
+    serving = copy.deepcopy(policy).to(torch.bfloat16)  # what `pipe serve` loads on a GPU
+    serving.rope.init_weights()
+    alone = Engine(serving, max_batch=6, cache_blocks=6, block_size=16).generate_groups(
+        prompts, params
+    )
+    assert outs.completions == [r.output for group in alone for r in group]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dry_run_estimate_holds_the_rollout_engine(tmp_path: Path, task: dict, dtype) -> None:
+    """`--dry-run`'s rollout engine bytes are what the engine allocates for a step's longest
+    rollouts: its weights (none when it runs on the fp32 policy itself) and KV cache."""
+    from pipeline.core.model.transformer import Transformer
+    from pipeline.serve.sampling import SamplingParams
+    from pipeline.train.objectives.grpo_rollout import RolloutModel
+    from pipeline.train.report.estimates import estimate_memory
+
+    cfg = resolve_config(None, grpo_sets(tmp_path, task, f"training.dtype={dtype}"))
+    policy = Transformer(cfg.model_config())
+    policy.init_weights()
+    rollout = RolloutModel(policy, cfg, torch.device("cpu"))
+    g = cfg.grpo
+    prompt = [3] * (cfg.data.seq_length - g.max_completion_length)  # the longest a prompt may be
+    params = [[SamplingParams(g.max_completion_length, seed=i)] * g.num_generations
+              for i in range(cfg.training.global_batch_size)]  # fmt: skip
+    rollout.refresh()
+    rollout.generate([prompt] * len(params), params)
+    pools = rollout.engine.cache.pools
+    allocated = sum(t.numel() * t.element_size() for layer in pools for t in layer)
+    allocated -= sum(t[0].numel() * t.element_size() for layer in pools for t in layer)  # scratch
+    if not rollout.shared:
+        allocated += sum(p.numel() * p.element_size() for p in rollout.module.parameters())
+    estimate = estimate_memory(cfg, cfg.model_config())
+    assert estimate.held == allocated and "rollout engine" in estimate.held_what
+
+
 # ---- layouts -------------------------------------------------------------------------------
 
 LAYOUTS = {
@@ -133,6 +199,7 @@ def test_grpo_layouts_equal_one_process(tmp_path: Path, task: dict) -> None:
 
 # ---- resume --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "extra",
     [[], ["grpo.beta=0.05", "grpo.num_iterations=2", "grpo.loss_type=grpo"]],
@@ -163,6 +230,7 @@ def test_grpo_resumes_exactly_after_sigkill(tmp_path: Path, task: dict, extra: l
 
 
 # ---- errors in one line ----------------------------------------------------------------------
+
 
 def _pipe_train(tmp_path: Path, task: dict, *flags: str):
     """`pipe train --grpo FLAGS` of one step of the micro run."""

@@ -456,6 +456,10 @@ class GRPOSection:
     """Log completions with their rewards at every log step."""
     num_completions_to_print: int | None = None
     """With log_completions: how many (None: every completion of the last step on rank 0)."""
+    rollout_server: str = ""
+    """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
+    empty: pipe's engine in the training processes). The policy's weights are pushed to it
+    before each batch of rollouts."""
 
 
 SECTIONS: dict[str, type] = {

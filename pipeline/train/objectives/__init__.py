@@ -36,7 +36,9 @@ class ObjectiveSpec:
     (throughput counts them all; a function of the config where that decides it);
     `document_masking` stops attention at document boundaries;
     `chat_prompts` asks `training.sample_prompts` as a user's turn; `problems` lists what is
-    wrong with a config for this objective (one line each, no torch)."""
+    wrong with a config for this objective (one line each, no torch); `held_bytes` says what
+    the objective keeps on each device beside the model's training state, for `--dry-run`:
+    (bytes, what they are) given the config, the `ModelConfig` and the data-parallel size."""
 
     kind: str
     target: str
@@ -45,6 +47,7 @@ class ObjectiveSpec:
     document_masking: bool = False
     chat_prompts: bool = False
     problems: Callable[[TrainConfig], list[str]] = field(default=lambda cfg: [])
+    held_bytes: Callable[[TrainConfig, Any, int], tuple[float, str]] | None = None
 
     def sequences(self, cfg: TrainConfig) -> int:
         """The sequences one sample of `cfg`'s run holds."""
@@ -110,7 +113,33 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
                         f"{len(g.reward_funcs)} reward_funcs")  # fmt: skip
     if cfg.model.mtp_num_layers:
         problems.append("data.kind = grpo trains no multi-token prediction: model.mtp_num_layers 0")
+    if g.rollout_server and cfg.lora.enabled:
+        problems.append("grpo.rollout_server pushes whole weights: train without --lora, or "
+                        "leave grpo.rollout_server empty")  # fmt: skip
     return problems
+
+
+def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]:
+    """The rollout engine's weights (a copy unless the engine runs on the policy itself: one
+    fp32 process, not compiled; see `grpo_rollout`) and its KV cache, sized for every
+    completion of this rank's prompts at once; nothing with a rollout server."""
+    import torch
+
+    from pipeline.core.model.flavors import num_parameters
+    from pipeline.serve.kv_cache import bytes_per_token
+
+    if cfg.grpo.rollout_server:  # the server holds them
+        return 0.0, ""
+    bf16 = cfg.training.dtype == "bf16"
+    compile_, device = cfg.training.compile, cfg.training.device
+    compiled = compile_ or (compile_ is None and device != "cpu")  # unset: on unless a CPU
+    shared = not bf16 and cfg.parallel.tp == 1 and dp == 1 and not compiled
+    weights = 0 if shared else num_parameters(model) * (2 if bf16 else 4)
+    rows = cfg.training.global_batch_size // dp * cfg.grpo.num_generations
+    positions = -(-cfg.data.seq_length // 16) * 16  # the engine's blocks of 16
+    kv = rows * positions * bytes_per_token(model, torch.bfloat16 if bf16 else torch.float32)
+    what = "the KV cache" if shared else "a copy of the weights and the KV cache"
+    return weights + kv, f"rollout engine ({what})"
 
 
 _LM = "pipeline.train.objectives.language_model:LanguageModelling"
@@ -132,7 +161,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             "grpo", "pipeline.train.objectives.grpo:GRPO",
             "reinforcement learning with verifiable rewards: GRPO on completions of prompts",
             sequences_per_sample=lambda cfg: cfg.grpo.num_generations, chat_prompts=True,
-            problems=_grpo_problems,
+            problems=_grpo_problems, held_bytes=_grpo_held_bytes,
         ),  # fmt: skip
     )
 }

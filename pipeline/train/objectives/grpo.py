@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from pipeline.train.objectives.grpo_loss import (
 )
 from pipeline.train.objectives.grpo_metrics import RunningFigures
 from pipeline.train.objectives.grpo_rollout import RolloutModel, completion_seed, rollout_rows
+
+if TYPE_CHECKING:
+    from pipeline.train.objectives.grpo_remote import RemoteRollouts
 
 __all__ = ["GRPO"]
 
@@ -64,7 +67,7 @@ class GRPO(Objective):
         self.section = cfg.grpo
         self.options = GRPOLossOptions.from_section(cfg.grpo)
         self.run: Any = None
-        self.rollout: RolloutModel | None = None
+        self.rollout: RolloutModel | RemoteRollouts | None = None
         self.reference: Any = None  # a runner whose hidden states are the frozen start's
         self.record = ReferenceRecord("grpo_reference", "GRPO")
         self.rewards: Any = None
@@ -88,7 +91,12 @@ class GRPO(Objective):
         from pipeline.train.objectives.grpo_rewards import build_rewards
 
         self.run = run
-        self.rollout = RolloutModel(run.model, self.cfg, run.device)
+        if self.section.rollout_server:
+            from pipeline.train.objectives.grpo_remote import RemoteRollouts
+
+            self.rollout = RemoteRollouts(self.section.rollout_server, run.model)
+        else:
+            self.rollout = RolloutModel(run.model, self.cfg, run.device)
         records = run.datasets[0].records
         self.rewards = build_rewards(self.section, any("answer" in r.fields for r in records))
         self.text = load_tokenizer(self.cfg.data.tokenizer)

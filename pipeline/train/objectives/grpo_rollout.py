@@ -2,12 +2,19 @@
 processes, from the weights the policy has now (no copy on disk).
 
 The engine (`pipeline.serve.engine.Engine`: continuous batching over a block KV cache) runs the
-model's own cached decoding. Where the policy is one ordinary module on this rank (one process,
-no tensor or data sharding, not compiled) the engine runs on the policy itself; otherwise on a
-plain copy of the model held beside it (`RolloutModel`), refreshed from the policy's full
-weights before each batch of rollouts (under tensor parallelism and FSDP every rank gathers the
-full weights together, then generates its own prompts alone). A LoRA policy's copy carries the
-same adapters, so the copy is the adapted model.
+model's own cached decoding. Where the policy is one ordinary fp32 module on this rank (one
+process, no tensor or data sharding, not compiled, fp32 training) the engine runs on the policy
+itself; otherwise on a plain copy of the model held beside it (`RolloutModel`), refreshed from
+the policy's full weights before each batch of rollouts (under tensor parallelism and FSDP every
+rank gathers the full weights together, then generates its own prompts alone). A LoRA policy's
+copy carries the same adapters, so the copy is the adapted model.
+
+With bf16 training the copy is in bf16, as `pipe serve` holds a model on a GPU, and the engine
+runs outside the training step's autocast: under autocast every decoding step pays casts (the
+fp32 KV cache read back and cast at every layer, activations around every matmul; extra
+kernels in a loop bound by kernel launches; the first GPU run measured rollouts in the step at
+0.85x the engine alone), while the copy is cast once per step, when refreshed, and its KV cache
+is bf16: half the bytes.
 
 Sampling is reproducible whatever the layout: completion `g` of the prompt at global sample
 index `s` draws from its own generator, seeded by (training.seed, s, g) (`completion_seed`). A
@@ -26,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Rollouts", "RolloutModel", "completion_seed", "rollout_rows"]
+__all__ = ["Rollouts", "RolloutModel", "completion_seed", "named_full_tensors", "rollout_rows"]
 
 
 def completion_seed(seed: int, sample: int, generation: int) -> int:
@@ -59,9 +66,10 @@ class RolloutModel:
     rank, else a plain copy on the same device (see the module docstring)."""
 
     def __init__(self, policy: torch.nn.Module, cfg: Any, device: torch.device) -> None:
-        self.policy = policy
-        self.shared = _is_plain(policy)
-        self.module = policy if self.shared else _plain_copy(policy, cfg, device)
+        self.policy, self.device = policy, device
+        self.dtype = torch.bfloat16 if cfg.training.dtype == "bf16" else torch.float32
+        self.shared = self.dtype == torch.float32 and _is_plain(policy)
+        self.module = policy if self.shared else _plain_copy(policy, cfg, device, self.dtype)
         self.engine: Any = None
 
     @torch.no_grad()
@@ -71,11 +79,8 @@ class RolloutModel:
         engine runs on the policy itself."""
         if self.shared:
             return
-        from torch.distributed.tensor import DTensor
-
         target = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
-        for name, tensor in _named_tensors(self.policy):
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        for name, full in named_full_tensors(self.policy):
             if name in target:
                 target[name].copy_(full)
 
@@ -93,8 +98,9 @@ class RolloutModel:
         was_training = self.module.training
         self.module.eval()
         try:
-            for _ in engine.run():
-                pass
+            with torch.autocast(self.device.type, enabled=False):
+                for _ in engine.run():
+                    pass
         finally:
             self.module.train(was_training)
         seconds = time.perf_counter() - start
@@ -154,14 +160,21 @@ def _is_plain(model: torch.nn.Module) -> bool:
     return not compiled and not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _named_tensors(model: torch.nn.Module):
-    yield from model.named_parameters()
-    yield from model.named_buffers()
+def named_full_tensors(model: torch.nn.Module):
+    """(name, whole tensor) of each parameter and buffer of `model`: a sharded (DTensor) one
+    gathered, which every rank of its mesh must ask for at the same point."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _plain_copy(policy: torch.nn.Module, cfg: Any, device: torch.device) -> torch.nn.Module:
-    """A plain model of the policy's shape (its adapters included) on `device`, for the engine;
-    `refresh` fills it."""
+def _plain_copy(
+    policy: torch.nn.Module, cfg: Any, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """A plain model of the policy's shape (its adapters included) on `device` in `dtype` (its
+    rotary frequencies kept in fp32, as `pipe serve` keeps them), for the engine; `refresh`
+    fills it."""
     from pipeline.core.model.transformer import Transformer
 
     with torch.device(device):
@@ -173,4 +186,7 @@ def _plain_copy(policy: torch.nn.Module, cfg: Any, device: torch.device) -> torc
             apply_lora(model, lora_spec(cfg))
     for p in model.parameters():
         p.requires_grad_(False)
+    if dtype != torch.float32:
+        model.to(dtype)
+        model.rope.init_weights(device)
     return model

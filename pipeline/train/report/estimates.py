@@ -98,14 +98,17 @@ class MemoryEstimate:
     """Activations of one micro batch without activation checkpointing."""
     activations_full: float
     """Activations of one micro batch with full activation checkpointing."""
+    held: float = 0.0
+    """What the objective keeps beside the training state (`ObjectiveSpec.held_bytes`)."""
+    held_what: str = ""
 
     @property
     def total_none(self) -> float:
-        return self.state + self.activations_none
+        return self.state + self.held + self.activations_none
 
     @property
     def total_full(self) -> float:
-        return self.state + self.activations_full
+        return self.state + self.held + self.activations_full
 
 
 def parameter_counts(model: ModelConfig) -> ParamCounts:
@@ -180,12 +183,25 @@ def estimate_memory(
         base_bytes = 2 if cfg.lora.base_dtype == "bf16" else 4
         share = params_local / max(counts.total, 1)
         state = params_local * base_bytes + lora_parameters(cfg, model) * share * trained_bytes
+    held, held_what = _objective_held(cfg, model, dp)
     return MemoryEstimate(
         params_per_device=params_local,
         state=state,
         activations_none=none,
         activations_full=full,
+        held=held,
+        held_what=held_what,
     )
+
+
+def _objective_held(cfg: TrainConfig, model: ModelConfig, dp: int) -> tuple[float, str]:
+    """(bytes, what) the run's objective keeps on a device beside the training state."""
+    from pipeline.train.objectives import OBJECTIVES
+
+    spec = OBJECTIVES.get(cfg.data.kind)
+    if spec is None or spec.held_bytes is None:
+        return 0.0, ""
+    return spec.held_bytes(cfg, model, dp)
 
 
 def gpu_memory_gib(name: str) -> float:
@@ -375,8 +391,10 @@ def _memory_lines(cfg: TrainConfig, model: ModelConfig, mem: MemoryEstimate) -> 
         held = f"frozen weights + adapters' weights, grads, {name} state ({per_param}) "
     else:
         held = f"weights + grads + {name} state ({per_param}) "
+    objective = [f"             {mem.held_what}: {mem.held / _GIB:.2f} GiB"] if mem.held else []
     return [
         f"memory/dev   {_count(mem.params_per_device)} params -> {held}{mem.state / _GIB:.2f} GiB",
+        *objective,
         f"             activations per micro batch: {mem.activations_none / _GIB:.2f} GiB "
         f"without checkpointing, {mem.activations_full / _GIB:.2f} GiB with full",
         f"             total ~ {mem.total_none / _GIB:.2f} GiB (none) / "
