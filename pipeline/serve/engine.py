@@ -34,6 +34,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +49,9 @@ from pipeline.serve.sampling import (
     make_generator,
     token_logprobs,
 )
+
+if TYPE_CHECKING:
+    from pipeline.serve.structured_output import GrammarBackend
 
 
 class QueueFull(RuntimeError):
@@ -98,6 +102,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     lora_name: str | None = None  # the adapter it runs with (`pipeline.serve.lora_slots`)
     lora_slot: int | None = None  # the adapter's slot, once admitted
+    guide: Any = None  # with params.structured_output: its matcher (GrammarBackend.guide)
 
     @property
     def finished(self) -> bool:
@@ -130,7 +135,8 @@ class Engine:
     `BlockKVCache.blocks_for_budget` to size it by memory); max_waiting: the queue bound;
     max_context: the longest prompt + output allowed (default: the model's
     max_position_embeddings); tp: the model's tensor-parallel degree
-    (`pipeline.serve.tensor_parallel`)."""
+    (`pipeline.serve.tensor_parallel`); grammars: the tokenizer's structured-output backend
+    (`pipeline.serve.structured_output`; None: requests that ask for it are refused)."""
 
     def __init__(
         self,
@@ -143,6 +149,7 @@ class Engine:
         max_waiting: int = 64,
         max_context: int | None = None,
         tp: int = 1,
+        grammars: GrammarBackend | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -154,6 +161,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.max_context = max_context or model.config.max_position_embeddings
+        self.grammars = grammars
         self._ids = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -235,6 +243,10 @@ class Engine:
             raise BadSamplingValue(
                 f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab} tokens"
             )
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise BadSamplingValue("structured output needs a tokenizer.json beside the model")
+            self.grammars.check(params.structured_output)
 
     def abort(self, request: Request) -> None:
         """Stop a request now (a client went away); its blocks return to the pool."""
@@ -378,7 +390,10 @@ class Engine:
         ]
         if len(ready) < len(rows):
             logits = logits[ready]
-        choices = dict(zip(ready, choose(logits, [rows[i][0] for i in ready])))
+        sampled = [rows[i][0] for i in ready]
+        if self.grammars is not None:
+            self.grammars.constrain(logits, sampled)  # only the rows that ask
+        choices = dict(zip(ready, choose(logits, sampled)))
         events = []
         with self._lock:
             for index, (request, new) in enumerate(rows):

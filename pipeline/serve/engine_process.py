@@ -131,6 +131,7 @@ def _load(spec: EngineSpec):
         engine = build_engine(
             gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,
             max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,
+            grammars=_grammars(gen),
         )  # fmt: skip
         if spec.max_loras:
             from pipeline.serve.lora_slots import install_named_adapters
@@ -145,6 +146,16 @@ def _load(spec: EngineSpec):
         vocab_size=gen.model.config.vocab_size,
     )  # fmt: skip
     return engine, ready
+
+
+def _grammars(gen):
+    """The structured-output backend over the served tokenizer (None without a tokenizer.json)."""
+    from pipeline.serve.structured_output import GrammarBackend
+
+    if gen.tokenizer_path is None:
+        return None
+    return GrammarBackend.from_path(gen.tokenizer_path, gen.model.config.vocab_size,
+                                    gen.eos_ids)  # fmt: skip
 
 
 def _serve(engine, pipe: Connection) -> None:

@@ -23,7 +23,9 @@ from pydantic import Field
 
 from pipeline.serve.lenient import LenientModel
 from pipeline.serve.sampling import MAX_LOGPROBS, SamplingParams
-from pipeline.serve.tool_fields import ToolFields, template_tool_calls
+from pipeline.serve.structured_output import StructuredOutput, StructuredOutputError
+from pipeline.serve.structured_request import structured_output_of
+from pipeline.serve.tool_fields import ToolFields, template_tool_calls, tool_choice_json_schema
 from pipeline.tokenizer.chat_template import ChatTemplate, chat_prompt  # noqa: F401 - re-exported
 
 ERROR_TYPES = {
@@ -86,6 +88,13 @@ class _Body(LenientModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool | None = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # structured output: OpenAI's field, vLLM's, and vLLM's older ones (structured_request)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def choices_per_prompt(self) -> int:
@@ -110,6 +119,14 @@ class _Body(LenientModel):
             _token_id(key, vocab_size, "logit_bias")
         for token in self.stop_token_ids or []:
             _token_id(token, vocab_size, "stop_token_ids")
+        self.structured_output()
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint the body asks for (`structured_request`); APIError naming the field."""
+        try:
+            return structured_output_of(self)
+        except StructuredOutputError as error:
+            raise APIError(str(error), param=error.param) from None
 
     def requested_tokens(self) -> int | None:
         """max_tokens as asked (None: up to the context)."""
@@ -150,6 +167,7 @@ class _Body(LenientModel):
             logit_bias=bias,
             logprobs=self.logprobs_wanted(),
             prompt_logprobs=self.prompt_logprobs_wanted(),
+            structured_output=self.structured_output(),
         )
 
     def prompt_logprobs_wanted(self) -> int | None:
@@ -254,6 +272,14 @@ class ChatBody(_Body, ToolFields):
         super().check(vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A `required` or named `tool_choice` holds the reply to its calls' JSON, as vLLM does
+        (`tool_choice_json_schema`); otherwise what the structured-output fields ask."""
+        schema = tool_choice_json_schema(self.tools, self.tool_choice)
+        if schema is None:
+            return super().structured_output()
+        return StructuredOutput.json_schema(schema)
 
     @property
     def generations_per_prompt(self) -> int:

@@ -13,11 +13,14 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pipeline.core.model.greedy import greedy_token
+
+if TYPE_CHECKING:
+    from pipeline.serve.structured_output import StructuredOutput
 
 
 class BadSamplingValue(ValueError):
@@ -49,7 +52,9 @@ class SamplingParams:
     it; `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
     seen in the prompt or output. `logit_bias`: (token id, bias) pairs added to the logits (a
     mapping is accepted and stored as pairs). `logprobs` / `prompt_logprobs`: report each
-    generated / prompt token's log-probability and that many most likely alternatives."""
+    generated / prompt token's log-probability and that many most likely alternatives.
+    `structured_output`: the output held to a JSON schema, regex, choice or grammar
+    (`pipeline.serve.structured_output`)."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -65,6 +70,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -6,11 +6,10 @@ The request's `tools` go to the chat template as the client sent them (transform
 - `"none"`: the reply is text, never parsed (accepted without any server option);
 - `"auto"` (the default when `tools` are given): the reply is read by the `--tool-call-parser`
   format (`pipeline.serve.tool_parsers`), which needs `--enable-auto-tool-choice`, as in vLLM;
-- `"required"` and a named function: vLLM makes the model write JSON that fits
-  `tool_choice_json_schema` by structured output, and reads the reply as that JSON (a list of
-  `{"name", "parameters"}`, or the named function's arguments). pipe reads the reply the same way;
-  the constraint itself applies once structured output is wired to that schema (until then a
-  reply that is not such JSON comes back as plain content).
+- `"required"` and a named function: as vLLM, the model writes JSON that fits
+  `tool_choice_json_schema` by structured output (`ChatBody.structured_output`), and the reply
+  is read as that JSON (a list of `{"name", "parameters"}`, or the named function's
+  arguments).
 
 `parallel_tool_calls: false` keeps the first call only. An assistant message a client sends back
 with `tool_calls` reaches the template with each call's `arguments` as an object, as vLLM hands
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.serve.openai_api import APIError
-from pipeline.serve.tool_fields import ToolFields
+from pipeline.serve.tool_fields import ToolFields, tool_choice_json_schema  # noqa: F401 - re-exported
 from pipeline.serve.tool_parsers import (
     TOOL_PARSERS,
     FunctionCall,
@@ -67,30 +66,6 @@ def named_function(tool_choice: dict[str, Any], names: list[str]) -> str:
         raise APIError("The tool specified in `tool_choice` does not match any of the specified "
                        "`tools`", param="tool_choice")  # fmt: skip
     return name
-
-
-def tool_choice_json_schema(tools: list[dict[str, Any]] | None, tool_choice: Any) -> dict | None:
-    """The JSON schema the reply must follow for a `required` or named `tool_choice` (None for
-    `none` and `auto`): the hook structured output constrains generation with, as vLLM's
-    `_get_json_schema_from_tool`. Named: that function's parameters; required: a non-empty list
-    of `{"name": one of the tools, "parameters": its parameters}`."""
-    if not tools or tool_choice in (None, "none", "auto"):
-        return None
-    functions = {t["function"]["name"]: t["function"] for t in tools}
-    if isinstance(tool_choice, dict):
-        parameters = functions[tool_choice["function"]["name"]].get("parameters")
-        return parameters or {"type": "object", "properties": {}}
-    choices = [
-        {
-            "properties": {
-                "name": {"type": "string", "enum": [name]},
-                "parameters": f.get("parameters") or {"type": "object", "properties": {}},
-            },
-            "required": ["name", "parameters"],
-        }
-        for name, f in functions.items()
-    ]
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": choices}}
 
 
 @dataclass(frozen=True)
