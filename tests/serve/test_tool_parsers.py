@@ -4,8 +4,9 @@ The expected calls were written by hand from vLLM's parsers (vllm/entrypoints/op
 tool_parsers: llama_tool_parser.py, hermes_tool_parser.py, pythonic_tool_parser.py), applying
 their rules to each text: what starts a call, `arguments` or `parameters`, the arguments
 re-serialised with `json.dumps(..., ensure_ascii=False)`, the content (hermes: the text before
-the first `<tool_call>`, else None once a call is found; unparseable text stays content). vLLM
-was not installed here to run them; each case is one its rules decide without ambiguity."""
+the first `<tool_call>`, else None once a call is found; unparseable text stays content), and
+checked against vLLM 0.32.0's own parsers: `python scripts/tool_parsers_vllm_check.py
+--vllm-python VENV/bin/python` gave 12 of 12 cases equal (names, `arguments` text, content)."""
 
 from __future__ import annotations
 
