@@ -7,7 +7,7 @@ vLLM is not a dependency of pipe (its CPU build pins its own torch): give the Py
 virtual environment that has it (README, `scripts/bench/serve.py`'s section shows how).
 
     python scripts/tool_parsers_vllm_check.py --vllm-python /tmp/venv-vllm/bin/python \
-        [--tokenizer DIR]
+        --tokenizer DIR
 
 vLLM's parsers check at start that their marker tokens are in the tokenizer; they are added to
 the tokenizer given (any Hugging Face tokenizer directory) before the parsers are built.
@@ -50,7 +50,7 @@ print(json.dumps(out))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True, help="a Python that imports vllm")
-    parser.add_argument("--tokenizer", default=str(ROOT.parent / "shared/data/tokenizers/llama3"))
+    parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory")
     args = parser.parse_args()
 
     from pipeline.serve.tool_parsers import TOOL_PARSERS
