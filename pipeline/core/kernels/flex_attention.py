@@ -19,7 +19,6 @@ eagerly and forward only: torch's flex attention has no backward on a CPU.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -80,9 +79,9 @@ def clear_block_masks() -> None:
     _memo.clear()
 
 
-@functools.cache
-def _compiled() -> Callable:
-    return torch.compile(_flex_attention, dynamic=False)
+# Compiled at first call; made here, not in a function, so a compiled block calling it traces
+# straight into flex attention (as torchtitan's blocks do).
+_compiled_flex = torch.compile(_flex_attention, dynamic=False)
 
 
 def flex_attention(
@@ -90,15 +89,15 @@ def flex_attention(
 ) -> torch.Tensor:
     """Causal attention (within documents when `document_ids` is given), 1/sqrt(head_dim)
     scaling, grouped kv heads; SDPA's layout, `[batch, heads, seq, head_dim]` in and out."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if q.device.type == "cpu" and needs_grad:
+    on_cpu = q.device.type == "cpu"
+    if on_cpu and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(
             "attention backend flex has no backward on a CPU (torch's flex_attention); use sdpa"
         )
     mask = block_mask(document_ids, q.shape[2], q.device)
     gqa = q.shape[1] != k.shape[1]
     if q.device.type == "cuda":
-        return _compiled()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa)
     with warnings.catch_warnings():  # eager is what a CPU has; torch says to compile
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return _flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)

@@ -83,7 +83,7 @@ def attention_choice(cfg: TrainConfig, layout: ParallelDims, device: torch.devic
         cfg.data.reset_attention_mask or objective_spec(cfg.data.kind).document_masking
     )
     shape = None
-    if config.mla is None:  # latent attention runs sdpa whatever the backend
+    if config.mla is None:  # latent attention: flex leaves it to sdpa, no shape is measured
         shape = AttentionShape(
             seq_length=cfg.data.seq_length,
             heads=config.num_attention_heads // layout.tp,
@@ -98,8 +98,8 @@ def attention_choice(cfg: TrainConfig, layout: ParallelDims, device: torch.devic
         choice = BackendChoice("sdpa", "default: latent attention, which flex leaves to sdpa")
     if choice.backend == "flex" and device.type != "cuda":
         raise ConfigError(
-            f"training.attention_backend = {name} chose flex, which trains on CUDA only "
-            "(torch's flex_attention has no backward on a CPU); use sdpa"
+            "training.attention_backend = flex trains on CUDA only (torch's flex_attention has "
+            "no backward on a CPU); use sdpa"
         )
     return choice
 
