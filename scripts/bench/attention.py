@@ -10,7 +10,8 @@ offer to compute that:
 - `sdpa:<kernel>` for each of SDPA's kernels (cuDNN, flash, memory-efficient, math) forced with
   `sdpa_kernel`, given the boolean document mask pipe's `sdpa` backend builds. A kernel that
   refuses the mask (flash takes none) is listed with torch's reason, not left out.
-- `flex`: `flex_attention` with a block mask built from the document ids on every call (compiled).
+- `flex`: pipe's compiled `flex_attention` with its block mask built from the document ids on
+  every call, where `pipe:flex` builds it once per batch (the same kernel: no second compile).
 - `flash_attn:varlen`: flash-attn's variable-length kernel on the documents' cumulative lengths.
 - `sdpa:causal` (plain causal, no document mask): the speed bound the masked kernels chase.
 
@@ -76,20 +77,11 @@ def _sdpa_kernel(kernel_name: str, masked: bool) -> Callable:
 
 
 def _flex() -> Callable:
-    import torch
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    compiled = torch.compile(flex_attention, dynamic=False)
+    from pipeline.core.kernels.flex_attention import clear_block_masks, flex_attention
 
     def run(q, k, v, docs):
-        ids = docs[0]
-
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
-
-        seq = q.shape[2]
-        block = create_block_mask(same_document_causal, None, None, seq, seq, device=q.device)
-        return compiled(q, k, v, block_mask=block, enable_gqa=True)
+        clear_block_masks()  # built on every call: what pipe:flex's once-per-batch mask saves
+        return flex_attention(q, k, v, docs)
 
     return run
 
