@@ -15,7 +15,8 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
     train_1b      bf16 training speed, Llama 3.2 1B shape, seq 8192 (scripts/bench/train.py)
     train_8b_fp8  bf16, then FP8 (torchao tensorwise, rowwise, rowwise_with_gw_hp; quick:
                   tensorwise), Llama 3 8B width with 8 layers, seq 8192, one invocation
-    attention     attention kernels at seq 8192 with document masking (scripts/bench/attention.py)
+    attention     attention kernels at seq 8192 with document masking (scripts/bench/attention.py);
+                  the fastest of pipe's backends recorded as `auto`'s choice (--record)
     memory        `pipe train --dry-run --gpu` estimate against the measured peaks above
     generate      scripts/bench/generate.py on the GPU against transformers (not in --quick)
     lora_8b       LoRA (`llama3_8b_lora`) against full fine-tuning (train_8b_fp8's bf16 run) at
@@ -229,14 +230,18 @@ def step_attention(run: Run) -> dict:
         DRY: ["--device", "cpu", "--seq", "256", "--heads", "4", "--kv-heads", "2",
               "--head-dim", "32", "--doc-len", "64", "--repeat", "2"],
     }[run.mode]  # fmt: skip
-    argv = [PY, "scripts/bench/attention.py", *sizes, "--json", str(result)]
+    # --record: the fastest of pipe's backends becomes `auto`'s choice for this GPU and shape
+    # (pipe's cache on a GPU; the dry run's goes to its work folder, not the user's cache).
+    choices = [] if run.on_gpu else [str(run.work / "attention_backends.json")]
+    argv = [PY, "scripts/bench/attention.py", *sizes, "--record", *choices, "--json", str(result)]
     code, output = run.command("attention", argv)
     record = _read_json(result) or {}
-    return {
-        "status": _status(code),
-        "figures": record.get("results", {}),
-        "note": "" if run.on_gpu else "CPU, seq 256, fp32: kernel availability only",
-    }
+    recorded = record.get("recorded") or {}
+    choice = recorded.get("backend") or recorded.get("error", "nothing recorded")
+    note = f"auto's choice: {choice}"
+    if not run.on_gpu:
+        note += "; CPU, seq 256, fp32: kernel availability only"
+    return {"status": _status(code), "figures": record.get("results", {}), "note": note}
 
 
 # The training benchmarks' settings, shared with the memory step's dry runs.

@@ -122,3 +122,17 @@ def test_the_dry_report_lists_wall_time_and_budget_per_step(tmp_path: Path) -> N
     assert rows["environment"][3:5] == [str(dry), f"{full} / {quick}"]
     full, quick = measure.budget_total(measure.FULL), measure.budget_total(measure.QUICK)
     assert rows["total"][4] == f"{full} / {quick}"
+
+
+def test_the_attention_step_records_autos_choice(tmp_path: Path) -> None:
+    """The dry run's attention step times pipe's own backends, checks them against pipe:sdpa
+    and records the fastest as `auto`'s choice in its work folder (never the user's cache)."""
+    run = measure.Run(measure.DRY, tmp_path, time.monotonic() + 120, tmp_path)
+    run.step_deadline = time.monotonic() + 120
+    result = measure.step_attention(run)
+    assert result["status"] == "ok", result
+    assert result["note"].startswith("auto's choice: sdpa;")
+    assert "ms" in result["figures"]["pipe:sdpa"] and "error" in result["figures"]["pipe:flex"]
+    assert result["figures"]["sdpa:math"]["max_rel_err"] < 1e-5
+    choices = json.loads((tmp_path / "attention_backends.json").read_text())["choices"]
+    assert [entry["backend"] for entry in choices.values()] == ["sdpa"]

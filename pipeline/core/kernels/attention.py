@@ -6,10 +6,13 @@ document masking: with `document_ids` (one id per token) a token attends only to
 the same document, which is how Megatron's `reset_attention_mask` treats packed sequences.
 
 Backends: "sdpa" (torch's `scaled_dot_product_attention`, which itself picks flash /
-memory-efficient / math kernels; the reference, on CPU and GPU) and "flash_attn" (the flash-attn
-package, CUDA, fp16/bf16, no document masking yet). Each backend imports its package inside its
-function, so its absence costs nothing until it is asked for, and each has a test against "sdpa"
-(the flash-attn one runs on a GPU). Transformer Engine attention joins with the FP8 work.
+memory-efficient / math kernels; the reference, on CPU and GPU), "flex" (torch's `flex_attention`
+over a block mask of the documents, compiled on CUDA; `pipeline.core.kernels.flex_attention`) and
+"flash_attn" (the flash-attn package, CUDA, fp16/bf16, no document masking yet). Each backend
+imports its package inside its function, so its absence costs nothing until it is asked for, and
+each has a test against "sdpa" (flex's backward and flash-attn's run on a GPU). `auto` chooses
+by measurement (`pipeline.core.kernels.attention_choice`). Transformer Engine attention joins
+with the FP8 work.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.core.kernels.attention_choice import (
+    AttentionShape,
+    BackendChoice,
+    auto_backend,
+    cache_path,
+)
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -71,26 +81,66 @@ def _flash_attn(
     return out.transpose(1, 2)
 
 
-_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "flash_attn": _flash_attn}
+def _flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    document_ids: torch.Tensor | None,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    # Cached decoding (an explicit mask) and latent attention (values narrower than keys) are
+    # sdpa's: flex here serves causal training attention.
+    if mask is not None or not causal or q.shape[-1] != v.shape[-1]:
+        return _sdpa(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+    from pipeline.core.kernels.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, document_ids)
+
+
+_BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
+    "sdpa": _sdpa,
+    "flex": _flex,
+    "flash_attn": _flash_attn,
+}
 BACKENDS = tuple(_BACKENDS)
 
 
-def resolve_backend(name: str, *, device: torch.device, document_masking: bool) -> str:
-    """The backend a run uses: `auto` picks flash_attn on CUDA when it is installed and no
-    document masking is asked for, else sdpa; an explicit name is kept as given."""
+def choose_backend(
+    name: str,
+    *,
+    device: torch.device,
+    document_masking: bool,
+    shape: AttentionShape | None = None,
+) -> BackendChoice:
+    """The backend a run uses and why: an explicit name as given; `auto` the measured choice for
+    this GPU and `shape`, else the default rule (`pipeline.core.kernels.attention_choice`)."""
     if name != "auto":
         if name not in _BACKENDS:
             raise ValueError(
                 f"unknown attention backend {name!r}; have auto, {', '.join(BACKENDS)}"
             )
-        return name
-    if device.type != "cuda" or document_masking:
-        return "sdpa"
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return "sdpa"
-    return "flash_attn"
+        return BackendChoice(name, "asked for")
+    choice = auto_backend(device, document_masking, shape)
+    if choice.backend not in _BACKENDS:
+        raise ValueError(
+            f"{cache_path()}: unknown attention backend {choice.backend!r} recorded; delete it"
+        )
+    return choice
+
+
+def resolve_backend(
+    name: str,
+    *,
+    device: torch.device,
+    document_masking: bool,
+    shape: AttentionShape | None = None,
+) -> str:
+    """The name of `choose_backend`'s backend."""
+    return choose_backend(
+        name, device=device, document_masking=document_masking, shape=shape
+    ).backend
 
 
 def attention(

@@ -26,7 +26,7 @@ from pipeline.core.model.rope_scaling import yarn_softmax_factor
 class ModelOptions:
     """What a run chooses about a model beyond its shape (`ModelConfig`), fixed at construction.
 
-    attention_backend: the attention kernel ("sdpa" or "flash_attn"; see
+    attention_backend: the attention kernel ("sdpa", "flex" or "flash_attn"; see
     `pipeline.core.kernels.attention`). activation_checkpointing: recompute each block's
     activations in backward ("none", "full" or "selective"). moe_aux_loss_scale: each MoE layer
     attaches the gradient of `scale * aux_loss` to its output (None: the caller adds the aux loss

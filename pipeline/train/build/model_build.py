@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipeline.core.kernels.attention import resolve_backend
+from pipeline.core.kernels.attention import choose_backend
+from pipeline.core.kernels.attention_choice import AttentionShape, BackendChoice
 from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.block import ModelOptions
@@ -36,7 +37,14 @@ from pipeline.train.loop.step_runner import LocalStepRunner, StepRunner
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
 
-__all__ = ["BuiltModel", "build_fp8_backend", "build_model", "init_weights", "model_options"]
+__all__ = [
+    "BuiltModel",
+    "attention_choice",
+    "build_fp8_backend",
+    "build_model",
+    "init_weights",
+    "model_options",
+]
 
 log = logging.getLogger("pipeline.train")
 
@@ -57,20 +65,43 @@ def model_options(
 ) -> ModelOptions:
     """What the run chooses about the model: attention kernel, recomputation, and the MoE
     aux-loss weight (one micro-batch's share of the global batch) and micro-batch group."""
-    backend = resolve_backend(
-        cfg.training.attention_backend,
-        device=device,
-        document_masking=(
-            cfg.data.reset_attention_mask or objective_spec(cfg.data.kind).document_masking
-        ),
-    )
-    log.info("attention backend: %s", backend)
+    choice = attention_choice(cfg, layout, device)
+    log.info("%s", choice.describe())
     return ModelOptions(
-        attention_backend=backend,
+        attention_backend=choice.backend,
         activation_checkpointing=cfg.training.activation_checkpointing,
         moe_aux_loss_scale=1.0 / (num_micro_batches * layout.dp),
         moe_micro_batch_group=layout.micro_batch_group(cfg.parallel.sequence_parallel),
     )
+
+
+def attention_choice(cfg: TrainConfig, layout: ParallelDims, device: torch.device) -> BackendChoice:
+    """`training.attention_backend` resolved for this run's attention shape (this rank's heads);
+    read from the measured choices, never measured here: every rank must agree."""
+    config = cfg.model_config()
+    document_masking = (
+        cfg.data.reset_attention_mask or objective_spec(cfg.data.kind).document_masking
+    )
+    shape = None
+    if config.mla is None:  # latent attention: flex leaves it to sdpa, no shape is measured
+        shape = AttentionShape(
+            seq_length=cfg.data.seq_length,
+            heads=config.num_attention_heads // layout.tp,
+            kv_heads=max(1, config.num_kv_heads // layout.tp),
+            head_dim=config.head_dim,
+            dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
+            document_masking=document_masking,
+        )
+    name = cfg.training.attention_backend
+    choice = choose_backend(name, device=device, document_masking=document_masking, shape=shape)
+    if shape is None and name == "auto" and choice.backend == "flex":
+        choice = BackendChoice("sdpa", "default: latent attention, which flex leaves to sdpa")
+    if choice.backend == "flex" and device.type != "cuda":
+        raise ConfigError(
+            "training.attention_backend = flex trains on CUDA only (torch's flex_attention has "
+            "no backward on a CPU); use sdpa"
+        )
+    return choice
 
 
 def build_fp8_backend(

@@ -200,9 +200,9 @@ class TrainingSection:
     compile: bool | None = None
     """torch.compile each transformer block; unset: on for CUDA runs, off on a CPU (false turns
     it off on a GPU too)."""
-    attention_backend: Literal["auto", "sdpa", "flash_attn"] = "auto"
-    """auto (flash-attn on CUDA when installed and no document masking, else sdpa), sdpa or
-    flash_attn."""
+    attention_backend: Literal["auto", "sdpa", "flex", "flash_attn"] = "auto"
+    """auto (this GPU's measured choice for the shape, else: flex with document masking on
+    CUDA, flash-attn when installed, sdpa), sdpa, flex (CUDA) or flash_attn."""
 
 
 @dataclass
