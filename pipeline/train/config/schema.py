@@ -225,6 +225,13 @@ class OptimizerSection:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0: no clipping)."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The optimizer's moments: fp32, or bf16 for half the state bytes (Megatron's
+    `--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`); weights
+    stay fp32."""
+    cpu_offload: bool = False
+    """Keep the optimizer's state and step in host memory (Megatron's `--optimizer-cpu-offload`,
+    torchao's CPUOffloadOptimizer): one-GPU runs only."""
 
 
 @dataclass
