@@ -138,9 +138,10 @@ def _train(config, tokens: torch.Tensor, cfg, steps: int) -> list[float]:
 
 
 def test_bf16_states_train_within_one_percent_of_fp32(corpus_texts, tmp_path) -> None:
-    """The tiny recipe's optimizer settings, 300 steps on the stdlib corpus with a micro model
-    (the tiny model's 300 steps are too slow for the suite): the last 20 steps' mean loss with
-    bf16 states is within 1% of fp32 states'."""
+    """The tiny recipe's optimizer settings on the stdlib corpus with a micro model: the last
+    20 steps' mean loss with bf16 states is within 1% of fp32 states'. 100 steps keep the
+    suite fast (5.49220 against 5.49224); 300 steps gave 4.84785 against 4.84799 (the tiny model's 300 steps take
+    minutes on a CPU)."""
     from pipeline.export.calibration import calibration_sequences
     from tests.builders import FP8_VOCAB, tokenized_corpus
 
@@ -149,10 +150,10 @@ def test_bf16_states_train_within_one_percent_of_fp32(corpus_texts, tmp_path) ->
     config = micro_model_config(vocab_size=FP8_VOCAB)
     final = {}
     for dtype in ("fp32", "bf16"):
-        cfg = resolve_config("tiny", ["training.iters=300", f"optimizer.state_dtype={dtype}"])
-        losses = _train(config, tokens, cfg, 300)
+        cfg = resolve_config("tiny", ["training.iters=100", f"optimizer.state_dtype={dtype}"])
+        losses = _train(config, tokens, cfg, 100)
         final[dtype] = sum(losses[-20:]) / 20
-    assert final["fp32"] < 0.8 * losses[0]  # it learnt (6.25 -> 4.85)
+    assert final["fp32"] < 0.9 * losses[0]  # it learnt: 6.25 -> 5.49
     assert final["bf16"] == pytest.approx(final["fp32"], rel=0.01)
 
 
