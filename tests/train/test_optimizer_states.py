@@ -140,8 +140,8 @@ def _train(config, tokens: torch.Tensor, cfg, steps: int) -> list[float]:
 def test_bf16_states_train_within_one_percent_of_fp32(corpus_texts, tmp_path) -> None:
     """The tiny recipe's optimizer settings on the stdlib corpus with a micro model: the last
     20 steps' mean loss with bf16 states is within 1% of fp32 states'. 100 steps keep the
-    suite fast (5.49220 against 5.49224); 300 steps gave 4.84785 against 4.84799 (the tiny model's 300 steps take
-    minutes on a CPU)."""
+    suite fast (5.49220 against 5.49224); 300 steps gave 4.84785 against 4.84799 (the tiny
+    model's 300 steps take minutes on a CPU)."""
     from pipeline.export.calibration import calibration_sequences
     from tests.builders import FP8_VOCAB, tokenized_corpus
 
