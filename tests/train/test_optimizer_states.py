@@ -178,7 +178,12 @@ def test_cpu_offload_leaves_no_optimizer_bytes_on_the_gpu(dtype: str, host_bytes
     """The estimate: weights and gradients only on the device, the state in host memory."""
     from pipeline.train.report.estimates import dry_run_report, estimate_memory
 
-    sets = ["training.device=cuda", f"optimizer.state_dtype={dtype}", "parallel.tp=1", "parallel.pp=1"]
+    sets = [
+        "training.device=cuda",
+        f"optimizer.state_dtype={dtype}",
+        "parallel.tp=1",
+        "parallel.pp=1",
+    ]
     plain = resolve_config("llama3_2_1b", sets, world_size=1)
     offloaded = resolve_config("llama3_2_1b", [*sets, "optimizer.cpu_offload=true"], world_size=1)
     model = plain.model_config()
@@ -201,8 +206,15 @@ def test_cpu_offload_steps_as_on_the_gpu_and_resumes(dtype: str) -> None:
     from pipeline.train.optimizers.lr_scheduler import build_scheduler
 
     def run(offload: bool, steps: int, model=None, optimizer=None):
-        cfg = resolve_config("tiny", [*MICRO_MODEL, "training.device=cuda",
-                             f"optimizer.state_dtype={dtype}", f"optimizer.cpu_offload={str(offload).lower()}"])
+        cfg = resolve_config(
+            "tiny",
+            [
+                *MICRO_MODEL,
+                "training.device=cuda",
+                f"optimizer.state_dtype={dtype}",
+                f"optimizer.cpu_offload={str(offload).lower()}",
+            ],
+        )
         if model is None:
             torch.manual_seed(0)
             model = build_model(micro_model_config()).cuda()
@@ -213,7 +225,8 @@ def test_cpu_offload_steps_as_on_the_gpu_and_resumes(dtype: str) -> None:
             generator = torch.Generator().manual_seed(step)
             tokens = torch.randint(0, 128, (4, 17), generator=generator).cuda()
             loss = torch.nn.functional.cross_entropy(
-                model.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+                model.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()

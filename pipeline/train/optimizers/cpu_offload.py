@@ -37,9 +37,7 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
     """torchao's `CPUOffloadOptimizer` over `groups`, every parameter offloaded, adapted to
     pipe's clipping, scheduler and checkpoints (see the module docstring)."""
 
-    def __init__(
-        self, groups: list[dict[str, Any]], optimizer_class: type, **kwargs: Any
-    ) -> None:
+    def __init__(self, groups: list[dict[str, Any]], optimizer_class: type, **kwargs: Any) -> None:
         devices = {p.device.type for group in groups for p in group["params"]}
         if devices - {"cuda", "xpu"}:  # e.g. training.device = auto on a machine without one
             raise ConfigError(
