@@ -189,6 +189,8 @@ register(
         "the rest",
         skips_on_device=False,
         state_bytes_for="pipeline.train.optimizers.muon:state_bytes_per_param",
+        bf16_state="a bf16 momentum on the hidden matrices (2 B), two bf16 moments (AdamW, 4 B) "
+        "on the rest, stochastically rounded (fp32 weights and update)",
     )
 )
 """Muon for the hidden matrices, AdamW for the rest (`pipeline.train.optimizers.muon`)."""

@@ -21,8 +21,15 @@ a `torch.compile`d kernel per parameter. This module is that one update in plain
 DTensor parameters (FSDP2, tensor parallel) work on their local shards, the update being
 elementwise; the moments are DTensors placed as their parameter, so checkpoints reshard them.
 The random bits of the rounding come from a generator seeded by (seed, step, the parameter's
-position), not from the global RNG: a run's other random draws do not depend on this choice
-and a resumed run rounds as the uninterrupted one did.
+position, the shard's offset in the whole tensor), not from the global RNG
+(`rounding_generator`): a run's other random draws do not depend on this choice, a resumed run
+rounds as the uninterrupted one did, replicas of a shard round alike (they stay equal), and
+each shard of a sharded parameter draws its own bits. A sharded run is therefore not bitwise
+one process's (its shards draw other bits than the whole tensor does); each stored moment is
+one of the same two bf16 neighbours, and their expectation is the same.
+
+`adamw_step_bf16` is the update of one parameter; `Muon` calls it for its AdamW parameters
+under `optimizer.state_dtype = "bf16"`.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdamWBF16", "stochastic_round_bf16"]
+__all__ = ["AdamWBF16", "adamw_step_bf16", "rounding_generator", "stochastic_round_bf16"]
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -80,18 +87,8 @@ class AdamWBF16(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 position += 1
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.bfloat16)
-                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
-                state["step"] += 1
-                step = int(state["step"].item())  # a CPU tensor: no device sync
-                generator = torch.Generator(device=_local(param).device)
-                generator.manual_seed(hash((self.seed, step, position)) & (2**63 - 1))
-                _update(param, state, group, step, generator)
+                if param.grad is not None:
+                    adamw_step_bf16(param, self.state[param], group, self.seed, position)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -104,16 +101,30 @@ class AdamWBF16(torch.optim.Optimizer):
                     state[key] = state[key].to(torch.bfloat16)
 
 
-def _update(
-    param: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    group: dict[str, Any],
-    step: int,
-    generator: torch.Generator,
+def rounding_generator(seed: int, step: int, position: int, param: torch.Tensor) -> torch.Generator:
+    """The generator of the rounding bits of `param`'s local shard at `step`: seeded by
+    (seed, step, position, the shard's offset), on the shard's device (module docstring)."""
+    generator = torch.Generator(device=_local(param).device)
+    generator.manual_seed(hash((seed, step, position, _offset(param))) & (2**63 - 1))
+    return generator
+
+
+def adamw_step_bf16(
+    param: torch.Tensor, state: dict[str, Any], group: dict[str, Any], seed: int, position: int
 ) -> None:
-    """AdamW on the local shard of `param`: moments in fp32 for the step, stored rounded."""
+    """One AdamW step of `param` (its gradient set) with bf16 moments in `state` (created at
+    the first step): the moments widened to fp32 for the step, stored stochastically rounded.
+    `group` holds lr, betas, weight_decay and eps (or adam_eps, as Muon's groups name it)."""
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(param, dtype=torch.bfloat16)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
+    state["step"] += 1
+    step = int(state["step"].item())  # a CPU tensor: no device sync
+    generator = rounding_generator(seed, step, position, param)
     beta1, beta2 = group["betas"]
-    lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+    lr, weight_decay = group["lr"], group["weight_decay"]
+    eps = group["adam_eps"] if "adam_eps" in group else group["eps"]
     p, grad = _local(param), _local(param.grad).float()
     exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
     m = exp_avg.float().lerp_(grad, 1 - beta1)
@@ -123,6 +134,20 @@ def _update(
     p.mul_(1 - lr * weight_decay)
     denom = v.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(eps)
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+
+
+def _offset(param: torch.Tensor) -> tuple[int, ...]:
+    """Where `param`'s local shard starts in the whole tensor (zeros for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return (0,) * param.ndim
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return tuple(offset)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
