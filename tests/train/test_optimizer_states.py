@@ -187,7 +187,6 @@ def test_bf16_states_train_within_one_percent_of_fp32(recipe: str, corpus_texts,
         cfg = resolve_config(recipe, ["training.iters=100", f"optimizer.state_dtype={dtype}"])
         losses = _train(config, tokens, cfg, 100)
         final[dtype] = sum(losses[-20:]) / 20
-        print(f"{recipe} {dtype}: {final[dtype]:.5f}")
     assert final["fp32"] < 0.9 * losses[0]  # it learnt: 6.25 -> 5.5
     assert final["bf16"] == pytest.approx(final["fp32"], rel=0.01)
 
