@@ -53,7 +53,7 @@ def train(name: str, lr: float, prefix: str, steps: int, work: Path, sets: list[
 
     run_dir = work / f"{name}_{lr:g}"
     config = resolve_config("tiny", [
-        f"data.blend={prefix}", "data.num_workers=0", f"training.iters={steps}",
+        f"data.blend={prefix}", "data.mock=false", "data.num_workers=0", f"training.iters={steps}",
         "training.device=cpu", "training.eval_interval=0", "training.log_interval=1",
         f"optimizer.name={name}", f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}",
         f"scheduler.warmup_iters={max(steps // 10, 1)}", "checkpoint.save_interval=100000",
@@ -84,6 +84,7 @@ def train(name: str, lr: float, prefix: str, steps: int, work: Path, sets: list[
         "losses": {int(k): v for k, v in result.losses.items()},
         "tokens_per_step": t.global_batch_size * config.data.seq_length,
         "optimizer_share": timed["optimizer"] / seconds,
+        "step_seconds": seconds / steps,
     }
 
 
@@ -95,10 +96,10 @@ def _final(run: dict, window: int = 10) -> float:
 
 def report(runs: list[dict], every: int) -> dict[str, dict]:
     """Print the sweep's table and the tuned runs' curves; returns the tuned run per optimizer."""
-    print(f"{'optimizer':10s} {'lr':>8s} {'final loss':>11s} {'optimizer step':>15s}")
+    print(f"{'optimizer':10s} {'lr':>8s} {'final loss':>11s} {'step':>8s} {'optimizer step':>15s}")
     for run in runs:
         print(f"{run['optimizer']:10s} {run['lr']:8.0e} {_final(run):11.4f} "
-              f"{100 * run['optimizer_share']:14.1f}%")  # fmt: skip
+              f"{run['step_seconds']:7.3f}s {100 * run['optimizer_share']:14.1f}%")  # fmt: skip
     tuned: dict[str, dict] = {}
     for run in runs:
         best = tuned.get(run["optimizer"])

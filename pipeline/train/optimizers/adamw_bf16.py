@@ -75,6 +75,9 @@ class AdamWBF16(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.seed = seed
+        # Positions (which seed the rounding) count from here: an offloaded parameter's own
+        # optimizer starts at its place in the run's groups, to round as one optimizer does.
+        self.first_position = 0
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
@@ -83,7 +86,7 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        position = 0
+        position = self.first_position
         for group in self.param_groups:
             for param in group["params"]:
                 position += 1

@@ -12,7 +12,9 @@ stream. `OffloadedOptimizer` adapts it to pipe's run in three ways:
   learning-rate scheduler and DCP's checkpoint helpers see an ordinary optimizer; their
   hyper-parameters reach the host optimizers at each step;
 * `state`, `state_dict()` and `load_state_dict()` speak torch's format keyed by those groups'
-  parameters, so checkpoints save and reload like AdamW's (the states keep their dtype).
+  parameters, so checkpoints save and reload like AdamW's (the states keep their dtype); the
+  host copies of the weights are taken again at the first step after building or loading, so
+  weights loaded after the optimizer (a resume, an import) are the ones stepped.
 
 Every parameter is offloaded (no small tensor stays on the GPU), so no optimizer state is
 GPU-resident. torchao streams between a CUDA (or XPU) device and the host only: the config
@@ -26,11 +28,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torchao.optim import CPUOffloadOptimizer
 
+from pipeline.common.quiet import quiet_library_logs
 from pipeline.train.config.fields import ConfigError
 
-__all__ = ["OffloadedOptimizer"]
+quiet_library_logs()  # torchao logs its kernel libraries and pytree enums while importing
+try:
+    from torchao.optim import CPUOffloadOptimizer
+except ImportError as e:
+    raise ConfigError(
+        "optimizer.cpu_offload needs torchao: pip install 'pipe-llm[fp8]' (torchao)"
+    ) from e
+
+__all__ = ["ACCELERATORS", "OffloadedOptimizer"]
+
+ACCELERATORS = {"cuda", "xpu"}
+"""The device types torchao streams states from and to."""
 
 
 class OffloadedOptimizer(CPUOffloadOptimizer):
@@ -39,7 +52,7 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
 
     def __init__(self, groups: list[dict[str, Any]], optimizer_class: type, **kwargs: Any) -> None:
         devices = {p.device.type for group in groups for p in group["params"]}
-        if devices - {"cuda", "xpu"}:  # e.g. training.device = auto on a machine without one
+        if devices - ACCELERATORS:  # e.g. training.device = auto on a machine without one
             raise ConfigError(
                 f"optimizer.cpu_offload needs the model on a GPU; its parameters are on "
                 f"{', '.join(sorted(devices))}"
@@ -54,6 +67,10 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
         )
         self._groups = groups
         self.defaults = {}  # no `found_inf` is read: a non-finite step is a host check
+        self._host_stale = True  # see `_refresh_host_weights`
+        for position, host_optimizer in enumerate(self.optim_dict.values()):
+            if hasattr(host_optimizer, "first_position"):  # AdamWBF16: round as one optimizer
+                host_optimizer.first_position = position
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -71,6 +88,7 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
             hyper = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 self.optim_dict[p].param_groups[0].update(hyper)
+        self._refresh_host_weights()
         backend = getattr(torch, self.device)
         self.queue.clear()
         self.stream.wait_stream(backend.current_stream())
@@ -101,6 +119,17 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
                 self.optim_dict[p].state[host] = {k: _to_host(v) for k, v in values}
         for group, loaded in zip(self._groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in loaded.items() if k != "params"})
+        self._host_stale = True
+
+    def _refresh_host_weights(self) -> None:
+        """Copy the weights to their host masters once after building or loading: torchao
+        copies them when it is built, but a checkpoint's weights arrive later (DCP's
+        `set_state_dict` loads the optimizer, then the model), and so do imported ones; a host
+        step from the stale copy would overwrite them."""
+        if self._host_stale:
+            for p, host in self.param_d2h_map.items():
+                host.copy_(p.detach())
+            self._host_stale = False
 
     def _each(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         """(GPU parameter, its host copy, the host optimizer's state of it), in group order."""
