@@ -7,10 +7,12 @@ quickstart does), preprocesses it once, then trains the `tiny` recipe with each 
 Printed: the tuned runs' loss every `--every` steps against tokens seen, a table of each run's
 final loss, and the optimizer step's time as a share of the training step (the optimizer step
 wrapped and timed). `--plot FILE` draws the tuned curves (needs matplotlib); `--json FILE` keeps
-every figure.
+every figure; `--runs FILE` (repeatable) adds the runs of an earlier `--json` to the table and
+the choice of tuned runs, so a sweep can be widened without running it again.
 
     python scripts/bench/optimizers.py [--optimizers adamw,muon] [--steps 300]
         [--lrs adamw=1e-3,3e-3 --lrs muon=1e-3,3e-3] [--plot curves.png] [--json out.json]
+        [--runs earlier.json]
 """
 
 from __future__ import annotations
@@ -154,15 +156,19 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--runs", type=Path, action="append", default=[], metavar="FILE")
     args = parser.parse_args()
     lrs = _lrs(args.lrs)
+    runs = [run for path in args.runs for run in json.loads(path.read_text())]
+    names = [name for name in args.optimizers.split(",") if name]
     with tempfile.TemporaryDirectory(prefix="pipe_bench_optim_") as work:
-        prefix = build_corpus(Path(work))
-        runs = []
-        for name in args.optimizers.split(","):
+        prefix = build_corpus(Path(work)) if names else ""
+        for name in names:
             for lr in lrs.get(name, [1e-3]):
                 with contextlib.redirect_stdout(sys.stderr):
                     runs.append(train(name, lr, prefix, args.steps, Path(work), args.sets))
+    for run in runs:  # JSON keys are strings
+        run["losses"] = {int(step): loss for step, loss in run["losses"].items()}
     tuned = report(runs, args.every)
     if args.plot:
         plot(tuned, args.plot)
