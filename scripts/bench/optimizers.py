@@ -7,10 +7,12 @@ quickstart does), preprocesses it once, then trains the `tiny` recipe with each 
 Printed: the tuned runs' loss every `--every` steps against tokens seen, a table of each run's
 final loss, and the optimizer step's time as a share of the training step (the optimizer step
 wrapped and timed). `--plot FILE` draws the tuned curves (needs matplotlib); `--json FILE` keeps
-every figure.
+every figure; `--runs FILE` (repeatable) adds the runs of an earlier `--json` to the table and
+the choice of tuned runs, so a sweep can be widened without running it again.
 
     python scripts/bench/optimizers.py [--optimizers adamw,muon] [--steps 300]
         [--lrs adamw=1e-3,3e-3 --lrs muon=1e-3,3e-3] [--plot curves.png] [--json out.json]
+        [--runs earlier.json]
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def train(name: str, lr: float, prefix: str, steps: int, work: Path, sets: list[
 
     run_dir = work / f"{name}_{lr:g}"
     config = resolve_config("tiny", [
-        f"data.blend={prefix}", "data.num_workers=0", f"training.iters={steps}",
+        f"data.blend={prefix}", "data.mock=false", "data.num_workers=0", f"training.iters={steps}",
         "training.device=cpu", "training.eval_interval=0", "training.log_interval=1",
         f"optimizer.name={name}", f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}",
         f"scheduler.warmup_iters={max(steps // 10, 1)}", "checkpoint.save_interval=100000",
@@ -84,6 +86,7 @@ def train(name: str, lr: float, prefix: str, steps: int, work: Path, sets: list[
         "losses": {int(k): v for k, v in result.losses.items()},
         "tokens_per_step": t.global_batch_size * config.data.seq_length,
         "optimizer_share": timed["optimizer"] / seconds,
+        "step_seconds": seconds / steps,
     }
 
 
@@ -95,10 +98,10 @@ def _final(run: dict, window: int = 10) -> float:
 
 def report(runs: list[dict], every: int) -> dict[str, dict]:
     """Print the sweep's table and the tuned runs' curves; returns the tuned run per optimizer."""
-    print(f"{'optimizer':10s} {'lr':>8s} {'final loss':>11s} {'optimizer step':>15s}")
+    print(f"{'optimizer':10s} {'lr':>8s} {'final loss':>11s} {'step':>8s} {'optimizer step':>15s}")
     for run in runs:
         print(f"{run['optimizer']:10s} {run['lr']:8.0e} {_final(run):11.4f} "
-              f"{100 * run['optimizer_share']:14.1f}%")  # fmt: skip
+              f"{run['step_seconds']:7.3f}s {100 * run['optimizer_share']:14.1f}%")  # fmt: skip
     tuned: dict[str, dict] = {}
     for run in runs:
         best = tuned.get(run["optimizer"])
@@ -153,15 +156,19 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--runs", type=Path, action="append", default=[], metavar="FILE")
     args = parser.parse_args()
     lrs = _lrs(args.lrs)
+    runs = [run for path in args.runs for run in json.loads(path.read_text())]
+    names = [name for name in args.optimizers.split(",") if name]
     with tempfile.TemporaryDirectory(prefix="pipe_bench_optim_") as work:
-        prefix = build_corpus(Path(work))
-        runs = []
-        for name in args.optimizers.split(","):
+        prefix = build_corpus(Path(work)) if names else ""
+        for name in names:
             for lr in lrs.get(name, [1e-3]):
                 with contextlib.redirect_stdout(sys.stderr):
                     runs.append(train(name, lr, prefix, args.steps, Path(work), args.sets))
+    for run in runs:  # JSON keys are strings
+        run["losses"] = {int(step): loss for step, loss in run["losses"].items()}
     tuned = report(runs, args.every)
     if args.plot:
         plot(tuned, args.plot)

@@ -19,7 +19,7 @@ from tests.builders import ROOT
 
 MEASURE = ROOT / "scripts" / "gpu" / "measure.py"
 ORDER = ["environment", "gpu_tests", "smoke_train", "train_1b", "train_8b_fp8", "attention",
-         "memory", "generate", "lora_8b", "grpo"]  # fmt: skip
+         "memory", "generate", "lora_8b", "grpo", "muon"]  # fmt: skip
 
 
 def _load():
@@ -35,7 +35,7 @@ measure = _load()
 
 def test_budgets_fit_the_lease() -> None:
     # Issue 37: a full call within 300 s and a quick one within 150 s, the install included
-    # (the GRPO step of issue 39 among them).
+    # (the GRPO step of issue 39 and the Muon step of issue 41 among them).
     assert measure.TOTAL_S[measure.FULL] == 300 and measure.TOTAL_S[measure.QUICK] == 150
     assert measure.budget_total(measure.FULL) <= 300
     assert measure.budget_total(measure.QUICK) <= 150
@@ -49,7 +49,7 @@ def test_steps_run_in_order_of_value() -> None:
 def test_only_and_skip_choose_steps_in_order() -> None:
     assert measure.choose_steps(None, []) == ORDER
     assert measure.choose_steps("train_1b, environment", []) == ["environment", "train_1b"]
-    skipped = measure.choose_steps(None, ["memory", "generate,lora_8b", "grpo"])
+    skipped = measure.choose_steps(None, ["memory", "generate,lora_8b", "grpo,muon"])
     assert skipped == ORDER[:6]
     assert measure.choose_steps("memory,generate", ["generate"]) == ["memory"]
 

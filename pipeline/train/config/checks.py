@@ -15,7 +15,7 @@ from pipeline.core.kernels.fp8 import normalize_recipe
 from pipeline.core.parallel.layout_rules import layout_problems
 from pipeline.train.config.fields import ConfigError
 from pipeline.train.objectives import objective_problems
-from pipeline.train.optimizers import optimizer_spec
+from pipeline.train.optimizers import optimizer_spec, state_problems
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -56,6 +56,7 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
     problems += _split_problems(d.split)
 
     problems += _optimizer_problems(cfg)
+    problems += state_problems(cfg, world_size)
     if not 0 <= s.warmup_init_lr <= o.lr:
         problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
 

@@ -248,6 +248,13 @@ class OptimizerSection:
     matrix, orthogonalise on every rank) or distributed (keep the shards, all-reduce the Gram
     matrices), both one device's update; blockwise orthogonalises each shard alone, which
     CHANGES the update (another optimizer than one device's Muon), for less communication."""
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The optimizer's moments: fp32, or bf16 for half the state bytes (Megatron's
+    `--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`); weights
+    stay fp32."""
+    cpu_offload: bool = False
+    """Keep the optimizer's state and step in host memory (Megatron's `--optimizer-cpu-offload`,
+    torchao's CPUOffloadOptimizer): one-GPU runs only."""
 
 
 @dataclass

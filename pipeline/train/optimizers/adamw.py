@@ -57,20 +57,27 @@ def _kind(param: torch.Tensor) -> str:
     return "x".join(mesh.mesh_dim_names or ()) or f"mesh{tuple(mesh.mesh.shape)}"
 
 
-def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW over `param_groups(model)` with `cfg.optimizer`'s hyper-parameters.
 
-    Always the fused kernel (CUDA and CPU, plain and DTensor parameters): it reads the
-    optimizer's `found_inf` tensor on the device and leaves weights, moments and step count
-    untouched when it is 1, so a non-finite step is skipped without waiting for the device
-    (`pipeline.train.optimizers.nonfinite`).
+    fp32 states (the default): always torch's fused kernel (CUDA and CPU, plain and DTensor
+    parameters): it reads the optimizer's `found_inf` tensor on the device and leaves weights,
+    moments and step count untouched when it is 1, so a non-finite step is skipped without
+    waiting for the device (`pipeline.train.optimizers.nonfinite`). `optimizer.state_dtype =
+    "bf16"`: `AdamWBF16` (bf16 moments, stochastically rounded). `optimizer.cpu_offload`: either
+    of them stepping in host memory (`OffloadedOptimizer`, torchao's CPU offload).
     """
     o = cfg.optimizer
-    return torch.optim.AdamW(
-        param_groups(model, o.weight_decay),
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        fused=True,
-    )
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    if o.state_dtype == "bf16":
+        from pipeline.train.optimizers.adamw_bf16 import AdamWBF16
+
+        optimizer_class, extra = AdamWBF16, {"seed": cfg.training.seed}
+    else:
+        optimizer_class, extra = torch.optim.AdamW, {"fused": True}
+    groups = param_groups(model, o.weight_decay)
+    if o.cpu_offload:
+        from pipeline.train.optimizers.cpu_offload import OffloadedOptimizer
+
+        return OffloadedOptimizer(groups, optimizer_class, **hyper, **extra)
+    return optimizer_class(groups, **hyper, **extra)

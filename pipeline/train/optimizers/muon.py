@@ -16,6 +16,13 @@ sharded matrix is orthogonalised under each parallel layout: `newton_schulz.orth
 
 State, keyed by parameter like any torch optimizer's (so checkpoints reshard): a momentum
 buffer per Muon parameter, `step`/`exp_avg`/`exp_avg_sq` per AdamW one.
+
+`optimizer.state_dtype = "bf16"` stores all of it in bf16 (half the bytes), as `AdamWBF16`
+does and for the same reasons: each step widens the momentum to fp32, updates it, makes the
+update from that fp32 value and stores it back stochastically rounded (an EMA of momentum
+0.95 would stall under round-to-nearest where (1 - mu) g is below half an ulp of the buffer);
+the AdamW parameters step with `adamw_step_bf16`. The Muon parameters then keep a CPU `step`
+too, which seeds their rounding (`rounding_generator`), so a resumed run rounds alike.
 """
 
 from __future__ import annotations
@@ -28,6 +35,11 @@ from torch import Tensor
 from torch.optim.adamw import adamw
 
 from pipeline.train.optimizers.adamw import param_groups
+from pipeline.train.optimizers.adamw_bf16 import (
+    adamw_step_bf16,
+    rounding_generator,
+    stochastic_round_bf16,
+)
 from pipeline.train.optimizers.newton_schulz import NewtonSchulz, orthogonalize, shard_layout
 
 if TYPE_CHECKING:
@@ -49,8 +61,9 @@ def is_hidden_matrix(name: str, param: Tensor) -> bool:
 
 
 def state_bytes_per_param(cfg: TrainConfig, model: ModelConfig) -> float:
-    """Mean optimizer bytes per trainable parameter of `model` (built on `meta`, LoRA's
-    adapters if `cfg` trains them): 4 (fp32 momentum) on Muon's, 8 (AdamW) on the others."""
+    """Mean fp32 optimizer bytes per trainable parameter of `model` (built on `meta`, LoRA's
+    adapters if `cfg` trains them): 4 (fp32 momentum) on Muon's, 8 (AdamW) on the others
+    (the registry halves it under `optimizer.state_dtype = "bf16"`)."""
     from pipeline.core.model.transformer import Transformer
 
     with torch.device("meta"):
@@ -85,11 +98,20 @@ class Muon(torch.optim.Optimizer):
     """Muon over the `use_muon` groups, fused AdamW over the others (module docstring).
 
     `tp_mode` chooses how a tensor-parallel matrix is orthogonalised (`newton_schulz`); the
-    Newton-Schulz settings are per group (`ns_coefficients`, `ns_steps`, `ns_dtype`)."""
+    Newton-Schulz settings are per group (`ns_coefficients`, `ns_steps`, `ns_dtype`).
+    `state_dtype` "bf16" stores the states in bf16, rounded with bits seeded by `seed`."""
 
-    def __init__(self, groups: list[dict[str, Any]], *, tp_mode: str = "duplicated", **defaults):
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        *,
+        tp_mode: str = "duplicated",
+        state_dtype: str = "fp32",
+        seed: int = 0,
+        **defaults,
+    ):
         super().__init__(groups, defaults)
-        self.tp_mode = tp_mode
+        self.tp_mode, self.state_dtype, self.seed = tp_mode, state_dtype, seed
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -98,23 +120,56 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        position = 0  # each parameter's place in the groups, which seeds its rounding
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon_step(group)
+                self._muon_step(group, position)
+            elif self.state_dtype == "bf16":
+                for i, p in enumerate(group["params"], position + 1):
+                    if p.grad is not None:
+                        adamw_step_bf16(p, self.state[p], group, self.seed, i)
             else:
                 self._adamw_step(group)
+            position += len(group["params"])
         return loss
 
-    def _muon_step(self, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
-        mu, updates = group["momentum"], []
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-            buf.lerp_(grad, 1 - mu)
-            updates.append(grad.lerp(buf, mu) if group["nesterov"] else buf)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, which casts floating state to the parameter's dtype (fp32); under
+        bf16 states, back to bf16 (exactly: they were bf16 when saved)."""
+        super().load_state_dict(state_dict)
+        if self.state_dtype != "bf16":
+            return
+        for state in self.state.values():
+            for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(torch.bfloat16)
+
+    def _momentum(self, p: Tensor, mu: float, position: int) -> Tensor:
+        """The momentum buffer of `p` after this step's gradient, in fp32 (stored in the
+        state's dtype: bf16 stochastically rounded)."""
+        state, grad = self.state[p], _local(p.grad)
+        bf16 = self.state_dtype == "bf16"
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=_DTYPES[self.state_dtype])
+            if bf16:
+                state["step"] = torch.tensor(0.0)
+        buf = _local(state["momentum_buffer"])
+        if not bf16:
+            return buf.lerp_(grad, 1 - mu)
+        state["step"] += 1
+        generator = rounding_generator(self.seed, int(state["step"].item()), position, p)
+        widened = buf.float().lerp_(grad.float(), 1 - mu)
+        buf.copy_(stochastic_round_bf16(widened, generator))
+        return widened
+
+    def _muon_step(self, group: dict[str, Any], position: int) -> None:
+        mu, params, updates = group["momentum"], [], []
+        for i, p in enumerate(group["params"], position + 1):
+            if p.grad is None:
+                continue
+            buf = self._momentum(p, mu, i)
+            params.append(p)
+            updates.append(_local(p.grad).lerp(buf, mu) if group["nesterov"] else buf)
         ns = NewtonSchulz(
             tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
             _DTYPES[group["ns_dtype"]],
@@ -162,7 +217,8 @@ def build_muon(model: torch.nn.Module, cfg: TrainConfig) -> Muon:
         if rest or not mine:
             groups.append({**group, "params": rest, "use_muon": False})
     return Muon(
-        groups, tp_mode=o.muon_tp_mode, lr=o.lr, weight_decay=o.weight_decay,
+        groups, tp_mode=o.muon_tp_mode, state_dtype=o.state_dtype, seed=cfg.training.seed,
+        lr=o.lr, weight_decay=o.weight_decay,
         momentum=o.muon_momentum, nesterov=o.muon_use_nesterov,
         ns_coefficients=tuple(o.muon_ns_coefficients), ns_steps=o.muon_num_ns_steps,
         ns_dtype=o.muon_ns_dtype, eps=1e-7, adjust_lr_fn=o.muon_adjust_lr_fn,

@@ -6,8 +6,10 @@ memory model. The memory model is an estimate, stated so it can be checked:
 
 * Training state per trainable parameter, whatever the compute dtype: fp32 weights (4), fp32
   gradients (4) and the optimizer's state, as many bytes as its registry entry declares
-  (`OptimizerSpec.state_bytes`; AdamW's two fp32 moments: 8, so 16 in all; Muon's the mean of
-  4 on the hidden matrices and 8 on the rest, counted on the model built on `meta`). A LoRA
+  (`pipeline.train.optimizers.state_bytes_per_param`; AdamW's two fp32 moments: 8, so 16 in
+  all; Muon's the mean of 4 on the hidden matrices and 8 on the rest, counted on the model
+  built on `meta`; half of it under `optimizer.state_dtype = "bf16"`, none under
+  `optimizer.cpu_offload`, which keeps it in host memory: the report says how much there). A LoRA
   run's frozen base holds its weights only (in `lora.base_dtype`); its adapters hold all three.
   With bf16 the forward/backward runs on bf16 copies gathered one block at a time by FSDP; those
   transient copies are not counted.
@@ -38,7 +40,12 @@ from dataclasses import dataclass
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.flavors import flops_per_token, num_parameters
 from pipeline.train.config.schema import TrainConfig
-from pipeline.train.optimizers import optimizer_spec
+from pipeline.train.optimizers import (
+    optimizer_spec,
+    skips_on_device,
+    state_bytes_per_param,
+    state_description,
+)
 
 __all__ = [
     "FIT_FRACTION",
@@ -101,6 +108,9 @@ class MemoryEstimate:
     held: float = 0.0
     """What the objective keeps beside the training state (`ObjectiveSpec.held_bytes`)."""
     held_what: str = ""
+    host_state: float = 0.0
+    """Host memory of `optimizer.cpu_offload`: the optimizer state and torchao's pinned fp32
+    copies of the trained weights and gradients (0 without offload)."""
 
     @property
     def total_none(self) -> float:
@@ -139,11 +149,11 @@ def lora_parameters(cfg: TrainConfig, model: ModelConfig) -> int:
 
 
 def training_bytes_per_param(cfg: TrainConfig, model: ModelConfig | None = None) -> float:
-    """Bytes a trainable parameter of `model` (unset: `cfg`'s) holds: its fp32 weight and
-    gradient and the state of the optimizer `optimizer.name` chooses (its registry entry says
-    how much; Muon's is a mean over the parameters)."""
-    model = model or cfg.model_config()
-    return _WEIGHT_BYTES + _GRAD_BYTES + optimizer_spec(cfg.optimizer.name).state_bytes(cfg, model)
+    """Bytes a trainable parameter of `model` (unset: `cfg`'s) holds on the device: its fp32
+    weight and gradient and the state of the optimizer `optimizer.name` chooses (its registry
+    entry says how much, in the config's `state_dtype`; Muon's is a mean over the parameters;
+    none under `cpu_offload`)."""
+    return _WEIGHT_BYTES + _GRAD_BYTES + state_bytes_per_param(cfg, model)
 
 
 def estimate_memory(
@@ -178,19 +188,25 @@ def estimate_memory(
     none = layers_local * per_layer * in_flight + logits
     full = layers_local * (h / p.tp) * tokens * act_bytes * in_flight + per_layer + logits
     trained_bytes = training_bytes_per_param(cfg, model)
-    state = params_local * trained_bytes
+    trained, state = params_local, 0.0
     if cfg.lora.enabled:  # a frozen base: weights only; adapters get grads and optimizer state
         base_bytes = 2 if cfg.lora.base_dtype == "bf16" else 4
-        share = params_local / max(counts.total, 1)
-        state = params_local * base_bytes + lora_parameters(cfg, model) * share * trained_bytes
+        trained = lora_parameters(cfg, model) * params_local / max(counts.total, 1)
+        state = params_local * base_bytes
+    host = 0.0
+    if cfg.optimizer.cpu_offload:
+        host = trained * (
+            _WEIGHT_BYTES + _GRAD_BYTES + state_bytes_per_param(cfg, model, resident=False)
+        )
     held, held_what = _objective_held(cfg, model, dp)
     return MemoryEstimate(
         params_per_device=params_local,
-        state=state,
+        state=state + trained * trained_bytes,
         activations_none=none,
         activations_full=full,
         held=held,
         held_what=held_what,
+        host_state=host,
     )
 
 
@@ -334,10 +350,11 @@ def _optimizer_line(cfg: TrainConfig, model: ModelConfig) -> str:
     """`optimizer ...`: the registry entry `optimizer.name` chooses, its state bytes and where
     it skips a non-finite step."""
     spec = optimizer_spec(cfg.optimizer.name)
-    where = "on the device" if spec.skips_on_device else "after a host check (one sync a step)"
+    where = "on the device" if skips_on_device(cfg) else "after a host check (one sync a step)"
     return (
-        f"optimizer    {spec.name}: {spec.state}, {spec.state_bytes(cfg, model):.3g} B/param of "
-        f"state; a non-finite step is skipped {where}"
+        f"optimizer    {spec.name}: {state_description(cfg)}, "
+        f"{state_bytes_per_param(cfg, model, resident=False):.3g} B/param of state; a non-finite "
+        f"step is skipped {where}"
     )
 
 
@@ -385,16 +402,23 @@ def _memory_lines(cfg: TrainConfig, model: ModelConfig, mem: MemoryEstimate) -> 
     """`memory/dev ...`: the training state (what it holds per parameter), activations and
     the totals with and without activation checkpointing."""
     name = cfg.optimizer.name
-    state = optimizer_spec(name).state_bytes(cfg, model)
+    state = state_bytes_per_param(cfg, model)
     per_param = f"{_WEIGHT_BYTES} + {_GRAD_BYTES} + {state:.3g} B/param"
     if cfg.lora.enabled:
         held = f"frozen weights + adapters' weights, grads, {name} state ({per_param}) "
     else:
         held = f"weights + grads + {name} state ({per_param}) "
     objective = [f"             {mem.held_what}: {mem.held / _GIB:.2f} GiB"] if mem.held else []
+    host = []
+    if cfg.optimizer.cpu_offload:
+        offloaded = state_bytes_per_param(cfg, model, resident=False)
+        host = [f"             host memory: {mem.host_state / _GIB:.2f} GiB pinned, the optimizer "
+                f"state ({offloaded:.3g} B/param) and fp32 copies of weights and gradients "
+                "(4 + 4); none of the state on the GPU"]  # fmt: skip
     return [
         f"memory/dev   {_count(mem.params_per_device)} params -> {held}{mem.state / _GIB:.2f} GiB",
         *objective,
+        *host,
         f"             activations per micro batch: {mem.activations_none / _GIB:.2f} GiB "
         f"without checkpointing, {mem.activations_full / _GIB:.2f} GiB with full",
         f"             total ~ {mem.total_none / _GIB:.2f} GiB (none) / "
