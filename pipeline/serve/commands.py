@@ -224,6 +224,10 @@ def _sampling(options: dict[str, Any]):
     "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
     help="CPU threads of the engine process; 0: every core (fewer leave cores to the server).",
 )  # fmt: skip
+@click.option(
+    "--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+    help="Keep full KV blocks after their request and reuse them for prompts that begin alike.",
+)  # fmt: skip
 @click.option("--model-name", default=None, help="The name /v1/models reports.")
 def serve(checkpoint: Path, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
@@ -243,7 +247,7 @@ def serve(checkpoint: Path, **options: Any) -> None:
         device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
         kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
         max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
-        threads=options.pop("engine_threads"),
+        threads=options.pop("engine_threads"), prefix_caching=options.pop("prefix_cache"),
         lora_adapter=None if adapter is None else str(adapter),
     )  # fmt: skip
     try:

@@ -99,6 +99,7 @@ class BlockKVCache:
         self._hash_of: dict[int, bytes] = {}  # a named (full, cached) block's chain hash
         self._block_of: dict[bytes, int] = {}  # and back
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unheld: LRU first
+        self.evictions = 0  # cached blocks reused for other tokens, so far
 
     @staticmethod
     def blocks_for_budget(
@@ -133,6 +134,7 @@ class BlockKVCache:
     def _evict(self) -> int:
         """The least recently released cached block, its name forgotten."""
         block, _ = self._evictable.popitem(last=False)
+        self.evictions += 1
         del self._block_of[self._hash_of.pop(block)]
         return block
 
