@@ -4,9 +4,9 @@ cannot stall it.
 The process loads the model, builds the `Engine` and then loops: take every message waiting on
 its pipe (add a group of requests on one prompt, abort one, stop), run one `Engine.step`, send
 what the step produced as one message for the whole batch. The messages are the small
-dataclasses of `pipeline.serve.messages`, so a step of 32 requests costs one pickle, not 32 thread hops. Text is
-not made here: token ids go out and the server process detokenises them and matches stop strings
-(`pipeline.serve.engine_client`) while the next step runs.
+dataclasses of `pipeline.serve.messages`, so a step of 32 requests costs one pickle, not 32
+thread hops. Text is not made here: token ids go out and the server process detokenises them and
+matches stop strings (`pipeline.serve.engine_client`) while the next step runs.
 
 The process ignores SIGINT and SIGTERM: the server drains its requests first, then tells the
 engine to stop; a server that dies closes the pipe, and the engine exits on that too.

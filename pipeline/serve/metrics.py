@@ -4,8 +4,8 @@ Named like vLLM's (`vllm:num_requests_running` is `pipe:num_requests_running` he
 dashboards need only the prefix changed. Each engine request is counted on its own (a body with
 n = 4 is four requests). `pipe:prefix_cache_queries` and `pipe:prefix_cache_hits` (vLLM's names)
 count prompt tokens looked up and those found in the cache (a group's leader's, or the prefix
-cache), when a request's first token comes: the prompt tokens computed are their difference. Every app has its own registry, so several apps in one process (tests)
-do not collide.
+cache), when a request's first token comes: the prompt tokens computed are their difference.
+Every app has its own registry, so several apps in one process (tests) do not collide.
 """
 
 from __future__ import annotations

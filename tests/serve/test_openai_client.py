@@ -415,8 +415,8 @@ def test_usage_reports_cached_prompt_tokens(client, tokenizer) -> None:
     answer = client.chat.completions.create(**chat)
     cached = answer.usage.prompt_tokens_details.cached_tokens
     assert cached == (answer.usage.prompt_tokens - 1) // 8 * 8 and cached > 0
-    chunks = list(client.chat.completions.create(**chat, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    usage = {"include_usage": True}
+    chunks = list(client.chat.completions.create(**chat, stream=True, stream_options=usage))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
 
 
