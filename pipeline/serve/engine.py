@@ -18,9 +18,19 @@ reference on the leader's blocks of those positions (`BlockKVCache.share`, insid
 the leader finishing or aborted later frees nothing they read) and run only the last prompt
 token, as a decode row (vLLM recomputes a fully cached prompt's last token the same way). A
 sibling reserves cache for only its own positions. A leader that leaves before it gets that far
-(aborted) leaves its siblings to prefill on their own. `prompt_tokens_computed` and
-`prompt_tokens_cached` count the prompt positions run through the model and those taken from
-another request's cache.
+(aborted) leaves its siblings to prefill on their own.
+
+Prefix caching (on unless `prefix_caching=False`, vLLM's automatic prefix caching): every full
+block a request computes, prompt or generated, is named by the chain hash of its tokens and
+everything before them (`pipeline.serve.kv_cache.block_hashes`) and stays cached after the
+request leaves, until an allocation needs its room (least recently used first). A request
+admitted later takes the longest run of cached blocks that begins its prompt, never the whole
+prompt (its last token is always run, so there are logits to sample), and computes only the
+rest; the blocks it takes are free for admission's accounting only if nobody else holds them.
+A request asking `prompt_logprobs` computes its whole prompt (the cache has keys and values,
+not the log-probabilities), and still leaves its blocks cached for others.
+`prompt_tokens_computed` and `prompt_tokens_cached` count the prompt positions run through the
+model and those taken from another request's cache (a leader's or the prefix cache).
 
 The engine is thread-safe: a server thread may `add` and `abort` while another thread calls
 `step` in a loop.
@@ -39,7 +49,7 @@ import torch
 
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.decode import CachedBatch, forward_cached
-from pipeline.serve.kv_cache import BlockKVCache
+from pipeline.serve.kv_cache import BlockKVCache, block_hashes
 from pipeline.serve.sampling import (
     BadSamplingValue,
     SamplingParams,
@@ -88,7 +98,11 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
-    cached_tokens: int = 0  # prompt positions read from another request's cache (its leader's)
+    cached_tokens: int = 0  # prompt positions read from another request's cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, so far
+    registered: int = 0  # its first blocks named in the prefix cache
+    aligned: bool = True  # position p is in blocks[p // block_size] (not so for a sibling
+    # sharing a prefix that ends mid-block: its own slots start in a fresh block)
     leader: Request | None = None  # a sibling's, until it shares the leader's prompt
     siblings: list[Request] = field(default_factory=list)  # a leader's, until they share
     arrived: float = field(default_factory=time.monotonic)
@@ -128,7 +142,8 @@ class Engine:
     `BlockKVCache.blocks_for_budget` to size it by memory); max_waiting: the queue bound;
     max_context: the longest prompt + output allowed (default: the model's
     max_position_embeddings); tp: the model's tensor-parallel degree
-    (`pipeline.serve.tensor_parallel`)."""
+    (`pipeline.serve.tensor_parallel`); prefix_caching: keep and reuse full blocks (module
+    docstring)."""
 
     def __init__(
         self,
@@ -141,6 +156,7 @@ class Engine:
         max_waiting: int = 64,
         max_context: int | None = None,
         tp: int = 1,
+        prefix_caching: bool = True,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -152,6 +168,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.max_context = max_context or model.config.max_position_embeddings
+        self.prefix_caching = prefix_caching
         self._ids = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -180,10 +197,11 @@ class Engine:
                                   self.cache.block_size, self.cache.num_blocks)  # fmt: skip
             if problem is not None:
                 raise PromptTooLong(problem)
+        hashes = self._prompt_hashes(prompt)
         with self._lock:
             if len(self._waiting) + len(params) > self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")
-            group = [self._request(prompt, each) for each in params]
+            group = [self._request(prompt, each, hashes) for each in params]
             leader = group[0]
             leader.siblings = [r for r in group[1:] if self._can_share(leader, r)]
             for sibling in leader.siblings:
@@ -191,8 +209,15 @@ class Engine:
             self._waiting.extend(group)
         return group
 
-    def _request(self, prompt: list[int], params: SamplingParams) -> Request:
-        request = Request(next(self._ids), list(prompt), params)
+    def _prompt_hashes(self, prompt: list[int]) -> list[bytes]:
+        """The chain hashes of the prompt's full blocks that a request may read from the cache
+        (never the block of its last token), none without prefix caching."""
+        if not self.prefix_caching:
+            return []
+        return block_hashes(prompt[: len(prompt) - 1], self.cache.block_size)
+
+    def _request(self, prompt: list[int], params: SamplingParams, hashes: list[bytes]) -> Request:
+        request = Request(next(self._ids), list(prompt), params, block_hashes=list(hashes))
         request.generator = make_generator(params, self.device)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs.append(None)
@@ -236,10 +261,18 @@ class Engine:
             self._waiting.clear()
 
     def weights_changed(self) -> None:
-        """The model's weights were replaced in place (`pipe serve`'s /update_weights): forget
-        every cache entry the old weights computed. The hook for prefix caching, whose cached
-        blocks must not outlive the weights that made them; a no-op while the engine shares
-        blocks only between requests in flight, which the server drains before new weights."""
+        """The model's weights were replaced in place (`pipe serve`'s /update_weights): the
+        cached blocks the old weights computed must not serve a later prompt."""
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks (new weights make them stale); requests running keep theirs
+        but leave nothing cached."""
+        with self._lock:
+            self.cache.reset_prefix_cache()
+            for request in [*self._running, *self._waiting]:
+                if request.computed:  # its blocks so far hold the old weights' keys
+                    request.aligned = False
 
     @property
     def capacity(self) -> int:
@@ -305,22 +338,59 @@ class Engine:
     def _admit(self) -> None:
         """Move waiting requests into the batch, first come, first served, reserving the cache
         of each one's positions beyond those it shares (a sibling's slots continue its
-        leader's)."""
+        leader's; a request's cached prefix is its first blocks)."""
         while self._waiting and len(self._running) < self.max_batch:
             request = self._waiting[0]
             if request.leader is not None:
                 if not request.leader.finished:
                     return  # wait for the leader's prefill
                 request.leader = None  # it left before sharing: prefill alone
-            need = len(request.prompt) + request.params.max_new_tokens - request.cached_tokens
-            if self.cache.blocks_needed(need) > self.cache.free_blocks:
+            hits = self._cached_prefix(request)
+            total = len(request.prompt) + request.params.max_new_tokens
+            need = total - request.cached_tokens - len(hits) * self.cache.block_size
+            if self.cache.blocks_needed(need) > self.cache.free_blocks - self.cache.unheld(hits):
                 return  # first come, first served: wait for blocks
+            self._take_prefix(request, hits)
             own = self.cache.allocate(need)
             slots = self.cache.slots(own, torch.arange(need))
             request.slots = slots if request.slots is None else torch.cat([request.slots, slots])
             request.blocks += own
             request.admitted = time.monotonic()
             self._running.append(self._waiting.popleft())
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The prefix cache's blocks of the start of `request`'s prompt (none for a sibling that
+        shares its leader's, or one that needs its prompt's log-probabilities)."""
+        if request.slots is not None or request.params.prompt_logprobs is not None:
+            return []
+        return self.cache.lookup(request.block_hashes)
+
+    def _take_prefix(self, request: Request, hits: list[int]) -> None:
+        """Start `request` on the cached blocks `hits`: its first positions are computed."""
+        if not hits:
+            return
+        self.cache.take(hits)
+        cached = len(hits) * self.cache.block_size
+        request.blocks = list(hits)
+        request.slots = self.cache.slots(hits, torch.arange(cached))
+        request.computed = request.cached_tokens = cached
+        request.registered = len(hits)
+        self.prompt_tokens_cached += cached
+
+    def _register_blocks(self, request: Request) -> None:
+        """Name `request`'s blocks that are full now in the prefix cache."""
+        size = self.cache.block_size
+        full = request.computed // size
+        if full <= request.registered:
+            return
+        known = len(request.block_hashes)
+        if known < full:
+            parent = request.block_hashes[-1] if known else b""
+            request.block_hashes += block_hashes(request.tokens[known * size : full * size], size,
+                                                 parent)  # fmt: skip
+        for index in range(request.registered, full):
+            self.cache.register(request.blocks[index], request.block_hashes[index])
+        request.registered = full
 
     def _share_prompt(self, leader: Request) -> None:
         """Give `leader`'s waiting siblings its cached prompt but the last token: a reference on
@@ -334,6 +404,8 @@ class Engine:
             sibling.blocks = list(blocks)
             sibling.slots = leader.slots[:shared]
             sibling.computed = sibling.cached_tokens = shared
+            sibling.registered = shared // self.cache.block_size  # the leader's, named by it
+            sibling.aligned = shared % self.cache.block_size == 0
             if sibling.params.prompt_logprobs is not None:
                 sibling.prompt_logprobs = list(leader.prompt_logprobs)
             sibling.leader = None
@@ -364,6 +436,8 @@ class Engine:
                 )
                 request.computed += new
                 request.prompt_logprobs += prompt_logprobs.get(index, ())
+                if self.prefix_caching and request.aligned and not request.finished:
+                    self._register_blocks(request)
                 shareable = request.computed >= len(request.prompt) - 1
                 if request.siblings and shareable and not request.finished:
                     self._share_prompt(request)

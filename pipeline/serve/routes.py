@@ -76,9 +76,10 @@ class ServedModel:
         if name is not None and name != self.name:
             raise APIError(f"The model `{name}` does not exist.", 404, "model")
 
-    def submit(self, prompt: list[int], params: SamplingParams):
-        """One engine request's stream of deltas, its latencies recorded."""
-        return self.metrics.track(self.client.submit(prompt, params))
+    def submit(self, prompt: list[int], params: list[SamplingParams]) -> list:
+        """A group of engine requests on `prompt` (prefilled once), each one's stream of deltas
+        with its latencies recorded."""
+        return [self.metrics.track(s) for s in self.client.submit_group(prompt, params)]
 
 
 def add_routes(app: FastAPI, served: ServedModel) -> None:

@@ -76,7 +76,7 @@ def test_a_sampled_group_equals_separate_requests_with_the_same_seeds(llama, pro
 
 def test_a_group_of_8_prefills_its_prompt_once(llama) -> None:
     params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed) for seed in range(8)]
-    grouped, separate = _engine(llama), _engine(llama)
+    grouped, separate = _engine(llama), _engine(llama, prefix_caching=False)
     group = grouped.generate_groups([LONG], [params])[0]
     alone = [separate.generate([LONG], each)[0] for each in params]
     size = len(LONG)
@@ -123,9 +123,14 @@ def test_a_prefix_ending_mid_block_that_cannot_fit_shared_runs_alone(llama) -> N
     assert engine.prompt_tokens_cached == 0 and engine.cache.free_blocks == 2
 
 
-def test_aborting_the_leader_mid_prefill_leaves_its_siblings_to_prefill_alone(llama) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["alone", "prefix_cache"])
+def test_aborting_the_leader_mid_prefill_leaves_its_siblings_to_prefill_alone(
+    llama, prefix_caching
+) -> None:
+    """With prefix caching, the 2 blocks the leader computed before it left stay cached and
+    each sibling starts on them."""
     params = [SamplingParams(max_new_tokens=6, temperature=1.2, seed=seed) for seed in range(3)]
-    engine = _engine(llama, cache_blocks=24)
+    engine = _engine(llama, cache_blocks=24, prefix_caching=prefix_caching)
     leader, *siblings = engine.add_group(LONG, params)
     engine.step()
     engine.step()
@@ -134,8 +139,9 @@ def test_aborting_the_leader_mid_prefill_leaves_its_siblings_to_prefill_alone(ll
     _finish(engine)
     assert leader.finish_reason == "abort"
     assert [r.output for r in siblings] == _separately(llama, LONG, params[1:])
-    assert engine.prompt_tokens_cached == 0
-    assert engine.prompt_tokens_computed == 2 * BLOCK + 2 * len(LONG)
+    cached = 2 * BLOCK if prefix_caching else 0  # per sibling
+    assert engine.prompt_tokens_cached == 2 * cached
+    assert engine.prompt_tokens_computed == 2 * BLOCK + 2 * (len(LONG) - cached)
     assert engine.cache.free_blocks == 24
 
 
