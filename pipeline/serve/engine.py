@@ -27,8 +27,9 @@ request leaves, until an allocation needs its room (least recently used first). 
 admitted later takes the longest run of cached blocks that begins its prompt, never the whole
 prompt (its last token is always run, so there are logits to sample), and computes only the
 rest; the blocks it takes are free for admission's accounting only if nobody else holds them.
-A request asking `prompt_logprobs` computes its whole prompt (the cache has keys and values,
-not the log-probabilities), and still leaves its blocks cached for others.
+A request asking `prompt_logprobs` takes only the cached blocks that kept the
+log-probabilities of their positions, which blocks computed by such a request do
+(`pipeline.serve.prompt_logprob_cache`).
 `prompt_tokens_computed` and `prompt_tokens_cached` count the prompt positions run through the
 model and those taken from another request's cache (a leader's or the prefix cache).
 
@@ -50,6 +51,11 @@ import torch
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.decode import CachedBatch, forward_cached
 from pipeline.serve.kv_cache import BlockKVCache, block_hashes
+from pipeline.serve.prompt_logprob_cache import (
+    keep_block_logprobs,
+    prefix_logprobs,
+    usable_prefix,
+)
 from pipeline.serve.sampling import (
     BadSamplingValue,
     SamplingParams,
@@ -360,10 +366,12 @@ class Engine:
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """The prefix cache's blocks of the start of `request`'s prompt (none for a sibling that
-        shares its leader's, or one that needs its prompt's log-probabilities)."""
-        if request.slots is not None or request.params.prompt_logprobs is not None:
+        shares its leader's; for one that needs its prompt's log-probabilities, those that kept
+        them)."""
+        if request.slots is not None:
             return []
-        return self.cache.lookup(request.block_hashes)
+        hits, top = self.cache.lookup(request.block_hashes), request.params.prompt_logprobs
+        return hits if top is None else usable_prefix(self.cache, hits, request.prompt, top)
 
     def _take_prefix(self, request: Request, hits: list[int]) -> None:
         """Start `request` on the cached blocks `hits`: its first positions are computed."""
@@ -375,6 +383,9 @@ class Engine:
         request.slots = self.cache.slots(hits, torch.arange(cached))
         request.computed = request.cached_tokens = cached
         request.registered = len(hits)
+        if request.params.prompt_logprobs is not None:
+            request.prompt_logprobs += prefix_logprobs(self.cache, hits,
+                                                       request.params.prompt_logprobs)  # fmt: skip
         self.prompt_tokens_cached += cached
 
     def _register_blocks(self, request: Request) -> None:
@@ -388,8 +399,12 @@ class Engine:
             parent = request.block_hashes[-1] if known else b""
             request.block_hashes += block_hashes(request.tokens[known * size : full * size], size,
                                                  parent)  # fmt: skip
+        top = request.params.prompt_logprobs
         for index in range(request.registered, full):
             self.cache.register(request.blocks[index], request.block_hashes[index])
+            if top is not None:
+                keep_block_logprobs(self.cache, request.block_hashes[index], request.prompt,
+                                    request.prompt_logprobs, index, top)  # fmt: skip
         request.registered = full
 
     def _share_prompt(self, leader: Request) -> None:

@@ -100,6 +100,8 @@ class BlockKVCache:
         self._block_of: dict[bytes, int] = {}  # and back
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unheld: LRU first
         self.evictions = 0  # cached blocks reused for other tokens, so far
+        self._read_buffers: dict[int, torch.Tensor] = {}  # `read`'s output, by slot kind
+        self._payloads: dict[int, object] = {}  # what a named block's user keeps with it
 
     @staticmethod
     def blocks_for_budget(
@@ -136,6 +138,7 @@ class BlockKVCache:
         block, _ = self._evictable.popitem(last=False)
         self.evictions += 1
         del self._block_of[self._hash_of.pop(block)]
+        self._payloads.pop(block, None)
         return block
 
     def share(self, blocks: list[int]) -> None:
@@ -181,6 +184,16 @@ class BlockKVCache:
             found.append(block)
         return found
 
+    def attach(self, block: int, payload: object) -> None:
+        """Keep `payload` with the named `block` until its name goes (evicted, reset): what was
+        computed with its tokens besides keys and values (`pipeline.serve.prompt_logprob_cache`)."""
+        if block in self._hash_of:
+            self._payloads[block] = payload
+
+    def payload(self, block: int) -> object | None:
+        """What `attach` keeps with `block`, if anything."""
+        return self._payloads.get(block)
+
     def unheld(self, blocks: Sequence[int]) -> int:
         """How many of `blocks` (found by `lookup`) no sequence holds: taking them takes them
         out of `free_blocks`."""
@@ -199,6 +212,7 @@ class BlockKVCache:
         self._evictable.clear()
         self._hash_of.clear()
         self._block_of.clear()
+        self._payloads.clear()
 
     def _check_held(self, blocks: list[int]) -> None:
         free = [block for block in blocks if self._references[block] == 0]
@@ -217,7 +231,23 @@ class BlockKVCache:
             pool.index_copy_(0, flat, value.reshape(flat.numel(), *pool.shape[1:]).to(pool.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
-        """The cached tensors at `slots` `[batch, length]`: `[batch, length, *slot_shape]` each."""
+        """The cached tensors at `slots` `[batch, length]`: `[batch, length, *slot_shape]` each,
+        views of buffers the next `read` overwrites (a layer attends over them before the next
+        layer reads)."""
         flat = slots.reshape(-1)  # index_select: a quarter of the time of pool[slots] on a CPU
-        return [pool.index_select(0, flat).view(*slots.shape, *pool.shape[1:])
-                for pool in self.pools[layer]]  # fmt: skip
+        out = []
+        for kind, pool in enumerate(self.pools[layer]):
+            buffer = self._read_buffer(kind, pool, flat.numel())
+            torch.index_select(pool, 0, flat, out=buffer)
+            out.append(buffer.view(*slots.shape, *pool.shape[1:]))
+        return out
+
+    def _read_buffer(self, kind: int, pool: torch.Tensor, rows: int) -> torch.Tensor:
+        """`rows` entries of `pool`'s shape from a buffer kept between reads: a fresh tensor of
+        a batch's whole history each layer costs more in page faults than the copy itself."""
+        row = pool[0].numel()
+        buffer = self._read_buffers.get(kind)
+        if buffer is None or buffer.numel() < rows * row:
+            buffer = torch.empty(rows * row, dtype=pool.dtype, device=pool.device)
+            self._read_buffers[kind] = buffer
+        return buffer[: rows * row].view(rows, *pool.shape[1:])

@@ -131,7 +131,7 @@ def test_a_request_takes_the_longest_cached_prefix_but_never_its_last_token(llam
     assert engine.prompt_tokens_computed == 12 + 4 + 3
 
 
-def test_a_request_asking_prompt_logprobs_computes_its_prompt(llama) -> None:
+def test_a_request_asking_prompt_logprobs_computes_a_prompt_cached_without_them(llama) -> None:
     asks = SamplingParams(max_new_tokens=1, greedy=True, prompt_logprobs=2)
     engine = _engine(llama, cache_blocks=16)
     engine.generate([SYSTEMS[1]], SamplingParams(max_new_tokens=1, greedy=True))
@@ -143,6 +143,31 @@ def test_a_request_asking_prompt_logprobs_computes_its_prompt(llama) -> None:
     ]
     # and what it computed is cached for the next one
     assert engine.generate([SYSTEMS[1]], SamplingParams(max_new_tokens=1))[0].cached_tokens == 8
+
+
+def test_scoring_requests_read_the_prompt_logprobs_their_cached_blocks_kept(llama) -> None:
+    """lm-eval's loglikelihood requests: a few-shot prefix scored once, then only each
+    request's own tokens; the log-probabilities equal an engine's without the cache."""
+    asks = SamplingParams(max_new_tokens=1, greedy=True, prompt_logprobs=2)
+    engine = _engine(llama, cache_blocks=16)
+    alone = _engine(llama, cache_blocks=16, prefix_caching=False)
+    engine.generate([SYSTEMS[1] + [7]], asks)  # keeps its first 2 blocks' entries
+    # the same 2 blocks; then a prompt whose token after the 2nd block differs: only the 1st
+    cases = [(SYSTEMS[1] + [9, 9], 8), (SYSTEMS[1][:8] + [50, 51, 52], 4)]
+    for prompt, cached in cases:
+        request = engine.generate([prompt], asks)[0]
+        reference = alone.generate([prompt], asks)[0]
+        assert request.cached_tokens == cached
+        assert len(request.prompt_logprobs) == len(prompt)
+        for got, want in zip(request.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+            assert got.token_logprob == pytest.approx(want.token_logprob, abs=1e-5)
+            assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    more = SamplingParams(max_new_tokens=1, greedy=True, prompt_logprobs=3)
+    assert engine.generate([SYSTEMS[1] + [9, 9]], more)[0].cached_tokens == 0  # 2 tops kept
+    fewer = SamplingParams(max_new_tokens=1, greedy=True, prompt_logprobs=1)
+    request = engine.generate([SYSTEMS[1] + [9, 9]], fewer)[0]
+    assert request.cached_tokens == 12  # the 3 tops kept serve 1
+    assert all(len(p.top) == 1 for p in request.prompt_logprobs[1:])
 
 
 def test_reset_prefix_cache_forgets_every_block(llama) -> None:
