@@ -201,15 +201,22 @@ def test_a_sibling_keeps_the_leaders_blocks_until_it_finishes(llama) -> None:
 
 def test_prompt_logprobs_of_a_sibling_are_its_leaders(llama) -> None:
     """A sibling asking the leader's prompt_logprobs copies them; one asking another number of
-    alternatives prefills on its own."""
+    alternatives prefills on its own, after the full blocks whose entries the leader kept
+    (`pipeline.serve.prompt_logprob_cache`; none without prefix caching)."""
     asks = SamplingParams(max_new_tokens=2, greedy=True, prompt_logprobs=2)
     other = SamplingParams(max_new_tokens=2, greedy=True, prompt_logprobs=1)
     group = _engine(llama).generate_groups([LONG], [[asks, asks, other]])[0]
     alone = _engine(llama).generate([LONG], asks)[0]
-    assert [r.cached_tokens for r in group] == [0, len(LONG) - 1, 0]
+    kept = (len(LONG) - 1) // BLOCK * BLOCK
+    assert [r.cached_tokens for r in group] == [0, len(LONG) - 1, kept]
     assert group[1].prompt_logprobs == group[0].prompt_logprobs
     assert _rounded(group[0]) == _rounded(alone)
     assert len(group[2].prompt_logprobs) == len(LONG)
+    assert [p.top for p in group[2].prompt_logprobs[1:]] == [
+        p.top[:1] for p in group[0].prompt_logprobs[1:]
+    ]
+    plain = _engine(llama, prefix_caching=False).generate_groups([LONG], [[asks, other]])[0]
+    assert [r.cached_tokens for r in plain] == [0, 0]
 
 
 def _rounded(request: Request) -> list:
