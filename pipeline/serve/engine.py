@@ -51,6 +51,7 @@ import torch
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.decode import CachedBatch, forward_cached
 from pipeline.serve.kv_cache import BlockKVCache, block_hashes
+from pipeline.serve.packing import packed_decode_batch
 from pipeline.serve.prompt_logprob_cache import (
     keep_block_logprobs,
     prefix_logprobs,
@@ -109,6 +110,7 @@ class Request:
     registered: int = 0  # its first blocks named in the prefix cache
     aligned: bool = True  # position p is in blocks[p // block_size] (not so for a sibling
     # sharing a prefix that ends mid-block: its own slots start in a fresh block)
+    group: int = -1  # its `add_group`'s leader's id (decode rows packed by it)
     leader: Request | None = None  # a sibling's, until it shares the leader's prompt
     siblings: list[Request] = field(default_factory=list)  # a leader's, until they share
     arrived: float = field(default_factory=time.monotonic)
@@ -209,6 +211,8 @@ class Engine:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")
             group = [self._request(prompt, each, hashes) for each in params]
             leader = group[0]
+            for request in group:
+                request.group = leader.id
             leader.siblings = [r for r in group[1:] if self._can_share(leader, r)]
             for sibling in leader.siblings:
                 sibling.leader = leader
@@ -429,10 +433,9 @@ class Engine:
 
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
-        batch = self._batch(rows)
+        batch, where = self._batch(rows)
         hidden = forward_cached(self.model, self.cache, batch)
-        lengths = torch.tensor([n for _, n in rows], device=self.device)
-        last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
+        last = hidden[where]
         logits = self.model.output(last).float()
         prompt_logprobs = self._prompt_logprobs(rows, hidden)
         ready = [
@@ -478,7 +481,18 @@ class Engine:
             found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))
         return found
 
-    def _batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
+    def _batch(self, rows: list[tuple[Request, int]]) -> tuple[CachedBatch, tuple]:
+        """The batch of `rows` and where each row's last new token is in it: one row each, or
+        decode rows of a group packed (`pipeline.serve.packing`)."""
+        if all(n == 1 for _, n in rows):
+            packed = packed_decode_batch([r for r, _ in rows], self.cache.block_size,
+                                         self.cache.scratch_slot, self.device)  # fmt: skip
+            if packed is not None:
+                return packed[0], packed[1:]
+        lengths = torch.tensor([n for _, n in rows], device=self.device)
+        return self._plain_batch(rows), (torch.arange(len(rows), device=self.device), lengths - 1)
+
+    def _plain_batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
         new = max(n for _, n in rows)
         length = max(r.computed + n for r, n in rows)
         scratch = self.cache.scratch_slot
