@@ -245,3 +245,28 @@ def test_block_references() -> None:
     assert cache.free_blocks == 1
     with pytest.raises(ValueError, match=f"block {block} is free"):
         cache.share([block])
+
+
+def test_a_groups_decode_rows_are_packed_and_read_the_prompt_once(llama) -> None:
+    """`pipeline.serve.packing`: one batch row for the group, the shared prompt blocks in its
+    keys once, each completion's own positions after them; the tokens as without a cache."""
+    import torch
+
+    from pipeline.serve.packing import packed_decode_batch
+
+    engine = _engine(llama, cache_blocks=64)
+    group = engine.add_group(LONG, [SamplingParams(max_new_tokens=5, greedy=True)] * 4)
+    alone = engine.add(PROMPTS[1], SamplingParams(max_new_tokens=5, greedy=True))
+    while not all(len(r.output) >= 2 for r in [*group, alone]):
+        engine.step()
+    rows = list(engine._running)
+    batch, where_row, where_col = packed_decode_batch(rows, BLOCK, engine.cache.scratch_slot,
+                                                      torch.device("cpu"))  # fmt: skip
+    shared = (len(LONG) - 1) // BLOCK * BLOCK
+    own = [r.computed + 1 - shared for r in group]
+    assert batch.read_slots.shape == (2, shared + sum(own))  # the group's row, the other's
+    assert where_row.tolist() == [0, 0, 0, 0, 1] and where_col.tolist() == [0, 1, 2, 3, 0]
+    assert batch.mask()[0, 0].sum(-1).tolist() == [shared + n for n in own]
+    _finish(engine)
+    assert [r.output for r in group] == [greedy_without_cache(llama, LONG, 5)] * 4
+    assert alone.output == greedy_without_cache(llama, PROMPTS[1], 5)
