@@ -225,6 +225,11 @@ def engine_options(command):
             help="CPU threads of the engine process; 0: every core but one (that one left to "
             "the HTTP server, as vLLM's CPU build does).",
         ),
+        click.option(
+            "--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+            help="Keep full KV blocks after their request and reuse them for prompts that begin "
+            "alike.",
+        ),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -241,7 +246,7 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
         device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
         kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
         max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
-        threads=options.pop("engine_threads"),
+        threads=options.pop("engine_threads"), prefix_caching=options.pop("prefix_cache"),
         lora_adapter=None if adapter is None else str(adapter),
     )  # fmt: skip
 

@@ -28,16 +28,21 @@ class CachedBatch:
     """Where a batch's tokens go and what they see.
 
     tokens, positions, write_slots: `[batch, new]`; read_slots `[batch, length]`: the slots of
-    positions 0..length-1 of each row (padded with any slot; the mask hides them)."""
+    positions 0..length-1 of each row (padded with any slot; the mask hides them). `attend`:
+    which keys each query sees, when the read slots are not positions in order (rows packed by
+    `pipeline.serve.packing`)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     write_slots: torch.Tensor
     read_slots: torch.Tensor
+    attend: torch.Tensor | None = None
 
     def mask(self) -> torch.Tensor | None:
         """`[batch, 1, new, length]`: query at position p sees keys at positions <= p; None when
         that is every key (one new token per row, all rows as long: the common decode step)."""
+        if self.attend is not None:
+            return self.attend
         length = self.read_slots.shape[1]
         if self.positions.shape[1] == 1 and bool((self.positions == length - 1).all()):
             return None

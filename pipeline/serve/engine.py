@@ -18,9 +18,20 @@ reference on the leader's blocks of those positions (`BlockKVCache.share`, insid
 the leader finishing or aborted later frees nothing they read) and run only the last prompt
 token, as a decode row (vLLM recomputes a fully cached prompt's last token the same way). A
 sibling reserves cache for only its own positions. A leader that leaves before it gets that far
-(aborted) leaves its siblings to prefill on their own. `prompt_tokens_computed` and
-`prompt_tokens_cached` count the prompt positions run through the model and those taken from
-another request's cache.
+(aborted) leaves its siblings to prefill on their own.
+
+Prefix caching (on unless `prefix_caching=False`, vLLM's automatic prefix caching): every full
+block a request computes, prompt or generated, is named by the chain hash of its tokens and
+everything before them (`pipeline.serve.kv_cache.block_hashes`) and stays cached after the
+request leaves, until an allocation needs its room (least recently used first). A request
+admitted later takes the longest run of cached blocks that begins its prompt, never the whole
+prompt (its last token is always run, so there are logits to sample), and computes only the
+rest; the blocks it takes are free for admission's accounting only if nobody else holds them.
+A request asking `prompt_logprobs` takes only the cached blocks that kept the
+log-probabilities of their positions, which blocks computed by such a request do
+(`pipeline.serve.prompt_logprob_cache`).
+`prompt_tokens_computed` and `prompt_tokens_cached` count the prompt positions run through the
+model and those taken from another request's cache (a leader's or the prefix cache).
 
 The engine is thread-safe: a server thread may `add` and `abort` while another thread calls
 `step` in a loop.
@@ -28,6 +39,7 @@ The engine is thread-safe: a server thread may `add` and `abort` while another t
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
@@ -40,7 +52,13 @@ import torch
 
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.decode import CachedBatch, forward_cached
-from pipeline.serve.kv_cache import BlockKVCache
+from pipeline.serve.kv_cache import BlockKVCache, block_hashes
+from pipeline.serve.packing import batch_row_slots, packed_decode_batch
+from pipeline.serve.prompt_logprob_cache import (
+    keep_block_logprobs,
+    prefix_logprobs,
+    usable_prefix,
+)
 from pipeline.serve.sampling import (
     BadSamplingValue,
     SamplingParams,
@@ -92,7 +110,12 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     slots: torch.Tensor | None = None  # cache slot of each position, fixed at admission
     computed: int = 0  # tokens whose keys and values are in the cache
-    cached_tokens: int = 0  # prompt positions read from another request's cache (its leader's)
+    cached_tokens: int = 0  # prompt positions read from another request's cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, so far
+    registered: int = 0  # its first blocks named in the prefix cache
+    aligned: bool = True  # position p is in blocks[p // block_size] (not so for a sibling
+    # sharing a prefix that ends mid-block: its own slots start in a fresh block)
+    group: int = -1  # its `add_group`'s leader's id (decode rows packed by it)
     leader: Request | None = None  # a sibling's, until it shares the leader's prompt
     siblings: list[Request] = field(default_factory=list)  # a leader's, until they share
     arrived: float = field(default_factory=time.monotonic)
@@ -136,7 +159,8 @@ class Engine:
     max_context: the longest prompt + output allowed (default: the model's
     max_position_embeddings); tp: the model's tensor-parallel degree
     (`pipeline.serve.tensor_parallel`); grammars: the tokenizer's structured-output backend
-    (`pipeline.serve.structured_output`; None: requests that ask for it are refused)."""
+    (`pipeline.serve.structured_output`; None: requests that ask for it are refused);
+    prefix_caching: keep and reuse full blocks (module docstring)."""
 
     def __init__(
         self,
@@ -150,6 +174,7 @@ class Engine:
         max_context: int | None = None,
         tp: int = 1,
         grammars: GrammarBackend | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -162,6 +187,7 @@ class Engine:
         self.max_waiting = max_waiting
         self.max_context = max_context or model.config.max_position_embeddings
         self.grammars = grammars
+        self.prefix_caching = prefix_caching
         self._ids = itertools.count()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -200,10 +226,13 @@ class Engine:
                 raise QueueFull(f"{len(self._waiting)} requests already waiting")
             if lora_name is not None:
                 self._hold_adapter(lora_name, len(params))
-            group = [self._request(prompt, each) for each in params]
+            hashes = self._prompt_hashes(prompt, lora_name)
+            group = [self._request(prompt, each, hashes) for each in params]
             for request in group:
                 request.lora_name = lora_name
             leader = group[0]
+            for request in group:
+                request.group = leader.id
             leader.siblings = [r for r in group[1:] if self._can_share(leader, r)]
             for sibling in leader.siblings:
                 sibling.leader = leader
@@ -216,8 +245,20 @@ class Engine:
         for _ in range(count):
             self.adapters.hold(name)
 
-    def _request(self, prompt: list[int], params: SamplingParams) -> Request:
-        request = Request(next(self._ids), list(prompt), params)
+    def _prompt_hashes(self, prompt: list[int], lora_name: str | None) -> list[bytes]:
+        """The chain hashes of the prompt's full blocks that a request may read from the cache
+        (never the block of its last token), none without prefix caching. An adapter's blocks
+        chain from its name and files, so they are never another adapter's or the base's."""
+        if not self.prefix_caching:
+            return []
+        parent = b""
+        if lora_name is not None:
+            source = f"lora\0{lora_name}\0{self.adapters.registered.get(lora_name)}"
+            parent = hashlib.sha256(source.encode()).digest()
+        return block_hashes(prompt[: len(prompt) - 1], self.cache.block_size, parent)
+
+    def _request(self, prompt: list[int], params: SamplingParams, hashes: list[bytes]) -> Request:
+        request = Request(next(self._ids), list(prompt), params, block_hashes=list(hashes))
         request.generator = make_generator(params, self.device)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs.append(None)
@@ -265,10 +306,18 @@ class Engine:
             self._waiting.clear()
 
     def weights_changed(self) -> None:
-        """The model's weights were replaced in place (`pipe serve`'s /update_weights): forget
-        every cache entry the old weights computed. The hook for prefix caching, whose cached
-        blocks must not outlive the weights that made them; a no-op while the engine shares
-        blocks only between requests in flight, which the server drains before new weights."""
+        """The model's weights were replaced in place (`pipe serve`'s /update_weights): the
+        cached blocks the old weights computed must not serve a later prompt."""
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks (new weights make them stale); requests running keep theirs
+        but leave nothing cached."""
+        with self._lock:
+            self.cache.reset_prefix_cache()
+            for request in [*self._running, *self._waiting]:
+                if request.computed:  # its blocks so far hold the old weights' keys
+                    request.aligned = False
 
     @property
     def capacity(self) -> int:
@@ -334,26 +383,72 @@ class Engine:
     def _admit(self) -> None:
         """Move waiting requests into the batch, first come, first served, reserving the cache
         of each one's positions beyond those it shares (a sibling's slots continue its
-        leader's)."""
+        leader's; a request's cached prefix is its first blocks)."""
         while self._waiting and len(self._running) < self.max_batch:
             request = self._waiting[0]
             if request.leader is not None:
                 if not request.leader.finished:
                     return  # wait for the leader's prefill
                 request.leader = None  # it left before sharing: prefill alone
-            need = len(request.prompt) + request.params.max_new_tokens - request.cached_tokens
-            if self.cache.blocks_needed(need) > self.cache.free_blocks:
+            hits = self._cached_prefix(request)
+            total = len(request.prompt) + request.params.max_new_tokens
+            need = total - request.cached_tokens - len(hits) * self.cache.block_size
+            if self.cache.blocks_needed(need) > self.cache.free_blocks - self.cache.unheld(hits):
                 return  # first come, first served: wait for blocks
             if request.lora_name is not None:
                 request.lora_slot = self.adapters.acquire(request.lora_name)
                 if request.lora_slot is None:
                     return  # every adapter slot is in use: wait for one
+            self._take_prefix(request, hits)
             own = self.cache.allocate(need)
             slots = self.cache.slots(own, torch.arange(need))
             request.slots = slots if request.slots is None else torch.cat([request.slots, slots])
             request.blocks += own
             request.admitted = time.monotonic()
             self._running.append(self._waiting.popleft())
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """The prefix cache's blocks of the start of `request`'s prompt (none for a sibling that
+        shares its leader's; for one that needs its prompt's log-probabilities, those that kept
+        them)."""
+        if request.slots is not None:
+            return []
+        hits, top = self.cache.lookup(request.block_hashes), request.params.prompt_logprobs
+        return hits if top is None else usable_prefix(self.cache, hits, request.prompt, top)
+
+    def _take_prefix(self, request: Request, hits: list[int]) -> None:
+        """Start `request` on the cached blocks `hits`: its first positions are computed."""
+        if not hits:
+            return
+        self.cache.take(hits)
+        cached = len(hits) * self.cache.block_size
+        request.blocks = list(hits)
+        request.slots = self.cache.slots(hits, torch.arange(cached))
+        request.computed = request.cached_tokens = cached
+        request.registered = len(hits)
+        if request.params.prompt_logprobs is not None:
+            request.prompt_logprobs += prefix_logprobs(self.cache, hits,
+                                                       request.params.prompt_logprobs)  # fmt: skip
+        self.prompt_tokens_cached += cached
+
+    def _register_blocks(self, request: Request) -> None:
+        """Name `request`'s blocks that are full now in the prefix cache."""
+        size = self.cache.block_size
+        full = request.computed // size
+        if full <= request.registered:
+            return
+        known = len(request.block_hashes)
+        if known < full:
+            parent = request.block_hashes[-1] if known else b""
+            request.block_hashes += block_hashes(request.tokens[known * size : full * size], size,
+                                                 parent)  # fmt: skip
+        top = request.params.prompt_logprobs
+        for index in range(request.registered, full):
+            self.cache.register(request.blocks[index], request.block_hashes[index])
+            if top is not None:
+                keep_block_logprobs(self.cache, request.block_hashes[index], request.prompt,
+                                    request.prompt_logprobs, index, top)  # fmt: skip
+        request.registered = full
 
     def _share_prompt(self, leader: Request) -> None:
         """Give `leader`'s waiting siblings its cached prompt but the last token: a reference on
@@ -367,6 +462,8 @@ class Engine:
             sibling.blocks = list(blocks)
             sibling.slots = leader.slots[:shared]
             sibling.computed = sibling.cached_tokens = shared
+            sibling.registered = shared // self.cache.block_size  # the leader's, named by it
+            sibling.aligned = shared % self.cache.block_size == 0
             if sibling.params.prompt_logprobs is not None:
                 sibling.prompt_logprobs = list(leader.prompt_logprobs)
             sibling.leader = None
@@ -375,12 +472,12 @@ class Engine:
 
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
-        batch = self._batch(rows)
+        batch, where = self._batch(rows)
         if self.adapters is not None:
-            self.adapters.select([request.lora_slot for request, _ in rows])
+            self.adapters.select(batch_row_slots([request.lora_slot for request, _ in rows],
+                                                 where[0], batch.tokens.shape[0]))  # fmt: skip
         hidden = forward_cached(self.model, self.cache, batch)
-        lengths = torch.tensor([n for _, n in rows], device=self.device)
-        last = hidden[torch.arange(len(rows), device=self.device), lengths - 1]
+        last = hidden[where]
         logits = self.model.output(last).float()
         prompt_logprobs = self._prompt_logprobs(rows, hidden)
         ready = [
@@ -402,6 +499,8 @@ class Engine:
                 )
                 request.computed += new
                 request.prompt_logprobs += prompt_logprobs.get(index, ())
+                if self.prefix_caching and request.aligned and not request.finished:
+                    self._register_blocks(request)
                 shareable = request.computed >= len(request.prompt) - 1
                 if request.siblings and shareable and not request.finished:
                     self._share_prompt(request)
@@ -427,7 +526,18 @@ class Engine:
             found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))
         return found
 
-    def _batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
+    def _batch(self, rows: list[tuple[Request, int]]) -> tuple[CachedBatch, tuple]:
+        """The batch of `rows` and where each row's last new token is in it: one row each, or
+        decode rows of a group packed (`pipeline.serve.packing`)."""
+        if all(n == 1 for _, n in rows):
+            packed = packed_decode_batch([r for r, _ in rows], self.cache.block_size,
+                                         self.cache.scratch_slot, self.device)  # fmt: skip
+            if packed is not None:
+                return packed[0], packed[1:]
+        lengths = torch.tensor([n for _, n in rows], device=self.device)
+        return self._plain_batch(rows), (torch.arange(len(rows), device=self.device), lengths - 1)
+
+    def _plain_batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
         new = max(n for _, n in rows)
         length = max(r.computed + n for r, n in rows)
         scratch = self.cache.scratch_slot

@@ -30,7 +30,7 @@ from pipeline.serve.engine_process import EngineSpec, run_engine
 from pipeline.serve.loading import LoadError, open_tokenizer
 from pipeline.serve.messages import (
     AbortRequest,
-    AddRequest,
+    AddGroup,
     ControlDone,
     Delta,
     EngineExited,
@@ -122,6 +122,7 @@ class RequestStream:
             tokens, text, [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],
             arrived[0].prompt_logprobs if self._first else None, finish, len(self.prompt),
             self.completion_tokens, arrived[0].queue_time if self._first else None,
+            arrived[0].cached_tokens if self._first else None,
         )  # fmt: skip
         self._first = False
         if finish is not None:
@@ -224,22 +225,32 @@ class EngineClient:
                lora_name: str | None = None) -> RequestStream:  # fmt: skip
         """Queue a request (run with the adapter `lora_name`, when given); `PromptTooLong` if it
         can never fit, `QueueFull` over capacity."""
+        return self.submit_group(prompt, [params], lora_name)[0]
+
+    def submit_group(self, prompt: list[int], params: list[SamplingParams],
+                     lora_name: str | None = None) -> list[RequestStream]:  # fmt: skip
+        """Queue one request per `params` entry on `prompt`, prefilled once (`Engine.add_group`),
+        all with the adapter `lora_name`; errors as `submit`'s, for the whole group (then
+        nothing is queued)."""
         if self._dead is not None:
             raise self._dead
         if self.paused:
             raise GenerationPaused("generation is paused for new weights; retry after resume")
         ready = self.ready
-        problem = fit_problem(len(prompt), params.max_new_tokens, ready.max_context,
-                              ready.block_size, ready.cache_blocks)  # fmt: skip
-        if problem is not None:
-            raise PromptTooLong(problem)
+        for each in params:
+            problem = fit_problem(len(prompt), each.max_new_tokens, ready.max_context,
+                                  ready.block_size, ready.cache_blocks)  # fmt: skip
+            if problem is not None:
+                raise PromptTooLong(problem)
         waiting = len(self._streams) - ready.max_batch
-        if waiting >= self.max_waiting:
-            raise QueueFull(f"{waiting} requests already waiting")
-        stream = RequestStream(self, next(self._ids), list(prompt), params)
-        self._streams[stream.request_id] = stream
-        self._pipe.send(AddRequest(stream.request_id, stream.prompt, params, lora_name))
-        return stream
+        if waiting + len(params) > self.max_waiting:
+            raise QueueFull(f"{max(waiting, 0)} requests already waiting")
+        streams = [RequestStream(self, next(self._ids), list(prompt), each) for each in params]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        ids = [stream.request_id for stream in streams]
+        self._pipe.send(AddGroup(ids, list(prompt), list(params), lora_name))
+        return streams
 
     def cancel_all(self) -> None:
         """Abort every request in flight (`RequestStream.cancel`)."""

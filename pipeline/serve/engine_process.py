@@ -2,11 +2,11 @@
 cannot stall it.
 
 The process loads the model, builds the `Engine` and then loops: take every message waiting on
-its pipe (add a request, abort one, stop), run one `Engine.step`, send what the step produced as
-one message for the whole batch. The messages are the small dataclasses of
-`pipeline.serve.messages`, so a step of 32 requests costs one pickle, not 32 thread hops. Text is
-not made here: token ids go out and the server process detokenises them and matches stop strings
-(`pipeline.serve.engine_client`) while the next step runs.
+its pipe (add a group of requests on one prompt, abort one, stop), run one `Engine.step`, send
+what the step produced as one message for the whole batch. The messages are the small
+dataclasses of `pipeline.serve.messages`, so a step of 32 requests costs one pickle, not 32
+thread hops. Text is not made here: token ids go out and the server process detokenises them and
+matches stop strings (`pipeline.serve.engine_client`) while the next step runs.
 
 The process ignores SIGINT and SIGTERM: the server drains its requests first, then tells the
 engine to stop; a server that dies closes the pipe, and the engine exits on that too.
@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 
 from pipeline.serve.messages import (
     AbortRequest,
-    AddRequest,
+    AddGroup,
     ControlDone,
     Failed,
     LoadLoRA,
@@ -62,6 +62,7 @@ class EngineSpec:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path)
     max_loras: int = 0
     max_lora_rank: int = 16
+    prefix_caching: bool = True  # `Engine(prefix_caching=...)`
 
 
 def batch_for_cache(cache_blocks: int) -> int:
@@ -132,6 +133,7 @@ def _load(spec: EngineSpec):
             gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,
             max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,
             grammars=_grammars(gen),
+            prefix_caching=spec.prefix_caching,
         )  # fmt: skip
         if spec.max_loras:
             from pipeline.serve.lora_slots import install_named_adapters
@@ -198,20 +200,22 @@ def _handle(engine, requests: dict, client_ids: dict, message, pipe: Connection)
     if isinstance(message, UpdateWeights):
         pipe.send(_update_weights(engine, message))
     elif isinstance(message, ResetPrefixCache):
-        engine.weights_changed()
+        engine.reset_prefix_cache()
         pipe.send(ControlDone())
     elif isinstance(message, (LoadLoRA, UnloadLoRA)):
         from pipeline.serve.lora_slots import adapter_control
 
         pipe.send(adapter_control(engine.adapters, message))
-    elif isinstance(message, AddRequest):
+    elif isinstance(message, AddGroup):
         try:
-            request = engine.add(message.prompt, message.params, message.lora_name)
+            group = engine.add_group(message.prompt, message.params, message.lora_name)
         except ValueError as error:  # PromptTooLong and bad values: the server checks first
-            pipe.send(Rejected(message.request_id, str(error)))
+            for request_id in message.request_ids:
+                pipe.send(Rejected(request_id, str(error)))
             return
-        requests[message.request_id] = request
-        client_ids[request] = message.request_id
+        for request_id, request in zip(message.request_ids, group):
+            requests[request_id] = request
+            client_ids[request] = request_id
     elif isinstance(message, AbortRequest):
         request = requests.pop(message.request_id, None)
         if request is not None:
@@ -242,4 +246,5 @@ def _output(request_id: int, event) -> TokenOutput:
         request_id, event.token, request.finish_reason if event.finished else None,
         event.logprobs, event.prompt_logprobs,
         request.admitted - request.arrived if first else None,
+        request.cached_tokens if first else None,
     )  # fmt: skip

@@ -2,13 +2,15 @@
 read back whole (`gather_generations`) or delta by delta as they come (`merged_deltas`).
 
 A body asking for n choices of p prompts is p x n jobs (best_of: p x best_of, the n best kept by
-the response writer). Whatever happens to the HTTP request (a refused job, a client that went
+the response writer); a prompt's jobs go to the engine as one group, which prefills the prompt
+once (`Engine.add_group`). Whatever happens to the HTTP request (a refused job, a client that went
 away, a consumer that stops early), no job is left running in the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +42,7 @@ class Generation:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the engine's cache
 
     def add(self, delta: Delta) -> None:
         """Append what `delta` brought."""
@@ -50,6 +53,8 @@ class Generation:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.completion_tokens = delta.completion_tokens
+        if delta.cached_tokens is not None:
+            self.cached_tokens = delta.cached_tokens
 
     @property
     def cumulative_logprob(self) -> float:
@@ -72,14 +77,16 @@ def plan_jobs(body, prompts: list[list[int]], token_budget: int,
     return jobs
 
 
-def submit_jobs(submit: Callable[[list[int], SamplingParams], object], jobs: list[Job],
+def submit_jobs(submit: Callable[[list[int], list[SamplingParams]], list], jobs: list[Job],
                 prompt_param: str) -> list:  # fmt: skip
-    """Each job's stream of deltas from `submit`; none is left running if one is refused (a
-    prompt that can never fit is a 400 naming `prompt_param`)."""
+    """Each job's stream of deltas from `submit` (a prompt's jobs as one group, in order); none
+    is left running if one is refused (a prompt that can never fit is a 400 naming
+    `prompt_param`)."""
     streams = []
     try:
-        for job in jobs:
-            streams.append(submit(job.prompt_ids, job.params))
+        for _, group in itertools.groupby(jobs, key=lambda job: job.prompt_index):
+            group = list(group)
+            streams += submit(group[0].prompt_ids, [job.params for job in group])
     except PromptTooLong as error:
         abort_streams(streams)
         raise APIError(str(error), param=prompt_param) from None

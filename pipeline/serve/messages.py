@@ -17,13 +17,15 @@ from pipeline.serve.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
-class AddRequest:
-    """Queue a generation. `request_id` is the HTTP process's own number for it: every answer
-    about the request names it, so the engine's `Request` objects never cross the pipe."""
+class AddGroup:
+    """Queue one generation per `params` entry on one prompt, prefilled once
+    (`Engine.add_group`: a body's n completions; a single request is a group of one).
+    `request_ids[i]` is the HTTP process's own number for the i-th: every answer about a
+    request names it, so the engine's `Request` objects never cross the pipe."""
 
-    request_id: int
+    request_ids: list[int]
     prompt: list[int]
-    params: SamplingParams
+    params: list[SamplingParams]
     lora_name: str | None = None  # the adapter to run with (`pipeline.serve.lora_slots`)
 
 
@@ -57,7 +59,7 @@ class UpdateWeights:
 
 @dataclass(frozen=True)
 class ResetPrefixCache:
-    """Forget every cached prompt block (`Engine.weights_changed`). Answered by `ControlDone`."""
+    """Forget every cached prompt block (`Engine.reset_prefix_cache`). Answered by `ControlDone`."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class UnloadLoRA:
 
 
 ToEngine = (
-    AddRequest
+    AddGroup
     | AbortRequest
     | StopEngine
     | UpdateWeights
@@ -118,8 +120,9 @@ class Failed:
 class TokenOutput:
     """One token of one request. Only ids travel: the HTTP process makes the text, off the
     engine's path. `finish_reason` is the engine's ("stop" at a stop token, "length");
-    `prompt_logprobs` and `queue_time` (seconds the request waited for the batch) come with a
-    request's first token, `logprobs` with every token of a request that asked."""
+    `prompt_logprobs`, `queue_time` (seconds the request waited for the batch) and
+    `cached_tokens` (prompt tokens read from the cache, not computed) come with a request's
+    first token, `logprobs` with every token of a request that asked."""
 
     request_id: int
     token: int
@@ -127,6 +130,7 @@ class TokenOutput:
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     queue_time: float | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -200,3 +204,4 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
     queue_time: float | None = None  # seconds queued in the engine, on the first delta
+    cached_tokens: int | None = None  # prompt tokens read from the cache, on the first delta

@@ -2,8 +2,10 @@
 
 Named like vLLM's (`vllm:num_requests_running` is `pipe:num_requests_running` here) so existing
 dashboards need only the prefix changed. Each engine request is counted on its own (a body with
-n = 4 is four requests). Every app has its own registry, so several apps in one process (tests)
-do not collide.
+n = 4 is four requests). `pipe:prefix_cache_queries` and `pipe:prefix_cache_hits` (vLLM's names)
+count prompt tokens looked up and those found in the cache (a group's leader's, or the prefix
+cache), when a request's first token comes: the prompt tokens computed are their difference.
+Every app has its own registry, so several apps in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ class ServeMetrics:
         self.prompt_tokens = Counter(
             "pipe:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
         ).labels(**model)
+        self.cache_queries = Counter(
+            "pipe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels,
+            registry=reg,
+        ).labels(**model)  # fmt: skip
+        self.cache_hits = Counter(
+            "pipe:prefix_cache_hits", "Prompt tokens read from the cache, not computed.", labels,
+            registry=reg,
+        ).labels(**model)  # fmt: skip
         self.generation_tokens = Counter(
             "pipe:generation_tokens", "Tokens generated.", labels, registry=reg
         ).labels(**model)
@@ -108,6 +118,8 @@ class TrackedStream:
                 queued = getattr(delta, "queue_time", None)
                 if queued is not None:
                     metrics.queue.observe(queued)
+                metrics.cache_queries.inc(delta.prompt_tokens)
+                metrics.cache_hits.inc(getattr(delta, "cached_tokens", None) or 0)
                 new -= 1  # the first token has no gap before it
             for _ in range(new):  # tokens that came together share the gap
                 metrics.itl.observe((now - self._last) / max(new, 1))

@@ -391,11 +391,14 @@ def _text_content(content: str | list[dict] | None, index: int) -> str:
 # ---- responses --------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The usage object; `cached_tokens`: the prompt tokens read from the prefix cache
+    (`prompt_tokens_details`, as OpenAI and vLLM report it)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

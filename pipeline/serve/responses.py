@@ -3,13 +3,16 @@ server-sent events (one chunk per delta, then `data: [DONE]`).
 
 A writer (`CompletionWriter`, `ChatWriter`) knows one body's answer shape; `respond` picks whole
 or streamed. Choice `i` of prompt `p` has index p * n + i, as OpenAI numbers them.
+
+The usage counts each prompt once, whatever n is, and so do its cached tokens: those of the
+prompt's first generation (its group's leader, which the others share).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -60,6 +63,15 @@ def with_usage(chunk: dict, body, prompt_tokens: int, completion_tokens: int) ->
 async def _fingerprinted(chunks: AsyncIterator[dict], fingerprint: str | None):
     async for chunk in chunks:
         yield {**chunk, "system_fingerprint": fingerprint}
+
+
+def cached_tokens(jobs: Sequence[Job], cached: Sequence[int]) -> int:
+    """The prompt tokens the usage reports as cached: each prompt's first generation's."""
+    return sum(count for job, count in zip(jobs, cached) if job.number == 0)
+
+
+def _cached_of(generations: list[Generation]) -> int:
+    return cached_tokens([g.job for g in generations], [g.cached_tokens for g in generations])
 
 
 async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -130,16 +142,17 @@ class CompletionWriter:
         answer = envelope(ident, model, "text_completion", choices)
         # every generated token counts, also best_of's discarded ones
         generated = 0 if self.body.echo_only else sum(g.completion_tokens for g in generations)
-        answer["usage"] = usage(sum(map(len, self.prompts)), generated)
+        answer["usage"] = usage(sum(map(len, self.prompts)), generated, _cached_of(generations))
         return answer
 
     async def chunks(self, ident: str, model: str, jobs: list[Job], streams: list):
         """The streamed answer: a chunk per delta, then usage if asked."""
         offsets = [0] * len(jobs)
         started = [False] * len(jobs)
-        generated = [0] * len(jobs)
+        generated, cached = [0] * len(jobs), [0] * len(jobs)
         async for k, delta in merged_deltas(streams):
             job = jobs[k]
+            cached[k] = delta.cached_tokens or cached[k]
             text, ids, entries = self._generated(delta.text, delta.token_ids, delta.logprobs)
             if not started[k]:
                 started[k] = True
@@ -154,7 +167,8 @@ class CompletionWriter:
             yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
         if self.body.include_usage:
             last = envelope(ident, model, "text_completion", [])
-            last["usage"] = usage(sum(map(len, self.prompts)), sum(generated))
+            last["usage"] = usage(sum(map(len, self.prompts)), sum(generated),
+                                  cached_tokens(jobs, cached))  # fmt: skip
             yield last
 
 
@@ -187,7 +201,7 @@ class ChatWriter:
                             "finish_reason": finish_reason})  # fmt: skip
         answer = envelope(ident, model, "chat.completion", choices)
         generated = sum(g.completion_tokens for g in generations)
-        answer["usage"] = usage(self.prompt_tokens, generated)
+        answer["usage"] = usage(self.prompt_tokens, generated, _cached_of(generations))
         return answer
 
     async def chunks(self, ident: str, model: str, jobs: list[Job], streams: list):
@@ -199,10 +213,11 @@ class ChatWriter:
                      "logprobs": None, "finish_reason": None}  # fmt: skip
             first_chunk = envelope(ident, model, kind, [first])
             yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
-        generated = [0] * len(jobs)
+        generated, cached = [0] * len(jobs), [0] * len(jobs)
         tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
         async for k, delta in merged_deltas(streams):
             generated[k] = delta.completion_tokens
+            cached[k] = delta.cached_tokens or cached[k]
             finish_reason = delta.finish_reason
             if tool_streams is None:
                 content = {"content": delta.text} if delta.text or not finish_reason else {}
@@ -217,5 +232,5 @@ class ChatWriter:
             yield with_usage(chunk, self.body, self.prompt_tokens, generated[k])
         if self.body.include_usage:
             last = envelope(ident, model, kind, [])
-            last["usage"] = usage(self.prompt_tokens, sum(generated))
+            last["usage"] = usage(self.prompt_tokens, sum(generated), cached_tokens(jobs, cached))
             yield last

@@ -87,10 +87,12 @@ class ServedModel:
             return name
         raise APIError(f"The model `{name}` does not exist.", 404, "model")
 
-    def submit(self, prompt: list[int], params: SamplingParams, lora_name: str | None = None):
-        """One engine request's stream of deltas (with the adapter `lora_name`), its latencies
-        recorded."""
-        return self.metrics.track(self.client.submit(prompt, params, lora_name))
+    def submit(self, prompt: list[int], params: list[SamplingParams],
+               lora_name: str | None = None) -> list:  # fmt: skip
+        """A group of engine requests on `prompt` (prefilled once, run with the adapter
+        `lora_name` when given), each one's stream of deltas with its latencies recorded."""
+        streams = self.client.submit_group(prompt, params, lora_name)
+        return [self.metrics.track(s) for s in streams]
 
     def submitter(self, lora_name: str | None):
         """`submit` for the requests of one body, all with the adapter `lora_name`."""

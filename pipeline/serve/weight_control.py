@@ -67,7 +67,7 @@ class WeightControl:
         self.client.paused = False
 
     async def reset_prefix_cache(self) -> None:
-        """Drop the engine's cached prompt blocks (`Engine.weights_changed`)."""
+        """Drop the engine's cached prompt blocks (`Engine.reset_prefix_cache`)."""
         await self.client.control(ResetPrefixCache())
 
     async def start_update(self) -> None:

@@ -19,7 +19,9 @@ The second server runs the same directory, started by you before the run, e.g. v
         --model /tmp/serve-bench --dtype float32 --port 8100 &
     python scripts/bench/serve.py --model-dir /tmp/serve-bench --other http://127.0.0.1:8100
 
-Without `--other` only pipe is measured.
+Without `--other` only pipe is measured. `--workload rl,eval` runs the shared-prefix workloads
+instead (an RL step's rollouts, an evaluation harness's scoring requests; `serve_prefix.py`), with
+prefix caching on in both servers (pipe's default and vLLM's).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+from serve_prefix import import_httpx  # noqa: E402
+
 DATA = Path(os.environ.get("PIPE_BENCH_DATA", ROOT.parent / "shared" / "data"))
 
 
@@ -132,7 +137,7 @@ async def one_request(client, url: str, model: str, prompt: list[int], new: int)
 async def load(url: str, model: str, prompts: list[list[int]], concurrency: int, new: int,
                rounds: int) -> dict:  # fmt: skip
     """`concurrency` clients, each sending `rounds` requests one after another."""
-    import httpx
+    httpx = import_httpx()
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -163,20 +168,20 @@ def summarise(results: list[dict], wall: float) -> dict:
 
 
 async def greedy_texts(url: str, model: str, prompts: list[list[int]], new: int) -> list[str]:
-    import httpx
+    httpx = import_httpx()
 
     async with httpx.AsyncClient(timeout=600) as client:
         return [(await one_request(client, url, model, p, new))["text"] for p in prompts]
 
 
 def model_name(url: str) -> str:
-    import httpx
+    httpx = import_httpx()
 
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
 def start_pipe(directory: Path, port: int, log: Path, extra: list[str]) -> subprocess.Popen:
-    import httpx
+    httpx = import_httpx()
 
     args = [sys.executable, "-m", "pipeline", "serve", str(directory), "--port", str(port), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -208,6 +213,12 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=8, help="prompts compared greedily")
     parser.add_argument("--pipe-args", default="", help="more `pipe serve` options (default: none)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--workload",
+        default="stream",
+        help="comma-separated: stream (the streamed load above), rl, eval",
+    )
+    prefix_options(parser)
     args = parser.parse_args()
 
     if not (args.model_dir / "config.json").is_file():
@@ -216,20 +227,49 @@ def main() -> None:
     if args.build_only:
         print(f"model written to {args.model_dir}")
         return
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    prompts = corpus_prompts(max(concurrencies) * args.rounds, args.prompt_len)
     servers = {"pipe": f"http://127.0.0.1:{args.port}"}
     if args.other:
         servers["other"] = args.other.rstrip("/")
     log = args.model_dir.parent / "pipe-serve-bench.log"
     process = start_pipe(args.model_dir, args.port, log, args.pipe_args.split())
     try:
-        report = run(servers, prompts, concurrencies, args)
+        report = run_workloads(servers, args)
     finally:
         process.terminate()
         process.wait(60)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def prefix_options(parser: argparse.ArgumentParser) -> None:
+    """The shared-prefix workloads' sizes (`serve_prefix.py`)."""
+    for name, default in (("rl-prompts", 16), ("rl-n", 8), ("rl-prompt-len", 300),
+                          ("rl-system-len", 200), ("rl-new-tokens", 64), ("eval-questions", 125),
+                          ("eval-choices", 4), ("eval-prefix-len", 320),
+                          ("eval-question-len", 32), ("eval-choice-len", 8),
+                          ("eval-concurrency", 8), ("eval-max-tokens", 1)):  # fmt: skip
+        parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def run_workloads(servers: dict, args: argparse.Namespace) -> dict:
+    """The workloads `--workload` names, their figures in one report."""
+    from serve_prefix import run_prefix_workloads
+
+    workloads = args.workload.split(",")
+    report: dict = {}
+    if "stream" in workloads:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        prompts = corpus_prompts(max(concurrencies) * args.rounds, args.prompt_len)
+        report = run(servers, prompts, concurrencies, args)
+    shared = [w for w in workloads if w in ("rl", "eval")]
+    if shared:
+        names = {label: model_name(url) for label, url in servers.items()}
+        count = max(2 * args.rl_prompts, args.eval_questions) + 1
+        length = max(args.rl_prompt_len, args.eval_prefix_len,
+                     args.eval_question_len + args.eval_choices * args.eval_choice_len)  # fmt: skip
+        material = corpus_prompts(count, length)
+        report["shared_prefix"] = run_prefix_workloads(servers, names, material, args, shared)
+    return report
 
 
 def run(servers: dict, prompts: list[list[int]], concurrencies: list[int], args) -> dict:

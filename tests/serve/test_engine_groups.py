@@ -76,7 +76,7 @@ def test_a_sampled_group_equals_separate_requests_with_the_same_seeds(llama, pro
 
 def test_a_group_of_8_prefills_its_prompt_once(llama) -> None:
     params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed) for seed in range(8)]
-    grouped, separate = _engine(llama), _engine(llama)
+    grouped, separate = _engine(llama), _engine(llama, prefix_caching=False)
     group = grouped.generate_groups([LONG], [params])[0]
     alone = [separate.generate([LONG], each)[0] for each in params]
     size = len(LONG)
@@ -123,9 +123,14 @@ def test_a_prefix_ending_mid_block_that_cannot_fit_shared_runs_alone(llama) -> N
     assert engine.prompt_tokens_cached == 0 and engine.cache.free_blocks == 2
 
 
-def test_aborting_the_leader_mid_prefill_leaves_its_siblings_to_prefill_alone(llama) -> None:
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["alone", "prefix_cache"])
+def test_aborting_the_leader_mid_prefill_leaves_its_siblings_to_prefill_alone(
+    llama, prefix_caching
+) -> None:
+    """With prefix caching, the 2 blocks the leader computed before it left stay cached and
+    each sibling starts on them."""
     params = [SamplingParams(max_new_tokens=6, temperature=1.2, seed=seed) for seed in range(3)]
-    engine = _engine(llama, cache_blocks=24)
+    engine = _engine(llama, cache_blocks=24, prefix_caching=prefix_caching)
     leader, *siblings = engine.add_group(LONG, params)
     engine.step()
     engine.step()
@@ -134,8 +139,9 @@ def test_aborting_the_leader_mid_prefill_leaves_its_siblings_to_prefill_alone(ll
     _finish(engine)
     assert leader.finish_reason == "abort"
     assert [r.output for r in siblings] == _separately(llama, LONG, params[1:])
-    assert engine.prompt_tokens_cached == 0
-    assert engine.prompt_tokens_computed == 2 * BLOCK + 2 * len(LONG)
+    cached = 2 * BLOCK if prefix_caching else 0  # per sibling
+    assert engine.prompt_tokens_cached == 2 * cached
+    assert engine.prompt_tokens_computed == 2 * BLOCK + 2 * (len(LONG) - cached)
     assert engine.cache.free_blocks == 24
 
 
@@ -195,15 +201,22 @@ def test_a_sibling_keeps_the_leaders_blocks_until_it_finishes(llama) -> None:
 
 def test_prompt_logprobs_of_a_sibling_are_its_leaders(llama) -> None:
     """A sibling asking the leader's prompt_logprobs copies them; one asking another number of
-    alternatives prefills on its own."""
+    alternatives prefills on its own, after the full blocks whose entries the leader kept
+    (`pipeline.serve.prompt_logprob_cache`; none without prefix caching)."""
     asks = SamplingParams(max_new_tokens=2, greedy=True, prompt_logprobs=2)
     other = SamplingParams(max_new_tokens=2, greedy=True, prompt_logprobs=1)
     group = _engine(llama).generate_groups([LONG], [[asks, asks, other]])[0]
     alone = _engine(llama).generate([LONG], asks)[0]
-    assert [r.cached_tokens for r in group] == [0, len(LONG) - 1, 0]
+    kept = (len(LONG) - 1) // BLOCK * BLOCK
+    assert [r.cached_tokens for r in group] == [0, len(LONG) - 1, kept]
     assert group[1].prompt_logprobs == group[0].prompt_logprobs
     assert _rounded(group[0]) == _rounded(alone)
     assert len(group[2].prompt_logprobs) == len(LONG)
+    assert [p.top for p in group[2].prompt_logprobs[1:]] == [
+        p.top[:1] for p in group[0].prompt_logprobs[1:]
+    ]
+    plain = _engine(llama, prefix_caching=False).generate_groups([LONG], [[asks, other]])[0]
+    assert [r.cached_tokens for r in plain] == [0, 0]
 
 
 def _rounded(request: Request) -> list:
@@ -232,3 +245,28 @@ def test_block_references() -> None:
     assert cache.free_blocks == 1
     with pytest.raises(ValueError, match=f"block {block} is free"):
         cache.share([block])
+
+
+def test_a_groups_decode_rows_are_packed_and_read_the_prompt_once(llama) -> None:
+    """`pipeline.serve.packing`: one batch row for the group, the shared prompt blocks in its
+    keys once, each completion's own positions after them; the tokens as without a cache."""
+    import torch
+
+    from pipeline.serve.packing import packed_decode_batch
+
+    engine = _engine(llama, cache_blocks=64)
+    group = engine.add_group(LONG, [SamplingParams(max_new_tokens=5, greedy=True)] * 4)
+    alone = engine.add(PROMPTS[1], SamplingParams(max_new_tokens=5, greedy=True))
+    while not all(len(r.output) >= 2 for r in [*group, alone]):
+        engine.step()
+    rows = list(engine._running)
+    batch, where_row, where_col = packed_decode_batch(rows, BLOCK, engine.cache.scratch_slot,
+                                                      torch.device("cpu"))  # fmt: skip
+    shared = (len(LONG) - 1) // BLOCK * BLOCK
+    own = [r.computed + 1 - shared for r in group]
+    assert batch.read_slots.shape == (2, shared + sum(own))  # the group's row, the other's
+    assert where_row.tolist() == [0, 0, 0, 0, 1] and where_col.tolist() == [0, 1, 2, 3, 0]
+    assert batch.mask()[0, 0].sum(-1).tolist() == [shared + n for n in own]
+    _finish(engine)
+    assert [r.output for r in group] == [greedy_without_cache(llama, LONG, 5)] * 4
+    assert alone.output == greedy_without_cache(llama, PROMPTS[1], 5)

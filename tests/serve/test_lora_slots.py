@@ -174,3 +174,24 @@ def test_lora_modules_take_vllms_forms() -> None:
                          (['{"name": "a"}'], 'JSON needs "name" and "path"')):  # fmt: skip
         result = CliRunner().invoke(command, ["base", "--lora-modules", *bad])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_prefix_cache_never_crosses_adapters(tiny_hf_dir, adapters) -> None:
+    """A prompt's cached blocks serve the same adapter again, never another adapter or the
+    base: each run equals a fresh engine's, and only the repeat reads the cache."""
+    paths, prompts, _ = adapters
+    long_prompt = [t for p in prompts for t in p] * 4  # several full blocks
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
+    engine = engine_with(tiny_hf_dir, paths, max_loras=2)
+    order = ["a", None, "b", "a"]
+    served = []
+    for name in order:  # one after another: each finds the earlier ones' blocks cached
+        served.append(engine.add(long_prompt, params, name))
+        list(engine.run())
+    for name, request in zip(order, served):
+        fresh = engine_with(tiny_hf_dir, paths, max_loras=2)
+        alone = fresh.add(long_prompt, params, name)
+        list(fresh.run())
+        assert request.output == alone.output, name
+    assert len({tuple(r.output) for r in served[:3]}) == 3  # the adapters do differ here
+    assert [r.cached_tokens for r in served[:3]] == [0, 0, 0] and served[3].cached_tokens > 0

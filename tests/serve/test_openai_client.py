@@ -428,3 +428,51 @@ def test_metrics_move_with_requests(server, client) -> None:
     assert moved("pipe:e2e_request_latency_seconds_count") == 2
     assert moved("pipe:request_queue_time_seconds_count") == 2
     assert moved("pipe:inter_token_latency_seconds_count") == 8
+
+
+# ---- prefix caching ---------------------------------------------------------------------------
+
+
+def test_usage_reports_cached_prompt_tokens(client, tokenizer) -> None:
+    """A repeated prompt reads its full blocks of 8 from the prefix cache (never its last
+    token's); the usage says how many, whole and streamed, in completions and chat."""
+    prompt = "line 41: value of the cache " * 4
+    size = len(encode(tokenizer, prompt))
+    assert size > 17
+    fields = {"model": "tiny_hf0", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.completions.create(**fields)
+    again = client.completions.create(**fields)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (size - 1) // 8 * 8
+    streamed = list(client.completions.create(**fields, stream=True,
+                                              stream_options={"include_usage": True}))  # fmt: skip
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (size - 1) // 8 * 8
+    chat = {"model": "tiny_hf0", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 2, "temperature": 0}  # fmt: skip
+    client.chat.completions.create(**chat)
+    answer = client.chat.completions.create(**chat)
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert cached == (answer.usage.prompt_tokens - 1) // 8 * 8 and cached > 0
+    usage = {"include_usage": True}
+    chunks = list(client.chat.completions.create(**chat, stream=True, stream_options=usage))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_n_completions_prefill_their_prompt_once(server, client, tokenizer) -> None:
+    """n = 8 is one engine group: the first completion computes the prompt, the other 7 read
+    all of it but its last token (the metrics count the prompt tokens looked up and found)."""
+    model = "model_name=tiny_hf0"
+    prompt = "line 97: a prompt never sent before, " * 3
+    size = len(encode(tokenizer, prompt))
+    before = metrics(server)
+    answer = client.completions.create(model="tiny_hf0", prompt=prompt, max_tokens=2, n=8,
+                                       temperature=1.0, seed=3)  # fmt: skip
+    after = metrics(server)
+
+    def moved(name: str) -> float:
+        return after[f"{name}{{{model}}}"] - before.get(f"{name}{{{model}}}", 0)
+
+    assert len(answer.choices) == 8 and answer.usage.prompt_tokens == size
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0  # the first completion's
+    assert moved("pipe:prefix_cache_queries_total") == 8 * size
+    assert moved("pipe:prefix_cache_hits_total") == 7 * (size - 1)

@@ -82,9 +82,9 @@ class ScriptedEngine:
     def stop(self) -> None:
         pass
 
-    def submit(self, prompt: list[int], _params, _lora_name=None) -> ScriptedStream:
+    def submit_group(self, prompt: list[int], params, _lora_name=None) -> list[ScriptedStream]:
         self.prompts.append(self.tokenizer.decode(prompt))
-        return ScriptedStream(self.reply, len(prompt))
+        return [ScriptedStream(self.reply, len(prompt)) for _ in params]
 
 
 @contextmanager

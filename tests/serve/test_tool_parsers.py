@@ -6,7 +6,8 @@ their rules to each text: what starts a call, `arguments` or `parameters`, the a
 re-serialised with `json.dumps(..., ensure_ascii=False)`, the content (hermes: the text before
 the first `<tool_call>`, else None once a call is found; unparseable text stays content), and
 checked against vLLM 0.32.0's own parsers: `python scripts/tool_parsers_vllm_check.py
---vllm-python VENV/bin/python --tokenizer DIR` gave 12 of 12 cases equal (names, `arguments` text, content)."""
+--vllm-python VENV/bin/python --tokenizer DIR` gave 12 of 12 cases equal (names, `arguments`
+text, content)."""
 
 from __future__ import annotations
 

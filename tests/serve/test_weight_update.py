@@ -218,3 +218,52 @@ def _retry_after(headers: dict) -> str:
 def _choice(answer: dict) -> tuple[str, list[float]]:
     choice = answer["choices"][0]
     return choice["text"], choice["logprobs"]["token_logprobs"][1:]
+
+
+def _hf_greedy_logprobs(hf_dir: Path, prompt: list[int], count: int) -> list[float]:
+    """transformers' log-probabilities of its own `count` greedy tokens after `prompt` (fp32)."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=count, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    chosen = out.sequences[0, len(prompt) :]
+    return [score[0].log_softmax(-1)[token].item() for score, token in zip(out.scores, chosen)]
+
+
+def _generate(server, ids: list[int]) -> tuple[list[float], int]:
+    """A greedy completion of `ids` (no prompt logprobs, so the prefix cache serves it): its
+    tokens' logprobs and the prompt tokens read from the cache."""
+    body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    status, _, answer = server.post("/v1/completions", body)
+    assert status == 200, answer
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return answer["choices"][0]["logprobs"]["token_logprobs"], cached
+
+
+def test_a_prompt_cached_before_a_push_is_recomputed_after_it(server, client, tiny_hf_dir,
+                                                              second_hf_dir):  # fmt: skip
+    ids = [token for probe in _prompt_ids(tiny_hf_dir) for token in probe] * 4  # several blocks
+    _generate(server, ids)
+    old, cached = _generate(server, ids)
+    assert cached >= 8, "the second request reads the first one's blocks"
+    client.push(dict(_params(second_hf_dir)))
+    new, cached = _generate(server, ids)
+    assert cached == 0, "the push dropped the old weights' blocks"
+    assert new == pytest.approx(_hf_greedy_logprobs(second_hf_dir, ids, 4), abs=1e-5)
+    assert new != pytest.approx(old, abs=1e-3)
+    assert _generate(server, ids)[1] >= 8, "the new weights' blocks are cached again"
+
+
+def test_load_a_pipe_checkpoint_from_disk(server, client, second_hf_dir, tmp_path):
+    """/update_weights with a pipe checkpoint's path (`pipe convert`'s output), not only a
+    Hugging Face directory."""
+    from tests.builders import run_pipe
+
+    checkpoint = tmp_path / "ckpt"
+    run_pipe("convert", second_hf_dir, "--from", "hf", "--output", checkpoint)
+    assert client.load(str(checkpoint), weight_version="pipe-ckpt") == "pipe-ckpt"
+    for ids in _prompt_ids(second_hf_dir):
+        expected = _hf_logprobs(second_hf_dir, ids)
+        assert _served_logprobs(server, ids) == pytest.approx(expected, abs=1e-5)
