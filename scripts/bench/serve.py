@@ -21,7 +21,10 @@ The second server runs the same directory, started by you before the run, e.g. v
 
 Without `--other` only pipe is measured. `--workload rl,eval` runs the shared-prefix workloads
 instead (an RL step's rollouts, an evaluation harness's scoring requests; `serve_prefix.py`), with
-prefix caching on in both servers (pipe's default and vLLM's).
+prefix caching on in both servers (pipe's default and vLLM's). `--workload structured` prints
+the cost per constrained token of structured output in pipe's engine: the decode step of a batch
+of plain rows against the same batch with half its rows held to a JSON schema, over Llama 3's
+128k vocabulary (`grammar_engines.engine_cost`; no server is started for it).
 """
 
 from __future__ import annotations
@@ -216,7 +219,7 @@ def main() -> None:
     parser.add_argument(
         "--workload",
         default="stream",
-        help="comma-separated: stream (the streamed load above), rl, eval",
+        help="comma-separated: stream (the streamed load above), rl, eval; or structured",
     )
     prefix_options(parser)
     args = parser.parse_args()
@@ -226,6 +229,9 @@ def main() -> None:
         build_model(args.model_dir, args)
     if args.build_only:
         print(f"model written to {args.model_dir}")
+        return
+    if args.workload == "structured":
+        structured_cost(args)
         return
     servers = {"pipe": f"http://127.0.0.1:{args.port}"}
     if args.other:
@@ -239,6 +245,16 @@ def main() -> None:
         process.wait(60)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def structured_cost(args: argparse.Namespace) -> None:
+    """The cost per constrained token (module docstring), on the benchmark's model shape."""
+    from grammar_engines import engine_cost
+
+    tokenizer = DATA / "tokenizers" / "llama3" / "tokenizer.json"
+    sizes = argparse.Namespace(hidden=args.hidden, layers=args.layers, batch=16, steps=32,
+                               repeat=3)  # fmt: skip
+    engine_cost(tokenizer, sizes)
 
 
 def prefix_options(parser: argparse.ArgumentParser) -> None:
