@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.builders import perturbed
+from tests.builders import perturbed, save_hf
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -38,3 +38,14 @@ def tiny_hf_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     tokenizer_config["chat_template"] = CHAT_TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return directory
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """pipe's model of a small random Llama written as a Hugging Face directory (the engine
+    tests' model)."""
+    from pipeline.serve.loading import open_generator
+
+    directory = tmp_path_factory.mktemp("llama")
+    save_hf("llama", directory)
+    return open_generator(directory).model

@@ -11,22 +11,13 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.serve.engine import Engine, PromptTooLong, Request
 from pipeline.serve.kv_cache import BlockKVCache
-from pipeline.serve.loading import open_generator
 from pipeline.serve.sampling import SamplingParams
-from tests.builders import save_hf
 
 pytest.importorskip("transformers")
 
 BLOCK = 4
 LONG = [(7 * i + 3) % 90 + 1 for i in range(23)]  # prefilled over several chunks of 4
 PROMPTS = [[90], [5, 17, 3], [40, 2, 71, 9], [11, 22, 33, 44, 55], LONG]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    save_hf("llama", directory)
-    return open_generator(directory).model
 
 
 def _engine(model, **kwargs) -> Engine:

@@ -14,21 +14,12 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.serve.engine import Engine
 from pipeline.serve.kv_cache import BlockKVCache, block_hashes
-from pipeline.serve.loading import open_generator
 from pipeline.serve.sampling import SamplingParams
-from tests.builders import save_hf
 
 pytest.importorskip("transformers")
 
 BLOCK = 4
 SYSTEMS = [[(5 * i + s) % 90 + 1 for i in range(11)] for s in range(3)]  # shared system prompts
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("llama")
-    save_hf("llama", directory)
-    return open_generator(directory).model
 
 
 def _engine(model, **kwargs) -> Engine:
