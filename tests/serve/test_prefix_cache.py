@@ -183,7 +183,6 @@ def _check_blocks(engine: Engine) -> None:
 
 
 def test_ten_thousand_requests_on_random_prefixes_leak_no_block(llama) -> None:
-    rng = random.Random(1)
     """More distinct prefixes than the cache holds, so blocks are evicted all along."""
     rng = random.Random(1)
     prefixes = [[rng.randrange(1, 90) for _ in range(rng.randrange(4, 13))] for _ in range(400)]
