@@ -23,6 +23,11 @@ and then each FP8/bf16 tokens/s ratio. One process, one device (multi-GPU layout
 run, or `none` for bf16 alone; `--json FILE` writes every figure to FILE as well, rewritten after
 each run, so a benchmark stopped part-way keeps the runs it finished.
 
+`--profile N` then runs N more steps of each run under `torch.profiler` and prints where their
+time goes (`profile_summary.py`: attention, GEMMs, loss, optimizer, communication, other and
+idle shares of the wall time, the top kernels, host syncs per step), for a target that is
+missed; the run's figures are kept before the profile starts.
+
 `--device cpu` is a smoke run: it sets `fp8.emulate=true` and
 `fp8.linear_filter=all` (torchao's emulated FP8 on every aligned linear), so it checks the path,
 not FP8 speed.
@@ -40,10 +45,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 
-def _measure(args: argparse.Namespace) -> dict:
-    """Child: build one run and time it; returns the figures as a dict."""
+def _measure(args: argparse.Namespace, emit) -> None:
+    """Child: build one run and time it; `emit` its figures (a dict), then, with `--profile`,
+    the profile's summary (`{"profile": ...}`)."""
     import torch
 
     from pipeline.core.model.flavors import flops_per_token
@@ -93,7 +100,7 @@ def _measure(args: argparse.Namespace) -> dict:
     tokens = cfg.training.global_batch_size * cfg.data.seq_length * args.steps
     tflops = flops_per_token(trainer.model_config, cfg.data.seq_length) * tokens / seconds / 1e12
     peak = peak_tflops(device)
-    return {
+    emit({
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "fp8": trainer.fp8.describe() if trainer.fp8 is not None else "off",
         "tokens_per_s": tokens / seconds,
@@ -101,19 +108,33 @@ def _measure(args: argparse.Namespace) -> dict:
         "mfu": tflops / peak if peak else None,
         "peak_gib": memory_gib(device),
         "step_s": seconds / args.steps,
-    }
+    })  # fmt: skip
+    if args.profile:
+        from profile_summary import profile_steps
+
+        emit({"profile": profile_steps(step, sync, args.profile, device.type == "cuda")})
 
 
-def _run_child(argv: list[str], fp8: str | None) -> dict:
+def _run_child(argv: list[str], fp8: str | None, keep) -> dict:
+    """One run in a child process; `keep(figures)` each time more of its figures arrive (the
+    timing, then the profile), so a run cut short keeps what it measured."""
+    record: dict = {}
     with tempfile.TemporaryDirectory(prefix="pipe_bench_") as run_dir:
         command = [sys.executable, __file__, *argv, "--child", "--run-dir", run_dir]
         if fp8:
             command += ["--child-fp8", fp8]
-        done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"benchmark run ({fp8 or 'bf16'}) failed:\n{done.stderr[-4000:]}", file=sys.stderr)
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        log = Path(run_dir) / "stderr.txt"
+        with log.open("w") as sink, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink,
+                                                     text=True) as child:  # fmt: skip
+            for line in child.stdout:
+                if line.startswith("{"):
+                    record.update(json.loads(line))
+                    keep(record)
+        stderr = log.read_text().strip()
+    if child.returncode != 0 and "tokens_per_s" not in record:
+        print(f"benchmark run ({fp8 or 'bf16'}) failed:\n{stderr[-4000:]}", file=sys.stderr)
+        return {"error": stderr.splitlines()[-1] if stderr else "failed"}
+    return record
 
 
 def _line(name: str, r: dict) -> str:
@@ -159,6 +180,10 @@ def main() -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="then profile N more steps of each run (where the time goes)",
+    )  # fmt: skip
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-fp8", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -168,7 +193,7 @@ def main() -> None:
 
         logging.basicConfig(level=logging.WARNING)
         args.fp8 = args.child_fp8
-        print(json.dumps(_measure(args)))
+        _measure(args, lambda figures: print(json.dumps(figures), flush=True))
         return
 
     argv = _child_argv(sys.argv[1:])
@@ -179,20 +204,40 @@ def main() -> None:
     if args.device == "cpu" and _fp8_recipes(args.fp8):
         print("CPU smoke run: emulated FP8 (fp8.emulate, linear_filter=all): not FP8 speed")
     print("model FLOPs: Megatron's causal count (flops_per_token), the same for FP8 and bf16")
-    record = {"recipe": args.recipe, "sets": args.sets, "bf16": _run_child(argv, None), "fp8": {}}
-    bf16 = record["bf16"]
+    record: dict = {"recipe": args.recipe, "sets": args.sets, "fp8": {}}
+
+    def keep(name: str, recipe: str | None = None):
+        def store(figures: dict) -> None:
+            if recipe is None:
+                record[name] = figures
+            else:
+                record[name][recipe] = figures
+            _save(args.json, record)
+
+        return store
+
+    bf16 = record["bf16"] = _run_child(argv, None, keep("bf16"))
     _save(args.json, record)
     print(_line("bf16", bf16), flush=True)
+    _print_profile(bf16)
     for recipe in _fp8_recipes(args.fp8):
-        figures = record["fp8"][recipe] = _run_child(argv, recipe)
+        figures = record["fp8"][recipe] = _run_child(argv, recipe, keep("fp8", recipe))
         if "error" not in figures and "error" not in bf16:
             figures["ratio_to_bf16"] = figures["tokens_per_s"] / bf16["tokens_per_s"]
         _save(args.json, record)
         print(f"{recipe}: {figures.get('fp8', 'failed')}")
         ratio = f"  {figures['ratio_to_bf16']:.2f}x bf16" if "ratio_to_bf16" in figures else ""
         print(_line(recipe, figures) + ratio, flush=True)
+        _print_profile(figures)
     if any("error" in r for r in [bf16, *record["fp8"].values()]):
         sys.exit(1)
+
+
+def _print_profile(figures: dict) -> None:
+    if "profile" in figures:
+        from profile_summary import format_summary
+
+        print("\n".join(format_summary(figures["profile"])), flush=True)
 
 
 def _save(path: Path | None, record: dict) -> None:
