@@ -159,6 +159,7 @@ class EngineClient:
         self.paused = False  # new requests get `GenerationPaused`
         self._drained = asyncio.Event()  # set when the last request in flight has ended
         self._control: asyncio.Future | None = None  # the engine's answer to a control message
+        self._control_lock = asyncio.Lock()  # one control message at a time, whoever sends it
 
     # ---- process life -------------------------------------------------------------------------
 
@@ -264,16 +265,18 @@ class EngineClient:
             await self._drained.wait()
 
     async def control(self, message: ToEngine) -> ControlDone:
-        """Send a control message (new weights, a cache reset) and wait for the engine's
-        answer; the caller has drained the engine and sends one at a time."""
-        if self._dead is not None:
-            raise self._dead
-        self._control = asyncio.get_running_loop().create_future()
-        self._pipe.send(message)
-        try:
-            return await self._control
-        finally:
-            self._control = None
+        """Send a control message (new weights, a cache reset, an adapter load) and wait for
+        the engine's answer. Messages from different routes (a weight push and an adapter load)
+        wait for each other: the engine answers in order, and each waits for its own answer."""
+        async with self._control_lock:
+            if self._dead is not None:
+                raise self._dead
+            self._control = asyncio.get_running_loop().create_future()
+            self._pipe.send(message)
+            try:
+                return await self._control
+            finally:
+                self._control = None
 
     def _abort(self, request_id: int) -> None:
         if request_id in self._streams:

@@ -109,3 +109,33 @@ def test_a_prepacked_model_generates_the_same_tokens(tiny_hf_dir) -> None:
     packed = engine.generate([PROMPT, PROMPT[:3]], params)
     assert packed[0].output == _in_process_tokens(tiny_hf_dir, params)
     assert prepack_linears(model.to(torch.bfloat16)) == 0  # fp32 only
+
+
+def test_control_messages_from_two_routes_each_get_their_own_answer() -> None:
+    """A weight push and an adapter load sent at once: the second waits for the first's answer,
+    so neither takes the other's (the engine answers in order)."""
+    import asyncio
+
+    from pipeline.serve.engine_client import EngineClient
+    from pipeline.serve.messages import ControlDone, LoadLoRA, ResetPrefixCache
+
+    client = EngineClient.__new__(EngineClient)  # the control channel alone, no engine process
+    client._dead, client._control, client._control_lock = None, None, asyncio.Lock()
+    sent = []
+
+    class Engine:  # answers each message after a while, in order, naming it
+        def send(self, message) -> None:
+            sent.append(message)
+            answer = ControlDone(error=type(message).__name__)
+            asyncio.get_running_loop().call_later(0.05, client._dispatch, answer)
+
+    client._pipe = Engine()
+
+    async def both():
+        reset, load = client.control(ResetPrefixCache()), client.control(LoadLoRA("a", "/x"))
+        sends = asyncio.gather(reset, load)
+        return await asyncio.wait_for(sends, 5)  # without the lock the first waits forever
+
+    first, second = asyncio.run(both())
+    assert (first.error, second.error) == ("ResetPrefixCache", "LoadLoRA")
+    assert [type(m).__name__ for m in sent] == ["ResetPrefixCache", "LoadLoRA"]
