@@ -127,12 +127,13 @@ def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]
 
     from pipeline.core.model.flavors import num_parameters
     from pipeline.serve.kv_cache import bytes_per_token
+    from pipeline.train.build.parallelize import compile_enabled
 
     if cfg.grpo.rollout_server:  # the server holds them
         return 0.0, ""
     bf16 = cfg.training.dtype == "bf16"
-    compile_, device = cfg.training.compile, cfg.training.device
-    compiled = compile_ or (compile_ is None and device != "cpu")  # unset: on unless a CPU
+    device_type = "cpu" if cfg.training.device == "cpu" else "cuda"  # "auto": a GPU's defaults
+    compiled = compile_enabled(cfg.training.compile, device_type)
     shared = not bf16 and cfg.parallel.tp == 1 and dp == 1 and not compiled
     weights = 0 if shared else num_parameters(model) * (2 if bf16 else 4)
     rows = cfg.training.global_batch_size // dp * cfg.grpo.num_generations

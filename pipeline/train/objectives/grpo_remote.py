@@ -49,6 +49,8 @@ class RemoteRollouts:
         self.url, self.policy, self.timeout = url.rstrip("/"), policy, timeout
         self.client = WeightClient(self.url, timeout=timeout)
         self.pushes = 0
+        # what the server takes: the saved tensors, not the rotary frequencies the model rebuilds
+        self.pushed_names = frozenset(policy.state_dict())
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -56,8 +58,8 @@ class RemoteRollouts:
         point; the first rank pushes, the others wait for it)."""
         from pipeline.serve.weight_client import WeightPushError
 
-        saved = self.policy.state_dict().keys()  # not the rotary frequencies the model rebuilds
-        tensors = {name: t for name, t in named_full_tensors(self.policy) if name in saved}
+        tensors = {name: t for name, t in named_full_tensors(self.policy)
+                   if name in self.pushed_names}  # fmt: skip
         self.pushes += 1
         if _rank() == 0:
             try:
