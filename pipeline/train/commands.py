@@ -228,17 +228,14 @@ def _run(cfg: object) -> None:
         raise click.ClickException(str(e)) from None
     finally:
         destroy_process_group()
+    saved = f"saved {result.checkpoint}" if result.checkpoint else "nothing saved"
     if result.stop_reason == "SIGINT":
-        click.echo(
-            f"interrupted at iteration {result.iteration}; saved {result.checkpoint}", err=True
-        )
+        click.echo(f"interrupted at iteration {result.iteration}; {saved}", err=True)
         sys.exit(EXIT_SIGINT)
     if result.stop_reason not in ("finished", "evaluated"):
-        click.echo(
-            f"{result.stop_reason} at iteration {result.iteration}; saved {result.checkpoint} "
-            "(resume with --load)",
-            err=True,
-        )
+        resume = " (resume with --load)" if result.checkpoint else ""
+        click.echo(f"{result.stop_reason} at iteration {result.iteration}; {saved}{resume}",
+                   err=True)  # fmt: skip
 
 
 if __name__ == "__main__":  # `python -m pipeline.train.commands ...` (tests, debugging)

@@ -96,6 +96,22 @@ def test_nan_in_a_row_saves_and_stops(tmp_path: Path, monkeypatch) -> None:
     assert verify(tmp_path / "checkpoints" / "iter_0000003").ok
 
 
+def test_checkpoints_off_save_nothing(tmp_path: Path) -> None:
+    """`checkpoint.enable=false` (benchmarks, smoke runs): a finished run with a save due on
+    the way writes no checkpoint; the same run with it on writes both; save_hf is refused."""
+    for enable, expected in ((False, []), (True, ["iter_0000002", "iter_0000003"])):
+        run_dir = tmp_path / str(enable)
+        sets = micro_sets(run_dir, f"checkpoint.enable={str(enable).lower()}", iters=3, mbs=8)
+        sets += ["checkpoint.save_interval=2", "training.eval_interval=0"]
+        result = Trainer(resolve_config(None, sets), console=False).train()
+        saved = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
+        assert saved == expected and (result.checkpoint is None) == (not enable)
+        assert len(records(run_dir)) == 3
+    refused = micro_sets(tmp_path / "hf", "checkpoint.enable=false", "checkpoint.save_hf=final")
+    with pytest.raises(Exception, match="checkpoint.save_hf writes with the checkpoints"):
+        Trainer(resolve_config(None, refused), console=False)
+
+
 def test_sigterm_saves_and_exits_zero(tmp_path: Path) -> None:
     """SIGTERM mid-run: the step finishes, a checkpoint is saved and verifies, exit code 0."""
     args = ["--set=" + s for s in micro_sets(tmp_path, "training.eval_interval=0")]

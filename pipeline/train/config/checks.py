@@ -77,6 +77,9 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
                 f"(0, decay iters - warmup_iters = {decay - s.warmup_iters}]"
             )
 
+    if not cfg.checkpoint.enable and cfg.checkpoint.save_hf != "off":
+        problems.append("checkpoint.save_hf writes with the checkpoints: checkpoint.enable is "
+                        "false")  # fmt: skip
     problems += _lora_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     return problems

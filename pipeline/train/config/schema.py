@@ -279,6 +279,9 @@ class SchedulerSection:
 class CheckpointSection:
     """Saving and loading checkpoints."""
 
+    enable: bool = True
+    """Save checkpoints (false: nothing is saved, not at the end, not on a stop signal; for
+    benchmarks and smoke runs, as torchtitan's `checkpoint.enable` or Megatron without --save)."""
     save: str | None = None
     """Directory to save checkpoints to (unset: `<run_dir>/checkpoints`)."""
     load: str | None = None

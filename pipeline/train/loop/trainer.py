@@ -199,7 +199,7 @@ class Trainer:
         self.consumed = {"train": progress.consumed_train, "valid": progress.consumed_valid}
         self.guard.total = progress.skipped
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         """Save the full training state at the current iteration; returns its directory (in
         the background with `checkpoint.async_save`: `RunState.save`)."""
         done = self.consumed
@@ -302,7 +302,7 @@ class Trainer:
         self.run_state.collect_background_save()
         if stop:
             loop.result.stop_reason = signals.name or "signal"
-            log.warning("%s received: saving and exiting", loop.result.stop_reason)
+            log.warning("%s received: saving (if enabled) and exiting", loop.result.stop_reason)
         if stop or due:
             loop.result.checkpoint = self.save_checkpoint()
         if due and not stop:
@@ -353,7 +353,7 @@ class Trainer:
         first = self.diverged_at - self.guard.max_consecutive + 1
         raise NonFiniteStop(
             f"stopping at iteration {self.iteration}: the {self.guard.max_consecutive} steps "
-            f"from iteration {first} had a NaN/Inf loss or gradient norm; state saved in {path}"
+            f"from iteration {first} had a NaN/Inf loss or grad norm; saved: {path or 'nothing'}"
         )
 
     def _log_train(self, window: LogWindow, bar: Any) -> None:

@@ -164,7 +164,7 @@ class RunState:
             load_dir=save_dir if self.hf_start is not None else c.load,
             process_group=self.layout.world_group,
             verify_checksums=c.verify_checksums,
-            save_interval=c.save_interval,
+            save_interval=c.save_interval if c.enable else 0,
         )
 
     # ---- what a checkpoint holds ----------------------------------------------------------
@@ -216,12 +216,15 @@ class RunState:
 
     # ---- saving ---------------------------------------------------------------------------
 
-    def save(self, progress: Progress) -> Path:
-        """Save the full training state at `progress`; returns its directory.
+    def save(self, progress: Progress) -> Path | None:
+        """Save the full training state at `progress`; returns its directory (None, saving
+        nothing, with `checkpoint.enable` false).
 
         With `checkpoint.async_save` the call returns once the state is staged in memory and
         the files are written and committed in the background while training goes on;
         `collect_background_save` reports (or waits for) the commit."""
+        if not self.cfg.checkpoint.enable:
+            return None
         self.collect_background_save(block=True)  # one background save at a time
         self.checkpoints.save(progress.iteration, self._state(), self._metadata(progress))
         path = self.checkpoints.save_dir / f"iter_{progress.iteration:07d}"
