@@ -11,18 +11,18 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
                   cuDNN, NCCL, packages
     gpu_tests     bring-up: the `gpu`-marked tests
     smoke_train   bring-up: `pipe train`, 10 steps in bf16 with compile (Llama 3.2 1B's width,
-                  2 layers)
+                  2 layers, seq 8192), no checkpoint
     train_1b      bf16 training speed, Llama 3.2 1B shape, seq 8192 (scripts/bench/train.py)
     train_8b_fp8  bf16, then FP8 (torchao tensorwise, rowwise, rowwise_with_gw_hp; quick:
                   tensorwise), Llama 3 8B width with 8 layers, seq 8192, one invocation
     attention     attention kernels at seq 8192 with document masking (scripts/bench/attention.py);
                   the fastest of pipe's backends recorded as `auto`'s choice (--record)
     memory        `pipe train --dry-run --gpu` estimate against the measured peaks above
+    grpo          a GRPO step on the 1B shape (scripts/bench/grpo.py): its parts' shares and the
+                  rollouts' tokens/s against the engine alone (not in --quick)
     generate      scripts/bench/generate.py on the GPU against transformers (not in --quick)
     lora_8b       LoRA (`llama3_8b_lora`) against full fine-tuning (train_8b_fp8's bf16 run) at
                   the 8B width with 8 layers: step time and peak memory (not in --quick)
-    grpo          a GRPO step on the 1B shape (scripts/bench/grpo.py): its parts' shares and the
-                  rollouts' tokens/s against the engine alone (not in --quick)
     muon          the optimizer step of Muon against AdamW's on the 1B shape, eager as in the
                   train step, and their states' bytes (scripts/bench/optimizer_step.py; not in
                   --quick)
@@ -30,7 +30,10 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
 Modes: full (`STEPS` budgets add up to <= 300 s with the install, `--quick` to <= 150 s) and
 `--dry` (a CPU at tiny sizes with emulated FP8, so CI proves the script; what a CPU cannot
 measure is marked "not on a CPU" in the report, never dropped). `--only STEP[,STEP]` runs the
-named steps, `--skip STEP[,STEP]` (repeatable) leaves steps out.
+named steps, `--skip STEP[,STEP]` (repeatable) leaves steps out. A step ends by the sum of the
+budgets up to its own (`plan_deadlines`): time an earlier step leaves goes to the next, and
+steps chosen by `--only` share the whole call in proportion to their budgets, so the second
+call of a lease gives the steps the first could not finish the time they need.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class Run:
     steps: list[dict] = field(default_factory=list)
     install_s: float = 0.0  # run.sh's wheel install, counted in the environment step
     step_deadline: float = math.inf  # the running step's, shared by all its commands
+    step_deadlines: dict[str, float] = field(default_factory=dict)  # from `plan_deadlines`
 
     @property
     def on_gpu(self) -> bool:
@@ -171,9 +175,16 @@ def step_gpu_tests(run: Run) -> dict:
         for path in (ROOT / "tests").rglob("test_*.py")
         if "mark.gpu" in path.read_text()
     )
-    argv = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files]
+    # -v: a line per test as it ends, so a call cut short still tells which passed.
+    argv = [PY, "-m", "pytest", "-m", "gpu", "-v", "--durations=5", "-p", "no:cacheprovider",
+            *files]  # fmt: skip
     code, output = run.command("gpu_tests", argv)
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", output)}
+    results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", output, re.MULTILINE)
+    counts: dict[str, object] = {}
+    for _, result in results:
+        counts[result.lower()] = int(counts.get(result.lower(), 0)) + 1  # type: ignore[arg-type]
+    if failed := [test for test, result in results if result in ("FAILED", "ERROR")]:
+        counts["not passed"] = failed
     deselected = re.search(r"(\d+) deselected", output)
     if not run.on_gpu:
         return {"status": "not on a CPU", "figures": counts,
@@ -188,10 +199,12 @@ def step_gpu_tests(run: Run) -> dict:
 
 
 def _train_argv(run: Run) -> list[str]:
+    # Blocks of train_1b's shape (width, seq 8192, micro-batch 1, bf16): its compile then finds
+    # them in inductor's on-disk cache.
     if run.on_gpu:
         return [
             "--recipe", "llama3_2_1b", "--device", "cuda", "--iters", "10", "--tp", "1",
-            "--seq-length", "4096", "--global-batch-size", "4", "--micro-batch-size", "1",
+            "--seq-length", "8192", "--global-batch-size", "4", "--micro-batch-size", "1",
             "--set", "model.num_layers=2", "--set", "training.compile=true",
         ]  # fmt: skip
     return [
@@ -203,7 +216,7 @@ def _train_argv(run: Run) -> list[str]:
 def step_smoke_train(run: Run) -> dict:
     run_dir = run.work / "smoke_train"
     argv = [PY, "-m", "pipeline", "train", *_train_argv(run), "--run-dir", str(run_dir),
-            "--set", "training.eval_interval=0", "--set", "checkpoint.save_interval=0",
+            "--set", "training.eval_interval=0", "--set", "checkpoint.enable=false",
             "--set", "logging.tensorboard=false", "--set", "training.log_interval=1",
             "--set", "scheduler.warmup_iters=2", "--set", "scheduler.decay_iters=10"]  # fmt: skip
     code, output = run.command("smoke_train", argv)
@@ -431,21 +444,24 @@ def step_muon(run: Run) -> dict:
     }  # fmt: skip
 
 
-# In order of value: what a call cut short loses is what matters least. A full run's budgets,
-# set from the first H200 run's wall times, add up to its 300 s; muon's 15 s (not yet run on a
-# GPU) came 5 s each from train_8b_fp8, smoke_train and attention.
+# In order of value: what a call cut short loses is what matters least. A full run's budgets
+# add up to its 300 s; they follow the first H200 run's wall times (its gpu_tests took 17 s for 8
+# tests, now 13 with compiled flex; train_8b_fp8 ran bf16 and one FP8 recipe in 70 s, four runs
+# need about 100). What does not fit, the tail (generate, lora_8b, muon get what the steps
+# before them leave), is a second call's `--only`, whose chosen steps share its whole 300 s.
+# grpo comes before them: it is the one figure issue 39 waits for.
 STEPS: list[Step] = [
-    Step("environment", step_environment, {FULL: 12, QUICK: 30, DRY: 60}),  # install + probe
-    Step("gpu_tests", step_gpu_tests, {FULL: 22, QUICK: 15, DRY: 300}),
-    Step("smoke_train", step_smoke_train, {FULL: 35, QUICK: 25, DRY: 300}),
-    Step("train_1b", step_train_1b, {FULL: 30, QUICK: 25, DRY: 300}),
-    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 63, QUICK: 35, DRY: 400}),
+    Step("environment", step_environment, {FULL: 12, QUICK: 12, DRY: 60}),  # install + probe
+    Step("gpu_tests", step_gpu_tests, {FULL: 40, QUICK: 30, DRY: 300}),
+    Step("smoke_train", step_smoke_train, {FULL: 25, QUICK: 20, DRY: 300}),
+    Step("train_1b", step_train_1b, {FULL: 38, QUICK: 25, DRY: 300}),
+    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 100, QUICK: 45, DRY: 400}),
     Step("attention", step_attention, {FULL: 30, QUICK: 15, DRY: 120}),
-    Step("memory", step_memory, {FULL: 2, QUICK: 5, DRY: 120}),  # no torch import
-    Step("generate", step_generate, {FULL: 25, QUICK: 0, DRY: 180}),
-    Step("lora_8b", step_lora_8b, {FULL: 20, QUICK: 0, DRY: 200}),
-    Step("grpo", step_grpo, {FULL: 48, QUICK: 0, DRY: 240}),
-    Step("muon", step_muon, {FULL: 13, QUICK: 0, DRY: 120}),
+    Step("memory", step_memory, {FULL: 2, QUICK: 3, DRY: 120}),  # no torch import
+    Step("grpo", step_grpo, {FULL: 45, QUICK: 0, DRY: 240}),
+    Step("generate", step_generate, {FULL: 5, QUICK: 0, DRY: 180}),
+    Step("lora_8b", step_lora_8b, {FULL: 2, QUICK: 0, DRY: 200}),
+    Step("muon", step_muon, {FULL: 1, QUICK: 0, DRY: 120}),
 ]
 
 
@@ -466,6 +482,22 @@ def choose_steps(only: str | None, skip: list[str]) -> list[str]:
     return [name for name in names if name in wanted and name not in left_out]
 
 
+def plan_deadlines(mode: str, chosen: list[str], start: float) -> dict[str, float]:
+    """When each chosen step must end: `start` (the call's, the wheels' install included) plus
+    the budgets of the chosen steps up to and including it. So a step that ends early leaves
+    its time to the next ones, and none eats into the budgets of those after it. When the
+    chosen steps' budgets add up to less than the call's time (an `--only` rerun of steps that
+    ran out of time), each budget is scaled up so that they share the whole call."""
+    budgets = [step.budget[mode] for step in STEPS if step.name in chosen]
+    scale = max(1.0, TOTAL_S[mode] / max(sum(budgets), 1))
+    deadlines, end = {}, start
+    for step in STEPS:
+        if step.name in chosen:
+            end += step.budget[mode] * scale
+            deadlines[step.name] = end
+    return deadlines
+
+
 def _names(value: str) -> list[str]:
     return [name.strip() for name in value.split(",") if name.strip()]
 
@@ -483,17 +515,21 @@ def write_report(run: Run) -> None:
     lines = [f"# pipe on the GPU machine ({run.mode} run)", "",
              f"Budgets: a full run's steps {budget_total(FULL)} s of its {TOTAL_S[FULL]} s, a "
              f"quick run's {budget_total(QUICK)} s of {TOTAL_S[QUICK]} s (wheel install "
-             "included in the environment's).", "",
-             "| step | status | seconds | budget | full / quick budget | note |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "included in the environment's). Allowed: the seconds a step had when it started, "
+             "its budget plus what the steps before it left unspent (scaled up when `--only` "
+             "chose fewer steps than fill the call).", "",
+             "| step | status | seconds | budget | full / quick budget | allowed | note |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for step in run.steps:
         note = str(step.get("note", "")).replace("|", "/")
+        allowed = f"{step['allowed_s']:.0f}" if "allowed_s" in step else ""
         lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
                      f"{step['budget_s']} | {step['budget_full_s']} / {step['budget_quick_s']} "
-                     f"| {note} |")  # fmt: skip
+                     f"| {allowed} | {note} |")  # fmt: skip
     spent = sum(step["seconds"] for step in run.steps)
-    lines.append(f"| total | | {spent:.0f} | {sum(s['budget_s'] for s in run.steps)} | "
-                 f"{budget_total(FULL)} / {budget_total(QUICK)} | |")  # fmt: skip
+    budgets = sum(s["budget_s"] for s in run.steps)
+    lines.append(f"| total | | {spent:.0f} | {budgets} | {budget_total(FULL)} / "
+                 f"{budget_total(QUICK)} | {TOTAL_S[run.mode]} | |")  # fmt: skip
     for step in (step for step in run.steps if step["figures"]):
         lines += ["", f"## {step['name']}", ""]
         lines += [f"- {key}: {_short(value)}" for key, value in step["figures"].items()]
@@ -534,7 +570,8 @@ def run_step(run: Run, step: Step, chosen: bool) -> None:
         run.steps.append({**entry, "status": cut_off, "figures": {}})
         write_report(run)
         run.steps.pop()
-        run.step_deadline = started + step.budget[run.mode]
+        run.step_deadline = run.step_deadlines.get(step.name, started + step.budget[run.mode])
+        entry["allowed_s"] = round(min(run.step_deadline, run.deadline) - started, 1)
         try:
             result = step.measure(run)
         except Exception as e:  # a broken step costs its own figures only
@@ -563,9 +600,10 @@ def main() -> None:
     mode = DRY if args.dry else QUICK if args.quick else FULL
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_run.log").write_text("")
-    deadline = time.monotonic() + TOTAL_S[mode] - args.install_s
+    start = time.monotonic() - args.install_s
     with tempfile.TemporaryDirectory(prefix="pipe_gpu_") as work:
-        run = Run(mode, args.out, deadline, Path(work), install_s=args.install_s)
+        run = Run(mode, args.out, start + TOTAL_S[mode], Path(work), install_s=args.install_s,
+                  step_deadlines=plan_deadlines(mode, chosen, start))  # fmt: skip
         for step in STEPS:
             run_step(run, step, step.name in chosen)
     print(f"[gpu] report: {args.out / 'gpu_report.md'}")

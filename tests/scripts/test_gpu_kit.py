@@ -19,7 +19,7 @@ from tests.builders import ROOT
 
 MEASURE = ROOT / "scripts" / "gpu" / "measure.py"
 ORDER = ["environment", "gpu_tests", "smoke_train", "train_1b", "train_8b_fp8", "attention",
-         "memory", "generate", "lora_8b", "grpo", "muon"]  # fmt: skip
+         "memory", "grpo", "generate", "lora_8b", "muon"]  # fmt: skip
 
 
 def _load():
@@ -52,6 +52,69 @@ def test_only_and_skip_choose_steps_in_order() -> None:
     skipped = measure.choose_steps(None, ["memory", "generate,lora_8b", "grpo,muon"])
     assert skipped == ORDER[:6]
     assert measure.choose_steps("memory,generate", ["generate"]) == ["memory"]
+
+
+def test_a_step_may_use_what_the_steps_before_it_left() -> None:
+    """A full run's steps end by the sum of the budgets up to theirs: the call's last ends at
+    its 300 s, and a step never eats into the budgets of those after it."""
+    deadlines = measure.plan_deadlines(measure.FULL, ORDER, start=1000.0)
+    assert list(deadlines) == ORDER and deadlines["muon"] == 1300.0
+    budgets = [step.budget[measure.FULL] for step in measure.STEPS]
+    assert deadlines["train_1b"] == 1000.0 + sum(budgets[:4])
+
+
+def test_steps_chosen_by_only_share_the_whole_call() -> None:
+    """A second call reruns the steps the first could not finish: they share its 300 s in
+    proportion to their budgets (never less than their budgets)."""
+    chosen = ["train_8b_fp8", "lora_8b", "muon"]
+    deadlines = measure.plan_deadlines(measure.FULL, chosen, start=0.0)
+    budgets = {step.name: step.budget[measure.FULL] for step in measure.STEPS}
+    scale = 300 / sum(budgets[name] for name in chosen)
+    assert deadlines["train_8b_fp8"] == pytest.approx(budgets["train_8b_fp8"] * scale)
+    assert deadlines["muon"] == pytest.approx(300.0) and list(deadlines) == chosen
+    dry = measure.plan_deadlines(measure.DRY, ORDER, start=0.0)  # over the call: never shrunk
+    assert dry["environment"] == measure.STEPS[0].budget[measure.DRY]
+
+
+def test_a_quick_step_leaves_its_time_to_the_next(tmp_path: Path) -> None:
+    """run_step gives a step until its planned end, so what the step before left is its own."""
+    allowed = []
+
+    def quick(run) -> dict:
+        return {"status": "ok", "figures": {}}
+
+    def sees(run) -> dict:
+        allowed.append(run.step_deadline - time.monotonic())
+        return {"status": "ok", "figures": {}}
+
+    start = time.monotonic()
+    budgets = {"full": 30, "quick": 30, "dry": 30}
+    steps = [measure.Step("first", quick, budgets), measure.Step("second", sees, budgets)]
+    run = measure.Run(measure.FULL, tmp_path, start + 300, tmp_path,
+                      step_deadlines={"first": start + 30, "second": start + 60})  # fmt: skip
+    for step in steps:
+        measure.run_step(run, step, True)
+    assert allowed[0] > 55  # its 30 s and most of the first step's
+    report = json.loads((tmp_path / "gpu_report.json").read_text())["steps"]
+    assert report[1]["allowed_s"] > 55 and report[1]["budget_s"] == 30
+
+
+def test_gpu_tests_are_reported_one_by_one(tmp_path: Path, monkeypatch) -> None:
+    """The bring-up tests run with -v: the report names each test that did not pass and counts
+    the rest, even when the call ran out of time before pytest's summary."""
+    output = (
+        "tests/core/test_gpu.py::test_a PASSED                     [ 33%]\n"
+        "tests/core/test_flex_attention.py::test_b[True] FAILED    [ 66%]\n"
+        "tests/core/test_kernels.py::test_c SKIPPED (no flash_attn) [100%]\n"
+        "FAILED tests/core/test_flex_attention.py::test_b[True] - AssertionError\n"
+        "[timed out after 40 s]"
+    )
+    run = measure.Run(measure.FULL, tmp_path, time.monotonic() + 60, tmp_path)
+    monkeypatch.setattr(run, "command", lambda name, argv: (None, output))
+    result = measure.step_gpu_tests(run)
+    assert result["status"] == "timed out"
+    failed = ["tests/core/test_flex_attention.py::test_b[True]"]
+    assert result["figures"] == {"passed": 1, "failed": 1, "skipped": 1, "not passed": failed}
 
 
 @pytest.mark.parametrize("flag", ["--only", "--skip"])
@@ -107,6 +170,7 @@ def test_the_dry_report_lists_wall_time_and_budget_per_step(tmp_path: Path) -> N
     assert [s["name"] for s in record["steps"]] == ORDER
     for step, declared in zip(record["steps"], measure.STEPS):
         assert step["budget_s"] == declared.budget[measure.DRY]
+        assert step.get("allowed_s") == (900 if step["name"] == "environment" else None)
         assert (step["budget_full_s"], step["budget_quick_s"]) == (
             declared.budget[measure.FULL],
             declared.budget[measure.QUICK],
@@ -119,7 +183,7 @@ def test_the_dry_report_lists_wall_time_and_budget_per_step(tmp_path: Path) -> N
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         rows[cells[0]] = cells
     dry, full, quick = (measure.STEPS[0].budget[mode] for mode in ("dry", "full", "quick"))
-    assert rows["environment"][3:5] == [str(dry), f"{full} / {quick}"]
+    assert rows["environment"][3:6] == [str(dry), f"{full} / {quick}", "900"]
     full, quick = measure.budget_total(measure.FULL), measure.budget_total(measure.QUICK)
     assert rows["total"][4] == f"{full} / {quick}"
 
