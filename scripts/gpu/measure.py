@@ -13,6 +13,8 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
     smoke_train   bring-up: `pipe train`, 10 steps in bf16 with compile (Llama 3.2 1B's width,
                   2 layers, seq 8192), no checkpoint
     train_1b      bf16 training speed, Llama 3.2 1B shape, seq 8192 (scripts/bench/train.py)
+    loss          the output layer and its loss at that shape, chunk scoring compiled against
+                  eager (scripts/bench/loss.py; not in --quick)
     train_8b_fp8  bf16, then FP8 (torchao tensorwise, rowwise, rowwise_with_gw_hp; quick:
                   tensorwise), Llama 3 8B width with 8 layers, seq 8192, one invocation
     attention     attention kernels at seq 8192 with document masking (scripts/bench/attention.py);
@@ -307,6 +309,17 @@ def step_train_1b(run: Run) -> dict:
     return _bench_train(run, "train_1b", recipe, "none", BENCH_1B[run.mode], profile=True)
 
 
+def step_loss(run: Run) -> dict:
+    """The output layer and its loss at the 1B shape: chunk scoring compiled against eager."""
+    result = run.work / "loss.json"
+    sizes = [] if run.on_gpu else ["--device", "cpu", "--tokens", "512", "--hidden", "64",
+                                   "--vocab", "4000", "--repeat", "2"]  # fmt: skip
+    code, output = run.command("loss", [PY, "scripts/bench/loss.py", *sizes, "--json", str(result)])
+    note = "8192 tokens x hidden 2048 x vocab 128256, bf16" if run.on_gpu else "CPU, fp32, tiny"
+    return {"status": _status(code), "figures": _read_json(result) or {},
+            "note": note if code == 0 else f"{note}; {_last_line(output)}"}  # fmt: skip
+
+
 def step_train_8b_fp8(run: Run) -> dict:
     recipe = "llama3_8b" if run.on_gpu else "tiny"
     return _bench_train(run, "train_8b_fp8", recipe, FP8_RECIPES[run.mode], BENCH_8B[run.mode])
@@ -455,7 +468,8 @@ STEPS: list[Step] = [
     Step("gpu_tests", step_gpu_tests, {FULL: 40, QUICK: 30, DRY: 300}),
     Step("smoke_train", step_smoke_train, {FULL: 25, QUICK: 20, DRY: 300}),
     Step("train_1b", step_train_1b, {FULL: 38, QUICK: 25, DRY: 300}),
-    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 100, QUICK: 45, DRY: 400}),
+    Step("loss", step_loss, {FULL: 8, QUICK: 0, DRY: 60}),
+    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 92, QUICK: 45, DRY: 400}),
     Step("attention", step_attention, {FULL: 30, QUICK: 15, DRY: 120}),
     Step("memory", step_memory, {FULL: 2, QUICK: 3, DRY: 120}),  # no torch import
     Step("grpo", step_grpo, {FULL: 45, QUICK: 0, DRY: 240}),

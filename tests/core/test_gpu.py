@@ -68,6 +68,30 @@ def test_fused_loss_at_a_128k_vocabulary_matches_cross_entropy():
     assert loss_sum.item() == pytest.approx(reference.item(), rel=1e-2)
 
 
+def test_the_compiled_loss_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch):
+    """The chunk scoring compiled on the GPU (one reduction and one gradient pass) gives the
+    loss and gradients of the same function eager, bf16 at a 128k vocabulary, two chunks."""
+    from pipeline.core.kernels import cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(128256, 512, device="cuda", dtype=torch.bfloat16) * 0.02
+    labels = torch.randint(0, 128256, (4096,), device="cuda")
+    mask = (torch.rand(4096, device="cuda") > 0.1).float()
+    results = []
+    for scorer in (cross_entropy.CompiledScorer(devices=()), cross_entropy.CompiledScorer()):
+        monkeypatch.setattr(cross_entropy, "_score_full_vocab_fast", scorer)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss_sum, _ = cross_entropy.chunked_linear_cross_entropy(h, w, labels, mask, 2048)
+        loss_sum.backward()
+        results.append((loss_sum.detach(), h.grad.float(), w.grad.float()))
+    assert scorer.compiled is not None and not scorer.failed
+    (eager_loss, *eager_grads), (loss, *grads) = results
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    for got, expected in zip(grads, eager_grads):
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-4)
+
+
 def test_document_masked_attention_on_cuda_matches_the_cpu():
     """pipe's attention with document ids (the sdpa backend's boolean mask) on CUDA in bf16
     against the same on the CPU in fp32."""

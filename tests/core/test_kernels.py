@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.core.kernels import cross_entropy
 from pipeline.core.kernels.attention import attention, document_causal_mask
 from pipeline.core.kernels.cross_entropy import chunked_linear_cross_entropy
 
@@ -120,6 +121,33 @@ def test_chunked_cross_entropy_bf16() -> None:
     assert torch.allclose(loss, ref, rtol=2e-2)
     assert torch.allclose(hidden.grad.float(), hidden32.grad, atol=5e-2)
     assert torch.allclose(weight.grad.float(), weight32.grad, atol=5e-2)
+
+
+def test_the_full_vocab_scorer_is_one_graph_and_falls_back_to_eager(monkeypatch, caplog):
+    """The chunk scoring compiled on a GPU: captured whole (fullgraph; traced here with the
+    eager backend, as inductor's CPU compile would cost the suite seconds) and equal to
+    cross-entropy and its logit gradient; a compiler failure leaves a warning and eager."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50, requires_grad=True)
+    y, m = torch.randint(0, 50, (6,)), torch.tensor([1.0, 0, 2, 1, 1, 0.5])
+    reference = (F.cross_entropy(logits, y, reduction="none") * m).sum()
+    reference.backward()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: compile_(f, backend="eager", **kw))
+    scorer = cross_entropy.CompiledScorer(devices=("cpu",))
+    loss, grad = scorer(logits.detach(), y, m)
+    assert scorer.compiled is not None and not scorer.failed
+    torch.testing.assert_close(loss, reference.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, logits.grad, rtol=1e-6, atol=1e-6)
+
+    def broken(*args):
+        raise RuntimeError("no compiler here\nmore lines")
+
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: broken)
+    scorer = cross_entropy.CompiledScorer(devices=("cpu",))
+    with caplog.at_level("WARNING"):
+        torch.testing.assert_close(scorer(logits.detach(), y, m)[1], grad, rtol=1e-6, atol=1e-6)
+    assert scorer.failed and "compiling it failed (no compiler here)" in caplog.text
 
 
 def test_resolve_backend_auto_and_explicit():

@@ -18,8 +18,8 @@ import pytest
 from tests.builders import ROOT
 
 MEASURE = ROOT / "scripts" / "gpu" / "measure.py"
-ORDER = ["environment", "gpu_tests", "smoke_train", "train_1b", "train_8b_fp8", "attention",
-         "memory", "grpo", "generate", "lora_8b", "muon"]  # fmt: skip
+ORDER = ["environment", "gpu_tests", "smoke_train", "train_1b", "loss", "train_8b_fp8",
+         "attention", "memory", "grpo", "generate", "lora_8b", "muon"]  # fmt: skip
 
 
 def _load():
@@ -50,7 +50,7 @@ def test_only_and_skip_choose_steps_in_order() -> None:
     assert measure.choose_steps(None, []) == ORDER
     assert measure.choose_steps("train_1b, environment", []) == ["environment", "train_1b"]
     skipped = measure.choose_steps(None, ["memory", "generate,lora_8b", "grpo,muon"])
-    assert skipped == ORDER[:6]
+    assert skipped == ORDER[:7]
     assert measure.choose_steps("memory,generate", ["generate"]) == ["memory"]
 
 

@@ -10,15 +10,24 @@ stored gradients by the incoming gradient. This costs one `[tokens, hidden]` and
 linear cross-entropy makes too. When no input needs a gradient, or grad mode is off (evaluation),
 the gradient work is skipped. With a `VocabShard` the same pass runs on one rank's rows of a
 vocabulary-parallel weight (tensor parallelism).
+
+Between the two matmuls of a chunk everything is elementwise over `chunk x vocab` values, bound
+by memory traffic: done op by op (upcast, log-softmax, softmax, one-hot, mask, downcast) it reads
+and writes the chunk's logits about ten times, some 19 GB per 4,096 tokens of a 128k vocabulary.
+On a GPU `score_full_vocab` runs compiled instead (one reduction pass and one pass writing the
+low-precision gradient, about 4 GB), falling back to the same function eager if compiling fails.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 class VocabShard(NamedTuple):
@@ -53,6 +62,63 @@ def _score_chunk(
     return loss, exp / sum_exp[:, None], mine
 
 
+def loss_and_logit_grad(
+    logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor, shard: VocabShard | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked loss sum, its gradient with respect to `logits`, in their dtype) of one chunk, op
+    by op in fp32: d(sum_i m_i CE_i) / d logits_i = m_i (softmax_i - onehot(y_i)). Eager this
+    beats `score_full_vocab` (about 1.8x on a CPU); it also serves a vocabulary shard."""
+    loss, grad, mine = _score_chunk(logits.float(), y, m, shard)
+    hit = torch.arange(len(y), device=y.device) if mine is None else mine.nonzero()[:, 0]
+    grad[hit, y[hit]] -= 1.0
+    grad *= m[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+def score_full_vocab(
+    logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`loss_and_logit_grad` over the whole vocabulary written for a compiler: the gradient is
+    one elementwise expression of the logits and their log-normaliser, so compiled it is one
+    reduction pass and one pass writing the gradient."""
+    x = logits.float()
+    log_z = torch.logsumexp(x, dim=-1)
+    loss = ((log_z - x.gather(1, y[:, None]).squeeze(1)) * m).sum()
+    probs = torch.exp(x - log_z[:, None])
+    label = torch.arange(x.shape[-1], device=x.device) == y[:, None]
+    return loss, (torch.where(label, probs - 1.0, probs) * m[:, None]).to(logits.dtype)
+
+
+class CompiledScorer:
+    """`score_full_vocab`, compiled on first use on `devices` (a GPU: on a CPU compiling costs
+    more than the short runs there save); `loss_and_logit_grad` elsewhere and, after a
+    one-line warning, once compiling has failed."""
+
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)) -> None:
+        self.devices = devices
+        self.compiled: Any = None
+        self.failed = False
+
+    def __call__(
+        self, logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if logits.device.type not in self.devices or self.failed:
+            return loss_and_logit_grad(logits, y, m)
+        if self.compiled is None:
+            self.compiled = torch.compile(score_full_vocab, fullgraph=True)
+        try:
+            return self.compiled(logits, y, m)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # a compiler problem costs speed, never the run
+            log.warning("the loss runs eager: compiling it failed (%s)", str(e).splitlines()[0])
+            self.failed = True
+            return loss_and_logit_grad(logits, y, m)
+
+
+_score_full_vocab_fast = CompiledScorer()
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss and, when needed, its input gradients in one chunked pass (see the module docstring).
 
@@ -84,15 +150,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h, y, m = hidden[rows], labels[rows], loss_mask[rows]
-            chunk_loss, grad_logits, mine = _score_chunk((h @ weight.t()).float(), y, m, shard)
-            loss_sum += chunk_loss
+            logits = h @ weight.t()
             if not need_grad:
+                loss_sum += _score_chunk(logits.float(), y, m, shard)[0]
                 continue
-            # d(sum_i m_i * CE_i) / d logits_i = m_i * (softmax_i - onehot(y_i))
-            hit = torch.arange(len(y), device=y.device) if mine is None else mine.nonzero()[:, 0]
-            grad_logits[hit, y[hit]] -= 1.0
-            grad_logits *= m[:, None]
-            grad_logits = grad_logits.to(hidden.dtype)
+            if shard is None:
+                chunk_loss, grad_logits = _score_full_vocab_fast(logits, y, m)
+            else:
+                chunk_loss, grad_logits = loss_and_logit_grad(logits, y, m, shard)
+            loss_sum += chunk_loss
             if need_hidden_grad:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight_grad:
