@@ -197,6 +197,98 @@ def test_grpo_layouts_equal_one_process(tmp_path: Path, task: dict) -> None:
                 assert figures[step][figure] == expected, (name, step, figure)
 
 
+def _recorded_run(sets: list[str]) -> dict:
+    """Train as `sets` say; the rollouts of every step and evaluation on this rank (as they go
+    into rows) and the requests its engine ran."""
+    from pipeline.train.loop.trainer import Trainer
+    from pipeline.train.objectives import grpo
+
+    seen, into_rows = [], grpo.rollout_rows
+
+    def recording(outs, *args):
+        seen.append((outs.prompts, outs.completions, outs.truncated,
+                     outs.prompt_tokens_computed, outs.prompt_tokens_cached))  # fmt: skip
+        return into_rows(outs, *args)
+
+    grpo.rollout_rows = recording
+    try:
+        trainer = Trainer(resolve_config(None, sets), console=False)
+        trainer.train()
+    finally:
+        grpo.rollout_rows = into_rows
+    return {"rollouts": seen, "requests": trainer.objective.rollout.engine.finish_counts.total()}
+
+
+def _tp2_rollouts_worker(rank: int, world_size: int, tmp: Path, task: dict) -> dict:
+    return _recorded_run(grpo_sets(tmp / "tp2", task, "parallel.tp=2", "training.iters=2"))
+
+
+@pytest.mark.dist
+def test_tp_ranks_each_generate_a_share_of_the_rollouts(tmp_path: Path, task: dict) -> None:
+    """Under tp2 each rank's engine draws half the completions (the tp ranks hold the same
+    prompts) and, after the exchange, every rank holds the rollouts one process draws, in its
+    order, with the whole batch's prefill counts."""
+    single = _recorded_run(grpo_sets(tmp_path / "single", task, "training.iters=2"))
+    per_rank = run_distributed(_tp2_rollouts_worker, 2, tmp_path / "dist", task)
+    assert len(single["rollouts"]) >= 2 and single["requests"] % 2 == 0
+    for result in per_rank:
+        assert result["requests"] == single["requests"] // 2
+        assert result["rollouts"] == single["rollouts"]
+
+
+class _Echo:
+    """A rollout source whose completion is the prompt's last token and the parameter, and
+    which keeps the prompts it was asked for; like the engine, it takes no empty batch."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def generate(self, prompts, params):
+        from pipeline.train.objectives.grpo_rollout import Rollouts
+
+        if not prompts:
+            raise ValueError("no prompts")
+        self.asked += prompts
+        rows = [(p, [p[-1], each]) for p, group in zip(prompts, params) for each in group]
+        return Rollouts(
+            prompts=[p for p, _ in rows], completions=[c for _, c in rows],
+            truncated=[c[1] % 2 == 1 for _, c in rows], prompt_tokens_computed=len(prompts),
+            prompt_tokens_cached=len(rows),
+        )  # fmt: skip
+
+
+UNEVEN = [
+    ([[1], [2, 2], [3]], [[10, 11], [20], [30, 31, 32]]),  # groups of different sizes
+    ([[4, 5]], [[40, 41]]),  # one group: the second rank draws nothing
+]
+
+
+def _split_worker(rank: int, world_size: int, tmp: Path) -> list:
+    import torch.distributed as dist
+
+    from pipeline.train.objectives.grpo_split import generate_split
+
+    results = []
+    for prompts, params in UNEVEN:
+        echo = _Echo()
+        outs = generate_split(echo, prompts, params, dist.group.WORLD)
+        results.append((echo.asked, vars(outs) | {"seconds": None}))
+    return results
+
+
+@pytest.mark.dist
+def test_split_rollouts_come_back_in_order_whatever_the_shares(tmp_path: Path) -> None:
+    """`generate_split` over 2 ranks: rank r asks for the groups r, r + 2, ...; every rank
+    gets the rollouts of all groups in order, the counters summed, whether the groups differ
+    in size or a rank has none."""
+    per_rank = run_distributed(_split_worker, 2, tmp_path)
+    for case, (prompts, params) in enumerate(UNEVEN):
+        alone = vars(_Echo().generate(prompts, params)) | {"seconds": None}
+        for rank, results in enumerate(per_rank):
+            asked, outs = results[case]
+            assert asked == prompts[rank::2] and outs == alone, (case, rank)
+
+
 # ---- resume --------------------------------------------------------------------------------
 
 

@@ -224,6 +224,12 @@ class ParallelDims:
         return self._group("dp_cp", self.fsdp_degree)
 
     @property
+    def tensor_group(self) -> dist.ProcessGroup | None:
+        """The tp ranks one model's weights are split over, holding the same micro-batches
+        (None without tensor parallelism)."""
+        return self._group("tp", self.tp)
+
+    @property
     def context_group(self) -> dist.ProcessGroup | None:
         """The cp ranks one micro-batch's sequences are split over (None without cp)."""
         return self._group("cp", self.cp)

@@ -122,7 +122,8 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
 def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]:
     """The rollout engine's weights (a copy unless the engine runs on the policy itself: one
     fp32 process, not compiled; see `grpo_rollout`) and its KV cache, sized for every
-    completion of this rank's prompts at once; nothing with a rollout server."""
+    completion of this rank's share of its prompts at once (a tp rank draws 1/tp of them,
+    `grpo_split`); nothing with a rollout server."""
     import torch
 
     from pipeline.core.model.flavors import num_parameters
@@ -136,7 +137,8 @@ def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]
     compiled = compile_enabled(cfg.training.compile, device_type)
     shared = not bf16 and cfg.parallel.tp == 1 and dp == 1 and not compiled
     weights = 0 if shared else num_parameters(model) * (2 if bf16 else 4)
-    rows = cfg.training.global_batch_size // dp * cfg.grpo.num_generations
+    prompts = -(-(cfg.training.global_batch_size // dp) // cfg.parallel.tp)
+    rows = prompts * cfg.grpo.num_generations
     positions = -(-cfg.data.seq_length // 16) * 16  # the engine's blocks of 16
     kv = rows * positions * bytes_per_token(model, torch.bfloat16 if bf16 else torch.float32)
     what = "the KV cache" if shared else "a copy of the weights and the KV cache"

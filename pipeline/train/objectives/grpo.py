@@ -3,7 +3,8 @@ verifiable rewards, rollouts generated in the training processes.
 
 A sample is one prompt (`pipeline.data.prompt_dataset`). Before a step's forward passes
 (`prepare`) every prompt of this rank's share of the global batch gets `num_generations`
-completions from the current weights (`grpo_rollout`), each completion its rewards
+completions from the current weights (`grpo_rollout`; under tensor parallelism each tp rank
+draws a share of them and the ranks exchange the rest, `grpo_split`), each completion its rewards
 (`grpo_rewards`), each group of completions its advantages, and the micro-batch its rows:
 prompt and completion, the loss mask on the completion's tokens, the advantages, and, when
 needed, the log-probabilities of the weights that sampled them (`num_iterations` > 1) and of
@@ -45,6 +46,7 @@ from pipeline.train.objectives.grpo_loss import (
 )
 from pipeline.train.objectives.grpo_metrics import RunningFigures
 from pipeline.train.objectives.grpo_rollout import RolloutModel, completion_seed, rollout_rows
+from pipeline.train.objectives.grpo_split import generate_split
 
 if TYPE_CHECKING:
     from pipeline.train.objectives.grpo_remote import RemoteRollouts
@@ -191,7 +193,8 @@ class GRPO(Objective):
         group = 1 if self._evaluating else self.section.num_generations
         prompts, samples = _prompts(micro_batches)
         self.rollout.refresh()
-        outs = self.rollout.generate(prompts, self._params(samples, group))
+        params = self._params(samples, group)
+        outs = generate_split(self.rollout, prompts, params, self.layout.tensor_group)
         records = [dataset.records[int(i)] for b in micro_batches for i in b["prompt_index"]]
         rewards, per_func = self._rewards(outs, [r for r in records for _ in range(group)])
         advantages, zero_std = self._advantages(rewards, group)

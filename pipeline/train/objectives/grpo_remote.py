@@ -9,7 +9,8 @@ Before each batch of rollouts (after every optimizer step) the policy's weights 
 through its weight routes (`pipeline.serve.weight_client`: shared memory, so the server runs on
 the same machine): every rank gathers the full tensors together (a collective under tensor
 parallelism and FSDP), the first rank pushes them, all wait until the server has swapped. Then
-each rank sends its own prompts' completions, one request per completion with the completion's
+each rank sends its own prompts' completions (under tensor parallelism its share of them,
+`grpo_split`), one request per completion with the completion's
 own seed (`completion_seed`) and the prompt as token ids, and reads the generated token ids
 back (`return_token_ids`, vLLM's field): a server on the same weights draws the completions the
 engine in the trainer would draw. The completions of a prompt share its prefill through the

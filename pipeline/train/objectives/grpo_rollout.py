@@ -6,8 +6,10 @@ model's own cached decoding. Where the policy is one ordinary fp32 module on thi
 process, no tensor or data sharding, not compiled, fp32 training) the engine runs on the policy
 itself; otherwise on a plain copy of the model held beside it (`RolloutModel`), refreshed from
 the policy's full weights before each batch of rollouts (under tensor parallelism and FSDP every
-rank gathers the full weights together, then generates its own prompts alone). A LoRA policy's
-copy carries the same adapters, so the copy is the adapted model.
+rank gathers the full weights together; an FSDP rank then generates its own prompts, and the tp
+ranks, which hold the same prompts, each generate a share of them and exchange the
+completions, `grpo_split`). A LoRA policy's copy carries the same adapters, so the copy is the
+adapted model.
 
 With bf16 training the copy is in bf16, as `pipe serve` holds a model on a GPU, and the engine
 runs outside the training step's autocast: under autocast every decoding step pays casts (the
