@@ -92,6 +92,40 @@ def test_the_compiled_loss_equals_the_eager_one(monkeypatch: pytest.MonkeyPatch)
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-4)
 
 
+def serving_engine_checks(device: str) -> None:
+    """pipe's engine (what `pipe serve` and GRPO's rollouts run) on `device`: fp32 greedy groups
+    equal decoding without a cache there; in bf16 (as serve and GRPO's rollouts hold a model on
+    a GPU) a group prefills its prompt once and the same seeds draw the same completions."""
+    from pipeline.core.model.greedy import greedy_without_cache
+    from pipeline.serve.engine import Engine
+    from pipeline.serve.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    model = build_model(micro_model_config()).to(device).eval()
+    prompts = [[5, 17, 3], [40, 2, 71, 9, 11, 22, 33, 44, 55, 66, 77, 88, 99, 1, 2, 3, 4, 5]]
+    greedy = [SamplingParams(max_new_tokens=8, greedy=True)] * 3
+    with torch.no_grad():
+        groups = Engine(model, max_batch=6, cache_blocks=32).generate_groups(prompts, [greedy] * 2)
+        for prompt, group in zip(prompts, groups):
+            assert [r.output for r in group] == [greedy_without_cache(model, prompt, 8)] * 3
+        model.to(torch.bfloat16)
+        model.rope.init_weights(torch.device(device))  # rotary frequencies stay fp32
+        sampled = [[SamplingParams(max_new_tokens=12, seed=seed) for seed in (1, 2, 3, 4)]] * 2
+        runs = []
+        for _ in range(2):
+            engine = Engine(model, max_batch=8, cache_blocks=32)
+            groups = engine.generate_groups(prompts, sampled)
+            runs.append([[r.output for r in group] for group in groups])
+            # a group's leader runs the prompt, each sibling only its last token
+            assert engine.prompt_tokens_computed == sum(len(p) - 1 + 4 for p in prompts)
+    assert runs[0] == runs[1] and all(len(out) == 12 for group in runs[0] for out in group)
+    assert len({tuple(out) for out in runs[0][1]}) > 1  # the seeds draw different completions
+
+
+def test_the_serving_engine_on_cuda():
+    serving_engine_checks("cuda")
+
+
 def test_document_masked_attention_on_cuda_matches_the_cpu():
     """pipe's attention with document ids (the sdpa backend's boolean mask) on CUDA in bf16
     against the same on the CPU in fp32."""
