@@ -137,7 +137,7 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
     shares["other"] = 1.0 - sum(shares.values())
     warm, timed = captured[: len(captured) - args.steps], captured[len(captured) - args.steps :]
     in_step = sum(c["tokens"] for c in timed) / sum(c["seconds"] for c in timed)
-    alone = _engine_alone(Engine, objective.rollout.module, warm, timed)
+    alone, alone_seconds = _engine_alone(Engine, objective.rollout.module, warm, timed)
     return {
         "device": torch.cuda.get_device_name() if trainer.device.type == "cuda" else "cpu",
         "step_s": step_s,
@@ -145,6 +145,11 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
         "rollout_tokens_per_s_in_step": in_step,
         "rollout_tokens_per_s_engine_alone": alone,
         "in_step_over_alone": in_step / alone,
+        # where a gap comes from: each timed step's rollout seconds both ways, and whether the
+        # step's engine was built anew (a bigger batch or longer prompts than before)
+        "rollout_seconds_in_step": [c["seconds"] for c in timed],
+        "rollout_seconds_alone": alone_seconds,
+        "engines_built_in_timed_steps": sum(c["new_engine"] for c in timed),
         "completions_per_step": len(timed[-1]["rows"]),
     }
 
@@ -156,20 +161,25 @@ def _capture_generation(cls, captured: list[dict]) -> None:
 
     def generate(self, prompts, params):
         weights = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        engine = self.engine
         outs = original(self, prompts, params)
         captured.append(
             dict(prompts=prompts, params=params, rows=outs.completions, weights=weights,
-                 tokens=outs.generated_tokens, seconds=outs.seconds)
+                 tokens=outs.generated_tokens, seconds=outs.seconds,
+                 new_engine=self.engine is not engine)
         )  # fmt: skip
         return outs
 
     cls.generate = generate
 
 
-def _engine_alone(engine_class, module, warm: list[dict], timed: list[dict]) -> float:
+def _engine_alone(
+    engine_class, module, warm: list[dict], timed: list[dict]
+) -> tuple[float, list[float]]:
     """Generated tokens/s of the `timed` steps' requests on a fresh engine over the same model,
     each with the weights that generated it (so the same completions come out), after the
-    `warm` steps' requests untimed: the engine has then seen what the step's engine had."""
+    `warm` steps' requests untimed: the engine has then seen what the step's engine had. Also
+    each timed step's seconds."""
     import torch
 
     everything = warm + timed
@@ -179,7 +189,7 @@ def _engine_alone(engine_class, module, warm: list[dict], timed: list[dict]) -> 
     engine = engine_class(module, max_batch=rows, cache_blocks=rows * -(-longest // 16),
                           block_size=16, prefill_chunk=4096, max_waiting=rows)  # fmt: skip
     module.eval()
-    tokens, seconds = 0, 0.0
+    tokens, seconds = 0, []
     with torch.no_grad():
         for capture in everything:
             module.load_state_dict(capture["weights"])
@@ -188,9 +198,9 @@ def _engine_alone(engine_class, module, warm: list[dict], timed: list[dict]) -> 
             if module.output.weight.is_cuda:
                 torch.cuda.synchronize()
             if any(capture is c for c in timed):
-                seconds += time.perf_counter() - start
+                seconds.append(time.perf_counter() - start)
                 tokens += sum(len(r.output) for group in requests for r in group)
-    return tokens / seconds
+    return tokens / sum(seconds), seconds
 
 
 def main() -> None:
