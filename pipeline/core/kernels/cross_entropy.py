@@ -15,7 +15,8 @@ Between the two matmuls of a chunk everything is elementwise over `chunk x vocab
 by memory traffic: done op by op (upcast, log-softmax, softmax, one-hot, mask, downcast) it reads
 and writes the chunk's logits about ten times, some 19 GB per 4,096 tokens of a 128k vocabulary.
 On a GPU `score_full_vocab` runs compiled instead (one reduction pass and one pass writing the
-low-precision gradient, about 4 GB), falling back to the same function eager if compiling fails.
+low-precision gradient, about 4 GB); elsewhere, and if compiling fails, the op-by-op
+`loss_and_logit_grad`, which is the faster of the two uncompiled.
 """
 
 from __future__ import annotations
