@@ -251,11 +251,16 @@ class Engine:
         chain from its name and files, so they are never another adapter's or the base's."""
         if not self.prefix_caching:
             return []
-        parent = b""
-        if lora_name is not None:
-            source = f"lora\0{lora_name}\0{self.adapters.registered.get(lora_name)}"
-            parent = hashlib.sha256(source.encode()).digest()
-        return block_hashes(prompt[: len(prompt) - 1], self.cache.block_size, parent)
+        return block_hashes(prompt[: len(prompt) - 1], self.cache.block_size,
+                            self._hash_root(lora_name))  # fmt: skip
+
+    def _hash_root(self, lora_name: str | None) -> bytes:
+        """What a request's chain of block hashes starts from: the base model's empty root, or
+        its adapter's name and files."""
+        if lora_name is None:
+            return b""
+        source = f"lora\0{lora_name}\0{self.adapters.registered.get(lora_name)}"
+        return hashlib.sha256(source.encode()).digest()
 
     def _request(self, prompt: list[int], params: SamplingParams, hashes: list[bytes]) -> Request:
         request = Request(next(self._ids), list(prompt), params, block_hashes=list(hashes))
@@ -439,7 +444,7 @@ class Engine:
             return
         known = len(request.block_hashes)
         if known < full:
-            parent = request.block_hashes[-1] if known else b""
+            parent = request.block_hashes[-1] if known else self._hash_root(request.lora_name)
             request.block_hashes += block_hashes(request.tokens[known * size : full * size], size,
                                                  parent)  # fmt: skip
         top = request.params.prompt_logprobs

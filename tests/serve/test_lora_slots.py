@@ -176,6 +176,23 @@ def test_lora_modules_take_vllms_forms() -> None:
         assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_an_adapters_generated_blocks_are_its_own(tiny_hf_dir, adapters) -> None:
+    """A prompt shorter than a block: the blocks its generated tokens fill chain from the
+    adapter too, so the base given those very tokens computes them itself."""
+    paths, _, _ = adapters
+    engine = engine_with(tiny_hf_dir, paths, max_loras=2)  # blocks of 8 tokens
+    short = engine.add([5, 9, 2], SamplingParams(max_new_tokens=16, greedy=True), "a")
+    list(engine.run())
+    base_prompt = short.prompt + short.output
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
+    base = engine.add(base_prompt, params)
+    list(engine.run())
+    fresh = engine_with(tiny_hf_dir, paths, max_loras=2)
+    alone = fresh.add(base_prompt, params)
+    list(fresh.run())
+    assert base.cached_tokens == 0 and base.output == alone.output
+
+
 def test_the_prefix_cache_never_crosses_adapters(tiny_hf_dir, adapters) -> None:
     """A prompt's cached blocks serve the same adapter again, never another adapter or the
     base: each run equals a fresh engine's, and only the repeat reads the cache."""
