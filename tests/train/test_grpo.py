@@ -125,6 +125,36 @@ def test_bf16_rollouts_run_a_bf16_copy_outside_autocast(tmp_path: Path, task: di
     assert outs.completions == [r.output for group in alone for r in group]
 
 
+def test_rollouts_after_a_step_never_read_the_old_weights_cache(tmp_path, task) -> None:
+    """The engine is kept across steps, its prefix cache too; after the weights move (an
+    optimizer step, then `refresh`) a prompt seen before is computed again: the same sharing
+    as the first time, and the completions of a fresh engine on the new weights."""
+    from pipeline.core.model.transformer import Transformer
+    from pipeline.serve.engine import Engine
+    from pipeline.serve.sampling import SamplingParams
+    from pipeline.train.objectives.grpo_rollout import RolloutModel
+
+    cfg = resolve_config(None, grpo_sets(tmp_path, task))
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model_config())
+    policy.init_weights()
+    rollout = RolloutModel(policy, cfg, torch.device("cpu"))
+    prompts = [list(range(3, 40)), [7, 7, 2]]  # the first fills two blocks of 16
+    params = [[SamplingParams(8, greedy=True) for _ in range(3)] for _ in prompts]
+    rollout.refresh()
+    first = rollout.generate(prompts, params)
+    with torch.no_grad():  # what an optimizer step does to the weights
+        for weight in policy.parameters():
+            weight.add_(torch.randn_like(weight) * 0.05)
+    rollout.refresh()
+    second = rollout.generate(prompts, params)
+    assert second.prompt_tokens_cached == first.prompt_tokens_cached
+    alone = Engine(policy, max_batch=6, cache_blocks=12, block_size=16).generate_groups(
+        prompts, params
+    )
+    assert second.completions == [r.output for group in alone for r in group]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_dry_run_estimate_holds_the_rollout_engine(tmp_path: Path, task: dict, dtype) -> None:
     """`--dry-run`'s rollout engine bytes are what the engine allocates for a step's longest

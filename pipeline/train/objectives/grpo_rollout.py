@@ -77,8 +77,11 @@ class RolloutModel:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the policy's current weights into the copy (every rank of the layout calls this
-        at the same point: gathering a sharded weight is a collective). Nothing to do when the
-        engine runs on the policy itself."""
+        at the same point: gathering a sharded weight is a collective); nothing to copy when
+        the engine runs on the policy itself. Either way the engine's prefix cache, computed by
+        the weights before, is dropped."""
+        if self.engine is not None:
+            self.engine.weights_changed()
         if self.shared:
             return
         target = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
