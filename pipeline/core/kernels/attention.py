@@ -130,17 +130,9 @@ def choose_backend(
     return choice
 
 
-def resolve_backend(
-    name: str,
-    *,
-    device: torch.device,
-    document_masking: bool,
-    shape: AttentionShape | None = None,
-) -> str:
-    """The name of `choose_backend`'s backend."""
-    return choose_backend(
-        name, device=device, document_masking=document_masking, shape=shape
-    ).backend
+def resolve_backend(name: str, *, device: torch.device, document_masking: bool) -> str:
+    """The name of `choose_backend`'s backend (no shape: `auto`'s default rule)."""
+    return choose_backend(name, device=device, document_masking=document_masking).backend
 
 
 def attention(

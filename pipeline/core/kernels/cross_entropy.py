@@ -48,8 +48,7 @@ def _score_chunk(
     The third value is None for a full vocabulary, else a boolean of rows whose label is ours.
     """
     if shard is None:
-        loss = (F.cross_entropy(logits, y, reduction="none") * m).sum()
-        return loss, torch.softmax(logits, dim=-1), None
+        return _chunk_loss(logits, y, m, None), torch.softmax(logits, dim=-1), None
     local_vocab = logits.shape[-1]
     row_max = logits.max(dim=-1).values
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=shard.group)
@@ -61,6 +60,16 @@ def _score_chunk(
     sum_exp, target = sums
     loss = ((sum_exp.log() + row_max - target) * m).sum()
     return loss, exp / sum_exp[:, None], mine
+
+
+def _chunk_loss(
+    logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor, shard: VocabShard | None
+) -> torch.Tensor:
+    """The masked loss sum of one chunk alone (evaluation: on a full vocabulary without the
+    softmax `_score_chunk` also makes)."""
+    if shard is None:
+        return (F.cross_entropy(logits, y, reduction="none") * m).sum()
+    return _score_chunk(logits, y, m, shard)[0]
 
 
 def loss_and_logit_grad(
@@ -153,7 +162,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h, y, m = hidden[rows], labels[rows], loss_mask[rows]
             logits = h @ weight.t()
             if not need_grad:
-                loss_sum += _score_chunk(logits.float(), y, m, shard)[0]
+                loss_sum += _chunk_loss(logits.float(), y, m, shard)
                 continue
             if shard is None:
                 chunk_loss, grad_logits = _score_full_vocab_fast(logits, y, m)
