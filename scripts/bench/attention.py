@@ -112,12 +112,11 @@ def _pipe(backend: str) -> Callable:
     return run
 
 
-PIPE_BACKENDS = ("sdpa", "flex", "flash_attn")
-
-
 def pipe_candidates() -> dict[str, Callable[[], Callable]]:
     """pipe's own backends, `pipe:sdpa` (the reference the others are checked against) first."""
-    return {f"pipe:{name}": (lambda n=name: _pipe(n)) for name in PIPE_BACKENDS}
+    from pipeline.core.kernels.attention import BACKENDS
+
+    return {f"pipe:{name}": (lambda n=name: _pipe(n)) for name in BACKENDS}
 
 
 def candidates() -> dict[str, Callable[[], Callable]]:
@@ -133,15 +132,15 @@ def candidates() -> dict[str, Callable[[], Callable]]:
     return found
 
 
-def time_one(run: Callable, q, k, v, docs, repeat: int) -> float:
-    """Seconds per forward + backward, after two warm-up passes."""
+def time_one(run: Callable, q, k, v, docs, repeat: int, warmup: int = 2) -> float:
+    """Seconds per forward + backward, after `warmup` untimed passes."""
     import torch
 
     def once() -> None:
         out = run(q, k, v, docs)
         out.backward(torch.ones_like(out))
 
-    for _ in range(2):
+    for _ in range(warmup):
         once()
     if q.device.type == "cuda":
         torch.cuda.synchronize(q.device)
@@ -177,7 +176,9 @@ def measure(name: str, factory: Callable, inputs: tuple, repeat: int, reference:
     try:
         run = factory()
         outputs = _outputs(run, *inputs) if reference is not None or name == "pipe:sdpa" else None
-        figures = {"ms": time_one(run, *inputs, repeat) * 1e3}
+        # the outputs' pass was the first warm-up (a compile's included)
+        warmup = 2 if outputs is None else 1
+        figures = {"ms": time_one(run, *inputs, repeat, warmup) * 1e3}
         if reference is not None:
             figures["max_rel_err"] = _max_rel_err(outputs, reference)
         return figures, outputs
@@ -236,18 +237,16 @@ def main() -> None:
     )
     figures: dict = {"device": str(device), "dtype": str(dtype), "results": {}}
     results, reference = figures["results"], None
-    pipe_done = ("", None)  # a marker: pipe's backends are timed, what --record needs
-    for name, factory in [*pipe_candidates().items(), pipe_done, *candidates().items()]:
-        if factory is None:
-            if args.record is not None:
-                figures["recorded"] = record(args, results, device, dtype)
-            continue
+    for name, factory in pipe_candidates().items():
+        results[name], outputs = measure(name, factory, inputs, args.repeat, reference)
+        reference = outputs if name == "pipe:sdpa" else reference
+        _save(args, figures)
+    if args.record is not None:  # pipe's backends are timed: what --record needs
+        figures["recorded"] = record(args, results, device, dtype)
+    for name, factory in candidates().items():
         checked = None if "no document" in name else reference  # that one computes another thing
-        results[name], outputs = measure(name, factory, inputs, args.repeat, checked)
-        if name == "pipe:sdpa":
-            reference = outputs
-        if args.json:  # after every kernel: a run stopped part-way keeps what it timed
-            _save(args, figures)
+        results[name], _ = measure(name, factory, inputs, args.repeat, checked)
+        _save(args, figures)
     report(results, figures.get("recorded"))
 
 
@@ -287,7 +286,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def _save(args: argparse.Namespace, figures: dict) -> None:
-    """Write the arguments and the figures so far to `--json`."""
+    """Write the arguments and the figures so far to `--json`, if given (after every kernel:
+    a run stopped part-way keeps what it timed)."""
+    if not args.json:
+        return
     record = {**vars(args), **figures, "json": str(args.json), "record": str(args.record)}
     args.json.write_text(json.dumps(record, indent=1) + "\n")
 
