@@ -21,13 +21,12 @@ import multiprocessing
 import os
 import random
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from serve import start_pipe  # scripts/bench/serve.py, beside this script
 
 
 def spin() -> None:
@@ -39,17 +38,6 @@ def post(port: int, body: dict) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     return json.loads(conn.getresponse().read())
-
-
-def start(model: Path, port: int, threads: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "pipeline", "serve", str(model), "--port", str(port),
-            "--engine-threads", str(threads)]  # fmt: skip
-    process = subprocess.Popen(args, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-    for line in process.stderr:  # the start-up line says it accepts connections
-        if line.startswith("pipe serve: listening on"):
-            return process
-    raise SystemExit(f"pipe serve --engine-threads {threads} did not start")
 
 
 def load(port: int, concurrency: int, requests: int, new_tokens: int, seed: int) -> dict:
@@ -91,7 +79,10 @@ def main() -> None:
     try:
         for round_ in range(args.repeat):
             for threads in values:
-                server = start(args.model_dir, args.port, threads)
+                # serve.py's start: its log to a file, never a pipe nobody drains
+                log = Path(tempfile.gettempdir()) / f"engine_threads_{threads}.log"
+                server = start_pipe(args.model_dir, args.port, log,
+                                    ["--engine-threads", str(threads)])  # fmt: skip
                 try:
                     post(args.port, {"prompt": [5] * 8, "max_tokens": 2})  # warm up
                     for concurrency in map(int, args.concurrency.split(",")):

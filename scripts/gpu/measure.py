@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,9 +184,7 @@ def step_gpu_tests(run: Run) -> dict:
             *files]  # fmt: skip
     code, output = run.command("gpu_tests", argv)
     results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", output, re.MULTILINE)
-    counts: dict[str, object] = {}
-    for _, result in results:
-        counts[result.lower()] = int(counts.get(result.lower(), 0)) + 1  # type: ignore[arg-type]
+    counts: dict[str, object] = dict(Counter(result.lower() for _, result in results))
     if failed := [test for test, result in results if result in ("FAILED", "ERROR")]:
         counts["not passed"] = failed
     deselected = re.search(r"(\d+) deselected", output)
