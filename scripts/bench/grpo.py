@@ -193,6 +193,7 @@ def _engine_alone(
     with torch.no_grad():
         for index, capture in enumerate(everything):
             module.load_state_dict(capture["weights"])
+            engine.weights_changed()  # as the step's engine does at each refresh
             start = time.perf_counter()
             requests = engine.generate_groups(capture["prompts"], capture["params"])
             if module.output.weight.is_cuda:
