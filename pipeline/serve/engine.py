@@ -228,11 +228,9 @@ class Engine:
                 self._hold_adapter(lora_name, len(params))
             hashes = self._prompt_hashes(prompt, lora_name)
             group = [self._request(prompt, each, hashes) for each in params]
-            for request in group:
-                request.lora_name = lora_name
             leader = group[0]
             for request in group:
-                request.group = leader.id
+                request.lora_name, request.group = lora_name, leader.id
             leader.siblings = [r for r in group[1:] if self._can_share(leader, r)]
             for sibling in leader.siblings:
                 sibling.leader = leader

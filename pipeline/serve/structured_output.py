@@ -141,7 +141,8 @@ class GrammarBackend:
         self.tokenizer_json, self.vocab_size = tokenizer_json, vocab_size
         self.eos_ids = sorted(eos_ids)
         self._tokenizer = None
-        self._checked: set[StructuredOutput] = set()  # n choices of a request check once
+        # checked once: a request's n choices, and the requests that repeat a schema
+        self._checked: set[StructuredOutput] = set()
 
     @classmethod
     def from_path(cls, tokenizer: str | Path, vocab_size: int,
