@@ -44,6 +44,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from pipeline.core.kernels import cross_entropy
+    from pipeline.core.kernels.attention_choice import device_name
 
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ def measure(args: argparse.Namespace) -> dict:
     labels = torch.randint(0, args.vocab, (args.tokens,), device=device)
     scorers = {"eager": cross_entropy.CompiledScorer(devices=()),
                "compiled": cross_entropy.CompiledScorer(devices=(device,))}  # fmt: skip
-    name = torch.cuda.get_device_name() if device == "cuda" else device
+    name = device_name(torch.device(device))
     shape = [args.tokens, args.hidden, args.vocab]
     record: dict = {"device": name, "dtype": str(dtype), "shape": shape}
     outputs = {}
