@@ -96,7 +96,7 @@ class GRPO(Objective):
         if self.section.rollout_server:
             from pipeline.train.objectives.grpo_remote import RemoteRollouts
 
-            self.rollout = RemoteRollouts(self.section.rollout_server, run.model)
+            self.rollout = RemoteRollouts(self.section.rollout_server, run.model, self.layout)
         else:
             self.rollout = RolloutModel(run.model, self.cfg, run.device)
         records = run.datasets[0].records
