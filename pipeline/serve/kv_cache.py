@@ -34,20 +34,12 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.core.model.config import ModelConfig
-
-
-def slot_shapes(config: ModelConfig, tp: int = 1) -> list[tuple[int, ...]]:
-    """The per-token shapes cached by one layer (key, value; or latent, RoPE key) on one of `tp`
-    tensor-parallel ranks (each holds its own kv heads; the latent is replicated)."""
-    if config.attention_kind == "mla":
-        return [(config.mla.kv_lora_rank,), (config.mla.qk_rope_head_dim,)]
-    return [(config.num_kv_heads // tp, config.head_dim)] * 2
+from pipeline.core.model.kv_sizes import kv_bytes_per_token, slot_shapes
 
 
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
     """Cache bytes one token takes over all layers (on one of `tp` ranks)."""
-    per_layer = sum(torch.Size(shape).numel() for shape in slot_shapes(config, tp))
-    return per_layer * config.num_layers * dtype.itemsize
+    return kv_bytes_per_token(config, dtype.itemsize, tp)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:

@@ -322,6 +322,26 @@ def test_cpu_offload_wrapper_steps_as_without_it(fake_device_split, dtype: str) 
     _check_offload("cpu", dtype, 1e-5)
 
 
+def test_cpu_offload_copies_no_gradient_during_the_backward(fake_device_split) -> None:
+    """torchao's per-parameter backward hooks are removed: two micro-batch backwards queue
+    no copy and leave the host gradients untouched; only `step()` copies them (once)."""
+    cfg = resolve_config("tiny", [*MICRO_MODEL, "training.device=cuda",
+                                  "optimizer.cpu_offload=true"])  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(micro_model_config())
+    optimizer = build_optimizer(model, cfg)
+    for host in optimizer.param_d2h_map.values():
+        host.grad.fill_(float("nan"))
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model.logits(tokens).float().sum().backward()
+    assert optimizer.queue == {}
+    assert all(host.grad.isnan().all() for host in optimizer.param_d2h_map.values())
+    optimizer.step()
+    for p, host in optimizer.param_d2h_map.items():
+        assert torch.equal(host.grad, p.grad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cpu_offload_steps_as_on_the_gpu_and_resumes(dtype: str) -> None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.core.parallel.dims import ParallelDims
+from pipeline.train.build.compile_setting import compile_enabled
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -74,12 +75,6 @@ def build_model_parts(
     indices = local_stage_indices(layout.pp_rank, layout.pp, p.pipeline_schedule)
     parts = [split_model(build(), i, num_stages, ranges) for i in indices]
     return parts, indices, num_stages
-
-
-def compile_enabled(setting: bool | None, device_type: str) -> bool:
-    """`training.compile`: True/False as given; unset (None) compiles on CUDA only (on a CPU
-    compiling costs more time than a short run saves, and tests want eager numerics)."""
-    return device_type == "cuda" if setting is None else setting
 
 
 def parallelize(

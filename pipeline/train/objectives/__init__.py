@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
 
-__all__ = ["OBJECTIVES", "ObjectiveSpec", "build_objective", "objective_problems", "objective_spec"]
+__all__ = [
+    "OBJECTIVES", "ROLLOUT_BLOCK", "ObjectiveSpec", "build_objective", "objective_problems",
+    "objective_spec",
+]  # fmt: skip
+
+ROLLOUT_BLOCK = 16
+"""Tokens per KV cache block of GRPO's rollout engine (`grpo_rollout.RolloutModel`); the dry
+run's estimate rounds each completion's positions up to whole blocks of it."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +131,9 @@ def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]
     fp32 process, not compiled; see `grpo_rollout`) and its KV cache, sized for every
     completion of this rank's share of its prompts at once (a tp rank draws 1/tp of them,
     `grpo_split`); nothing with a rollout server."""
-    import torch
-
     from pipeline.core.model.flavors import num_parameters
-    from pipeline.serve.kv_cache import bytes_per_token
-    from pipeline.train.build.parallelize import compile_enabled
+    from pipeline.core.model.kv_sizes import kv_bytes_per_token
+    from pipeline.train.build.compile_setting import compile_enabled
 
     if cfg.grpo.rollout_server:  # the server holds them
         return 0.0, ""
@@ -139,8 +144,8 @@ def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]
     weights = 0 if shared else num_parameters(model) * (2 if bf16 else 4)
     prompts = -(-(cfg.training.global_batch_size // dp) // cfg.parallel.tp)
     rows = prompts * cfg.grpo.num_generations
-    positions = -(-cfg.data.seq_length // 16) * 16  # the engine's blocks of 16
-    kv = rows * positions * bytes_per_token(model, torch.bfloat16 if bf16 else torch.float32)
+    positions = -(-cfg.data.seq_length // ROLLOUT_BLOCK) * ROLLOUT_BLOCK
+    kv = rows * positions * kv_bytes_per_token(model, 2 if bf16 else 4)
     what = "the KV cache" if shared else "a copy of the weights and the KV cache"
     return weights + kv, f"rollout engine ({what})"
 

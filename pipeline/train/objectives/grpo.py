@@ -77,6 +77,7 @@ class GRPO(Objective):
         self.figures = RunningFigures()
         self._evaluating = False
         self._kept: list[dict[str, torch.Tensor]] | None = None  # rollouts reused by later passes
+        self._refreshed_at: int | None = None  # the iteration the rollout weights are from
         self._window_start = time.perf_counter()
         self._examples: list[str] = []
 
@@ -92,11 +93,11 @@ class GRPO(Objective):
         from pipeline.tokenizer.tokenizer import load_tokenizer
         from pipeline.train.objectives.grpo_rewards import build_rewards
 
-        self.run = run
+        self.run, self._refreshed_at = run, None
         if self.section.rollout_server:
             from pipeline.train.objectives.grpo_remote import RemoteRollouts
 
-            self.rollout = RemoteRollouts(self.section.rollout_server, run.model)
+            self.rollout = RemoteRollouts(self.section.rollout_server, run.model, self.layout)
         else:
             self.rollout = RolloutModel(run.model, self.cfg, run.device)
         records = run.datasets[0].records
@@ -192,7 +193,7 @@ class GRPO(Objective):
         dataset = self.run.datasets[1 if self._evaluating else 0]
         group = 1 if self._evaluating else self.section.num_generations
         prompts, samples = _prompts(micro_batches)
-        self.rollout.refresh()
+        self._refresh_rollout()
         params = self._params(samples, group)
         outs = generate_split(self.rollout, prompts, params, self.layout.tensor_group)
         records = [dataset.records[int(i)] for b in micro_batches for i in b["prompt_index"]]
@@ -210,6 +211,14 @@ class GRPO(Objective):
         for batch in split:
             self._add_logps(batch, runner)
         return split
+
+    def _refresh_rollout(self) -> None:
+        """Give the rollouts the policy's weights when an optimizer step may have changed them
+        since the last refresh (the iteration moved): not again for each evaluation batch,
+        nor for the training step that follows an evaluation at the same iteration."""
+        if self._refreshed_at != self.run.iteration:
+            self.rollout.refresh()
+            self._refreshed_at = self.run.iteration
 
     def _params(self, samples: Sequence[int], group: int) -> list[list[Any]]:
         """Each completion's sampling parameters: its own seed (`completion_seed`); greedy in

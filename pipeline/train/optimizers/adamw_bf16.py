@@ -28,8 +28,8 @@ each shard of a sharded parameter draws its own bits. A sharded run is therefore
 one process's (its shards draw other bits than the whole tensor does); each stored moment is
 one of the same two bf16 neighbours, and their expectation is the same.
 
-`adamw_step_bf16` is the update of one parameter; `Muon` calls it for its AdamW parameters
-under `optimizer.state_dtype = "bf16"`.
+`adamw_step_bf16` is the update of one parameter, `adamw_group_step_bf16` of a group; `Muon`
+steps its AdamW groups with it under `optimizer.state_dtype = "bf16"`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["AdamWBF16", "adamw_step_bf16", "rounding_generator", "stochastic_round_bf16"]
+__all__ = [
+    "AdamWBF16", "adamw_group_step_bf16", "adamw_step_bf16", "rounding_generator",
+    "states_to_bf16", "stochastic_round_bf16",
+]  # fmt: skip
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -88,20 +92,36 @@ class AdamWBF16(torch.optim.Optimizer):
                 loss = closure()
         position = self.first_position
         for group in self.param_groups:
-            for param in group["params"]:
-                position += 1
-                if param.grad is not None:
-                    adamw_step_bf16(param, self.state[param], group, self.seed, position)
+            position = adamw_group_step_bf16(group, self.state, self.seed, position)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, which casts floating state to the parameter's dtype (fp32), then the
         moments back to bf16 (exactly: they were bf16 when saved)."""
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(torch.bfloat16)
+        states_to_bf16(self.state.values(), ("exp_avg", "exp_avg_sq"))
+
+
+def adamw_group_step_bf16(
+    group: dict[str, Any], state: dict[torch.Tensor, Any], seed: int, position: int
+) -> int:
+    """`adamw_step_bf16` of each parameter of `group` that has a gradient, the parameters
+    numbered from `position` + 1 in the group's order (their rounding's positions); returns
+    the last one's number, where the next group counts on from."""
+    for i, param in enumerate(group["params"], position + 1):
+        if param.grad is not None:
+            adamw_step_bf16(param, state[param], group, seed, i)
+    return position + len(group["params"])
+
+
+def states_to_bf16(states: Iterable[dict[str, Any]], keys: Iterable[str]) -> None:
+    """Cast the `keys` present in each optimizer state back to bf16 after torch's load (which
+    casts floating state to the parameter's dtype); exact, as they were bf16 when saved."""
+    keys = tuple(keys)
+    for state in states:
+        for key in keys:
+            if key in state:
+                state[key] = state[key].to(torch.bfloat16)
 
 
 def rounding_generator(seed: int, step: int, position: int, param: torch.Tensor) -> torch.Generator:
@@ -139,18 +159,24 @@ def adamw_step_bf16(
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
 
 
+_OFFSETS = WeakIdKeyDictionary()
+"""Each DTensor parameter's `_offset`, computed at its first step (its placement is fixed)."""
+
+
 def _offset(param: torch.Tensor) -> tuple[int, ...]:
     """Where `param`'s local shard starts in the whole tensor (zeros for a plain tensor)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(param, DTensor):
         return (0,) * param.ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if param not in _OFFSETS:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    _, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    return tuple(offset)
+        _, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        _OFFSETS[param] = tuple(offset)
+    return _OFFSETS[param]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

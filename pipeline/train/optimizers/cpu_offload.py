@@ -6,8 +6,9 @@ in host memory, one optimizer per parameter stepping there (torch's fused CPU Ad
 `AdamWBF16` under `optimizer.state_dtype = "bf16"`), the new weights copied back on a side
 stream. `OffloadedOptimizer` adapts it to pipe's run in three ways:
 
-* the gradients are copied to the host when `step()` is called, not from the backward hooks
-  alone: pipe clips them after the backward, and a hook's copy would miss that;
+* the gradients are copied to the host once, when `step()` is called: pipe clips them after
+  the backward, so the copies torchao's backward hooks make (one per micro-batch) would be
+  stale and wasted; those hooks are removed;
 * `param_groups` are the run's groups (decay / no decay, over the GPU parameters), so the
   learning-rate scheduler and DCP's checkpoint helpers see an ordinary optimizer; their
   hyper-parameters reach the host optimizers at each step;
@@ -61,10 +62,12 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
         for group in groups:
             for key, value in hyper.items():
                 group.setdefault(key, value)
+        hooks_before = {p: set(p._post_accumulate_grad_hooks or ()) for p in _params(groups)}
         # torchao pops "params" from the dicts it is given: hand it copies.
         super().__init__(
             [dict(group) for group in groups], optimizer_class, minimal_size=0, **kwargs
         )
+        _remove_new_hooks(hooks_before)
         self._groups = groups
         self.defaults = {}  # no `found_inf` is read: a non-finite step is a host check
         self._host_stale = True  # see `_refresh_host_weights`
@@ -90,7 +93,6 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
                 self.optim_dict[p].param_groups[0].update(hyper)
         self._refresh_host_weights()
         backend = getattr(torch, self.device)
-        self.queue.clear()
         self.stream.wait_stream(backend.current_stream())
         with backend.stream(self.stream):
             for p, host in self.param_d2h_map.items():
@@ -137,6 +139,23 @@ class OffloadedOptimizer(CPUOffloadOptimizer):
             for p in group["params"]:
                 host = self.param_d2h_map[p]
                 yield p, host, self.optim_dict[p].state.get(host, {})
+
+
+def _params(groups: list[dict[str, Any]]) -> Iterator[torch.Tensor]:
+    """The trainable parameters of `groups`."""
+    return (p for group in groups for p in group["params"] if p.requires_grad)
+
+
+def _remove_new_hooks(hooks_before: dict[torch.Tensor, set[int]]) -> None:
+    """Remove the post-accumulate-grad hooks registered since `hooks_before` was taken.
+
+    torchao registers one per parameter (a device-to-host gradient copy after each backward)
+    and keeps no handle, so the ids are found in the tensor's hook table, a private attribute
+    of torch's `Tensor` (the one `RemovableHandle.remove()` deletes from)."""
+    for p, before in hooks_before.items():
+        hooks = p._post_accumulate_grad_hooks or {}
+        for key in set(hooks) - before:
+            del hooks[key]
 
 
 def _to_host(value: Any) -> Any:

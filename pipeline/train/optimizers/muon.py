@@ -21,7 +21,7 @@ buffer per Muon parameter, `step`/`exp_avg`/`exp_avg_sq` per AdamW one.
 does and for the same reasons: each step widens the momentum to fp32, updates it, makes the
 update from that fp32 value and stores it back stochastically rounded (an EMA of momentum
 0.95 would stall under round-to-nearest where (1 - mu) g is below half an ulp of the buffer);
-the AdamW parameters step with `adamw_step_bf16`. The Muon parameters then keep a CPU `step`
+the AdamW parameters step with `adamw_group_step_bf16`. The Muon parameters then keep a CPU `step`
 too, which seeds their rounding (`rounding_generator`), so a resumed run rounds alike.
 """
 
@@ -36,8 +36,9 @@ from torch.optim.adamw import adamw
 
 from pipeline.train.optimizers.adamw import param_groups
 from pipeline.train.optimizers.adamw_bf16 import (
-    adamw_step_bf16,
+    adamw_group_step_bf16,
     rounding_generator,
+    states_to_bf16,
     stochastic_round_bf16,
 )
 from pipeline.train.optimizers.newton_schulz import NewtonSchulz, orthogonalize, shard_layout
@@ -125,9 +126,7 @@ class Muon(torch.optim.Optimizer):
             if group["use_muon"]:
                 self._muon_step(group, position)
             elif self.state_dtype == "bf16":
-                for i, p in enumerate(group["params"], position + 1):
-                    if p.grad is not None:
-                        adamw_step_bf16(p, self.state[p], group, self.seed, i)
+                adamw_group_step_bf16(group, self.state, self.seed, position)
             else:
                 self._adamw_step(group)
             position += len(group["params"])
@@ -137,12 +136,8 @@ class Muon(torch.optim.Optimizer):
         """torch's load, which casts floating state to the parameter's dtype (fp32); under
         bf16 states, back to bf16 (exactly: they were bf16 when saved)."""
         super().load_state_dict(state_dict)
-        if self.state_dtype != "bf16":
-            return
-        for state in self.state.values():
-            for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(torch.bfloat16)
+        if self.state_dtype == "bf16":
+            states_to_bf16(self.state.values(), ("momentum_buffer", "exp_avg", "exp_avg_sq"))
 
     def _momentum(self, p: Tensor, mu: float, position: int) -> Tensor:
         """The momentum buffer of `p` after this step's gradient, in fp32 (stored in the
