@@ -182,12 +182,15 @@ def _engine_alone(
     each timed step's seconds."""
     import torch
 
+    from pipeline.train.objectives import ROLLOUT_BLOCK
+
     everything = warm + timed
     rows = max(sum(len(group) for group in c["params"]) for c in everything)
     longest = max(max(len(p) for p in c["prompts"]) + c["params"][0][0].max_new_tokens
                   for c in everything)  # fmt: skip
-    engine = engine_class(module, max_batch=rows, cache_blocks=rows * -(-longest // 16),
-                          block_size=16, prefill_chunk=4096, max_waiting=rows)  # fmt: skip
+    blocks = rows * -(-longest // ROLLOUT_BLOCK)
+    engine = engine_class(module, max_batch=rows, cache_blocks=blocks, block_size=ROLLOUT_BLOCK,
+                          prefill_chunk=4096, max_waiting=rows)  # fmt: skip
     module.eval()
     tokens, seconds = 0, []
     with torch.no_grad():

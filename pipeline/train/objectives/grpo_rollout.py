@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.train.objectives import ROLLOUT_BLOCK
+
 __all__ = ["Rollouts", "RolloutModel", "completion_seed", "named_full_tensors", "rollout_rows"]
 
 
@@ -124,7 +126,7 @@ class RolloutModel:
         from pipeline.serve.engine import Engine
 
         rows = len(prompts) * group
-        block = 16
+        block = ROLLOUT_BLOCK
         blocks = rows * -(-(max(len(p) for p in prompts) + max_new) // block)
         e = self.engine
         if e is None or e.max_batch < rows or e.cache.num_blocks < blocks:
