@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -97,8 +98,10 @@ class LoRASlots:
     method: str = "grouped"  # or "gather" (`grouped_lora`, `gathered_lora`)
     _slots: list[_Slot] = field(default_factory=list)
     _held: dict[str, _Held] = field(default_factory=dict)
-    _rows: torch.Tensor | None = None  # slot of each row of the next forward pass
+    _rows: torch.Tensor | None = None  # slot of each row of the next forward pass ("gather")
+    _row_count: int = 0  # rows of the next forward pass
     _active: frozenset[int] = frozenset()
+    _active_paths: frozenset[str] = frozenset()  # the linears its adapters target
     _groups: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> its rows
 
     # ---- building ---------------------------------------------------------------------------
@@ -262,20 +265,26 @@ class LoRASlots:
         zero = self.max_loras
         rows = [zero if s is None or s == NO_ADAPTER else s for s in slots]
         self._active = frozenset(rows) - {zero}
-        device = self.stacks[next(iter(self.stacks))][0].device if self.stacks else "cpu"
-        self._rows = torch.tensor(rows, device=device) if self._active else None
+        self._active_paths = frozenset().union(*(self._slots[s].paths for s in self._active))
+        self._row_count, device = len(rows), self._device
+        gather = self._active and self.method == "gather"
+        self._rows = torch.tensor(rows, device=device) if gather else None
         self._groups = {
             slot: torch.tensor([i for i, r in enumerate(rows) if r == slot], device=device)
             for slot in sorted(self._active)
         }
 
+    @cached_property
+    def _device(self) -> torch.device | str:
+        return self.stacks[next(iter(self.stacks))][0].device if self.stacks else "cpu"
+
     def add_delta(self, path: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus each row's adapter update of linear `path` on input `x`."""
-        if self._rows is None or not any(path in self._slots[s].paths for s in self._active):
+        if path not in self._active_paths:
             return out
         a, b = self.stacks[path]
-        x3 = x.reshape(self._rows.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
-        if self.method == "gather":
+        x3 = x.reshape(self._row_count, -1, x.shape[-1])  # [rows, tokens, in]
+        if self._rows is not None:
             delta = gathered_lora(x3, a, b, self._rows)
         else:
             delta = grouped_lora(x3, a, b, self._groups)
