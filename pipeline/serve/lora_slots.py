@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.core.model.lora import LINEAR_TARGETS
+from pipeline.core.model.lora import LINEAR_TARGETS, adapted_class, find_linear
 
 NO_ADAPTER = -1  # a row's slot when it asks for the base model
 
@@ -56,15 +56,6 @@ class SlotLoRA:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # type: ignore[misc]
         return self.slots.add_delta(self.slot_path, x, out)
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _slot_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"SlotLoRA{cls.__name__}", (SlotLoRA, cls), {})
-    return _CLASSES[cls]
 
 
 @dataclass
@@ -115,8 +106,8 @@ class LoRASlots:
         for index, block in model.layers.items():
             for paths in LINEAR_TARGETS.values():
                 for path in paths:
-                    linear = _find(block, path)
-                    if linear is None:
+                    linear = find_linear(block, path)
+                    if linear is None or linear.weight.dim() != 2:
                         continue
                     full = f"layers.{index}.{path}"
                     out_features, in_features = linear.weight.shape
@@ -125,7 +116,7 @@ class LoRASlots:
                         torch.zeros(max_loras + 1, *shape, dtype=param.dtype, device=param.device)
                         for shape in (shape_a, shape_b)
                     )
-                    linear.__class__ = _slot_class(type(linear))
+                    linear.__class__ = adapted_class(type(linear), SlotLoRA, "SlotLoRA")
                     linear.slots, linear.slot_path = slots, full
         return slots
 
@@ -314,14 +305,6 @@ def grouped_lora(
     for slot, where in groups.items():
         out.index_copy_(0, where, (x.index_select(0, where) @ a[slot].T) @ b[slot].T)
     return out
-
-
-def _find(block: nn.Module, path: str) -> nn.Module | None:
-    try:
-        linear = block.get_submodule(path)
-    except AttributeError:
-        return None
-    return linear if hasattr(linear, "weight") and linear.weight.dim() == 2 else None
 
 
 def install_named_adapters(model: nn.Module, spec) -> LoRASlots:
