@@ -23,6 +23,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from pipeline.serve.text import held_prefix
+
 
 @dataclass(frozen=True)
 class FunctionCall:
@@ -77,14 +79,6 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker` (text held back in case it is)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
 class HermesParser(ToolParser):
     """`<tool_call>{json}</tool_call>` blocks; the text before the first is the content."""
 
@@ -107,7 +101,7 @@ class HermesParser(ToolParser):
     def split(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         at = text.find(self.START)
         if at < 0:
-            return text[: len(text) - _held_prefix(text, self.START)], []
+            return text[: len(text) - held_prefix(text, (self.START,))], []
         calls = []
         for block in self._COMPLETE.findall(text):
             try:
