@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pipeline.core.model.lora import LINEAR_TARGETS
+from pipeline.core.model.lora import LINEAR_TARGETS, adapted_class, find_linear
 
 NO_ADAPTER = -1  # a row's slot when it asks for the base model
 
@@ -55,15 +56,6 @@ class SlotLoRA:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # type: ignore[misc]
         return self.slots.add_delta(self.slot_path, x, out)
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _slot_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"SlotLoRA{cls.__name__}", (SlotLoRA, cls), {})
-    return _CLASSES[cls]
 
 
 @dataclass
@@ -97,8 +89,10 @@ class LoRASlots:
     method: str = "grouped"  # or "gather" (`grouped_lora`, `gathered_lora`)
     _slots: list[_Slot] = field(default_factory=list)
     _held: dict[str, _Held] = field(default_factory=dict)
-    _rows: torch.Tensor | None = None  # slot of each row of the next forward pass
+    _rows: torch.Tensor | None = None  # slot of each row of the next forward pass ("gather")
+    _row_count: int = 0  # rows of the next forward pass
     _active: frozenset[int] = frozenset()
+    _active_paths: frozenset[str] = frozenset()  # the linears its adapters target
     _groups: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> its rows
 
     # ---- building ---------------------------------------------------------------------------
@@ -112,8 +106,8 @@ class LoRASlots:
         for index, block in model.layers.items():
             for paths in LINEAR_TARGETS.values():
                 for path in paths:
-                    linear = _find(block, path)
-                    if linear is None:
+                    linear = find_linear(block, path)
+                    if linear is None or linear.weight.dim() != 2:
                         continue
                     full = f"layers.{index}.{path}"
                     out_features, in_features = linear.weight.shape
@@ -122,7 +116,7 @@ class LoRASlots:
                         torch.zeros(max_loras + 1, *shape, dtype=param.dtype, device=param.device)
                         for shape in (shape_a, shape_b)
                     )
-                    linear.__class__ = _slot_class(type(linear))
+                    linear.__class__ = adapted_class(type(linear), SlotLoRA, "SlotLoRA")
                     linear.slots, linear.slot_path = slots, full
         return slots
 
@@ -262,20 +256,26 @@ class LoRASlots:
         zero = self.max_loras
         rows = [zero if s is None or s == NO_ADAPTER else s for s in slots]
         self._active = frozenset(rows) - {zero}
-        device = self.stacks[next(iter(self.stacks))][0].device if self.stacks else "cpu"
-        self._rows = torch.tensor(rows, device=device) if self._active else None
+        self._active_paths = frozenset().union(*(self._slots[s].paths for s in self._active))
+        self._row_count, device = len(rows), self._device
+        gather = self._active and self.method == "gather"
+        self._rows = torch.tensor(rows, device=device) if gather else None
         self._groups = {
             slot: torch.tensor([i for i, r in enumerate(rows) if r == slot], device=device)
             for slot in sorted(self._active)
         }
 
+    @cached_property
+    def _device(self) -> torch.device | str:
+        return self.stacks[next(iter(self.stacks))][0].device if self.stacks else "cpu"
+
     def add_delta(self, path: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` plus each row's adapter update of linear `path` on input `x`."""
-        if self._rows is None or not any(path in self._slots[s].paths for s in self._active):
+        if path not in self._active_paths:
             return out
         a, b = self.stacks[path]
-        x3 = x.reshape(self._rows.shape[0], -1, x.shape[-1])  # [rows, tokens, in]
-        if self.method == "gather":
+        x3 = x.reshape(self._row_count, -1, x.shape[-1])  # [rows, tokens, in]
+        if self._rows is not None:
             delta = gathered_lora(x3, a, b, self._rows)
         else:
             delta = grouped_lora(x3, a, b, self._groups)
@@ -305,14 +305,6 @@ def grouped_lora(
     for slot, where in groups.items():
         out.index_copy_(0, where, (x.index_select(0, where) @ a[slot].T) @ b[slot].T)
     return out
-
-
-def _find(block: nn.Module, path: str) -> nn.Module | None:
-    try:
-        linear = block.get_submodule(path)
-    except AttributeError:
-        return None
-    return linear if hasattr(linear, "weight") and linear.weight.dim() == 2 else None
 
 
 def install_named_adapters(model: nn.Module, spec) -> LoRASlots:

@@ -56,6 +56,8 @@ def packed_decode_batch(rows: Sequence[DecodeRow], block_size: int, scratch: int
     groups: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault(row.group, []).append(index)
+    if all(len(members) < 2 for members in groups.values()):
+        return None  # no group to pack
     histories = [row.slots[: row.computed + 1] for row in rows]
     packs = []
     for members in groups.values():

@@ -87,13 +87,19 @@ class TextStream:
 
     def _held_for_stop(self, text: str) -> int:
         """Length of the longest end of `text` that begins some stop string."""
-        held = 0
-        for stop in self._stop:
-            for size in range(min(len(stop) - 1, len(text)), held, -1):
-                if text.endswith(stop[:size]):
-                    held = size
-                    break
-        return held
+        return held_prefix(text, self._stop)
+
+
+def held_prefix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `text` that begins some marker but is not all of it: text to
+    hold back in case a marker (a stop string, a tool call's tag) is coming."""
+    held = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), held, -1):
+            if text.endswith(marker[:size]):
+                held = size
+                break
+    return held
 
 
 class RequestText:

@@ -23,6 +23,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from pipeline.serve.text import held_prefix
+
 
 @dataclass(frozen=True)
 class FunctionCall:
@@ -49,10 +51,10 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def tool_call_object(call: FunctionCall, ident: str | None = None) -> dict:
-    """OpenAI's `tool_calls` entry of `call`."""
+def tool_call_object(call: FunctionCall) -> dict:
+    """OpenAI's `tool_calls` entry of `call`, with a fresh id."""
     function = {"name": call.name, "arguments": call.arguments}
-    return {"id": ident or tool_call_id(), "type": "function", "function": function}
+    return {"id": tool_call_id(), "type": "function", "function": function}
 
 
 def _arguments(value) -> str:
@@ -63,6 +65,9 @@ class ToolParser:
     """A format of tool calls (module docstring). Subclasses define `extract` and `split`."""
 
     name = ""
+    # the characters that can complete a call once the reply is in its calls: text without
+    # them adds no call, so `ToolCallStream` need not parse the reply again
+    CLOSERS = ""
 
     def extract(self, text: str) -> Extracted:
         """The calls and content of a whole reply."""
@@ -74,20 +79,14 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker` (text held back in case it is)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
-
-
 class HermesParser(ToolParser):
     """`<tool_call>{json}</tool_call>` blocks; the text before the first is the content."""
 
     name = "hermes"
-    START, END = "<tool_call>", "</tool_call>"
+    START = "<tool_call>"
+    CLOSERS = ">"  # a block ends with `</tool_call>`
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+    _COMPLETE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def extract(self, text: str) -> Extracted:
         at = text.find(self.START)
@@ -102,9 +101,9 @@ class HermesParser(ToolParser):
     def split(self, text: str) -> tuple[str | None, list[FunctionCall]]:
         at = text.find(self.START)
         if at < 0:
-            return text[: len(text) - _held_prefix(text, self.START)], []
+            return text[: len(text) - held_prefix(text, (self.START,))], []
         calls = []
-        for block in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+        for block in self._COMPLETE.findall(text):
             try:
                 calls.append(self._call(block))
             except (ValueError, KeyError, TypeError):
@@ -122,6 +121,7 @@ class Llama3JsonParser(ToolParser):
 
     name = "llama3_json"
     BOT = "<|python_tag|>"
+    CLOSERS = "}"  # a call is a JSON object
     _SEPARATOR = re.compile(r"\s*;\s*")
 
     def extract(self, text: str) -> Extracted:
@@ -163,6 +163,9 @@ class PythonicParser(ToolParser):
     """A reply that is a Python list of calls with literal keyword arguments."""
 
     name = "pythonic"
+    # an item ends at a top-level `,` or where the list closes, which any closing bracket does
+    # at depth 0 (`_complete_items`), so `)` and `}` too
+    CLOSERS = ",)]}"
 
     def extract(self, text: str) -> Extracted:
         if not text.startswith("["):
@@ -242,6 +245,8 @@ class ToolCallStream:
     def push(self, delta: str) -> tuple[str, list[dict]]:
         """Content and call deltas released by `delta`."""
         self.text += delta
+        if self.in_calls and not any(c in delta for c in self.parser.CLOSERS):
+            return "", []  # no call completed: parsing the whole reply again would say so
         content, calls = self.parser.split(self.text)
         if content is None:
             self.in_calls = True

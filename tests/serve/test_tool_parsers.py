@@ -101,3 +101,21 @@ def test_the_cli_offers_every_parser() -> None:
     from pipeline.serve.commands import TOOL_CALL_PARSERS
 
     assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSERS
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [(n, t) for n, t, _, _ in CASES] + [("pythonic", "[f(x=1))"), ("pythonic", '[f(s=",]"), g()]')],
+)
+def test_a_call_comes_with_the_piece_that_completes_it(name, text, size) -> None:
+    """The stream skips parsing pieces that cannot complete a call; parsing every prefix anew
+    (the parser's `split`) must release the same calls at the same pieces."""
+    parser = TOOL_PARSERS[name]()
+    stream, seen = ToolCallStream(parser), 0
+    for end in range(size, len(text) + size, size):
+        _, calls = stream.push(text[end - size : end])
+        content, expected = parser.split(text[:end])
+        expected = expected[seen:] if content is None else []
+        assert [c["function"]["name"] for c in calls] == [c.name for c in expected]
+        seen += len(expected)

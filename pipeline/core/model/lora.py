@@ -40,8 +40,10 @@ __all__ = [
     "LoRAAdapted",
     "LoRALinear",
     "LoRASpec",
+    "adapted_class",
     "adapter_names",
     "apply_lora",
+    "find_linear",
     "init_adapters",
     "is_adapter_name",
     "merged_weight",
@@ -141,14 +143,15 @@ class LoRALinear(LoRAAdapted, nn.Linear):
         return F.linear(x, weight, bias)
 
 
-_ADAPTED: dict[type, type] = {nn.Linear: LoRALinear}
+_ADAPTED: dict[tuple[type, type], type] = {(LoRAAdapted, nn.Linear): LoRALinear}
 
 
-def _adapted_class(cls: type) -> type:
-    """The adapted subclass of a linear class (one per class, made on first use)."""
-    if cls not in _ADAPTED:
-        _ADAPTED[cls] = type(f"LoRA{cls.__name__}", (LoRAAdapted, cls), {})
-    return _ADAPTED[cls]
+def adapted_class(cls: type, mixin: type = LoRAAdapted, prefix: str = "LoRA") -> type:
+    """The subclass of a linear class `cls` with `mixin` first (named `prefix` + its name; one
+    per pair, made on first use): a linear re-classed to it keeps its weights and their names."""
+    if (mixin, cls) not in _ADAPTED:
+        _ADAPTED[mixin, cls] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    return _ADAPTED[mixin, cls]
 
 
 class ExpertAdapters(nn.Module):
@@ -225,14 +228,21 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> nn.Module:
     return model
 
 
-def _wrap_linear(block: nn.Module, path: str, spec: LoRASpec) -> None:
+def find_linear(block: nn.Module, path: str) -> nn.Module | None:
+    """The module at `path` in `block` when it has a weight; None when the block has no such
+    projection (dense vs MoE, GQA vs MLA)."""
     try:
         linear = block.get_submodule(path)
     except AttributeError:
-        return  # the block has no such projection (dense vs MoE, GQA vs MLA)
-    if isinstance(linear, LoRAAdapted) or not hasattr(linear, "weight"):
+        return None
+    return linear if hasattr(linear, "weight") else None
+
+
+def _wrap_linear(block: nn.Module, path: str, spec: LoRASpec) -> None:
+    linear = find_linear(block, path)
+    if linear is None or isinstance(linear, LoRAAdapted):
         return
-    linear.__class__ = _adapted_class(type(linear))
+    linear.__class__ = adapted_class(type(linear))
     linear.add_adapters(spec.rank, spec.scaling, spec.dropout)
 
 
