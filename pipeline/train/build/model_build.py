@@ -21,18 +21,18 @@ import torch
 from pipeline.core.kernels.attention import choose_backend
 from pipeline.core.kernels.attention_choice import AttentionShape, BackendChoice
 from pipeline.core.kernels.fp8 import Fp8Training, build_fp8
-from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.block import ModelOptions
+from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
-from pipeline.train.config.schema import ConfigError
 from pipeline.train.build.model_parts import StageUnion, TrainableModel
-from pipeline.train.objectives import objective_spec
-from pipeline.train.objectives.base import Objective
 from pipeline.train.build.parallelize import build_model_parts, parallelize
+from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.pipeline_step import PipelineRunner
 from pipeline.train.loop.step_runner import LocalStepRunner, StepRunner
+from pipeline.train.objectives import objective_spec
+from pipeline.train.objectives.base import Objective
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig

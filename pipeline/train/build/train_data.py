@@ -155,8 +155,9 @@ def build_split_datasets(
 def prompt_datasets(cfg: TrainConfig) -> list[Any]:
     """GRPO's prompts per split (`pipeline.data.prompt_dataset`), rendered with the tokenizer's
     chat template, whole epochs of them; prompts that leave no room for
-    `grpo.max_completion_length` are skipped and counted. With `grpo.num_iterations` > 1 each global batch of the train split comes back that
-    many times (the rollouts of its first pass serve the others)."""
+    `grpo.max_completion_length` are skipped and counted. With `grpo.num_iterations` > 1 each
+    global batch of the train split comes back that many times (the rollouts of its first pass
+    serve the others)."""
     from pipeline.data.prompt_dataset import PromptDataset
     from pipeline.preprocess.prompts import PromptFileError, read_prompt_splits
     from pipeline.tokenizer.chat_template import ChatTemplateError, load_chat_template
