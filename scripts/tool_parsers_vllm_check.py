@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory")
     args = parser.parse_args()
 
-    from pipeline.serve.tool_parsers import TOOL_PARSERS
+    from pipeline.serve.http.tool_parsers import TOOL_PARSERS
     from tests.serve.test_tool_parsers import CASES
 
     texts = [[name, text] for name, text, _, _ in CASES]

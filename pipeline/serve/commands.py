@@ -23,10 +23,11 @@ from pipeline.core.parallel.process_group import (
     launched_by_torchrun,
     relaunch_under_torchrun,
 )
-from pipeline.serve.lora_options import adapter_settings, lora_options
+from pipeline.serve.http.lora_options import adapter_settings, lora_options
 
 DTYPES = ("auto", "fp32", "bf16")
-TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")  # pipeline.serve.tool_parsers' formats
+# pipeline.serve.http.tool_parsers' formats
+TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")
 
 
 def model_options(command):
@@ -67,8 +68,8 @@ def open_for_generation(
     import torch
 
     from pipeline.core.parallel.process_group import launched_world_size, rank_device
-    from pipeline.serve.loading import LoadError, open_generator
-    from pipeline.serve.tensor_parallel import tensor_parallel_mesh
+    from pipeline.serve.engine.loading import LoadError, open_generator
+    from pipeline.serve.engine.tensor_parallel import tensor_parallel_mesh
 
     chosen = _device(device)
     torch_dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -191,7 +192,7 @@ def _silent(*_args: Any, **_kwargs: Any) -> None:
 
 
 def _sampling(options: dict[str, Any]):
-    from pipeline.serve.sampling import BadSamplingValue, SamplingParams
+    from pipeline.serve.engine.sampling import BadSamplingValue, SamplingParams
 
     try:
         return SamplingParams(
@@ -238,7 +239,7 @@ def engine_options(command):
 
 def engine_spec(checkpoint: str, options: dict[str, Any]):
     """The `EngineSpec` of `model_options` and `engine_options`, popped from `options`."""
-    from pipeline.serve.engine_process import EngineSpec
+    from pipeline.serve.engine.process import EngineSpec
 
     tokenizer, adapter = options.pop("tokenizer"), options.pop("lora_adapter")
     return EngineSpec(
@@ -287,10 +288,10 @@ def serve(checkpoint: str, **options: Any) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         raise click.ClickException("pipe serve needs: pip install 'pipe-llm[serve]'") from None
-    from pipeline.serve.loading import LoadError
-    from pipeline.serve.server import run_server
-    from pipeline.serve.startup import adapter_hint
-    from pipeline.serve.tool_calls import ToolServing
+    from pipeline.serve.engine.loading import LoadError
+    from pipeline.serve.http.server import run_server
+    from pipeline.serve.http.startup import adapter_hint
+    from pipeline.serve.http.tool_calls import ToolServing
 
     hint = adapter_hint(checkpoint)
     if hint is not None:

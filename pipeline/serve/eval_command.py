@@ -5,7 +5,7 @@
     pipe eval CKPT --tasks gsm8k --chat                     (through the chat template)
 
 The engine serves on a free loopback port for the run and the harness's `local-completions`
-model scores against it with its default settings (`pipeline.serve.harness`). lm-eval is an
+model scores against it with its default settings (`pipeline.serve.http.harness`). lm-eval is an
 optional extra: `pip install 'pipe-llm[eval]'`. click is the only import at module level.
 """
 
@@ -49,8 +49,8 @@ def evaluate(checkpoint: str, **options: Any) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         raise click.ClickException("pipe eval needs: pip install 'pipe-llm[eval]'") from None
-    from pipeline.serve.harness import run_harness, serving
-    from pipeline.serve.loading import LoadError
+    from pipeline.serve.engine.loading import LoadError
+    from pipeline.serve.http.harness import run_harness, serving
 
     run = _harness_run(options)
     output = options.pop("output")
@@ -70,7 +70,7 @@ def evaluate(checkpoint: str, **options: Any) -> None:
 
 def _harness_run(options: dict[str, Any]):
     """The `HarnessRun` of the command's options (popped), the task names checked first."""
-    from pipeline.serve.harness import HarnessRun, task_manager
+    from pipeline.serve.http.harness import HarnessRun, task_manager
 
     tasks = [t.strip() for t in options.pop("tasks").split(",") if t.strip()]
     include_path = options.pop("include_path")

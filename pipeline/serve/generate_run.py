@@ -1,18 +1,18 @@
 """What `pipe generate` does once the model is loaded: run the prompts through the engine and
 write the text to the terminal as it comes (one prompt), or each text when done (several).
 
-The text is made as `pipe serve` makes it (`pipeline.serve.text.RequestText`): the engine hands
-out token ids, and a request that reaches a stop string is aborted there."""
+The text is made as `pipe serve` makes it (`pipeline.serve.engine.text.RequestText`): the engine
+hands out token ids, and a request that reaches a stop string is aborted there."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
-from pipeline.serve.engine import Engine
-from pipeline.serve.loading import Generator
-from pipeline.serve.sampling import SamplingParams
-from pipeline.serve.text import RequestText
+from pipeline.serve.engine.core import Engine
+from pipeline.serve.engine.loading import Generator
+from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.engine.text import RequestText
 
 
 def run_generation(

@@ -70,8 +70,8 @@ def hf_generate(model, prompts: list[list[int]], new: int):
 
 
 def pipe_generate(model, prompts: list[list[int]], new: int):
-    from pipeline.serve.engine import Engine
-    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.sampling import SamplingParams
 
     blocks = len(prompts) * (-(-(max(map(len, prompts)) + new) // 16))
     engine = Engine(model, max_batch=len(prompts), cache_blocks=blocks, block_size=16,
@@ -94,7 +94,7 @@ def main() -> None:
     import torch
 
     from pipeline.common.quiet import import_transformers
-    from pipeline.serve.loading import open_generator
+    from pipeline.serve.engine.loading import open_generator
 
     transformers = import_transformers()
     device = torch.device(args.device)

@@ -202,7 +202,7 @@ def masked_cost(vocab: int, rows: int, repeat: int) -> float:
     """Seconds to apply a bitmask to `rows` rows of logits with pipe's `masked`."""
     import torch
 
-    from pipeline.serve.structured_output import masked
+    from pipeline.serve.engine.structured_output import masked
 
     logits = torch.randn(rows, vocab)
     # a JSON structure state: a few allowed tokens (random bits would cost ~3x more, by the
@@ -226,10 +226,10 @@ def engine_cost(tokenizer: Path, args: argparse.Namespace) -> None:
     import torch
 
     from pipeline.common.quiet import import_transformers
-    from pipeline.serve.engine import Engine
-    from pipeline.serve.loading import open_generator
-    from pipeline.serve.sampling import SamplingParams
-    from pipeline.serve.structured_output import GrammarBackend, StructuredOutput
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.loading import open_generator
+    from pipeline.serve.engine.sampling import SamplingParams
+    from pipeline.serve.engine.structured_output import GrammarBackend, StructuredOutput
 
     transformers = import_transformers()
     with tempfile.TemporaryDirectory() as directory:

@@ -91,7 +91,7 @@ class PartTimer:
 def _measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
-    from pipeline.serve.engine import Engine
+    from pipeline.serve.engine.core import Engine
     from pipeline.train.config.loader import resolve_config
     from pipeline.train.loop import train_step
     from pipeline.train.loop.trainer import Trainer

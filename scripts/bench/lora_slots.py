@@ -1,4 +1,4 @@
-"""Batched LoRA on a CPU: the two ways `pipeline.serve.lora_slots` can compute each row's
+"""Batched LoRA on a CPU: the two ways `pipeline.serve.engine.lora_slots` can compute each row's
 adapter update (`gathered_lora`, `grouped_lora`), timed on one decode step's shapes.
 
 "gather" makes one batched product over every row's gathered A and B; "grouped" one product per
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.serve.lora_slots import gathered_lora, grouped_lora
+from pipeline.serve.engine.lora_slots import gathered_lora, grouped_lora
 
 
 def timed(fn, repeats: int) -> float:

@@ -47,8 +47,8 @@ def first_token_seconds(engine, prompt: list[int], params) -> tuple[float, objec
 
 def measure(model, prompt: list[int], repeats: int, caching: bool) -> dict:
     """Cold and warm first-token times of `prompt` on a fresh engine."""
-    from pipeline.serve.engine import Engine
-    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=4, greedy=True)
     engine = Engine(model, max_batch=1, cache_blocks=len(prompt) // 16 + 8, block_size=16,
@@ -77,7 +77,7 @@ def main() -> None:
 
     import torch
 
-    from pipeline.serve.loading import open_generator
+    from pipeline.serve.engine.loading import open_generator
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     with tempfile.TemporaryDirectory() as directory:

@@ -97,8 +97,8 @@ def serving_engine_checks(device: str) -> None:
     equal decoding without a cache there; in bf16 (as serve and GRPO's rollouts hold a model on
     a GPU) a group prefills its prompt once and the same seeds draw the same completions."""
     from pipeline.core.model.greedy import greedy_without_cache
-    from pipeline.serve.engine import Engine
-    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.sampling import SamplingParams
 
     torch.manual_seed(0)
     model = build_model(micro_model_config()).to(device).eval()

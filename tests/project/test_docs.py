@@ -95,7 +95,8 @@ LAYERS = {
 # One way across: GRPO's rollouts run pipe's inference engine in the training processes, or
 # on a running server that takes the new weights, so `train` may import the engine's own
 # modules of `serve` and its weight client (the server, routes and loading stay out of reach).
-ENGINE_MODULES = {"engine", "sampling", "kv_cache", "decode", "weight_client"}
+# What a `train` module may take from `serve`: the engine room and the weight client.
+SERVE_FOR_TRAINING = {("engine",), ("http", "weight_client")}
 # Above every layer: the command group and the package's own entry points.
 ENTRY_POINTS = {"cli", "__main__", "__init__"}
 # Modules that turn a command line into a run: only the same package's commands import them.
@@ -120,12 +121,12 @@ def _imported_modules(path: Path) -> set[str]:
 
 def _pipeline_imports(path: Path, package: str = "") -> set[str]:
     """Top-level pipeline packages imported anywhere in `path`, lazy imports included, less the
-    engine modules a `train` module may take from `serve` (ENGINE_MODULES)."""
+    serve modules a `train` module may take (SERVE_FOR_TRAINING)."""
     found = set()
     for name in _imported_modules(path):
         parts = name.split(".")
-        engine = package == "train" and parts[1] == "serve" and len(parts) > 2
-        if not (engine and parts[2] in ENGINE_MODULES):
+        rooms = {tuple(parts[2:3]), tuple(parts[2:4])}
+        if not (package == "train" and parts[1] == "serve" and rooms & SERVE_FOR_TRAINING):
             found.add(parts[1])
     return found
 

@@ -44,7 +44,7 @@ def tiny_hf_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 def llama(tmp_path_factory):
     """pipe's model of a small random Llama written as a Hugging Face directory (the engine
     tests' model)."""
-    from pipeline.serve.loading import open_generator
+    from pipeline.serve.engine.loading import open_generator
 
     directory = tmp_path_factory.mktemp("llama")
     save_hf("llama", directory)

@@ -9,9 +9,9 @@ import pytest
 
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.greedy import greedy_without_cache
-from pipeline.serve.engine import Engine, PromptTooLong, Request
-from pipeline.serve.kv_cache import BlockKVCache
-from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.engine.core import Engine, PromptTooLong, Request
+from pipeline.serve.engine.kv_cache import BlockKVCache
+from pipeline.serve.engine.sampling import SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -193,7 +193,7 @@ def test_a_sibling_keeps_the_leaders_blocks_until_it_finishes(llama) -> None:
 def test_prompt_logprobs_of_a_sibling_are_its_leaders(llama) -> None:
     """A sibling asking the leader's prompt_logprobs copies them; one asking another number of
     alternatives prefills on its own, after the full blocks whose entries the leader kept
-    (`pipeline.serve.prompt_logprob_cache`; none without prefix caching)."""
+    (`pipeline.serve.engine.prompt_logprob_cache`; none without prefix caching)."""
     asks = SamplingParams(max_new_tokens=2, greedy=True, prompt_logprobs=2)
     other = SamplingParams(max_new_tokens=2, greedy=True, prompt_logprobs=1)
     group = _engine(llama).generate_groups([LONG], [[asks, asks, other]])[0]
@@ -239,11 +239,11 @@ def test_block_references() -> None:
 
 
 def test_a_groups_decode_rows_are_packed_and_read_the_prompt_once(llama) -> None:
-    """`pipeline.serve.packing`: one batch row for the group, the shared prompt blocks in its
+    """`pipeline.serve.engine.packing`: one batch row for the group, the shared prompt blocks in its
     keys once, each completion's own positions after them; the tokens as without a cache."""
     import torch
 
-    from pipeline.serve.packing import packed_decode_batch
+    from pipeline.serve.engine.packing import packed_decode_batch
 
     engine = _engine(llama, cache_blocks=64)
     group = engine.add_group(LONG, [SamplingParams(max_new_tokens=5, greedy=True)] * 4)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.serve.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
-from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
-from pipeline.serve.engine_client import EngineClient
-from pipeline.serve.engine_process import EngineSpec
-from pipeline.serve.loading import LoadError, open_generator
-from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.engine.core import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
+from pipeline.serve.engine.loading import LoadError, open_generator
+from pipeline.serve.engine.process import EngineSpec
+from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.http.engine_client import EngineClient
 
 PROMPT = [5, 17, 3, 40, 2, 71]
 NEW = 24
@@ -116,8 +116,8 @@ def test_control_messages_from_two_routes_each_get_their_own_answer() -> None:
     so neither takes the other's (the engine answers in order)."""
     import asyncio
 
-    from pipeline.serve.engine_client import EngineClient
-    from pipeline.serve.messages import ControlDone, LoadLoRA, ResetPrefixCache
+    from pipeline.serve.engine.messages import ControlDone, LoadLoRA, ResetPrefixCache
+    from pipeline.serve.http.engine_client import EngineClient
 
     client = EngineClient.__new__(EngineClient)  # the control channel alone, no engine process
     client._dead, client._control, client._control_lock = None, None, asyncio.Lock()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pipeline.core.model.greedy import greedy_without_cache
-from pipeline.serve.engine import Engine, PromptTooLong, QueueFull
-from pipeline.serve.loading import LoadError, open_generator
-from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.engine.core import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine.loading import LoadError, open_generator
+from pipeline.serve.engine.sampling import SamplingParams
 from tests.builders import run_pipe, save_hf
 
 transformers = pytest.importorskip("transformers")
@@ -193,7 +193,7 @@ def test_bounds_are_refused_clearly(llama) -> None:
 
 
 def test_stop_strings_and_eos_end_the_text() -> None:
-    from pipeline.serve.text import TextStream
+    from pipeline.serve.engine.text import TextStream
 
     pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
     stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), stop=["world"])
@@ -207,7 +207,7 @@ def test_a_requests_text_ends_at_a_stop_string_or_where_the_engine_ends_it() -> 
     """`RequestText`, the text path of `pipe generate` and `pipe serve` alike: a stop string
     ends the text before the engine knows (the caller must abort), a stop token adds no text,
     and the engine's end releases what was held back."""
-    from pipeline.serve.text import RequestText
+    from pipeline.serve.engine.text import RequestText
 
     pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 9: "<eos>"}
 
@@ -268,7 +268,7 @@ def test_a_template_with_bos_token_renders_it(tmp_path, tiny_hf_dir) -> None:
     import json
     import shutil
 
-    from pipeline.serve.openai_api import ChatMessage, chat_prompt
+    from pipeline.serve.http.openai_api import ChatMessage, chat_prompt
     from pipeline.tokenizer.chat_template import ChatTemplateError
 
     shutil.copytree(tiny_hf_dir, tmp_path, dirs_exist_ok=True)
@@ -382,7 +382,7 @@ def test_incremental_text_equals_decoding_the_whole_output(name) -> None:
     """Token by token, the released text adds up to the whole output decoded at once (byte
     pieces of one character, SentencePiece's leading spaces), and a stop string cuts it exactly
     where it first appears."""
-    from pipeline.serve.text import TextStream
+    from pipeline.serve.engine.text import TextStream
     from pipeline.tokenizer.tokenizer import load_tokenizer
     from tests.builders import shared_file
 
@@ -426,7 +426,7 @@ def test_a_prompts_last_token_runs_once(llama) -> None:
 def test_the_output_text_continues_the_prompt() -> None:
     """Decoded after the prompt's last ids, the first token keeps what it adds to the text (a
     SentencePiece word's leading space): prompt text + output text is the whole text."""
-    from pipeline.serve.text import TextStream
+    from pipeline.serve.engine.text import TextStream
     from pipeline.tokenizer.tokenizer import load_tokenizer
     from tests.builders import shared_file
 

@@ -44,9 +44,9 @@ def test_generate_with_peft_adapters_equals_transformers_and_peft(tiny_hf_dir, t
 def test_serve_engine_takes_the_adapter_and_refuses_a_wrong_one_in_one_line(tiny_hf_dir) -> None:
     """`pipe serve --lora-adapter`: the engine process opens the adapter; one that is not
     LoRA adapters is refused in one line naming it."""
-    from pipeline.serve.engine_client import EngineClient
-    from pipeline.serve.engine_process import EngineSpec
-    from pipeline.serve.loading import LoadError
+    from pipeline.serve.engine.loading import LoadError
+    from pipeline.serve.engine.process import EngineSpec
+    from pipeline.serve.http.engine_client import EngineClient
 
     spec = EngineSpec(
         checkpoint=str(tiny_hf_dir), tokenizer=None, device="cpu", dtype=None,

@@ -84,7 +84,7 @@ def peft_greedy(hf_dir: Path, adapter: Path | None, prompt: str) -> str:
 
 
 def test_auto_peft_loads_the_export_with_pipes_logits(tiny_hf_dir, exported, tmp_path) -> None:
-    from pipeline.serve.loading import open_generator
+    from pipeline.serve.engine.loading import open_generator
 
     adapters, base = exported
     config = json.loads((adapters["a"] / "adapter_config.json").read_text())

@@ -1,5 +1,5 @@
-"""Adapters by name in the engine (`pipeline.serve.lora_slots`): rows of one batch, each with its
-own peft adapter or none, give transformers + peft's greedy tokens; with one slot for two
+"""Adapters by name in the engine (`pipeline.serve.engine.lora_slots`): rows of one batch, each
+with its own peft adapter or none, give transformers + peft's greedy tokens; with one slot for two
 adapters they take turns (evicted and brought back) and still do; the gathered and the grouped
 batched products agree; adapters that do not fit are refused in one line naming the path."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.serve.engine_process import build_engine
-from pipeline.serve.loading import open_generator
-from pipeline.serve.lora_slots import LoRASlotError, LoRASlots, gathered_lora, grouped_lora
-from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.engine.loading import open_generator
+from pipeline.serve.engine.lora_slots import LoRASlotError, LoRASlots, gathered_lora, grouped_lora
+from pipeline.serve.engine.process import build_engine
+from pipeline.serve.engine.sampling import SamplingParams
 from pipeline.tokenizer.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -65,7 +65,7 @@ def adapters(tiny_hf_dir, tmp_path_factory):
 
 
 def engine_with(hf_dir: Path, paths: dict, max_loras: int, max_batch: int = 8):
-    from pipeline.serve.cpu_linear import prepack_linears
+    from pipeline.serve.engine.cpu_linear import prepack_linears
 
     gen = open_generator(hf_dir)
     prepack_linears(gen.model)
@@ -151,7 +151,7 @@ def test_lora_modules_take_vllms_forms() -> None:
     import click
     from click.testing import CliRunner
 
-    from pipeline.serve.lora_options import adapter_settings, lora_options
+    from pipeline.serve.http.lora_options import adapter_settings, lora_options
 
     @click.command()
     @click.argument("checkpoint")

@@ -285,7 +285,7 @@ def test_streamed_completions_match_whole_ones(client) -> None:
 
 
 def test_chat_accepts_what_clients_send(client, tokenizer) -> None:
-    from pipeline.serve.openai_api import chat_prompt
+    from pipeline.serve.http.openai_api import chat_prompt
     from tests.serve.conftest import CHAT_TEMPLATE
 
     messages = [
@@ -357,7 +357,7 @@ def test_streamed_chat_deltas(client) -> None:
 
 def test_tokenize_detokenize_and_version(server, tokenizer) -> None:
     from pipeline import __version__
-    from pipeline.serve.openai_api import chat_prompt
+    from pipeline.serve.http.openai_api import chat_prompt
     from tests.serve.conftest import CHAT_TEMPLATE
 
     status, body = raw(server, "POST", "/tokenize", {"model": "tiny_hf0", "prompt": PROMPT})

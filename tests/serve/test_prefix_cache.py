@@ -12,9 +12,9 @@ import torch
 
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.greedy import greedy_without_cache
-from pipeline.serve.engine import Engine
-from pipeline.serve.kv_cache import BlockKVCache, block_hashes
-from pipeline.serve.sampling import SamplingParams
+from pipeline.serve.engine.core import Engine
+from pipeline.serve.engine.kv_cache import BlockKVCache, block_hashes
+from pipeline.serve.engine.sampling import SamplingParams
 
 pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pipeline.serve.engine import Engine
-from pipeline.serve.loading import open_generator
-from pipeline.serve.sampling import (
+from pipeline.serve.engine.core import Engine
+from pipeline.serve.engine.loading import open_generator
+from pipeline.serve.engine.sampling import (
     BadSamplingValue,
     SamplingParams,
     TokenLogprobs,

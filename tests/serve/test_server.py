@@ -116,7 +116,7 @@ def test_models_health_and_a_completion(server, tiny_hf_dir) -> None:
 
 
 def test_chat_uses_the_tokenizer_template(server, tiny_hf_dir) -> None:
-    from pipeline.serve.openai_api import chat_prompt
+    from pipeline.serve.http.openai_api import chat_prompt
     from pipeline.tokenizer.tokenizer import load_tokenizer
     from tests.serve.conftest import CHAT_TEMPLATE
 

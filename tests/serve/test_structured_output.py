@@ -1,5 +1,5 @@
-"""Structured output (`pipeline.serve.structured_output`): 200 random JSON schemas on a tiny random
-model, whose unconstrained text is garbage, each output parsed and validated by `jsonschema`;
+"""Structured output (`pipeline.serve.engine.structured_output`): 200 random JSON schemas on a tiny
+random model, whose unconstrained text is garbage, each output parsed and validated by `jsonschema`;
 the unconstrained rows of the same batch token-identical to a run without constrained rows;
 regex, choice and grammar constraints; the API fields through the official `openai` client."""
 
@@ -11,10 +11,10 @@ import re
 
 import pytest
 
-from pipeline.serve.engine import Engine
-from pipeline.serve.loading import open_generator
-from pipeline.serve.sampling import SamplingParams
-from pipeline.serve.structured_output import GrammarBackend, StructuredOutput
+from pipeline.serve.engine.core import Engine
+from pipeline.serve.engine.loading import open_generator
+from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.engine.structured_output import GrammarBackend, StructuredOutput
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pipeline.serve.messages import Delta, Ready
-from pipeline.serve.tool_calls import AUTO_NEEDS_FLAGS, ToolServing
+from pipeline.serve.engine.messages import Delta, Ready
+from pipeline.serve.http.tool_calls import AUTO_NEEDS_FLAGS, ToolServing
 from tests.serve.test_tool_parsers import CASES, WEATHER
 from tests.serve.test_tool_templates import ARGUMENTS, TOOLS
 
@@ -90,8 +90,8 @@ class ScriptedEngine:
 @contextmanager
 def scripted_server(tokenizer, tools: ToolServing):
     """The app on a free loopback port in a thread; yields (openai client, engine)."""
-    from pipeline.serve.server import create_app
-    from pipeline.serve.startup import bind_socket
+    from pipeline.serve.http.server import create_app
+    from pipeline.serve.http.startup import bind_socket
     from pipeline.tokenizer.chat_template import ChatTemplate
 
     engine = ScriptedEngine(tokenizer, ChatTemplate.from_string(TEMPLATE))
@@ -253,7 +253,7 @@ def test_named_and_required_choices_read_json(plain_server) -> None:
 def test_unknown_fields_are_ignored_and_logged_once(plain_server, caplog) -> None:
     client, engine = plain_server
     engine.reply = "fine"
-    caplog.set_level(logging.WARNING, logger="pipeline.serve.lenient")
+    caplog.set_level(logging.WARNING, logger="pipeline.serve.http.lenient")
     for _ in range(2):
         answer = client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x", "weight": 1}],
@@ -271,7 +271,7 @@ def test_response_format_text_is_accepted_others_are_not_ignored(plain_server) -
     answer = client.chat.completions.create(model="m", messages=ASK,
                                             response_format={"type": "text"})  # fmt: skip
     assert answer.choices[0].message.content == "fine"
-    from pipeline.serve.openai_api import ChatBody
+    from pipeline.serve.http.openai_api import ChatBody
 
     if "response_format" not in ChatBody.model_fields:  # until structured output serves it
         with pytest.raises(openai.BadRequestError) as caught:
@@ -307,7 +307,7 @@ def test_a_limit_error_names_the_field_asked(plain_server, param) -> None:
 
 def test_the_json_schema_of_required_and_named_choices() -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from pipeline.serve.tool_calls import required_calls, tool_choice_json_schema
+    from pipeline.serve.http.tool_calls import required_calls, tool_choice_json_schema
 
     assert tool_choice_json_schema(TOOLS, "auto") is None
     assert tool_choice_json_schema(TOOLS, "none") is None

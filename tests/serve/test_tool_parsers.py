@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from pipeline.serve.tool_parsers import TOOL_PARSERS, ToolCallStream
+from pipeline.serve.http.tool_parsers import TOOL_PARSERS, ToolCallStream
 
 WEATHER = {"city": "Zürich", "days": [1, 2], "units": {"temp": "C"}}
 

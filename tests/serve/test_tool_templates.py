@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.serve.codec import Codec
-from pipeline.serve.openai_api import ChatBody
+from pipeline.serve.http.codec import Codec
+from pipeline.serve.http.openai_api import ChatBody
 from pipeline.tokenizer.chat_template import load_chat_template
 from tests.tokenizer.test_chat_template import hf_tokenizer, with_template
 

@@ -48,7 +48,7 @@ def server(tiny_hf_dir, tmp_path_factory):
 @pytest.fixture
 def client(server, tiny_hf_dir):
     """A weight client of `server`; the server is back on `tiny_hf_dir`'s weights after."""
-    from pipeline.serve.weight_client import WeightClient
+    from pipeline.serve.http.weight_client import WeightClient
 
     client = WeightClient(f"http://127.0.0.1:{server.port}")
     yield client
@@ -64,7 +64,7 @@ def _prompt_ids(hf_dir: Path) -> list[list[int]]:
 
 def _params(hf_dir: Path):
     """The (name, tensor) pairs of `hf_dir`'s model as pipe names them (a training process's)."""
-    from pipeline.serve.loading import open_generator
+    from pipeline.serve.engine.loading import open_generator
 
     return open_generator(hf_dir, dtype=torch.float32).model.state_dict().items()
 
@@ -98,9 +98,9 @@ def _engine_pids(server) -> tuple[int, ...]:
 
 
 def test_a_push_serves_the_pushing_model_in_the_same_process(server, client, second_hf_dir):
+    from pipeline.serve.engine.loading import open_generator
+    from pipeline.serve.engine.sampling import SamplingParams
     from pipeline.serve.generate_run import run_generation
-    from pipeline.serve.loading import open_generator
-    from pipeline.serve.sampling import SamplingParams
 
     pids = _engine_pids(server)
     before = server.get("/v1/models")[1]["data"][0]["weight_version"]
@@ -123,7 +123,7 @@ def test_a_push_serves_the_pushing_model_in_the_same_process(server, client, sec
 
 def test_a_bad_push_is_refused_in_one_line_and_the_old_weights_serve(server, client,
                                                                      tiny_hf_dir):  # fmt: skip
-    from pipeline.serve.weight_client import WeightPushError
+    from pipeline.serve.http.weight_client import WeightPushError
 
     ids = _prompt_ids(tiny_hf_dir)[0]
     version = server.get("/weight_info")[1]

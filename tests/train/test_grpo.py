@@ -94,8 +94,8 @@ def test_bf16_rollouts_run_a_bf16_copy_outside_autocast(tmp_path: Path, task: di
     import copy
 
     from pipeline.core.model.transformer import Transformer
-    from pipeline.serve.engine import Engine
-    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.sampling import SamplingParams
     from pipeline.train.objectives.grpo_rollout import RolloutModel
 
     cfg = resolve_config(None, grpo_sets(tmp_path, task, "training.dtype=bf16"))
@@ -130,8 +130,8 @@ def test_rollouts_after_a_step_never_read_the_old_weights_cache(tmp_path, task) 
     optimizer step, then `refresh`) a prompt seen before is computed again: the same sharing
     as the first time, and the completions of a fresh engine on the new weights."""
     from pipeline.core.model.transformer import Transformer
-    from pipeline.serve.engine import Engine
-    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.sampling import SamplingParams
     from pipeline.train.objectives.grpo_rollout import RolloutModel
 
     cfg = resolve_config(None, grpo_sets(tmp_path, task))
@@ -160,7 +160,7 @@ def test_dry_run_estimate_holds_the_rollout_engine(tmp_path: Path, task: dict, d
     """`--dry-run`'s rollout engine bytes are what the engine allocates for a step's longest
     rollouts: its weights (none when it runs on the fp32 policy itself) and KV cache."""
     from pipeline.core.model.transformer import Transformer
-    from pipeline.serve.sampling import SamplingParams
+    from pipeline.serve.engine.sampling import SamplingParams
     from pipeline.train.objectives.grpo_rollout import RolloutModel
     from pipeline.train.report.estimates import estimate_memory
 

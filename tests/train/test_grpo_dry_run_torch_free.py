@@ -39,7 +39,7 @@ def test_torch_free_kv_bytes_are_the_cache_s(tp: int) -> None:
     import torch
 
     from pipeline.core.model.kv_sizes import kv_bytes_per_token
-    from pipeline.serve.kv_cache import BlockKVCache
+    from pipeline.serve.engine.kv_cache import BlockKVCache
 
     config = micro_model_config()
     for dtype in (torch.bfloat16, torch.float32):

@@ -59,7 +59,7 @@ def test_an_unreachable_rollout_server_is_one_line(tmp_path: Path, task: dict) -
 
 def _logprobs(checkpoint: Path, ids: list[int]) -> list[float]:
     """Each token's log-probability after the first under `checkpoint` (pipe's model, fp32)."""
-    from pipeline.serve.loading import open_generator
+    from pipeline.serve.engine.loading import open_generator
 
     model = open_generator(checkpoint, dtype=torch.float32).model
     with torch.no_grad():

@@ -120,7 +120,7 @@ def _assert_generation_runs_the_adapters_unmerged(base, adapters, peft_dir, expe
     """`pipe generate/serve BASE --lora-adapter X` (their loader): the adapters of a pipe
     checkpoint or of the peft files run beside the base weights and give the trained logits."""
     from pipeline.core.model.lora import LoRALinear
-    from pipeline.serve.loading import LoadError, open_generator
+    from pipeline.serve.engine.loading import LoadError, open_generator
 
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     for adapter in (adapters, peft_dir):

@@ -1,5 +1,5 @@
 """A KV cache's per-token shapes and bytes from a model's config alone, torch-free: the
-serving cache (`pipeline.serve.kv_cache`) allocates by them and `pipe train --dry-run` sizes
+serving cache (`pipeline.serve.engine.kv_cache`) allocates by them and `pipe train --dry-run` sizes
 GRPO's rollout engine by them without importing torch."""
 
 from __future__ import annotations

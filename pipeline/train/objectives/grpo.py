@@ -223,7 +223,7 @@ class GRPO(Objective):
     def _params(self, samples: Sequence[int], group: int) -> list[list[Any]]:
         """Each completion's sampling parameters: its own seed (`completion_seed`); greedy in
         evaluation."""
-        from pipeline.serve.sampling import SamplingParams
+        from pipeline.serve.engine.sampling import SamplingParams
 
         s = self.section
         if self._evaluating:

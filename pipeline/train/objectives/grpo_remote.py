@@ -6,7 +6,7 @@ the trainer's GPUs train while the server's generate, and one server can serve s
 trainers' evaluations too.
 
 Before each batch of rollouts (after every optimizer step) the policy's weights go to the server
-through its weight routes (`pipeline.serve.weight_client`: shared memory, so the server runs on
+through its weight routes (`pipeline.serve.http.weight_client`: shared memory, so the server runs on
 the same machine): every rank gathers the full tensors together (a collective under tensor
 parallelism and FSDP), the first rank pushes them, all wait until the server has swapped. Then
 each rank sends its own prompts' completions (under tensor parallelism its share of them,
@@ -48,7 +48,7 @@ class RemoteRollouts:
     def __init__(
         self, url: str, policy: torch.nn.Module, layout: Any, timeout: float = 600.0
     ) -> None:
-        from pipeline.serve.weight_client import WeightClient
+        from pipeline.serve.http.weight_client import WeightClient
 
         self.url, self.policy, self.layout, self.timeout = url.rstrip("/"), policy, layout, timeout
         self.client = WeightClient(self.url, timeout=timeout)
@@ -61,7 +61,7 @@ class RemoteRollouts:
         """Push the policy's current weights to the server (every rank calls this at the same
         point and gathers each tensor with the others, in the same order; the first rank's push
         copies each to the host as it is gathered, the others drop each; all wait for the push)."""
-        from pipeline.serve.weight_client import WeightPushError
+        from pipeline.serve.http.weight_client import WeightPushError
 
         tensors = self._pushed_tensors()
         self.pushes += 1
@@ -107,7 +107,7 @@ class RemoteRollouts:
     def _complete(self, prompt: list[int], params: Any) -> dict:
         """One completion of `prompt` under `params` (a `SamplingParams`), as the server's
         /v1/completions answers it."""
-        from pipeline.serve.weight_client import server_message
+        from pipeline.serve.http.weight_client import server_message
 
         body = {
             "prompt": prompt,

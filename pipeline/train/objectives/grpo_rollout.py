@@ -1,7 +1,7 @@
 """GRPO's rollouts: completions of a step's prompts by pipe's own engine, in the training
 processes, from the weights the policy has now (no copy on disk).
 
-The engine (`pipeline.serve.engine.Engine`: continuous batching over a block KV cache) runs the
+The engine (`pipeline.serve.engine.core.Engine`: continuous batching over a block KV cache) runs the
 model's own cached decoding. Where the policy is one ordinary fp32 module on this rank (one
 process, no tensor or data sharding, not compiled, fp32 training) the engine runs on the policy
 itself; otherwise on a plain copy of the model held beside it (`RolloutModel`), refreshed from
@@ -123,7 +123,7 @@ class RolloutModel:
 
     def _engine(self, prompts: Sequence[list[int]], group: int, max_new: int) -> Any:
         """An engine big enough for every completion of `prompts` at once (kept while it is)."""
-        from pipeline.serve.engine import Engine
+        from pipeline.serve.engine.core import Engine
 
         rows = len(prompts) * group
         block = ROLLOUT_BLOCK

@@ -1,0 +1,81 @@
+"""The model's forward pass over new tokens, with the rest of each sequence read from a KV cache.
+
+The model runs its own modules (`Transformer.forward` with a cache, `pipeline.core.model.
+kv_seam`); this module only says where a batch's entries go and what its tokens see. Each
+attention layer hands over its new tokens' entries, which are written to their slots of the
+`BlockKVCache` first; then each row's whole history is read back and attended to under a causal
+mask by position. `tests/serve` checks this path against transformers' `generate` for every
+family.
+
+A batch is `[batch, new]` tokens, each row one sequence: a prompt chunk (prefill) or one token
+(decode). Rows shorter than the longest are padded; padded positions write to the cache's scratch
+slot and are never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.core.model.transformer import Transformer
+from pipeline.serve.engine.kv_cache import BlockKVCache
+
+
+@dataclass
+class CachedBatch:
+    """Where a batch's tokens go and what they see.
+
+    tokens, positions, write_slots: `[batch, new]`; read_slots `[batch, length]`: the slots of
+    positions 0..length-1 of each row (padded with any slot; the mask hides them). `attend`:
+    which keys each query sees, when the read slots are not positions in order (rows packed by
+    `pipeline.serve.engine.packing`)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    read_slots: torch.Tensor
+    attend: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor | None:
+        """`[batch, 1, new, length]`: query at position p sees keys at positions <= p; None when
+        that is every key (one new token per row, all rows as long: the common decode step)."""
+        if self.attend is not None:
+            return self.attend
+        length = self.read_slots.shape[1]
+        if self.positions.shape[1] == 1 and bool((self.positions == length - 1).all()):
+            return None
+        keys = torch.arange(length, device=self.positions.device)
+        return (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+
+
+class LayerSlots:
+    """One layer of a `BlockKVCache` seen by one batch: the model's `LayerKVCache`."""
+
+    def __init__(
+        self, cache: BlockKVCache, layer: int, batch: CachedBatch, mask: torch.Tensor | None
+    ) -> None:
+        self.cache, self.index, self.batch, self.mask = cache, layer, batch, mask
+
+    def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
+        self.cache.write(self.index, self.batch.write_slots, *new)
+        dtype = new[0].dtype
+        return [t.to(dtype) for t in self.cache.read(self.index, self.batch.read_slots)]
+
+
+class BatchSlots:
+    """A `BlockKVCache` seen by one batch: the model's `KVCache` (`pipeline.core.model.kv_seam`),
+    its mask computed once for all layers."""
+
+    def __init__(self, cache: BlockKVCache, batch: CachedBatch) -> None:
+        self.cache, self.batch, self.mask = cache, batch, batch.mask()
+
+    def layer(self, index: int) -> LayerSlots:
+        return LayerSlots(self.cache, index, self.batch, self.mask)
+
+
+@torch.no_grad()
+def forward_cached(model: Transformer, cache: BlockKVCache, batch: CachedBatch) -> torch.Tensor:
+    """Hidden states `[batch, new, hidden]` after the final norm, updating the cache."""
+    return model(batch.tokens, batch.positions, cache=BatchSlots(cache, batch))

@@ -1,0 +1,135 @@
+"""From generated token ids to text: incremental detokenisation and stop strings.
+
+A token's text can depend on its neighbours (byte-level pieces of one character, SentencePiece's
+leading space), so each new token is decoded together with the few tokens before it: the text of
+ids[prefix:] minus the text of ids[prefix:read] is what the new tokens add, exact whatever the
+decoder does at the start of a sequence, and the window moves on once that text is complete. A
+token costs the decoding of a handful of ids, not of the whole output. Only what can no longer
+change is released: nothing that ends in an incomplete character, nothing that might be the start
+of a stop string.
+
+`RequestText` is that stream for one request as the engine's tokens come: the HTTP server's
+engine client and `pipe generate` both make their text through it, so they release the same text
+and stop at the same place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only a type here: detokenising needs no torch
+    from pipeline.serve.engine.sampling import SamplingParams
+
+_INCOMPLETE = "\ufffd"  # what decoders give for a partial UTF-8 sequence
+CONTEXT_IDS = 5  # prompt ids decoded before the first output token
+
+
+class TextStream:
+    """The text of one request's output, released piece by piece (module docstring)."""
+
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: Sequence[str] = (),
+        context: Sequence[int] = (),
+    ) -> None:
+        """`context`: the ids before the output (the prompt's last few), so that the first
+        token's text is what it adds after them: a SentencePiece word keeps its leading space,
+        and prompt + output text is the whole text (vLLM's rule too)."""
+        self._decode = decode
+        self._stop = [s for s in stop if s]
+        context = list(context[-CONTEXT_IDS:]) if context else []
+        context_text = decode(context) if context else ""
+        if context_text.endswith(_INCOMPLETE):
+            context, context_text = [], ""  # the prompt ends inside a character: no clean seam
+        self.ids: list[int] = context
+        self.text = ""  # released so far
+        self.stopped = False
+        self._complete = ""  # decoded and whole: released, or held for a stop string
+        self._prefix = 0  # ids[_prefix:_read] is the context decoded before the new ids
+        self._read = len(context)
+        self._prefix_text = context_text
+
+    def push(self, token: int) -> str:
+        """Add a token; the newly released text (sets `stopped` at a stop string)."""
+        self.ids.append(token)
+        window = self._decode(self.ids[self._prefix :])
+        if len(window) > len(self._prefix_text) and not window.endswith(_INCOMPLETE):
+            self._complete += window[len(self._prefix_text) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
+        cut = self._stop_at(self._complete)
+        if cut is not None:
+            self.stopped = True
+            return self._release(self._complete[:cut])
+        safe = len(self._complete) - self._held_for_stop(self._complete)
+        return self._release(self._complete[:safe])
+
+    def finish(self) -> str:
+        """Everything not yet released (the request ended for another reason)."""
+        if self.stopped:
+            return ""
+        window = self._decode(self.ids[self._prefix :])
+        return self._release(self._complete + window[len(self._prefix_text) :])
+
+    def _release(self, upto: str) -> str:
+        if len(upto) <= len(self.text):
+            return ""
+        delta = upto[len(self.text) :]
+        self.text = upto
+        return delta
+
+    def _stop_at(self, full: str) -> int | None:
+        start = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+        found = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held_for_stop(self, text: str) -> int:
+        """Length of the longest end of `text` that begins some stop string."""
+        return held_prefix(text, self._stop)
+
+
+def held_prefix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `text` that begins some marker but is not all of it: text to
+    hold back in case a marker (a stop string, a tool call's tag) is coming."""
+    held = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), held, -1):
+            if text.endswith(marker[:size]):
+                held = size
+                break
+    return held
+
+
+class RequestText:
+    """One request's text from the tokens the engine generates for it (module docstring).
+
+    The engine ends a request on token ids only (a stop token, `max_new_tokens`); the stop
+    strings are found here. When one ends the text first, `stopped_by_text` says so: the engine
+    does not know, and the caller must abort the request."""
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], params: SamplingParams, prompt: Sequence[int]
+    ) -> None:
+        self._stream = TextStream(decode, params.stop, context=prompt)
+        self._stop_token_ids = params.stop_token_ids
+        self.finish_reason: str | None = None
+        self.stopped_by_text = False
+
+    @property
+    def text(self) -> str:
+        """All the text released so far."""
+        return self._stream.text
+
+    def add(self, token: int, finish_reason: str | None) -> str:
+        """The text `token` releases, given the engine's `finish_reason` for it (None while the
+        request goes on). A stop token adds no text of its own; at the end, whatever was held
+        back (an incomplete character, a possible stop string's start) is released."""
+        text = "" if token in self._stop_token_ids else self._stream.push(token)
+        if self._stream.stopped and finish_reason is None:
+            finish_reason, self.stopped_by_text = "stop", True
+        if finish_reason is not None:
+            text += self._stream.finish()
+            self.finish_reason = finish_reason
+        return text

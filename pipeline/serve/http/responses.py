@@ -1,0 +1,236 @@
+"""The answers of the generation routes, built from the engine's deltas: whole JSON bodies, or
+server-sent events (one chunk per delta, then `data: [DONE]`).
+
+A writer (`CompletionWriter`, `ChatWriter`) knows one body's answer shape; `respond` picks whole
+or streamed. Choice `i` of prompt `p` has index p * n + i, as OpenAI numbers them.
+
+The usage counts each prompt once, whatever n is, and so do its cached tokens: those of the
+prompt's first generation (its group's leader, which the others share).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pipeline.serve.http.jobs import Generation, Job, gather_generations, merged_deltas
+from pipeline.serve.http.openai_api import (
+    ChatBody,
+    CompletionBody,
+    chat_logprobs,
+    completion_logprobs,
+    completion_prompts,
+    envelope,
+    error_body,
+    usage,
+)
+from pipeline.serve.http.tool_calls import ToolReply
+
+log = logging.getLogger(__name__)
+
+
+def error_response(message: str, status: int, param: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:  # fmt: skip
+    """OpenAI's `{"error": {...}}` body with its status code."""
+    return JSONResponse(error_body(message, status, param), status, headers=headers)
+
+
+async def respond(writer, ident: str, model: str, jobs: list[Job], streams: list, stream: bool,
+                  is_disconnected: Callable[[], Awaitable[bool]],
+                  fingerprint: str | None = None):  # fmt: skip
+    """The answer, as server-sent events or whole (499 if the client went away meanwhile), each
+    object with `fingerprint` as its `system_fingerprint` (which weights answered)."""
+    if stream:
+        chunks = _fingerprinted(writer.chunks(ident, model, jobs, streams), fingerprint)
+        return StreamingResponse(_events(chunks), media_type="text/event-stream")
+    generations = await gather_generations(jobs, streams, is_disconnected)
+    if generations is None:
+        return error_response("client disconnected", 499)
+    return {**writer.whole(ident, model, generations), "system_fingerprint": fingerprint}
+
+
+def with_usage(chunk: dict, body, prompt_tokens: int, completion_tokens: int) -> dict:
+    """`chunk` with the usage so far when the body asked for it on every chunk (vLLM's
+    `continuous_usage_stats`: that choice's tokens, as vLLM counts them)."""
+    if body.continuous_usage:
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+    return chunk
+
+
+async def _fingerprinted(chunks: AsyncIterator[dict], fingerprint: str | None):
+    async for chunk in chunks:
+        yield {**chunk, "system_fingerprint": fingerprint}
+
+
+def cached_tokens(jobs: Sequence[Job], cached: Sequence[int]) -> int:
+    """The prompt tokens the usage reports as cached: each prompt's first generation's."""
+    return sum(count for job, count in zip(jobs, cached) if job.number == 0)
+
+
+def _cached_of(generations: list[Generation]) -> int:
+    return cached_tokens([g.job for g in generations], [g.cached_tokens for g in generations])
+
+
+async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as error:  # noqa: BLE001 - the stream has begun: report in-band
+        log.exception("generation failed mid-stream")
+        yield f"data: {json.dumps(error_body(str(error), 500))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class CompletionWriter:
+    """The /v1/completions answer of one body, whole or as chunks."""
+
+    def __init__(self, body: CompletionBody, prompts: list[list[int]], token_text: Callable):
+        self.body, self.prompts, self.token_text = body, prompts, token_text
+        texts = completion_prompts(body.prompt)
+        # an echoed token-id prompt is its decoded text
+        self.prompt_texts = [t if isinstance(t, str) else "".join(map(token_text, t))
+                             for t in texts] if body.echo else []  # fmt: skip
+
+    def choice_index(self, job: Job, rank: int) -> int:
+        """The index of a prompt's choice `rank` among all the body's choices."""
+        return job.prompt_index * self.body.choices_per_prompt + rank
+
+    def _echo(self, job: Job, prompt_logprobs) -> tuple[str, list[int], list]:
+        """What echo prepends: the prompt's text, ids and logprobs (the first one None)."""
+        if not self.body.echo:
+            return "", [], []
+        ids = self.prompts[job.prompt_index]
+        entries = list(prompt_logprobs or [])
+        entries += [None] * (len(ids) - len(entries))
+        return self.prompt_texts[job.prompt_index], ids, entries
+
+    def _generated(self, text: str, ids, entries) -> tuple[str, list[int], list]:
+        """What the engine generated, as the answer shows it: nothing when max_tokens 0 asked
+        for the prompt alone (`echo_only`)."""
+        if self.body.echo_only:
+            return "", [], []
+        return text, list(ids), list(entries)
+
+    def _logprobs(self, ids: list[int], entries: list, offset: int) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        return completion_logprobs(ids, entries, self.body.logprobs, self.token_text, offset)
+
+    def _choice(self, index: int, text: str, logprobs, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def whole(self, ident: str, model: str, generations: list[Generation]) -> dict:
+        """The whole answer: per prompt its n choices (the n best of best_of)."""
+        choices = []
+        for index in range(len(self.prompts)):
+            mine = [g for g in generations if g.job.prompt_index == index]
+            if len(mine) > self.body.choices_per_prompt:
+                mine.sort(key=lambda g: g.cumulative_logprob, reverse=True)
+            for rank, g in enumerate(mine[: self.body.choices_per_prompt]):
+                text, ids, entries = self._echo(g.job, g.prompt_logprobs)
+                new_text, new_ids, new_entries = self._generated(g.text, g.token_ids, g.logprobs)
+                logprobs = self._logprobs(ids + new_ids, entries + new_entries, 0)
+                choice = self._choice(self.choice_index(g.job, rank), text + new_text, logprobs,
+                                      g.finish_reason)  # fmt: skip
+                if self.body.return_token_ids:
+                    choice["prompt_token_ids"] = self.prompts[index]
+                    choice["token_ids"] = new_ids
+                choices.append(choice)
+        answer = envelope(ident, model, "text_completion", choices)
+        # every generated token counts, also best_of's discarded ones
+        generated = 0 if self.body.echo_only else sum(g.completion_tokens for g in generations)
+        answer["usage"] = usage(sum(map(len, self.prompts)), generated, _cached_of(generations))
+        return answer
+
+    async def chunks(self, ident: str, model: str, jobs: list[Job], streams: list):
+        """The streamed answer: a chunk per delta, then usage if asked."""
+        offsets = [0] * len(jobs)
+        started = [False] * len(jobs)
+        generated, cached = [0] * len(jobs), [0] * len(jobs)
+        async for k, delta in merged_deltas(streams):
+            job = jobs[k]
+            cached[k] = delta.cached_tokens or cached[k]
+            text, ids, entries = self._generated(delta.text, delta.token_ids, delta.logprobs)
+            if not started[k]:
+                started[k] = True
+                echo_text, echo_ids, echo_entries = self._echo(job, delta.prompt_logprobs)
+                text, ids, entries = echo_text + text, echo_ids + ids, echo_entries + entries
+            logprobs = self._logprobs(ids, entries, offsets[k])
+            offsets[k] += sum(len(self.token_text(t)) for t in ids)
+            generated[k] = 0 if self.body.echo_only else delta.completion_tokens
+            choice = self._choice(self.choice_index(job, job.number), text, logprobs,
+                                  delta.finish_reason)  # fmt: skip
+            chunk = envelope(ident, model, "text_completion", [choice])
+            yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
+        if self.body.include_usage:
+            last = envelope(ident, model, "text_completion", [])
+            last["usage"] = usage(sum(map(len, self.prompts)), sum(generated),
+                                  cached_tokens(jobs, cached))  # fmt: skip
+            yield last
+
+
+class ChatWriter:
+    """The /v1/chat/completions answer of one body, whole or as chunks."""
+
+    def __init__(self, body: ChatBody, prompt_tokens: int, token_text: Callable,
+                 tools: ToolReply | None = None) -> None:  # fmt: skip
+        """`tools`: how to read the reply into tool calls (None: plain text)."""
+        self.body, self.prompt_tokens, self.token_text = body, prompt_tokens, token_text
+        self.tools = tools
+
+    def _message(self, g: Generation) -> tuple[dict, str | None]:
+        if self.tools is None:
+            return {"role": "assistant", "content": g.text}, g.finish_reason
+        return self.tools.message(g.text, g.finish_reason)
+
+    def _logprobs(self, ids: list[int], entries: list) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        return chat_logprobs(ids, entries, self.body.top_logprobs or 0, self.token_text)
+
+    def whole(self, ident: str, model: str, generations: list[Generation]) -> dict:
+        """The whole answer: one assistant message per choice."""
+        choices = []
+        for g in generations:
+            message, finish_reason = self._message(g)
+            choices.append({"index": g.job.number, "message": message,
+                            "logprobs": self._logprobs(g.token_ids, g.logprobs),
+                            "finish_reason": finish_reason})  # fmt: skip
+        answer = envelope(ident, model, "chat.completion", choices)
+        generated = sum(g.completion_tokens for g in generations)
+        answer["usage"] = usage(self.prompt_tokens, generated, _cached_of(generations))
+        return answer
+
+    async def chunks(self, ident: str, model: str, jobs: list[Job], streams: list):
+        """A first chunk per choice with the role, then one per delta (the last with the
+        finish reason), then usage if asked."""
+        kind = "chat.completion.chunk"
+        for job in jobs:
+            first = {"index": job.number, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}  # fmt: skip
+            first_chunk = envelope(ident, model, kind, [first])
+            yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
+        generated, cached = [0] * len(jobs), [0] * len(jobs)
+        tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
+        async for k, delta in merged_deltas(streams):
+            generated[k] = delta.completion_tokens
+            cached[k] = delta.cached_tokens or cached[k]
+            finish_reason = delta.finish_reason
+            if tool_streams is None:
+                content = {"content": delta.text} if delta.text or not finish_reason else {}
+            else:
+                content, finish_reason = tool_streams[k].delta(delta.text, finish_reason)
+                if not content and finish_reason is None and not self.body.logprobs:
+                    continue
+            choice = {"index": jobs[k].number, "delta": content,
+                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
+                      "finish_reason": finish_reason}  # fmt: skip
+            chunk = envelope(ident, model, kind, [choice])
+            yield with_usage(chunk, self.body, self.prompt_tokens, generated[k])
+        if self.body.include_usage:
+            last = envelope(ident, model, kind, [])
+            last["usage"] = usage(self.prompt_tokens, sum(generated), cached_tokens(jobs, cached))
+            yield last

@@ -1,0 +1,203 @@
+"""The endpoints of `pipe serve`, registered on its FastAPI application.
+
+A generation route turns a body into prompt token ids and jobs (`pipeline.serve.http.jobs`), submits
+them to the engine client and hands the streams to a response writer
+(`pipeline.serve.http.responses`). Besides the OpenAI routes: vLLM's /tokenize, /detokenize,
+/tokenizer_info and /version, its weight-transfer routes (`pipeline.serve.http.weight_routes`),
+Prometheus' /metrics and /health.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations as objects.
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+
+from pipeline import __version__
+from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.http.codec import Codec
+from pipeline.serve.http.engine_client import EngineClient
+from pipeline.serve.http.jobs import plan_jobs, submit_jobs
+from pipeline.serve.http.lora_routes import ServedAdapters, add_lora_routes
+from pipeline.serve.http.metrics import ServeMetrics
+from pipeline.serve.http.openai_api import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    completion_prompts,
+)
+from pipeline.serve.http.responses import ChatWriter, CompletionWriter, respond
+from pipeline.serve.http.tokenizer_info import tokenizer_info
+from pipeline.serve.http.tool_calls import ToolServing
+from pipeline.serve.http.weight_control import WeightControl
+from pipeline.serve.http.weight_routes import add_weight_routes
+
+
+@dataclass
+class ServedModel:
+    """What the routes share: the engine client, the name the model is served under, its
+    tokenizer (`codec`), the metrics, the tool options (`tools`), when the server started and
+    its weights' version and pause state (`weights`)."""
+
+    client: EngineClient
+    name: str
+    codec: Codec
+    metrics: ServeMetrics
+    tools: ToolServing = field(default_factory=ToolServing)
+    started: int = field(default_factory=lambda: int(time.time()))
+    _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
+    weights: WeightControl = field(init=False, repr=False)
+    adapters: ServedAdapters = field(init=False, repr=False)  # LoRA adapters by name
+
+    def __post_init__(self) -> None:
+        self.weights = WeightControl(self.client)
+        self.adapters = ServedAdapters(self.client)
+
+    @classmethod
+    def of(cls, client: EngineClient, name: str,
+           tools: ToolServing | None = None) -> "ServedModel":  # fmt: skip
+        """The model behind a started `client`, served as `name` (with `tools` options)."""
+        ready = client.ready
+        codec = Codec(client.tokenizer, client.chat_template, ready.vocab_size,
+                      ready.tokenizer_path)  # fmt: skip
+        metrics = ServeMetrics(name, lambda: client.load)
+        return cls(client, name, codec, metrics, tools or ToolServing())
+
+    @property
+    def token_budget(self) -> int:
+        """What max_tokens null may use: a request reserves its whole length in the cache."""
+        ready = self.client.ready
+        return min(ready.max_context, ready.cache_blocks * ready.block_size)
+
+    def new_id(self, prefix: str) -> str:
+        """A fresh response id, e.g. `cmpl-7`."""
+        return f"{prefix}-{next(self._ids)}"
+
+    def check_model(self, name: str | None) -> str | None:
+        """The adapter `name` asks for (None: the base model); 404 unless `name` (when given)
+        is the served model's or an adapter's."""
+        if name is None or name == self.name:
+            return None
+        if name in self.adapters:
+            return name
+        raise APIError(f"The model `{name}` does not exist.", 404, "model")
+
+    def submit(self, prompt: list[int], params: list[SamplingParams],
+               lora_name: str | None = None) -> list:  # fmt: skip
+        """A group of engine requests on `prompt` (prefilled once, run with the adapter
+        `lora_name` when given), each one's stream of deltas with its latencies recorded."""
+        streams = self.client.submit_group(prompt, params, lora_name)
+        return [self.metrics.track(s) for s in streams]
+
+    def submitter(self, lora_name: str | None):
+        """`submit` for the requests of one body, all with the adapter `lora_name`."""
+        return lambda prompt, params: self.submit(prompt, params, lora_name)
+
+
+def add_routes(app: FastAPI, served: ServedModel) -> None:
+    """Register every endpoint of `pipe serve` on `app`."""
+    _add_status_routes(app, served)
+    _add_generation_routes(app, served)
+    _add_token_routes(app, served)
+    add_weight_routes(app, served.weights)
+    add_lora_routes(app, served.adapters)
+
+
+def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
+    client, metrics = served.client, served.metrics
+
+    @app.get("/health")
+    async def health():
+        running, waiting = client.load
+        finished = dict(client.finish_counts)
+        if client.failure is not None:  # a load balancer must stop sending requests here
+            body = {"status": "failed", "error": str(client.failure), "finished": finished}
+            return JSONResponse(body, status_code=503)
+        return {"status": "ok", "running": running, "waiting": waiting, "finished": finished}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {"id": served.name, "object": "model", "created": served.started,
+                 "owned_by": "pipe", "root": served.name,
+                 "max_model_len": client.ready.max_context,
+                 "weight_version": served.weights.version}  # fmt: skip
+        adapters = served.adapters.cards(served.name, served.started)
+        return {"object": "list", "data": [entry, *adapters]}
+
+
+def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
+    eos_ids = served.client.ready.eos_ids
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest, body: CompletionBody):
+        lora = served.check_model(body.model)
+        body.check(served.codec.vocab_size)
+        prompts = [served.codec.prompt(p) for p in completion_prompts(body.prompt)]
+        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids)
+        streams = submit_jobs(served.submitter(lora), jobs, "prompt")
+        writer = CompletionWriter(body, prompts, served.codec.token_text)
+        return await respond(writer, served.new_id("cmpl"), lora or served.name, jobs, streams,
+                             body.stream, http.is_disconnected,
+                             served.weights.fingerprint)  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest, body: ChatBody):
+        lora = served.check_model(body.model)
+        body.check(served.codec.vocab_size)
+        tools = served.tools.reply(body)
+        prompt = served.codec.encode(served.codec.chat(body.messages, tools=body.tools))
+        jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids)
+        streams = submit_jobs(served.submitter(lora), jobs, "messages")
+        writer = ChatWriter(body, len(prompt), served.codec.token_text, tools)
+        return await respond(writer, served.new_id("chatcmpl"), lora or served.name, jobs,
+                             streams, body.stream, http.is_disconnected,
+                             served.weights.fingerprint)  # fmt: skip
+
+
+def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
+    codec = served.codec
+
+    info: list[dict] = []  # /tokenizer_info's body, made on first request
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        served.check_model(body.model)
+        body.check()
+        if body.prompt is not None:
+            text = body.prompt
+        else:
+            continue_final = bool(body.continue_final_message)
+            add_generation_prompt = not continue_final and body.add_generation_prompt is not False
+            text = codec.chat(body.messages, add_generation_prompt, continue_final=continue_final,
+                              tools=body.tools, extra=body.chat_template_kwargs)  # fmt: skip
+        tokens = codec.encode(text, body.special_tokens_wanted)
+        strs = [codec.token_text(t) for t in tokens] if body.return_token_strs else None
+        max_model_len = served.client.ready.max_context
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+                "token_strs": strs}  # fmt: skip
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route():
+        if not info:
+            path = served.client.ready.tokenizer_path
+            info.append(tokenizer_info(path, codec.tokenizer, codec.template))
+        return info[0]
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        served.check_model(body.model)
+        codec.prompt(body.tokens, param="tokens")  # checks the ids
+        return {"prompt": codec.decode(body.tokens)}
