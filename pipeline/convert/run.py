@@ -46,27 +46,30 @@ def run_conversion(
     """Convert and verify; returns a one-paragraph summary. Raises `ConversionError`."""
     from pipeline.checkpoint.layout import CheckpointError
     from pipeline.weights.checks import VerifyError
-    from pipeline.weights.dtype_choice import choose_dtype
-    from pipeline.weights.source import CastSource
 
     try:
-        source = open_source(
-            source_path, from_format, iteration=iteration, allow_pickle=allow_pickle,
-            flavor=flavor, verify_checksums=verify_checksums,
-        )  # fmt: skip
-        written_dtype = None
-        if to_format == "hf" or dtype is not None:
-            written_dtype = choose_dtype(_TORCH_DTYPES.get(dtype), source)
-            source = CastSource(source, written_dtype.dtype)
+        source, written_dtype = _open_cast(
+            source_path,
+            from_format,
+            to_format,
+            dtype,
+            iteration=iteration,
+            allow_pickle=allow_pickle,
+            flavor=flavor,
+            verify_checksums=verify_checksums,
+        )
         total = sum(info.nbytes for info in source.tensors().values())
         start = time.perf_counter()
         with byte_progress(total, quiet, "convert") as advance, quiet_dcp():
-            written = _write(source, output, to_format, (tp, pp, ep), shard_bytes,
-                             tokenizer_dir, advance, overwrite)  # fmt: skip
+            written = _write(
+                source, output, to_format, (tp, pp, ep), shard_bytes, tokenizer_dir, advance,
+                overwrite,
+            )
         seconds = time.perf_counter() - start
         with quiet_dcp():
-            verdict = _verify(source, source_path, from_format, written, to_format,
-                              verify, verify_layers)  # fmt: skip
+            verdict = _verify(
+                source, source_path, from_format, written, to_format, verify, verify_layers
+            )
     except (CheckpointError, VerifyError, ValueError, OSError) as e:
         raise ConversionError(str(e)) from e
     rate = total / max(seconds, 1e-9) / 1e9
@@ -75,6 +78,21 @@ def run_conversion(
         f"wrote {written} ({len(source.tensors())} tensors, {total / 1e9:.2f} GB in "
         f"{seconds:.1f} s, {rate:.2f} GB/s){in_dtype}; {verdict}"
     )
+
+
+def _open_cast(
+    source_path: Path, from_format: str, to_format: str, dtype: str | None, **open_options: Any
+) -> tuple[TensorSource, Any]:
+    """The source's tensors, cast where the output has a dtype of its own (always for Hugging
+    Face, else only when `dtype` is asked), and that dtype choice (None when not cast)."""
+    from pipeline.weights.dtype_choice import choose_dtype
+    from pipeline.weights.source import CastSource
+
+    source = open_source(source_path, from_format, **open_options)
+    if to_format != "hf" and dtype is None:
+        return source, None
+    written_dtype = choose_dtype(_TORCH_DTYPES.get(dtype), source)
+    return CastSource(source, written_dtype.dtype), written_dtype
 
 
 def _write(

@@ -37,51 +37,49 @@ class ServeMetrics:
 
     def __init__(self, model_name: str, load: Callable[[], tuple[int, int]]) -> None:
         self.registry = CollectorRegistry()
-        labels, model = ["model_name"], {"model_name": model_name}
-        reg = self.registry
-
-        def gauge(name: str, doc: str, pick: Callable) -> None:
-            Gauge(name, doc, labels, registry=reg).labels(**model).set_function(
-                lambda: pick(load())
-            )
-
-        gauge("pipe:num_requests_running", "Requests in the running batch.", lambda x: x[0])
-        gauge("pipe:num_requests_waiting", "Requests waiting for a batch slot.", lambda x: x[1])
+        self._model = {"model_name": model_name}
+        for name, doc, pick in (
+            ("pipe:num_requests_running", "Requests in the running batch.", 0),
+            ("pipe:num_requests_waiting", "Requests waiting for a batch slot.", 1),
+        ):
+            gauge = Gauge(name, doc, ["model_name"], registry=self.registry)
+            gauge.labels(**self._model).set_function(lambda pick=pick: load()[pick])
         self.success = Counter(
-            "pipe:request_success", "Finished requests by finish reason.",
-            [*labels, "finished_reason"], registry=reg,
-        )  # fmt: skip
-        self.prompt_tokens = Counter(
-            "pipe:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
-        ).labels(**model)
-        self.cache_queries = Counter(
-            "pipe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels,
-            registry=reg,
-        ).labels(**model)  # fmt: skip
-        self.cache_hits = Counter(
-            "pipe:prefix_cache_hits", "Prompt tokens read from the cache, not computed.", labels,
-            registry=reg,
-        ).labels(**model)  # fmt: skip
-        self.generation_tokens = Counter(
-            "pipe:generation_tokens", "Tokens generated.", labels, registry=reg
-        ).labels(**model)
-        self.ttft = Histogram(
-            "pipe:time_to_first_token_seconds", "From arrival to the first generated token.",
-            labels, buckets=_TTFT, registry=reg,
-        ).labels(**model)  # fmt: skip
-        self.itl = Histogram(
-            "pipe:inter_token_latency_seconds", "Between two generated tokens of a request.",
-            labels, buckets=_ITL, registry=reg,
-        ).labels(**model)  # fmt: skip
-        self.e2e = Histogram(
-            "pipe:e2e_request_latency_seconds", "From arrival to the last token.",
-            labels, buckets=_E2E, registry=reg,
-        ).labels(**model)  # fmt: skip
-        self.queue = Histogram(
-            "pipe:request_queue_time_seconds", "From arrival to joining the running batch.",
-            labels, buckets=_E2E, registry=reg,
-        ).labels(**model)  # fmt: skip
-        self._model = model
+            "pipe:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = self._counter("pipe:prompt_tokens", "Prompt tokens processed.")
+        self.cache_queries = self._counter(
+            "pipe:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.cache_hits = self._counter(
+            "pipe:prefix_cache_hits", "Prompt tokens read from the cache, not computed."
+        )
+        self.generation_tokens = self._counter("pipe:generation_tokens", "Tokens generated.")
+        self.ttft = self._histogram(
+            "pipe:time_to_first_token_seconds", "From arrival to the first generated token.", _TTFT
+        )
+        self.itl = self._histogram(
+            "pipe:inter_token_latency_seconds", "Between two generated tokens of a request.", _ITL
+        )
+        self.e2e = self._histogram(
+            "pipe:e2e_request_latency_seconds", "From arrival to the last token.", _E2E
+        )
+        self.queue = self._histogram(
+            "pipe:request_queue_time_seconds", "From arrival to joining the running batch.", _E2E
+        )
+
+    def _counter(self, name: str, doc: str):
+        """A counter of this model's, registered."""
+        counter = Counter(name, doc, ["model_name"], registry=self.registry)
+        return counter.labels(**self._model)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        """A latency histogram of this model's, registered, with `buckets` (seconds)."""
+        histogram = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return histogram.labels(**self._model)
 
     def finished(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.success.labels(finished_reason=reason, **self._model).inc()
