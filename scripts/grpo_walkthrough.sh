@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's GRPO walk-through ("Reinforcement learning") for one or more seeds, timed: the
+# The GRPO walk-through (docs/rl.md, "The walk-through") for one or more seeds, timed: the
 # example task, SFT on the weak teacher's answers, the SFT model's held-out accuracy, GRPO, and
 # a line per seed with the held-out accuracy before and after and the wall time.
 #

@@ -4,7 +4,7 @@ tests/serve/test_tool_parsers.py read by vLLM's own parsers (`llama3_json`, `her
 names, their `arguments` text byte for byte, and the content) and exits 1 on any difference.
 
 vLLM is not a dependency of pipe (its CPU build pins its own torch): give the Python of a
-virtual environment that has it (README, `scripts/bench/serve.py`'s section shows how).
+virtual environment that has it (docs/benchmarks.md, "Serving" shows how).
 
     python scripts/tool_parsers_vllm_check.py --vllm-python /tmp/venv-vllm/bin/python \
         --tokenizer DIR

@@ -179,7 +179,8 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
 def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
     """Mixtral: experts in every layer; Qwen3-MoE: in the layers `decoder_sparse_step` and
     `mlp_only_layers` say, of width `moe_intermediate_size`, top-k renormalised only with
-    `norm_topk_prob`. The aux-loss coefficient is carried over as is (see the README)."""
+    `norm_topk_prob`. The aux-loss coefficient is carried over as is
+    (docs/models.md, "The MoE load-balancing loss")."""
     aux = float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_coeff))
     if arch == "MixtralForCausalLM":
         return MoEConfig(

@@ -12,7 +12,7 @@ answers a few prompts greedily, and their texts are compared with each other and
 transformers' `generate` on the same weights.
 
 The second server runs the same directory, started by you before the run, e.g. vLLM's CPU build
-(README, "Serving benchmark"):
+(docs/benchmarks.md, "Serving"):
 
     python scripts/bench/serve.py --model-dir /tmp/serve-bench --build-only
     VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server \\

@@ -122,9 +122,9 @@ def test_chat_and_preference_refused_together(tmp_path, tiny_tokenizer_dir) -> N
 
 
 def test_stdlib_example_pairs_preprocess(tmp_path, tiny_tokenizer_dir) -> None:
-    """The README's example: `stdlib_chat --preference` pairs (the right docstring chosen,
-    another name's rejected) go through `pipe preprocess --preference` with the example
-    tokenizer's own chat template."""
+    """The example of docs/fine-tuning.md: `stdlib_chat --preference` pairs (the right docstring
+    chosen, another name's rejected) go through `pipe preprocess --preference` with the
+    example tokenizer's own chat template."""
     from pipeline.examples.stdlib_chat import preference_pairs
 
     docs = {"json.py": ["dumps", "loads", "JSONDecoder"], "os/path.py": ["join", "split"]}

@@ -175,7 +175,7 @@ def _train(config, tokens: torch.Tensor, cfg, steps: int) -> list[float]:
 def test_bf16_states_train_within_one_percent_of_fp32(recipe: str, corpus_texts, tmp_path) -> None:
     """The recipe's optimizer settings (AdamW, Muon) on the stdlib corpus with a micro model:
     the last 20 steps' mean loss with bf16 states is within 1% of fp32 states'. 100 steps keep
-    the suite fast (figures in the README's optimizer section)."""
+    the suite fast (figures in docs/train.md, "The trainer")."""
     from pipeline.export.calibration import calibration_sequences
     from tests.builders import FP8_VOCAB, tokenized_corpus
 

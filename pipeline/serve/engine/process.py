@@ -78,7 +78,7 @@ def engine_threads() -> int:
     machine a second core nearly halves a decode step (8.0 ms against 14.6 ms on the serving
     benchmark's model at batch 1), but with one more busy process on the machine every core to
     the engine made requests 3.5-5.7x slower at one client and 20-26x slower at eight than one
-    thread on 2 cores (scripts/bench/engine_threads.py, README): torch's threads wait for the
+    thread on 2 cores (docs/serve.md, "Engine threads"): torch's threads wait for the
     one that shares its core at every product. `--engine-threads N` sets another number."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) - 1)

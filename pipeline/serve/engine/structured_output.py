@@ -2,9 +2,10 @@
 choices or a grammar, by masking the tokens that cannot continue it (vLLM's structured outputs).
 
 The grammar engine is llguidance (the `structured` extra), chosen by measurement on a CPU
-(README, "Structured output"): it builds each grammar lazily, so a new schema costs under a
-millisecond where xgrammar compiles for a third of a second on Llama 3's vocabulary, and its
-mask over 128k tokens costs a fraction of xgrammar's and outlines-core's per token.
+(docs/benchmarks.md, "Structured output: the grammar engine"): it builds each grammar lazily,
+so a new schema costs under a millisecond where xgrammar compiles for a third of a second on
+Llama 3's vocabulary, and its mask over 128k tokens costs a fraction of xgrammar's and
+outlines-core's per token.
 
 A request asks through `SamplingParams.structured_output` (a `StructuredOutput`: what kind of
 constraint and its text, small and picklable, so it crosses to the engine process as it is). The
