@@ -1,8 +1,9 @@
 """The registry's `muon`: one process equals torch.optim.Muon (hidden matrices) plus
 torch.optim.AdamW (the rest) applied by hand; every layout (tp2 duplicated and distributed,
-FSDP dp2, ep2) equals one process, with fp32 Newton-Schulz to fp32 order and with the default
-bf16 one within bf16's rounding; FSDP's owners broadcast bf16 results bit for bit over gloo;
-checkpoints hold Muon's momentum, resume after kill -9 and under another layout (tp2 -> dp2)."""
+FSDP dp2, ep2) equals one process with fp32 Newton-Schulz to fp32 order, and those and cp2 and
+pp2 with the default bf16 one within bf16's rounding; FSDP's owners broadcast bf16 results bit
+for bit over gloo; checkpoints hold Muon's momentum, resume after kill -9 and under another
+layout (tp2 -> dp2)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,15 @@ LAYOUTS = [
     ("tiny_moe", "ep2", ["parallel.ep=2"]),
 ]
 # The same layouts with Newton-Schulz in its default dtype (bf16) and tp2 in the default mode,
-# over fewer steps and saving nothing (what they check shows from the first update on).
+# and cp2 (FSDP2 over the context ranks: the owners' broadcast again) and pp2, over fewer steps
+# and saving nothing (what they check shows from the first update on).
 DEFAULT_ITERS = 4
 DEFAULT_NS = [
     ("tiny", "tp2_default", ["parallel.tp=2"]),
     ("tiny", "tp2_distributed_default", ["parallel.tp=2", "optimizer.muon_tp_mode=distributed"]),
     ("tiny", "dp2_default", ["parallel.dp=2"]),
+    ("tiny", "cp2_default", ["parallel.cp=2"]),
+    ("tiny", "pp2_default", ["parallel.pp=2"]),
     ("tiny_moe", "ep2_default", ["parallel.ep=2"]),
 ]
 # bf16 Newton-Schulz: a layout's update, equal to one device's to fp32 order before the cast,
@@ -206,8 +210,9 @@ def _layout_worker(rank: int, world_size: int, tmp: Path) -> dict:
 def test_layouts_equal_one_process_and_resume_across_layouts(tmp_path: Path) -> None:
     """Distributed Newton-Schulz equals it on the whole matrix, and FSDP2's owners broadcast
     the default bf16 result bit for bit; tp2 (duplicated, distributed), dp2 (FSDP2 owners) and
-    ep2 equal one process, over 10 steps with fp32 Newton-Schulz and 4 with the default bf16; the
-    tp2 checkpoint resumes under dp2 and continues as the uninterrupted run."""
+    ep2 equal one process over 10 steps with fp32 Newton-Schulz, and those, cp2 and pp2 over 4
+    with the default bf16; the tp2 checkpoint resumes under dp2 and continues as the
+    uninterrupted run."""
     reference = {
         recipe: _losses(recipe, _sets(recipe, tmp_path / recipe, iters=RESUMED))
         for recipe in ("tiny", "tiny_moe")
