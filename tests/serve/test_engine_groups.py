@@ -9,8 +9,10 @@ import pytest
 
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.greedy import greedy_without_cache
-from pipeline.serve.engine.core import Engine, PromptTooLong, Request
+from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.kv_cache import BlockKVCache
+from pipeline.serve.engine.request import Request
+from pipeline.serve.engine.request_checks import PromptTooLong
 from pipeline.serve.engine.sampling import SamplingParams
 
 pytest.importorskip("transformers")
@@ -250,7 +252,7 @@ def test_a_groups_decode_rows_are_packed_and_read_the_prompt_once(llama) -> None
     alone = engine.add(PROMPTS[1], SamplingParams(max_new_tokens=5, greedy=True))
     while not all(len(r.output) >= 2 for r in [*group, alone]):
         engine.step()
-    rows = list(engine._running)
+    rows = list(engine.scheduler.running)
     batch, where_row, where_col = packed_decode_batch(rows, BLOCK, engine.cache.scratch_slot,
                                                       torch.device("cpu"))  # fmt: skip
     shared = (len(LONG) - 1) // BLOCK * BLOCK

@@ -12,11 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.serve.engine.core import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
 from pipeline.serve.engine.loading import LoadError, open_generator
 from pipeline.serve.engine.process import EngineSpec
+from pipeline.serve.engine.request_checks import PromptTooLong
 from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.engine.scheduler import QueueFull
 from pipeline.serve.http.engine_client import EngineClient
 
 PROMPT = [5, 17, 3, 40, 2, 71]

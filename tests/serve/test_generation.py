@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from pipeline.core.model.greedy import greedy_without_cache
-from pipeline.serve.engine.core import Engine, PromptTooLong, QueueFull
+from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import LoadError, open_generator
+from pipeline.serve.engine.request_checks import PromptTooLong
 from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.engine.scheduler import QueueFull
 from tests.builders import run_pipe, save_hf
 
 transformers = pytest.importorskip("transformers")

@@ -178,7 +178,7 @@ def _check_blocks(engine: Engine) -> None:
     assert len(free) == len(cache._free) and not free & unheld
     held = {b for b in range(cache.num_blocks) if cache._references[b] > 0}
     assert held | free | unheld == set(range(cache.num_blocks)) and not held & (free | unheld)
-    for request in engine._running:
+    for request in engine.scheduler.running:
         assert set(request.blocks) <= held
 
 

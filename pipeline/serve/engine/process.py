@@ -144,7 +144,7 @@ def _load(spec: EngineSpec):
     ready = Ready(
         name=gen.name, tokenizer_path=gen.tokenizer_path and str(gen.tokenizer_path),
         eos_ids=gen.eos_ids, max_context=engine.max_context, cache_blocks=engine.cache.num_blocks,
-        block_size=engine.cache.block_size, max_batch=engine.max_batch,
+        block_size=engine.cache.block_size, max_batch=engine.scheduler.max_batch,
         vocab_size=gen.model.config.vocab_size,
     )  # fmt: skip
     return engine, ready

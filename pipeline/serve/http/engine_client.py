@@ -25,7 +25,6 @@ import multiprocessing
 import threading
 from collections import Counter
 
-from pipeline.serve.engine.core import PromptTooLong, QueueFull, fit_problem
 from pipeline.serve.engine.loading import LoadError, open_tokenizer
 from pipeline.serve.engine.messages import (
     AbortRequest,
@@ -45,7 +44,9 @@ from pipeline.serve.engine.messages import (
     TokenOutput,
 )
 from pipeline.serve.engine.process import EngineSpec, run_engine
+from pipeline.serve.engine.request_checks import PromptTooLong, fit_problem
 from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.engine.scheduler import QueueFull
 from pipeline.serve.engine.text import RequestText
 
 

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from pipeline.serve.engine.core import QueueFull
+from pipeline.serve.engine.scheduler import QueueFull
 from pipeline.serve.http.openai_api import APIError
 from pipeline.serve.http.responses import error_response
 

@@ -14,8 +14,8 @@ import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.serve.engine.core import PromptTooLong
 from pipeline.serve.engine.messages import Delta
+from pipeline.serve.engine.request_checks import PromptTooLong
 from pipeline.serve.engine.sampling import SamplingParams, TokenLogprobs
 from pipeline.serve.http.openai_api import APIError
 from pipeline.serve.http.token_limits import check_token_limit

@@ -129,7 +129,7 @@ class RolloutModel:
         block = ROLLOUT_BLOCK
         blocks = rows * -(-(max(len(p) for p in prompts) + max_new) // block)
         e = self.engine
-        if e is None or e.max_batch < rows or e.cache.num_blocks < blocks:
+        if e is None or e.scheduler.max_batch < rows or e.cache.num_blocks < blocks:
             self.engine = Engine(
                 self.module, max_batch=rows, cache_blocks=blocks, block_size=block,
                 prefill_chunk=4096, max_waiting=rows,

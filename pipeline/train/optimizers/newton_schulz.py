@@ -164,9 +164,9 @@ def _by_owners(items: list[tuple[Tensor, Tensor]], ns: NewtonSchulz) -> list[Ten
         ns.whole(full).contiguous() if owner == me else torch.empty_like(full, dtype=ns.dtype)
         for full, owner in zip(fulls, owners)
     ]
-    # Broadcast as 16-bit integers or bytes: gloo knows no bfloat16.
+    # Broadcast as bytes: bit-exact on every backend (gloo has no int16 kernel).
     works = [
-        dist.broadcast(_as_bits(r), group=group, group_src=owner, async_op=True)
+        dist.broadcast(_as_bytes(r), group=group, group_src=owner, async_op=True)
         for r, owner in zip(results, owners)
     ]
     for work in works:
@@ -185,9 +185,11 @@ def _owners(sizes: list[int], ranks: int) -> list[int]:
     return owners
 
 
-def _as_bits(x: Tensor) -> Tensor:
-    """`x`'s memory as an integer tensor of the same element size (for a collective)."""
-    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+def _as_bytes(x: Tensor) -> Tensor:
+    """`x`'s memory as a uint8 tensor (contiguous `x`), for a broadcast that must copy its bits:
+    every backend moves uint8 (gloo has no int16 kernel, so a bf16 result viewed as int16 fails
+    there), and NCCL sends the same bytes as for any other dtype (a broadcast does no math)."""
+    return x.view(torch.uint8)
 
 
 def _gathered(param: Tensor, update: Tensor) -> Tensor:
