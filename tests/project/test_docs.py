@@ -185,35 +185,6 @@ def test_no_package_imports_another_packages_command_module() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def _engine_imports_of_http(root: Path) -> list[str]:
-    """Imports of `pipeline.serve.http` by `serve/engine/` (docs/architecture.md, "Rules": the
-    engine room never imports the HTTP room), lazy imports included."""
-    wrong = []
-    for path in sorted((root / "serve" / "engine").rglob("*.py")):
-        for name in sorted(_imported_modules(path)):
-            if name == "pipeline.serve.http" or name.startswith("pipeline.serve.http."):
-                wrong.append(f"{path.relative_to(root.parent)} imports {name}")
-    return wrong
-
-
-def test_serve_engine_never_imports_http() -> None:
-    wrong = _engine_imports_of_http(ROOT / "pipeline")
-    assert not wrong, "\n".join(wrong)
-
-
-def test_the_engine_check_catches_an_import_of_http(tmp_path: Path) -> None:
-    engine = tmp_path / "pipeline" / "serve" / "engine"
-    engine.mkdir(parents=True)
-    (engine / "core.py").write_text(
-        "def f():\n    from pipeline.serve.http import jobs\n\n"
-        "from pipeline.serve.engine import x\n"
-    )
-    assert _engine_imports_of_http(tmp_path / "pipeline") == [
-        "pipeline/serve/engine/core.py imports pipeline.serve.http",
-        "pipeline/serve/engine/core.py imports pipeline.serve.http.jobs",
-    ]
-
-
 def test_the_checks_catch_an_unplaced_package_and_a_wrong_import(tmp_path: Path) -> None:
     """The rules above fail on a tree that breaks them (so they are not vacuous)."""
     root = tmp_path / "pipeline"
