@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.transformer import Transformer
@@ -77,6 +78,17 @@ def width_blocks(needed: int, most: int) -> int:
     while width < needed:
         width *= 2
     return min(width, most)
+
+
+def _padded(values: list[int], size: int, pad: int) -> torch.Tensor:
+    """`values` as a long tensor of `size`, padded with `pad`."""
+    return torch.tensor(values + [pad] * (size - len(values)), dtype=torch.long)
+
+
+def _next_token(row: Any) -> int:
+    """The token a decode row runs: its `computed`-th (without building prompt + output)."""
+    at, prompt = row.computed, row.prompt
+    return prompt[at] if at < len(prompt) else row.output[at - len(prompt)]
 
 
 def capture_problem(model: Transformer, tp: int) -> str | None:
@@ -186,38 +198,40 @@ class StaticDecoder:
         self, shape: tuple[int, int], rows: Sequence[Any], adapters: LoRASlots | None
     ) -> StepInputs:
         """The step's inputs for `shape`, filled with `rows` (padded rows: token 0 at position
-        0, writing and reading the scratch slot only)."""
+        0, writing and reading the scratch slot only). Built on the host in a few calls over all
+        rows, then copied in place: a loop of small tensor writes per row would cost more than
+        a 1B model's step at batch 256."""
         bucket, width = shape
-        scratch = self.cache.scratch_slot
-        tokens = torch.zeros(bucket, dtype=torch.long)
-        positions = torch.zeros(bucket, dtype=torch.long)
-        write = torch.full((bucket,), scratch, dtype=torch.long)
+        count, scratch = len(rows), self.cache.scratch_slot
+        at = [row.computed for row in rows]
+        histories = [row.slots[: p + 1] for row, p in zip(rows, at)]
         read = torch.full((bucket, width), scratch, dtype=torch.long)
+        padded = pad_sequence(histories, batch_first=True, padding_value=scratch)
+        read[:count, : padded.shape[1]] = padded
+        write = torch.full((bucket,), scratch, dtype=torch.long)
+        write[:count] = padded[torch.arange(count), torch.tensor(at)]
         zero_slot = adapters.max_loras if adapters is not None else 0
-        lora = torch.full((bucket,), zero_slot, dtype=torch.long)
-        for i, row in enumerate(rows):
-            at = row.computed
-            every = row.slots[: at + 1]
-            tokens[i], positions[i], write[i] = row.tokens[at], at, every[at]
-            read[i, : at + 1] = every
-            if row.lora_slot is not None:
-                lora[i] = row.lora_slot
+        host = (
+            _padded([_next_token(row) for row in rows], bucket, 0),
+            _padded(at, bucket, 0),
+            write,
+            read,
+            _padded(
+                [zero_slot if r.lora_slot is None else r.lora_slot for r in rows], bucket, zero_slot
+            ),
+        )
         inputs = self._inputs.get(shape)
         if inputs is None:
-            inputs = self._inputs[shape] = StepInputs(
-                *(t.to(self.device) for t in (tokens, positions, write, read, lora))
-            )
+            inputs = self._inputs[shape] = StepInputs(*(t.to(self.device) for t in host))
             return inputs
-        for target, source in zip(
-            (
-                inputs.tokens,
-                inputs.positions,
-                inputs.write_slots,
-                inputs.read_slots,
-                inputs.lora_rows,
-            ),
-            (tokens, positions, write, read, lora),
-        ):
+        kept = (
+            inputs.tokens,
+            inputs.positions,
+            inputs.write_slots,
+            inputs.read_slots,
+            inputs.lora_rows,
+        )
+        for target, source in zip(kept, host):
             target.copy_(source)
         return inputs
 
