@@ -275,12 +275,16 @@ def test_buckets_widths_and_the_default_switch(llama, caplog) -> None:
     assert "tensor-parallel" in capture_problem(llama, 2)
 
 
-def test_a_moe_model_is_not_captured_and_says_why(tmp_path) -> None:
+def test_models_that_cannot_be_captured_say_why() -> None:
+    from pipeline.core.model.block import ModelOptions
     from pipeline.core.model.flavors import get_flavor
     from pipeline.core.model.transformer import Transformer
 
     model = Transformer(get_flavor("tiny_moe"))
     assert "MoE layers ask the host" in capture_problem(model, 1)
+    recomputing = Transformer(get_flavor("tiny"), ModelOptions(activation_checkpointing="full"))
+    assert "recompute activations" in capture_problem(recomputing, 1)
+    assert capture_problem(Transformer(get_flavor("tiny")), 1) is None
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,8 @@ today's tokens.
 
 What cannot be captured runs eagerly, the engine's ordinary decode step, for the reason
 `capture_problem` names: a mixture-of-experts layer (`pipeline.core.model.moe.grouped_swiglu` asks
-the host for each expert's number of tokens) and a tensor-parallel model.
+the host for each expert's number of tokens), a tensor-parallel or sharded model, a compiled one,
+and one whose layers recompute activations (a GRPO policy decoding on itself).
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def capture_problem(model: Transformer, tp: int) -> str | None:
         return "its MoE layers ask the host for each expert's token count (grouped_swiglu)"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "its weights are sharded (DTensor)"
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        return "its modules are compiled (torch.compile)"
+    if any(getattr(m, "recompute", "none") != "none" for m in model.modules()):
+        # torch.utils.checkpoint reads the device's random state at every call, even without
+        # gradients
+        return "its layers recompute activations (activation checkpointing)"
     return None
 
 

@@ -472,8 +472,9 @@ class GRPOSection:
     before each batch of rollouts."""
     rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
-    (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model decodes
-    eagerly either way, and says why in the log."""
+    (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a
+    policy that decodes on itself with activation checkpointing, decodes eagerly either way and
+    says why in the log."""
 
 
 SECTIONS: dict[str, type] = {
