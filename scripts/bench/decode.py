@@ -75,8 +75,8 @@ def decode_rate(model, batch: int, args, graphs: bool) -> dict:
     from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.sampling import SamplingParams
 
-    total = args.prompt_len + args.warmup + args.steps + 2
-    blocks = -(-total // BLOCK)
+    new_tokens = args.warmup + args.steps + 2  # every request decodes to the end of the timing
+    blocks = -(-(args.prompt_len + new_tokens) // BLOCK)
     on_cuda = next(model.parameters()).is_cuda
     engine = Engine(
         model,
@@ -84,26 +84,19 @@ def decode_rate(model, batch: int, args, graphs: bool) -> dict:
         cache_blocks=batch * blocks,
         block_size=BLOCK,
         max_waiting=batch,
-        prefill_chunk=4096,
+        prefill_chunk=batch * args.prompt_len,  # every prompt in the first step
         max_context=blocks * BLOCK,
         prefix_caching=False,
         cuda_graphs=graphs and on_cuda,
         static_decode=graphs,
     )
     generator = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_new_tokens=args.warmup + args.steps + 2, greedy=True)
-    requests = [
-        engine.add(
-            torch.randint(
-                0, model.config.vocab_size, (args.prompt_len,), generator=generator
-            ).tolist(),
-            params,
-        )
-        for _ in range(batch)
-    ]
-    while not all(r.output for r in requests):  # prefill, in chunks
-        engine.step()
-    for _ in range(args.warmup):
+    params = SamplingParams(max_new_tokens=new_tokens, greedy=True)
+    vocab = model.config.vocab_size
+    for _ in range(batch):
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
+        engine.add(prompt, params)
+    for _ in range(1 + args.warmup):  # the prefill, then the warm-up (where graphs are captured)
         engine.step()
     captured = len(engine.decoder._graphs) if engine.decoder is not None else 0
     if on_cuda:
@@ -114,7 +107,7 @@ def decode_rate(model, batch: int, args, graphs: bool) -> dict:
     if on_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    assert all(len(r.output) == args.warmup + args.steps + 1 for r in requests), "a row left early"
+    assert engine.load == (batch, 0), f"{engine.load}: not every request decoded every step"
     late = (len(engine.decoder._graphs) if engine.decoder is not None else 0) - captured
     return {
         "tok_s": batch * args.steps / seconds,
