@@ -43,7 +43,9 @@ def _model(flavor: str, dtype: torch.dtype):
         model = Transformer(get_flavor(flavor))
     model.to_empty(device="cuda")
     model.init_weights()
-    return model.to(dtype).eval()
+    model.to(dtype)
+    model.rope.init_weights(torch.device("cuda"))  # float32, as loading for serving keeps it
+    return model.eval()
 
 
 def _generate(engine: Engine) -> list:
