@@ -39,39 +39,43 @@ SETTINGS = [
 
 
 def _outputs(engine: Engine, requests) -> list:
-    """Each request's tokens and log-probabilities, as the engine's events gave them."""
+    """Each request's tokens, and the log-probabilities of the events seen here (a `run` that
+    steps the engine itself sees its own)."""
     found = {id(r): [] for r in requests}
     for event in engine.run():
-        found[id(event.request)].append((event.token, event.logprobs, event.prompt_logprobs))
-    return [found[id(r)] for r in requests]
+        found[id(event.request)].append((event.logprobs, event.prompt_logprobs))
+    return [(r.output, r.finish_reason, found[id(r)]) for r in requests]
 
 
-def _same(static: list, eager: list) -> None:
+def _same(static: list, eager: list) -> int:
     """Tokens equal; log-probabilities equal to float32 rounding (the padded step's products run
     over other shapes) with the same alternatives."""
-    for mine, theirs in zip(static, eager):
-        assert [t for t, _, _ in mine] == [t for t, _, _ in theirs]
-        for (_, a, pa), (_, b, pb) in zip(mine, theirs):
-            pairs = [(a, b)] + list(zip(pa or (), pb or ()))
+    compared = 0
+    for (tokens, reason, events), (theirs, their_reason, their_events) in zip(static, eager):
+        assert tokens and (tokens, reason) == (theirs, their_reason)
+        assert len(events) == len(their_events)
+        for (a, pa), (b, pb) in zip(events, their_events):
             assert (pa is None) == (pb is None)
-            for x, y in pairs:
+            for x, y in [(a, b), *zip(pa or (), pb or ())]:
                 assert (x is None) == (y is None)
                 if x is not None:
                     assert x.token_logprob == pytest.approx(y.token_logprob, abs=1e-4)
                     assert [i for i, _ in x.top] == [i for i, _ in y.top]
+                    compared += 1
+    return compared
 
 
-def _both(model, run, **kwargs) -> list:
+def _both(model, run, **kwargs) -> tuple[Engine, int]:
     """`run(engine)` (queueing requests, returning them) on the static step and the eager one;
-    returns the static engine after checking the two gave the same."""
+    checks the two gave the same; returns the static engine and how many log-probabilities
+    were compared."""
     results = []
     for static in (True, False):
         engine = Engine(model, static_decode=static, **kwargs)
         assert (engine.decoder is not None) == static
         results.append((engine, _outputs(engine, run(engine))))
     (engine, mine), (_, theirs) = results
-    _same(mine, theirs)
-    return engine
+    return engine, _same(mine, theirs)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -88,7 +92,8 @@ def test_every_family_decodes_as_the_eager_step(family_model) -> None:
     def run(engine):
         return [engine.add(p, s) for p, s in zip(PROMPTS, SETTINGS)]
 
-    engine = _both(family_model, run, max_batch=3, block_size=4, prefill_chunk=5)
+    engine, compared = _both(family_model, run, max_batch=3, block_size=4, prefill_chunk=5)
+    assert compared >= 12 + 11  # every token of the two rows that ask
     buckets = {bucket for bucket, _ in engine.decoder.shapes}
     widths = {width for _, width in engine.decoder.shapes}
     assert buckets <= {1, 2, 3} and len(buckets) > 1
@@ -109,8 +114,8 @@ def test_groups_prefix_cache_and_prompt_logprobs(llama) -> None:
         asking = SamplingParams(max_new_tokens=6, greedy=True, prompt_logprobs=2, logprobs=1)
         return first + engine.add_group(prompt + [40, 41], [asking, SETTINGS[2]])
 
-    engine = _both(llama, run, max_batch=8, block_size=4, prefill_chunk=8)
-    assert engine.prompt_tokens_cached > 0
+    engine, compared = _both(llama, run, max_batch=8, block_size=4, prefill_chunk=8)
+    assert engine.prompt_tokens_cached > 0 and compared > 21  # 21 prompt tokens
 
 
 def test_adapters_by_name_give_peft_tokens(tiny_hf_dir, tmp_path) -> None:
@@ -296,7 +301,7 @@ def test_models_that_cannot_be_captured_say_why() -> None:
         (("--cuda-graphs",), True),
     ],
 )
-def test_the_switch_reaches_generates_and_serves_engine(
+def test_the_switch_reaches_the_engines_of_generate_and_serve(
     flags, expected, tiny_hf_dir, monkeypatch
 ) -> None:
     """`pipe generate` and `pipe serve` hand `--cuda-graphs/--no-cuda-graphs` and vLLM's
