@@ -100,6 +100,32 @@ def _device(device: str):
 _DTYPE_NAMES = {"auto": None, "fp32": "fp32", "bf16": "bf16"}
 
 
+def cuda_graph_options(command):
+    """`--cuda-graphs/--no-cuda-graphs` and vLLM's `--enforce-eager` (no graphs), for every
+    command that builds an engine (`cuda_graphs_choice` reads them)."""
+    options = [
+        click.option(
+            "--cuda-graphs/--no-cuda-graphs",
+            default=None,
+            help="Replay each decode step from a CUDA graph captured per batch size "
+            "(default: on a CUDA device; MoE and tensor-parallel models decode eagerly).",
+        ),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs (vLLM's flag)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def cuda_graphs_choice(options: dict[str, Any]) -> bool | None:
+    """The engine's `cuda_graphs` from `cuda_graph_options`, popped from `options` (None: the
+    device decides)."""
+    graphs, eager = options.pop("cuda_graphs"), options.pop("enforce_eager")
+    if eager and graphs:
+        raise click.UsageError("--enforce-eager and --cuda-graphs ask for opposite things")
+    return False if eager else graphs
+
+
 @click.command()
 @model_options
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
@@ -125,6 +151,7 @@ _DTYPE_NAMES = {"auto": None, "fp32": "fp32", "bf16": "bf16"}
     "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
     help="Split the model's heads over this many processes (tensor parallel, under torchrun).",
 )  # fmt: skip
+@cuda_graph_options
 def generate(
     checkpoint: str,
     prompts: tuple[str, ...],
@@ -143,6 +170,7 @@ def generate(
     if system is not None and not chat:
         raise click.UsageError("--system is for --chat")
     params = _sampling(options)
+    cuda_graphs = cuda_graphs_choice(options)
     nproc_per_node = options.pop("nproc_per_node")
     if nproc_per_node > 1 and not launched_by_torchrun():
         relaunch_under_torchrun(nproc_per_node, "generate")
@@ -161,7 +189,7 @@ def generate(
         prompts, shown = _chat_prompts(gen, checkpoint, prompts, system), [""] * len(prompts)
     echo = click.echo if os.environ.get("RANK", "0") == "0" else _silent
     try:
-        run_generation(gen, prompts, params, echo=echo, shown=shown)
+        run_generation(gen, prompts, params, echo=echo, shown=shown, cuda_graphs=cuda_graphs)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
     finally:
@@ -205,7 +233,9 @@ def _sampling(options: dict[str, Any]):
 
 
 def engine_options(command):
-    """The options of the engine behind an HTTP server (serve and eval): batch, cache, threads."""
+    """The options of the engine behind an HTTP server (serve and eval): batch, cache, threads,
+    CUDA graphs."""
+    command = cuda_graph_options(command)
     options = [
         click.option(
             "--max-batch", type=click.IntRange(min=0), default=0, show_default=True,
@@ -249,6 +279,7 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
         max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
         threads=options.pop("engine_threads"), prefix_caching=options.pop("prefix_cache"),
         lora_adapter=None if adapter is None else str(adapter),
+        cuda_graphs=cuda_graphs_choice(options),
     )  # fmt: skip
 
 

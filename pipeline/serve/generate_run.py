@@ -21,9 +21,11 @@ def run_generation(
     params: SamplingParams,
     echo: Callable[..., None],
     shown: list[str] | None = None,
+    cuda_graphs: bool | None = None,
 ) -> list[str]:
     """Generate a continuation of each prompt; returns the texts (without their prompts).
-    Each text is printed after its `shown` text (default: its prompt; a chat shows none)."""
+    Each text is printed after its `shown` text (default: its prompt; a chat shows none).
+    `cuda_graphs`: the engine's (None: on a CUDA device)."""
     shown = prompts if shown is None else shown
     params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids | gen.eos_ids)
     encoded = [gen.encode(prompt) for prompt in prompts]
@@ -31,7 +33,7 @@ def run_generation(
     blocks = sum(-(-(len(ids) + params.max_new_tokens) // block_size) for ids in encoded)
     engine = Engine(
         gen.model, max_batch=len(prompts), cache_blocks=max(blocks, 1), block_size=block_size,
-        max_waiting=len(prompts), tp=gen.tp,
+        max_waiting=len(prompts), tp=gen.tp, cuda_graphs=cuda_graphs,
     )  # fmt: skip
     texts = {engine.add(ids, params): RequestText(gen.decode, params, ids) for ids in encoded}
     streaming = len(prompts) == 1

@@ -10,6 +10,10 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
     environment   the carried wheels' install (timed by run.sh) and GPU, driver, torch, CUDA,
                   cuDNN, NCCL, packages
     gpu_tests     bring-up: the `gpu`-marked tests
+    decode        decoding with and without CUDA graphs, Llama 3.2 1B shape in bf16, batch 1, 8,
+                  64, 256 (quick: 1, 64), and the share of the memory-bandwidth limit at batch 1;
+                  the 56M model of `generate` at batch 1 against the first run's 154 tokens/s
+                  (scripts/bench/decode.py)
     smoke_train   bring-up: `pipe train`, 10 steps in bf16 with compile (Llama 3.2 1B's width,
                   2 layers, seq 8192) on packed documents (compiled flex attention), no
                   checkpoint
@@ -198,6 +202,33 @@ def step_gpu_tests(run: Run) -> dict:
     if code == 0 and counts.get("skipped"):
         status = "ok, with skips"
     return {"status": status, "figures": counts, "note": _last_line(output)}
+
+
+# The first H200 run's pipe generate at batch 1 on the 56M model, before CUDA graphs (issue 48).
+FIRST_RUN_SMALL_TOK_S = 154.0
+
+
+def step_decode(run: Run) -> dict:
+    """Decoding with and without CUDA graphs: tokens/s per batch size, the bandwidth share."""
+    result = run.work / "decode.json"
+    sizes = {
+        FULL: "--device cuda --batches 1,8,64,256 --steps 64 --small",
+        QUICK: "--device cuda --batches 1,64 --steps 32",
+        DRY: "--device cpu --flavor tiny --batches 1,4 --prompt-len 24 --steps 4 --small",
+    }[run.mode].split()
+    before = ["--small-before", str(FIRST_RUN_SMALL_TOK_S)]
+    argv = [PY, "scripts/bench/decode.py", *sizes, *before, "--json", str(result)]
+    code, output = run.command("decode", argv)
+    record = _read_json(result) or {}
+    note = (
+        "bf16, random weights, prompts of 160 tokens, 64 timed steps; targets: >= 900 "
+        "tokens/s at batch 1 on the 1B, >= 5x 154 tokens/s on the 56M"
+        if run.on_gpu
+        else "CPU, fp32, tiny sizes: the static step eagerly in place of graphs"
+    )
+    if code != 0:
+        note += f"; {_last_line(output)}"
+    return {"status": _status(code), "figures": record, "note": note}
 
 
 # Packed documents (the mock data's EOD tokens; what SFT and packed pre-training runs see): on
@@ -468,17 +499,20 @@ def step_muon(run: Run) -> dict:
 # train_8b_fp8 ran bf16 and one FP8 recipe in 70 s, four runs need about 100). What does not
 # fit, the tail (generate, lora_8b, muon get what the steps before them leave), is a second
 # call's `--only`, whose chosen steps share its whole 300 s. grpo comes before them: it is the
-# one figure issue 39 waits for.
+# one figure issue 39 waits for. decode comes right after the bring-up: issue 48 puts decoding
+# through CUDA graphs first, and its 35 s came from smoke_train (5), train_8b_fp8 (15, whose
+# four runs already needed a second call), attention (10) and grpo (5).
 STEPS: list[Step] = [
     Step("environment", step_environment, {FULL: 12, QUICK: 12, DRY: 60}),  # install + probe
     Step("gpu_tests", step_gpu_tests, {FULL: 42, QUICK: 30, DRY: 300}),
-    Step("smoke_train", step_smoke_train, {FULL: 38, QUICK: 20, DRY: 300}),
+    Step("decode", step_decode, {FULL: 35, QUICK: 15, DRY: 240}),
+    Step("smoke_train", step_smoke_train, {FULL: 33, QUICK: 20, DRY: 300}),
     Step("train_1b", step_train_1b, {FULL: 35, QUICK: 25, DRY: 300}),
     Step("loss", step_loss, {FULL: 8, QUICK: 0, DRY: 60}),
-    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 82, QUICK: 45, DRY: 400}),
-    Step("attention", step_attention, {FULL: 28, QUICK: 15, DRY: 120}),
+    Step("train_8b_fp8", step_train_8b_fp8, {FULL: 67, QUICK: 35, DRY: 400}),
+    Step("attention", step_attention, {FULL: 18, QUICK: 10, DRY: 120}),
     Step("memory", step_memory, {FULL: 2, QUICK: 3, DRY: 120}),  # no torch import
-    Step("grpo", step_grpo, {FULL: 45, QUICK: 0, DRY: 240}),
+    Step("grpo", step_grpo, {FULL: 40, QUICK: 0, DRY: 240}),
     Step("generate", step_generate, {FULL: 5, QUICK: 0, DRY: 180}),
     Step("lora_8b", step_lora_8b, {FULL: 2, QUICK: 0, DRY: 200}),
     Step("muon", step_muon, {FULL: 1, QUICK: 0, DRY: 120}),

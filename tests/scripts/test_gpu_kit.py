@@ -18,7 +18,7 @@ import pytest
 from tests.builders import ROOT
 
 MEASURE = ROOT / "scripts" / "gpu" / "measure.py"
-ORDER = ["environment", "gpu_tests", "smoke_train", "train_1b", "loss", "train_8b_fp8",
+ORDER = ["environment", "gpu_tests", "decode", "smoke_train", "train_1b", "loss", "train_8b_fp8",
          "attention", "memory", "grpo", "generate", "lora_8b", "muon"]  # fmt: skip
 
 
@@ -50,7 +50,7 @@ def test_only_and_skip_choose_steps_in_order() -> None:
     assert measure.choose_steps(None, []) == ORDER
     assert measure.choose_steps("train_1b, environment", []) == ["environment", "train_1b"]
     skipped = measure.choose_steps(None, ["memory", "generate,lora_8b", "grpo,muon"])
-    assert skipped == ORDER[:7]
+    assert skipped == ORDER[:8]
     assert measure.choose_steps("memory,generate", ["generate"]) == ["memory"]
 
 
@@ -60,7 +60,7 @@ def test_a_step_may_use_what_the_steps_before_it_left() -> None:
     deadlines = measure.plan_deadlines(measure.FULL, ORDER, start=1000.0)
     assert list(deadlines) == ORDER and deadlines["muon"] == 1300.0
     budgets = [step.budget[measure.FULL] for step in measure.STEPS]
-    assert deadlines["train_1b"] == 1000.0 + sum(budgets[:4])
+    assert deadlines["train_1b"] == 1000.0 + sum(budgets[: ORDER.index("train_1b") + 1])
 
 
 def test_steps_chosen_by_only_share_the_whole_call() -> None:
@@ -200,3 +200,19 @@ def test_the_attention_step_records_autos_choice(tmp_path: Path) -> None:
     assert result["figures"]["sdpa:math"]["max_rel_err"] < 1e-5
     choices = json.loads((tmp_path / "attention_backends.json").read_text())["choices"]
     assert [entry["backend"] for entry in choices.values()] == ["sdpa"]
+
+
+def test_the_decode_step_rehearses_on_a_cpu(tmp_path: Path) -> None:
+    """The dry run's decode step times the eager and the static step at each batch size (on a
+    CPU the static step runs eagerly in place of graphs) and the 56M model against the first
+    GPU run's figure, capturing nothing while it times."""
+    run = measure.Run(measure.DRY, tmp_path, time.monotonic() + 240, tmp_path)
+    run.step_deadline = time.monotonic() + 240
+    result = measure.step_decode(run)
+    assert result["status"] == "ok", result
+    figures = result["figures"]
+    assert [entry["batch"] for entry in figures["tiny"]["runs"]] == [1, 4]
+    for entry in figures["tiny"]["runs"] + figures["small_56m"]["runs"]:
+        for way in ("eager", "static (eager on a CPU)"):
+            assert entry[way]["tok_s"] > 0 and entry[way]["captured_while_timed"] == 0
+    assert 40 < figures["small_56m"]["params_m"] < 70 and figures["small_56m"]["over_first_run"] > 0

@@ -155,6 +155,29 @@ def test_rollouts_after_a_step_never_read_the_old_weights_cache(tmp_path, task) 
     assert second.completions == [r.output for group in alone for r in group]
 
 
+@pytest.mark.parametrize(("value", "graphs"), [(None, None), ("off", False), ("on", True)])
+def test_rollout_cuda_graphs_reach_the_engine(tmp_path, task, value, graphs) -> None:
+    """`grpo.rollout_cuda_graphs` (default auto: on a CUDA device) is the rollout engine's
+    `cuda_graphs`; on a CPU the engine decodes eagerly whatever it says; a bad value is refused
+    in one line."""
+    from pipeline.core.model.transformer import Transformer
+    from pipeline.serve.engine.sampling import SamplingParams
+    from pipeline.train.objectives.grpo_rollout import RolloutModel
+
+    sets = grpo_sets(tmp_path, task) + ([f"grpo.rollout_cuda_graphs={value}"] if value else [])
+    cfg = resolve_config(None, sets)
+    assert cfg.grpo.rollout_cuda_graphs == (value or "auto")
+    policy = Transformer(cfg.model_config())
+    policy.init_weights()
+    rollout = RolloutModel(policy, cfg, torch.device("cpu"))
+    assert rollout.cuda_graphs is graphs
+    outs = rollout.generate([[5, 9, 14]], [[SamplingParams(4, greedy=True)] * 2])
+    assert len(outs.completions) == 2 and rollout.engine.decoder is None
+    with pytest.raises(ConfigError, match="rollout_cuda_graphs") as error:
+        resolve_config(None, [*sets, "grpo.rollout_cuda_graphs=yes"])
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_dry_run_estimate_holds_the_rollout_engine(tmp_path: Path, task: dict, dtype) -> None:
     """`--dry-run`'s rollout engine bytes are what the engine allocates for a step's longest

@@ -43,20 +43,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.core.model.transformer import Transformer
-from pipeline.serve.engine.decode import CachedBatch, forward_cached
+from pipeline.serve.engine.batching import forward_rows
 from pipeline.serve.engine.groups import share_prompt
 from pipeline.serve.engine.kv_cache import BlockKVCache
-from pipeline.serve.engine.packing import batch_row_slots, packed_decode_batch
 from pipeline.serve.engine.prefix_cache import PrefixCacheManager
 from pipeline.serve.engine.request import Event, Request
 from pipeline.serve.engine.request_checks import check_request
-from pipeline.serve.engine.sampling import (
-    SamplingParams,
-    TokenLogprobs,
-    choose,
-    token_logprobs,
-)
+from pipeline.serve.engine.sampling import SamplingParams, TokenLogprobs, choose
 from pipeline.serve.engine.scheduler import Scheduler
+from pipeline.serve.engine.static_decode import static_decoder
 
 if TYPE_CHECKING:
     from pipeline.serve.engine.structured_output import GrammarBackend
@@ -71,7 +66,9 @@ class Engine:
     max_position_embeddings); tp: the model's tensor-parallel degree
     (`pipeline.serve.engine.tensor_parallel`); grammars: the tokenizer's structured-output backend
     (`pipeline.serve.engine.structured_output`; None: requests that ask for it are refused);
-    prefix_caching: keep and reuse full blocks (module docstring)."""
+    prefix_caching: keep and reuse full blocks (module docstring); cuda_graphs: decode steps
+    replayed from CUDA graphs (None: on a CUDA device), static_decode: their static-shape step
+    even without graphs (None: with graphs; `pipeline.serve.engine.static_decode`)."""
 
     def __init__(
         self,
@@ -86,6 +83,8 @@ class Engine:
         tp: int = 1,
         grammars: GrammarBackend | None = None,
         prefix_caching: bool = True,
+        cuda_graphs: bool | None = None,
+        static_decode: bool | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -109,6 +108,15 @@ class Engine:
         self.prompt_tokens_computed = 0  # prompt positions run through the model, so far
         self.prompt_tokens_cached = 0  # prompt positions read from another request's cache
         self.adapters = None  # `LoRASlots` when the engine serves adapters by name
+        self.decoder = static_decoder(
+            model,
+            self.cache,
+            max_batch=max_batch,
+            max_context=self.max_context,
+            tp=tp,
+            cuda_graphs=cuda_graphs,
+            static_decode=static_decode,
+        )
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -219,21 +227,9 @@ class Engine:
 
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
-        batch, where = self._batch(rows)
-        if self.adapters is not None:
-            self.adapters.select(batch_row_slots([request.lora_slot for request, _ in rows],
-                                                 where[0], batch.tokens.shape[0]))  # fmt: skip
-        hidden = forward_cached(self.model, self.cache, batch)
-        last = hidden[where]
-        logits = self.model.output(last).float()
-        prompt_logprobs = self._prompt_logprobs(rows, hidden)
-        ready = [
-            i
-            for i, (request, new) in enumerate(rows)
-            if request.computed + new == len(request.tokens)
-        ]
-        if len(ready) < len(rows):
-            logits = logits[ready]
+        logits, ready, prompt_logprobs = forward_rows(
+            self.model, self.cache, rows, self.adapters, self.decoder
+        )
         sampled = [rows[i][0] for i in ready]
         if self.grammars is not None:
             self.grammars.constrain(logits, sampled)  # only the rows that ask
@@ -252,53 +248,6 @@ class Engine:
                 if index in choices and not request.finished:
                     events.append(self._emit(request, *choices[index]))
         return events
-
-    def _prompt_logprobs(
-        self, rows: list[tuple[Request, int]], hidden: torch.Tensor
-    ) -> dict[int, list[TokenLogprobs]]:
-        """The log-probabilities of the prompt tokens that this chunk's positions predict, for
-        the rows that ask (only their positions are projected to the vocabulary)."""
-        found = {}
-        for index, (request, new) in enumerate(rows):
-            top = request.params.prompt_logprobs
-            if top is None:
-                continue
-            start = request.computed
-            targets = request.prompt[start + 1 : start + new + 1]  # position p predicts p + 1
-            if not targets:
-                continue
-            logits = self.model.output(hidden[index, : len(targets)]).float()
-            found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))
-        return found
-
-    def _batch(self, rows: list[tuple[Request, int]]) -> tuple[CachedBatch, tuple]:
-        """The batch of `rows` and where each row's last new token is in it: one row each, or
-        decode rows of a group packed (`pipeline.serve.engine.packing`)."""
-        if all(n == 1 for _, n in rows):
-            packed = packed_decode_batch([r for r, _ in rows], self.cache.block_size,
-                                         self.cache.scratch_slot, self.device)  # fmt: skip
-            if packed is not None:
-                return packed[0], packed[1:]
-        lengths = torch.tensor([n for _, n in rows], device=self.device)
-        return self._plain_batch(rows), (torch.arange(len(rows), device=self.device), lengths - 1)
-
-    def _plain_batch(self, rows: list[tuple[Request, int]]) -> CachedBatch:
-        new = max(n for _, n in rows)
-        length = max(r.computed + n for r, n in rows)
-        scratch = self.cache.scratch_slot
-        tokens = torch.zeros(len(rows), new, dtype=torch.long)
-        positions = torch.zeros(len(rows), new, dtype=torch.long)
-        write = torch.full((len(rows), new), scratch, dtype=torch.long)
-        read = torch.full((len(rows), length), scratch, dtype=torch.long)
-        for i, (request, n) in enumerate(rows):
-            start = request.computed
-            tokens[i, :n] = torch.tensor(request.tokens[start : start + n])
-            positions[i, :n] = torch.arange(start, start + n)
-            every = request.slots[: start + n]
-            write[i, :n] = every[start:]
-            read[i, : start + n] = every
-        to = self.device
-        return CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
 
     def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None = None) -> Event:
         request.output.append(token)

@@ -51,28 +51,45 @@ class CachedBatch:
 
 
 class LayerSlots:
-    """One layer of a `BlockKVCache` seen by one batch: the model's `LayerKVCache`."""
+    """One layer of a `BlockKVCache` seen by one batch: the model's `LayerKVCache`. `fresh`:
+    read the history into new tensors, not the cache's reused read buffer (a captured step's,
+    `pipeline.serve.engine.static_decode`)."""
 
     def __init__(
-        self, cache: BlockKVCache, layer: int, batch: CachedBatch, mask: torch.Tensor | None
+        self,
+        cache: BlockKVCache,
+        layer: int,
+        batch: CachedBatch,
+        mask: torch.Tensor | None,
+        fresh: bool = False,
     ) -> None:
         self.cache, self.index, self.batch, self.mask = cache, layer, batch, mask
+        self.fresh = fresh
 
     def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
         self.cache.write(self.index, self.batch.write_slots, *new)
         dtype = new[0].dtype
-        return [t.to(dtype) for t in self.cache.read(self.index, self.batch.read_slots)]
+        slots = self.batch.read_slots
+        if self.fresh:
+            pools = self.cache.pools[self.index]
+            flat = slots.reshape(-1)
+            read = [
+                pool.index_select(0, flat).view(*slots.shape, *pool.shape[1:]) for pool in pools
+            ]
+        else:
+            read = self.cache.read(self.index, slots)
+        return [t.to(dtype) for t in read]
 
 
 class BatchSlots:
     """A `BlockKVCache` seen by one batch: the model's `KVCache` (`pipeline.core.model.kv_seam`),
-    its mask computed once for all layers."""
+    its mask computed once for all layers (`fresh`: as `LayerSlots`')."""
 
-    def __init__(self, cache: BlockKVCache, batch: CachedBatch) -> None:
-        self.cache, self.batch, self.mask = cache, batch, batch.mask()
+    def __init__(self, cache: BlockKVCache, batch: CachedBatch, fresh: bool = False) -> None:
+        self.cache, self.batch, self.mask, self.fresh = cache, batch, batch.mask(), fresh
 
     def layer(self, index: int) -> LayerSlots:
-        return LayerSlots(self.cache, index, self.batch, self.mask)
+        return LayerSlots(self.cache, index, self.batch, self.mask, self.fresh)
 
 
 @torch.no_grad()

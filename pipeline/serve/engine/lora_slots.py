@@ -265,6 +265,15 @@ class LoRASlots:
             for slot in sorted(self._active)
         }
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Each row's slot read from `rows` `[batch]` (`max_loras`, the zero slot: the base) on
+        the stacks' device, a tensor the caller keeps and fills in place: every adapted linear
+        adds its gathered update, found on the device, so a captured decode step
+        (`pipeline.serve.engine.static_decode`) replays on the rows' new slots."""
+        self._rows, self._row_count, self._groups = rows, rows.shape[0], {}
+        self._active = frozenset(range(self.max_loras))
+        self._active_paths = frozenset(self.stacks)
+
     @cached_property
     def _device(self) -> torch.device | str:
         return self.stacks[next(iter(self.stacks))][0].device if self.stacks else "cpu"

@@ -63,6 +63,7 @@ class EngineSpec:
     max_loras: int = 0
     max_lora_rank: int = 16
     prefix_caching: bool = True  # `Engine(prefix_caching=...)`
+    cuda_graphs: bool | None = None  # `Engine(cuda_graphs=...)`: None on a CUDA device
 
 
 def batch_for_cache(cache_blocks: int) -> int:
@@ -133,7 +134,7 @@ def _load(spec: EngineSpec):
             gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,
             max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,
             grammars=_grammars(gen),
-            prefix_caching=spec.prefix_caching,
+            prefix_caching=spec.prefix_caching, cuda_graphs=spec.cuda_graphs,
         )  # fmt: skip
         if spec.max_loras:
             from pipeline.serve.engine.lora_slots import install_named_adapters

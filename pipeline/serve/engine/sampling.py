@@ -206,11 +206,17 @@ def choose(logits: torch.Tensor, rows: Sequence[Row]) -> list[tuple[int, TokenLo
 
 
 def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
-    """Each row's token (`sample`); the rows sampled at their temperature alone (no top-k or
-    top-p: an RL rollout's) in one go, each still from its own generator."""
+    """Each row's token (`sample`); the greedy rows in one go, and the rows sampled at their
+    temperature alone (no top-k or top-p: an RL rollout's) in one go, each still from its own
+    generator."""
     plain = [i for i, row in enumerate(rows) if _plain(row.params, logits.shape[-1])]
     plain = plain if len(plain) > 1 else []
     tokens = [0] * len(rows)
+    greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+    greedy = greedy if len(greedy) > 1 else []
+    if greedy:  # one argmax and one read back for all (the first on a tie, as `greedy_token`)
+        for i, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            tokens[i] = token
     if plain:
         temperatures = torch.tensor([rows[i].params.temperature for i in plain],
                                     device=logits.device)  # fmt: skip
@@ -218,7 +224,7 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
         drawn = draw_rows(probs, [rows[i].generator for i in plain])
         for i, token in zip(plain, drawn):
             tokens[i] = token
-    done = set(plain)
+    done = set(plain) | set(greedy)
     for i, row in enumerate(rows):
         if i not in done:
             tokens[i] = sample(logits[i], row.params, row.generator)

@@ -470,6 +470,11 @@ class GRPOSection:
     """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
     empty: pipe's engine in the training processes). The policy's weights are pushed to it
     before each batch of rollouts."""
+    rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
+    (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a
+    policy that decodes on itself with activation checkpointing, decodes eagerly either way and
+    says why in the log."""
 
 
 SECTIONS: dict[str, type] = {

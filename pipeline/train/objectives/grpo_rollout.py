@@ -74,6 +74,7 @@ class RolloutModel:
         self.dtype = torch.bfloat16 if cfg.training.dtype == "bf16" else torch.float32
         self.shared = self.dtype == torch.float32 and _is_plain(policy)
         self.module = policy if self.shared else _plain_copy(policy, cfg, device, self.dtype)
+        self.cuda_graphs = {"auto": None, "on": True, "off": False}[cfg.grpo.rollout_cuda_graphs]
         self.engine: Any = None
 
     @torch.no_grad()
@@ -132,7 +133,7 @@ class RolloutModel:
         if e is None or e.scheduler.max_batch < rows or e.cache.num_blocks < blocks:
             self.engine = Engine(
                 self.module, max_batch=rows, cache_blocks=blocks, block_size=block,
-                prefill_chunk=4096, max_waiting=rows,
+                prefill_chunk=4096, max_waiting=rows, cuda_graphs=self.cuda_graphs,
             )  # fmt: skip
         return self.engine
 

@@ -1,0 +1,117 @@
+"""One engine step's forward pass: its rows (request, new tokens) made into a batch, run through
+the model, and the logits of the rows whose prompt is done.
+
+A step's decode rows go through the static-shape decoder when the engine has one
+(`pipeline.serve.engine.static_decode`: padded to a bucket, replayed from a CUDA graph on a GPU);
+otherwise, and for prompt chunks always, the rows become one batch here: one row each, or the
+decode rows of a group packed (`pipeline.serve.engine.packing`), run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeline.core.model.transformer import Transformer
+from pipeline.serve.engine.decode import CachedBatch, forward_cached
+from pipeline.serve.engine.kv_cache import BlockKVCache
+from pipeline.serve.engine.packing import batch_row_slots, packed_decode_batch
+from pipeline.serve.engine.sampling import TokenLogprobs, token_logprobs
+
+if TYPE_CHECKING:
+    from pipeline.serve.engine.lora_slots import LoRASlots
+    from pipeline.serve.engine.static_decode import StaticDecoder
+
+Rows = Sequence[tuple[Any, int]]  # (the engine's `Request`, its new tokens this step)
+
+
+def forward_rows(
+    model: Transformer,
+    cache: BlockKVCache,
+    rows: Rows,
+    adapters: LoRASlots | None = None,
+    decoder: StaticDecoder | None = None,
+) -> tuple[torch.Tensor, list[int], dict[int, list[TokenLogprobs]]]:
+    """Run `rows` through the model, writing their keys and values to `cache`. Returns the float
+    logits `[ready, vocab]` of the rows whose prompt is done after this step (they sample a
+    token), those rows' indices, and the prompt log-probabilities of the rows that ask, by row
+    index."""
+    if decoder is not None and all(new == 1 for _, new in rows):
+        # decode rows only: every one samples, and none has a prompt token left to score
+        return (
+            decoder.logits([request for request, _ in rows], adapters),
+            list(range(len(rows))),
+            {},
+        )
+    batch, where = batch_of(rows, cache, cache.pools[0][0].device)
+    if adapters is not None:
+        adapters.select(
+            batch_row_slots(
+                [request.lora_slot for request, _ in rows], where[0], batch.tokens.shape[0]
+            )
+        )
+    hidden = forward_cached(model, cache, batch)
+    logits = model.output(hidden[where]).float()
+    ready = [
+        i for i, (request, new) in enumerate(rows) if request.computed + new == len(request.tokens)
+    ]
+    if len(ready) < len(rows):
+        logits = logits[ready]
+    return logits, ready, prompt_logprobs(model, rows, hidden)
+
+
+def prompt_logprobs(
+    model: Transformer, rows: Rows, hidden: torch.Tensor
+) -> dict[int, list[TokenLogprobs]]:
+    """The log-probabilities of the prompt tokens that this chunk's positions predict, for
+    the rows that ask (only their positions are projected to the vocabulary)."""
+    found = {}
+    for index, (request, new) in enumerate(rows):
+        top = request.params.prompt_logprobs
+        if top is None:
+            continue
+        start = request.computed
+        targets = request.prompt[start + 1 : start + new + 1]  # position p predicts p + 1
+        if not targets:
+            continue
+        logits = model.output(hidden[index, : len(targets)]).float()
+        found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))
+    return found
+
+
+def batch_of(rows: Rows, cache: BlockKVCache, device: torch.device) -> tuple[CachedBatch, tuple]:
+    """The batch of `rows` and where each row's last new token is in it: one row each, or
+    decode rows of a group packed (`pipeline.serve.engine.packing`)."""
+    if all(n == 1 for _, n in rows):
+        packed = packed_decode_batch(
+            [r for r, _ in rows], cache.block_size, cache.scratch_slot, device
+        )
+        if packed is not None:
+            return packed[0], packed[1:]
+    lengths = torch.tensor([n for _, n in rows], device=device)
+    return plain_batch(rows, cache.scratch_slot, device), (
+        torch.arange(len(rows), device=device),
+        lengths - 1,
+    )
+
+
+def plain_batch(rows: Rows, scratch: int, device: torch.device) -> CachedBatch:
+    """One batch row per request: its new tokens and its whole history's slots, padded (to
+    the longest row) with the cache's `scratch` slot."""
+    new = max(n for _, n in rows)
+    length = max(r.computed + n for r, n in rows)
+    tokens = torch.zeros(len(rows), new, dtype=torch.long)
+    positions = torch.zeros(len(rows), new, dtype=torch.long)
+    write = torch.full((len(rows), new), scratch, dtype=torch.long)
+    read = torch.full((len(rows), length), scratch, dtype=torch.long)
+    for i, (request, n) in enumerate(rows):
+        start = request.computed
+        tokens[i, :n] = torch.tensor(request.tokens[start : start + n])
+        positions[i, :n] = torch.arange(start, start + n)
+        every = request.slots[: start + n]
+        write[i, :n] = every[start:]
+        read[i, : start + n] = every
+    to = device
+    return CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
