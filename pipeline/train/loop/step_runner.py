@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from pipeline.train.build.model_parts import TrainableModel
+from pipeline.train.assembly.model_parts import TrainableModel
 from pipeline.train.objectives.base import Batch, Objective, model_hidden
 
 __all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode", "prepare_micro_batches"]

@@ -41,15 +41,15 @@ from typing import Any
 
 from pipeline.common.progress import terminal_bar
 from pipeline.core.model.flavors import flops_per_token
-from pipeline.train.build import train_data
-from pipeline.train.build.layout import (
+from pipeline.train.assembly import train_data
+from pipeline.train.assembly.layout import (
     build_layout,
     micro_batches_per_step,
     resolve_device,
     seed_everything,
 )
-from pipeline.train.build.model_build import build_fp8_backend, build_model, model_options
-from pipeline.train.build.model_parts import model_parts
+from pipeline.train.assembly.model_build import build_fp8_backend, build_model, model_options
+from pipeline.train.assembly.model_parts import model_parts
 from pipeline.train.config.loader import save_config_toml
 from pipeline.train.config.schema import TrainConfig
 from pipeline.train.loop.guards import (

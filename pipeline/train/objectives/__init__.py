@@ -133,7 +133,7 @@ def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]
     `grpo_split`); nothing with a rollout server."""
     from pipeline.core.model.flavors import num_parameters
     from pipeline.core.model.kv_sizes import kv_bytes_per_token
-    from pipeline.train.build.compile_setting import compile_enabled
+    from pipeline.train.assembly.compile_setting import compile_enabled
 
     if cfg.grpo.rollout_server:  # the server holds them
         return 0.0, ""

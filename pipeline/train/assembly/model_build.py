@@ -26,8 +26,8 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
-from pipeline.train.build.model_parts import StageUnion, TrainableModel
-from pipeline.train.build.parallelize import build_model_parts, parallelize
+from pipeline.train.assembly.model_parts import StageUnion, TrainableModel
+from pipeline.train.assembly.parallelize import build_model_parts, parallelize
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.pipeline_step import PipelineRunner
 from pipeline.train.loop.step_runner import LocalStepRunner, StepRunner
