@@ -393,14 +393,14 @@ def kill_after_save(iteration: int, recipe: str | None, sets: list[str]) -> subp
 def lm_runner(model):
     """The whole `model` trained on language modelling, as the trainer runs a `tiny` model."""
     from pipeline.train.loop.step_runner import LocalStepRunner
-    from pipeline.train.objectives.language_model import LanguageModelling
+    from pipeline.train.objectives.language_model.objective import LanguageModelling
 
     return LocalStepRunner(model, LanguageModelling())
 
 
 def nan_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batch calls (all of them when None)."""
-    import pipeline.train.objectives.language_model as lm
+    import pipeline.train.objectives.language_model.objective as lm
 
     original = lm.token_loss
     calls = {"n": 0}

@@ -18,7 +18,7 @@ from pipeline.core.model.flavors import tiny_deepseek_v3
 from pipeline.core.model.mtp import mtp_loss_sum
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.layout_rules import model_problems
-from pipeline.train.objectives.language_model import micro_batch_loss
+from pipeline.train.objectives.language_model.objective import micro_batch_loss
 from tests.builders import perturbed
 
 DEPTH = 2

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pipeline.train.config.schema import GRPOSection
-from pipeline.train.objectives.grpo_loss import (
+from pipeline.train.objectives.grpo.loss import (
     CLIP_STATS,
     GRPOLossOptions,
     group_advantages,

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.data.prompt_dataset import PromptRecord
 from pipeline.train.config.schema import ConfigError, GRPOSection
-from pipeline.train.objectives.grpo_rewards import (
+from pipeline.train.objectives.grpo.rewards import (
     RewardError,
     answer_matches,
     build_rewards,

@@ -7,11 +7,10 @@ id only matters for partial samples, so `pad_id` is None (Megatron's GPT tokeniz
 either). Sample counts per split follow Megatron's rule: train iters * gbs, valid
 (iters // eval_interval + 1) * eval_iters * gbs, test eval_iters * gbs.
 
-With `data.kind = "sft"` each prefix is a chat dataset and a sample is whole conversations
-packed together (`pipeline.data.sft_dataset`), built through the same blends and splits; the
-samples carry their own document ids, so no EOD id is needed to separate them. With
-`data.kind = "dpo"` each prefix is the output prefix of `pipe preprocess --preference` and a
-sample is one chosen/rejected pair (`pipeline.data.preference_dataset`).
+What a sample is depends on the objective: its registry entry (`pipeline.train.objectives`)
+names the function that builds its datasets (GPT samples, packed conversations, preference
+pairs, prompts: each objective's `data.py`), the dataset beside which the manifest lies, and
+whether documents are told apart at EOD tokens; this module names none of them.
 """
 
 from __future__ import annotations
@@ -29,12 +28,10 @@ from pipeline.data.blend_spec import (
     parse_blend,
     parse_per_split_blend,
 )
-from pipeline.data.blended import build_datasets
-from pipeline.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from pipeline.data.loader import build_data_loader
-from pipeline.data.preference_dataset import PreferenceDataset, preference_prefix
-from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
 from pipeline.train.config.schema import ConfigError, TrainConfig
+from pipeline.train.objectives import call_target, objective_spec
+from pipeline.train.objectives.datasets import split_sizes
 
 __all__ = [
     "TokenizerInfo",
@@ -84,8 +81,8 @@ def tokenizer_info(cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData) -> 
     if isinstance(spec, MockData):
         return TokenizerInfo(spec.vocab_size - 1, spec.vocab_size, "mock")
     first = all_prefixes(spec)[0]
-    if cfg.data.kind == "dpo":  # the manifest of a preference prefix names its chosen side
-        first = f"{preference_prefix(first)}_chosen_document"
+    beside = objective_spec(cfg.data.kind).manifest_dataset
+    first = beside(first) if beside is not None else first
     path = manifest.find_for_dataset(first)
     record = manifest.read(path) if path is not None else None
     tok = (record or {}).get("tokenizer") or {}
@@ -109,135 +106,20 @@ def tokenizer_info(cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData) -> 
     )
 
 
-def split_sizes(cfg: TrainConfig) -> tuple[int, int, int]:
-    """Samples wanted per split, by Megatron's rule (valid is 0 when evaluation is off)."""
-    t = cfg.training
-    gbs = t.global_batch_size
-    if t.eval_interval == 0 or t.eval_iters == 0:
-        return t.iters * gbs, 0, 0
-    return t.iters * gbs, (t.iters // t.eval_interval + 1) * t.eval_iters * gbs, t.eval_iters * gbs
-
-
 def build_split_datasets(
     cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData, tok: TokenizerInfo
 ) -> list[Any]:
-    """Train, valid and test datasets (None for a split without data)."""
-    d = cfg.data
-    identity = (tok.fingerprint or {}).get("files") or tok.source
-    sft = d.kind == "sft"
-    config_class, extra = (
-        (SFTDatasetConfig, {"truncate": d.sft_truncate}) if sft else (GPTDatasetConfig, {})
-    )
-    config = config_class(
-        sequence_length=d.seq_length,
-        eod_id=tok.eod_id,
-        tokenizer_id=str(identity),
-        random_seed=cfg.training.seed,
-        split=None if isinstance(spec, PerSplitBlend) else d.split,
-        add_extra_token_to_sequence=d.add_extra_token_to_sequence,
-        reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask,
-        eod_mask_loss=d.eod_mask_loss,
-        create_attention_mask=False,  # the model takes document ids instead of a dense mask
-        path_to_cache=d.data_cache_path,
-        pad_id=None,
-        **extra,
-    )
-    if d.kind == "grpo":
-        return prompt_datasets(cfg)
-    dataset_class = {"sft": SFTDataset, "dpo": PreferenceDataset}.get(d.kind, GPTDataset)
-    try:
-        return build_datasets(spec, config, split_sizes(cfg), dataset_class=dataset_class)
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"building the datasets: {e}") from e
-
-
-def prompt_datasets(cfg: TrainConfig) -> list[Any]:
-    """GRPO's prompts per split (`pipeline.data.prompt_dataset`), rendered with the tokenizer's
-    chat template, whole epochs of them; prompts that leave no room for
-    `grpo.max_completion_length` are skipped and counted. With `grpo.num_iterations` > 1 each
-    global batch of the train split comes back that many times (the rollouts of its first pass
-    serve the others)."""
-    from pipeline.data.prompt_dataset import PromptDataset
-    from pipeline.preprocess.prompts import PromptFileError, read_prompt_splits
-    from pipeline.tokenizer.chat_template import ChatTemplateError, load_chat_template
-    from pipeline.tokenizer.tokenizer import load_tokenizer
-
-    d, t, passes = cfg.data, cfg.training, cfg.grpo.num_iterations
-    try:
-        sets = read_prompt_splits(
-            d.blend, d.split, (d.train_blend, d.valid_blend, d.test_blend),
-            load_tokenizer(d.tokenizer), load_chat_template(d.tokenizer),
-            d.seq_length - cfg.grpo.max_completion_length,
-        )  # fmt: skip
-    except (PromptFileError, ChatTemplateError, OSError) as e:
-        raise ConfigError(str(e)) from None
-    datasets: list[Any] = []
-    for index, (found, wanted) in enumerate(zip(sets, split_sizes(cfg))):
-        if found is None or not wanted or not found.records:
-            datasets.append(None)
-            continue
-        repeat, per_epoch = (passes if index == 0 else 1), len(found.records)
-        epochs = -(-wanted // (repeat * per_epoch))  # whole epochs over the prompts
-        dataset = PromptDataset(found.records, epochs * per_epoch, t.seed + index)
-        dataset = RepeatedBatches(dataset, t.global_batch_size, repeat) if repeat > 1 else dataset
-        dataset.skipped = found.skipped
-        datasets.append(dataset)
-    return datasets
-
-
-class RepeatedBatches:
-    """A dataset whose every run of `batch` samples comes back `times` times in a row: sample i
-    is sample `(i // (batch * times)) * batch + i % batch` of `dataset`."""
-
-    def __init__(self, dataset: Any, batch: int, times: int) -> None:
-        self.dataset, self.batch, self.times = dataset, batch, times
-        self.records = dataset.records
-
-    def __len__(self) -> int:
-        return len(self.dataset) * self.times
-
-    def __getitem__(self, index: int) -> Any:
-        group, offset = divmod(index, self.batch * self.times)
-        return self.dataset[group * self.batch + offset % self.batch]
+    """Train, valid and test datasets (None for a split without data), built as the objective's
+    registry entry says."""
+    return call_target(objective_spec(cfg.data.kind).datasets, cfg, spec, tok)
 
 
 def long_conversations(cfg: TrainConfig, datasets: Sequence[Any]) -> str | None:
-    """One line saying how many SFT conversations were longer than a sample and so dropped or
-    truncated, per split (None when none were, or for GPT data)."""
-    if cfg.data.kind == "grpo":
-        return _skipped_prompts(cfg, datasets)
-    counts = []
-    for name, dataset in zip(("train", "valid", "test"), datasets):
-        members = getattr(dataset, "datasets", [dataset])  # a blend's members, or the dataset
-        n = sum(getattr(m, "truncated" if cfg.data.sft_truncate else "dropped", 0) for m in members)
-        if n:
-            counts.append(f"{n} in {name}")
-    if not counts:
-        return None
-    seq = cfg.data.seq_length
-    if cfg.data.sft_truncate:
-        return f"truncated conversations longer than {seq} tokens to {seq}: {', '.join(counts)}"
-    return (
-        f"dropped conversations longer than {seq} tokens: {', '.join(counts)}; "
-        "data.sft_truncate = true keeps their first tokens instead"
-    )
-
-
-def _skipped_prompts(cfg: TrainConfig, datasets: Sequence[Any]) -> str | None:
-    """One line counting the GRPO prompts skipped for their length, per split (None: none)."""
-    counts = [
-        f"{sum(dataset.skipped.values())} in {name}"
-        for name, dataset in zip(("train", "valid", "test"), datasets)
-        if dataset is not None and dataset.skipped
-    ]
-    if not counts:
-        return None
-    room = cfg.data.seq_length - cfg.grpo.max_completion_length
-    return (
-        f"skipped prompts longer than {room} tokens (data.seq_length - "
-        f"grpo.max_completion_length): {', '.join(counts)}"
-    )
+    """One line saying what the objective's data building left out (conversations longer than
+    a sample, dropped or truncated; prompts with no room for a completion), per split (None:
+    nothing)."""
+    note = objective_spec(cfg.data.kind).data_note
+    return call_target(note, cfg, datasets) if note is not None else None
 
 
 def build_loader(
@@ -281,6 +163,7 @@ def build_run_data(cfg: TrainConfig, model_config: Any) -> RunData:
     datasets = build_split_datasets(cfg, spec, tokenizer)
     if datasets[0] is None or len(datasets[0]) == 0:
         raise ConfigError("the training split is empty: check data.split and the blend")
-    # Packed SFT samples carry their document ids; GPT samples find them at EOD tokens.
-    eod = tokenizer.eod_id if cfg.data.reset_attention_mask and cfg.data.kind == "gpt" else None
+    # Packed samples carry their document ids; GPT samples find them at EOD tokens.
+    at_eod = cfg.data.reset_attention_mask and objective_spec(cfg.data.kind).documents_at_eod
+    eod = tokenizer.eod_id if at_eod else None
     return RunData(tokenizer, tuple(datasets), eod)

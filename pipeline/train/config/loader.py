@@ -52,7 +52,6 @@ FLAG_TARGETS: dict[str, str] = {
     "fp8": "fp8.recipe",
     "lora": "lora.enabled",
     "lora_base": "lora.base",
-    "rollout_server": "grpo.rollout_server",
 }
 
 

@@ -22,13 +22,13 @@ count.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from pipeline.train.assembly.model_parts import TrainableModel
-from pipeline.train.objectives.base import Batch, Objective, model_hidden
+from pipeline.train.objectives.base import Batch, Objective, evaluation_mode, model_hidden
 
 __all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode", "prepare_micro_batches"]
 
@@ -126,13 +126,3 @@ def prepare_micro_batches(
     with autocast or contextlib.nullcontext():
         runner.objective.prepare(micro_batches, runner)
 
-
-@contextlib.contextmanager
-def evaluation_mode(model: TrainableModel) -> Iterator[None]:
-    """`model` in eval mode inside the block, then back in the mode it was in."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
