@@ -367,7 +367,7 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 
 KILL_AFTER_SAVE = """
     import os, signal, sys
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     iteration, recipe, sets = int(sys.argv[1]), sys.argv[2] or None, sys.argv[3:]
@@ -497,7 +497,7 @@ def _full_gradients(trainer) -> dict:
 
 def train_and_probe(recipe: str, sets: list[str]) -> dict:
     """Train as `sets` say, then take the gradients of the first global batch again."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     trainer = Trainer(resolve_config(recipe, sets), console=False)

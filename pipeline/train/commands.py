@@ -114,8 +114,10 @@ def set_objective(
         raise ConfigError(f"{' and '.join(chosen)}: choose one")
     if chosen:
         cfg.set("data.kind", chosen[0].split()[-1].removeprefix("--"), source=chosen[0])
+    current = OBJECTIVES.get(cfg.data.kind)
+    brought = current.options if current is not None else ()
     for spec, option, value in options:
-        if cfg.data.kind != spec.kind:
+        if option not in brought:  # an option of another objective
             flag = f"--{spec.kind}" if spec.flag_help else f"--objective {spec.kind}"
             raise ConfigError(f"{option.name} is for {flag} (data.kind = {spec.kind})")
         if option.multiple:
@@ -199,7 +201,7 @@ def train(
     Exit codes: 0 when finished or after SIGTERM (a checkpoint was saved: Slurm can requeue
     with --load), 130 after SIGINT (also saved), 1 on errors or a diverged run (saved).
     """
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import check_config, resolve_config
     from pipeline.train.config.schema import ConfigError, LoggingSection
 
     _check_gpu(gpu, dry_run)
@@ -221,7 +223,7 @@ def train(
             cfg.set("logging.run_dir", run_dir, source="--run-dir")
         elif cfg.logging.run_dir == LoggingSection().run_dir:
             cfg.logging.run_dir = _default_run_dir(recipe)
-        cfg.validate(world_size=world_size)
+        check_config(cfg, world_size=world_size)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if dry_run:

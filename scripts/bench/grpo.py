@@ -92,7 +92,7 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
     from pipeline.serve.engine.core import Engine
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop import train_step
     from pipeline.train.loop.trainer import Trainer
     from pipeline.train.objectives.grpo import objective as grpo

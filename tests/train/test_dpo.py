@@ -23,7 +23,7 @@ import torch
 from pipeline.data.indexed import IndexedDatasetWriter
 from pipeline.data.loss_mask import loss_mask_prefix
 from pipeline.data.preference_dataset import PreferencePairs
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from tests.builders import kill_after_save, layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed

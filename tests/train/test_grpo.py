@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from tests.builders import kill_after_save, records, run_pipe, train_and_probe, write_jsonl
 from tests.distributed import run_distributed

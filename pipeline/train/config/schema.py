@@ -472,22 +472,6 @@ class GRPOSection:
     before each batch of rollouts."""
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelSection,
-    "data": DataSection,
-    "training": TrainingSection,
-    "optimizer": OptimizerSection,
-    "scheduler": SchedulerSection,
-    "checkpoint": CheckpointSection,
-    "parallel": ParallelSection,
-    "fp8": Fp8Section,
-    "lora": LoraSection,
-    "logging": LoggingSection,
-    "dpo": DPOSection,
-    "grpo": GRPOSection,
-}
-
-
 @dataclass(frozen=True)
 class RecordedModel:
     """The model config recorded by the checkpoint `checkpoint.load` resumes from, as the config
@@ -618,8 +602,18 @@ class TrainConfig:
     # ---- checks -------------------------------------------------------------------------------
 
     def validate(self, world_size: int | None = None) -> TrainConfig:
-        """Check cross-field consistency; raise one `ConfigError` listing every problem."""
+        """Check the sections' cross-field consistency; raise one `ConfigError` listing every
+        problem. A run's whole check, which adds what its objective and its optimizer refuse
+        (their registries sit above the config), is `assembly.run_config.check_config`."""
         problems = config_problems(self, world_size)
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
         return self
+
+
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory
+    for f in dataclasses.fields(TrainConfig)
+    if f.default_factory is not dataclasses.MISSING
+}
+"""Every section of `TrainConfig` by its name (`[training]`, ...), in the order of its fields."""

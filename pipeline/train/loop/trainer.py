@@ -59,9 +59,10 @@ from pipeline.train.loop.guards import (
     StopSignals,
 )
 from pipeline.train.loop.loop_state import LogWindow, LoopState, TrainResult
-from pipeline.train.loop.step_runner import Batch, evaluation_mode, prepare_micro_batches
+from pipeline.train.loop.step_runner import Batch, build_runner, prepare_micro_batches
 from pipeline.train.loop.train_step import StepResult, autocast_context, global_mean, train_step
 from pipeline.train.objectives import build_objective
+from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.optimizers import build_optimizer
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
 from pipeline.train.report.metrics import MetricsLogger, router_statistics
@@ -144,11 +145,10 @@ class Trainer:
     def build_same_model(self) -> Any:
         """A model built as this run's is (layout, options, FP8, initialisation), with its step
         runner: the run's own, or a frozen reference beside it."""
-        options = model_options(self.cfg, self.layout, self.device, self.num_micro_batches)
-        return build_model(
-            self.cfg, self.model_config, options, self.layout, self.device, self.fp8,
-            self.num_micro_batches, self.objective,
-        )  # fmt: skip
+        opts = model_options(self.cfg, self.layout, self.device, self.num_micro_batches)
+        built = build_model(self.cfg, self.model_config, opts, self.layout, self.device, self.fp8)
+        built.runner = build_runner(built, self.objective, self.layout, self.device, self.cfg)
+        return built
 
     def _build_run_state(self) -> RunState:
         """The run's checkpoints (`run_state.py`), with the adapters' hook when the model has
