@@ -33,7 +33,10 @@ from pipeline.train.config.schema import ConfigError, TrainConfig
 from pipeline.train.objectives.dpo.loss import DPOOptions, pair_rows, row_logps
 
 __all__ = [
-    "dpo_options", "logps_checksum", "precompute_reference", "preference_members",
+    "dpo_options",
+    "logps_checksum",
+    "precompute_reference",
+    "preference_members",
     "reference_logps",
 ]
 
