@@ -4,6 +4,7 @@ rendered with the tokenizer's chat template when the run starts, whole epochs of
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from pipeline.train.config.schema import ConfigError, TrainConfig
@@ -19,18 +20,19 @@ def prompt_datasets(cfg: TrainConfig, blend: Any, tok: Any) -> list[Any]:
     times (the rollouts of its first pass serve the others). `blend` and `tok` are unused: the
     prompt files are `data.blend` (or the split blends) as given."""
     from pipeline.data.prompt_dataset import PromptDataset
-    from pipeline.preprocess.prompts import PromptFileError, read_prompt_splits
-    from pipeline.tokenizer.chat_template import ChatTemplateError, load_chat_template
+    from pipeline.data.prompt_files import PromptFileError, read_prompt_splits
+    from pipeline.tokenizer.chat_template import ChatTemplateError, chat_prompt, load_chat_template
     from pipeline.tokenizer.tokenizer import load_tokenizer
 
     d, t, passes = cfg.data, cfg.training, cfg.grpo.num_iterations
     try:
+        template = load_chat_template(d.tokenizer)
         sets = read_prompt_splits(
             d.blend,
             d.split,
             (d.train_blend, d.valid_blend, d.test_blend),
             load_tokenizer(d.tokenizer),
-            load_chat_template(d.tokenizer),
+            partial(chat_prompt, template=template),  # the assistant's turn opened
             d.seq_length - cfg.grpo.max_completion_length,
         )
     except (PromptFileError, ChatTemplateError, OSError) as e:
