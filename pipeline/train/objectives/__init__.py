@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.train.config.fields import ConfigError
+from pipeline.train.config.registry import Registry
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -108,24 +109,18 @@ def call_target(target: str, *args: Any) -> Any:
     return getattr(importlib.import_module(module), name)(*args)
 
 
-OBJECTIVES: dict[str, ObjectiveSpec] = {}
+OBJECTIVES: Registry[ObjectiveSpec] = Registry("data.kind", "{field} {name}: one of {known}")
 """Every objective `data.kind` may choose, by kind."""
 
 
 def register(spec: ObjectiveSpec) -> ObjectiveSpec:
     """Add `spec` to `OBJECTIVES`; a kind taken already is a programming error (ValueError)."""
-    if spec.kind in OBJECTIVES:
-        raise ValueError(f"objective {spec.kind!r} is registered already")
-    OBJECTIVES[spec.kind] = spec
-    return spec
+    return OBJECTIVES.add(spec.kind, spec)
 
 
 def objective_spec(kind: str) -> ObjectiveSpec:
     """The entry of `data.kind`; an unknown kind is a one-line `ConfigError` naming the known."""
-    try:
-        return OBJECTIVES[kind]
-    except KeyError:
-        raise ConfigError(f"data.kind {kind!r}: one of {', '.join(OBJECTIVES)}") from None
+    return OBJECTIVES.spec(kind)
 
 
 def objective_problems(cfg: TrainConfig) -> list[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipeline.train.config.fields import ConfigError
+from pipeline.train.config.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -90,25 +91,20 @@ class OptimizerSpec:
         return getattr(importlib.import_module(module), function)(model, cfg)
 
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {}
+OPTIMIZERS: Registry[OptimizerSpec] = Registry(
+    "optimizer.name", "{field}: unknown optimizer {name}; known: {known}"
+)
 """Every optimizer `optimizer.name` may choose, by name."""
 
 
 def register(spec: OptimizerSpec) -> OptimizerSpec:
     """Add `spec` to `OPTIMIZERS`; a name taken already is a programming error (ValueError)."""
-    if spec.name in OPTIMIZERS:
-        raise ValueError(f"optimizer {spec.name!r} is registered already")
-    OPTIMIZERS[spec.name] = spec
-    return spec
+    return OPTIMIZERS.add(spec.name, spec)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
     """The entry called `name`; an unknown name is a one-line `ConfigError` naming the known."""
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        known = ", ".join(OPTIMIZERS)
-        raise ConfigError(f"optimizer.name: unknown optimizer {name!r}; known: {known}") from None
+    return OPTIMIZERS.spec(name)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
