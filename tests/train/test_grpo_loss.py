@@ -22,7 +22,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.train.config.schema import GRPOSection
 from pipeline.train.objectives.grpo.loss import (
     CLIP_STATS,
     GRPOLossOptions,
@@ -31,6 +30,7 @@ from pipeline.train.objectives.grpo.loss import (
     reduce_loss,
     weighted_rewards,
 )
+from pipeline.train.objectives.grpo.settings import GRPOSection
 
 trl = pytest.importorskip("trl")
 ROWS, LENGTH, MAX_LENGTH = 4, 6, 8

@@ -15,8 +15,9 @@ imports the class. The assembly, the reports and `pipe train` ask these entries 
 objective.
 
 To add an objective: write the folder `objectives/NAME/` (its `__init__.py` holds `SPECS`, its
-modules the class and its data), and add NAME to `OBJECTIVE_FOLDERS` below
-(docs/architecture.md, "Adding an objective").
+modules the class, its data and its settings), and add NAME to `OBJECTIVE_FOLDERS` below
+(docs/architecture.md, "Adding an objective"). `pipeline.train` imports this registry as it is
+imported itself, so every objective's settings are sections of any `TrainConfig`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.train.config.fields import ConfigError
 from pipeline.train.config.registry import Registry
+from pipeline.train.config.schema import add_section
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -79,7 +81,9 @@ class ObjectiveSpec:
     the objective keeps on each device beside the model's training state, for `--dry-run`:
     (bytes, what they are) given the config, the `ModelConfig` and the data-parallel size;
     `data_line` adds to the dry run's data line. `flag_help` gives the objective a `pipe train
-    --KIND` flag (None: `--objective KIND` only); `options` are the CLI options it brings."""
+    --KIND` flag (None: `--objective KIND` only); `options` are the CLI options it brings;
+    `section` is its settings, a dataclass the registry adds to the config as `[KIND]`
+    (`cfg.KIND`; None: it has none)."""
 
     kind: str
     target: str
@@ -96,6 +100,7 @@ class ObjectiveSpec:
     data_line: Callable[[TrainConfig], str] | None = None
     flag_help: str | None = None
     options: tuple[ObjectiveOption, ...] = ()
+    section: type | None = None
 
     def sequences(self, cfg: TrainConfig) -> int:
         """The sequences one sample of `cfg`'s run holds."""
@@ -114,7 +119,10 @@ OBJECTIVES: Registry[ObjectiveSpec] = Registry("data.kind", "{field} {name}: one
 
 
 def register(spec: ObjectiveSpec) -> ObjectiveSpec:
-    """Add `spec` to `OBJECTIVES`; a kind taken already is a programming error (ValueError)."""
+    """Add `spec` to `OBJECTIVES`, and its settings to the config as `[KIND]`; a kind taken
+    already is a programming error (ValueError)."""
+    if spec.section is not None:
+        add_section(spec.kind, spec.section)
     return OBJECTIVES.add(spec.kind, spec)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.train.objectives import ObjectiveSpec
+from pipeline.train.objectives.dpo.settings import DPOSection
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -49,6 +50,7 @@ SPECS = (
         sequences_per_sample=2,
         chat_prompts=True,
         problems=_dpo_problems,
+        section=DPOSection,
         flag_help="Preference tuning (DPO) on chosen/rejected pairs (pipe preprocess "
         "--preference; --data PREFIX): the [dpo] loss against the starting weights, frozen "
         "(data.kind=dpo).",

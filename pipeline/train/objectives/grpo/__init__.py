@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pipeline.train.objectives import ObjectiveOption, ObjectiveSpec
+from pipeline.train.objectives.grpo.settings import GRPOSection
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -100,6 +101,7 @@ SPECS = (
         sequences_per_sample=lambda cfg: cfg.grpo.num_generations,
         chat_prompts=True,
         problems=_grpo_problems,
+        section=GRPOSection,
         held_bytes=_grpo_held_bytes,
         flag_help="Reinforcement learning with verifiable rewards (GRPO) on prompts (--data "
         "prompts.jsonl): completions generated from the current weights, the [grpo] loss "
