@@ -87,13 +87,14 @@ def objective_options(command: _Command) -> _Command:
 
 def objective_choice(
     given: dict[str, Any], objective: str | None
-) -> tuple[list[str], list[tuple[ObjectiveSpec, ObjectiveOption, Any]]]:
+) -> tuple[list[tuple[str, str]], list[tuple[ObjectiveSpec, ObjectiveOption, Any]]]:
     """Take the objective flags and options out of the typed flags `given`: the objectives
-    chosen (`--objective NAME`, `--KIND`) and each objective option given with its value."""
-    chosen = [f"--objective {objective}"] if objective is not None else []
+    chosen, each as (kind, the flag that chose it: `--objective NAME`, `--KIND`), and each
+    objective option given with its value."""
+    chosen = [(objective, f"--objective {objective}")] if objective is not None else []
     for spec in _flagged():
         if given.pop(spec.kind, False):
-            chosen.append(f"--{spec.kind}")
+            chosen.append((spec.kind, f"--{spec.kind}"))
     options = []
     for spec in OBJECTIVES.values():
         for option in spec.options:
@@ -104,16 +105,19 @@ def objective_choice(
 
 
 def set_objective(
-    cfg: Any, chosen: list[str], options: list[tuple[ObjectiveSpec, ObjectiveOption, Any]]
+    cfg: Any,
+    chosen: list[tuple[str, str]],
+    options: list[tuple[ObjectiveSpec, ObjectiveOption, Any]],
 ) -> None:
     """`data.kind` from `--objective NAME` or a `--KIND` flag (one at most), then the objectives'
     options, each refused for a run of another objective."""
     from pipeline.train.config.schema import ConfigError
 
     if len(chosen) > 1:
-        raise ConfigError(f"{' and '.join(chosen)}: choose one")
+        raise ConfigError(f"{' and '.join(flag for _, flag in chosen)}: choose one")
     if chosen:
-        cfg.set("data.kind", chosen[0].split()[-1].removeprefix("--"), source=chosen[0])
+        kind, flag = chosen[0]
+        cfg.set("data.kind", kind, source=flag)
     current = OBJECTIVES.get(cfg.data.kind)
     brought = current.options if current is not None else ()
     for spec, option, value in options:
