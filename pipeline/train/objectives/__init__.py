@@ -108,10 +108,11 @@ class ObjectiveSpec:
         return per_sample(cfg) if callable(per_sample) else per_sample
 
 
-def call_target(target: str, *args: Any) -> Any:
-    """Import "module:function" now and call it with `args` (the registry stays torch-free)."""
+def call_target(target: str, *args: Any, **kwargs: Any) -> Any:
+    """Import "module:function" (or "module:Class") now and call it with the arguments given:
+    the registry names what it needs as text, so it stays torch-free."""
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)(*args)
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 OBJECTIVES: Registry[ObjectiveSpec] = Registry("data.kind", "{field} {name}: one of {known}")
@@ -142,9 +143,7 @@ def objective_problems(cfg: TrainConfig) -> list[str]:
 def build_objective(cfg: TrainConfig, **context: Any) -> Any:
     """The objective of `cfg.data.kind`, its class imported now; `context` goes to it."""
     spec = objective_spec(cfg.data.kind)
-    module, name = spec.target.split(":")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(cfg, spec, **context)
+    return call_target(spec.target, cfg, spec, **context)
 
 
 OBJECTIVE_FOLDERS = ("language_model", "dpo", "grpo")
