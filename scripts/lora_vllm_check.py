@@ -30,7 +30,7 @@ NEW_TOKENS = 16
 
 def train_and_export(base: Path, work: Path, name: str, seed: int, targets: str) -> Path:
     """A LoRA run on `base` (two steps, mock tokens) exported as peft files; their directory."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     sets = [

@@ -367,7 +367,7 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
 
 KILL_AFTER_SAVE = """
     import os, signal, sys
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     iteration, recipe, sets = int(sys.argv[1]), sys.argv[2] or None, sys.argv[3:]
@@ -393,14 +393,14 @@ def kill_after_save(iteration: int, recipe: str | None, sets: list[str]) -> subp
 def lm_runner(model):
     """The whole `model` trained on language modelling, as the trainer runs a `tiny` model."""
     from pipeline.train.loop.step_runner import LocalStepRunner
-    from pipeline.train.objectives.language_model import LanguageModelling
+    from pipeline.train.objectives.language_model.objective import LanguageModelling
 
     return LocalStepRunner(model, LanguageModelling())
 
 
 def nan_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: set[int] | None) -> None:
     """Make the loss NaN on the given micro-batch calls (all of them when None)."""
-    import pipeline.train.objectives.language_model as lm
+    import pipeline.train.objectives.language_model.objective as lm
 
     original = lm.token_loss
     calls = {"n": 0}
@@ -497,7 +497,7 @@ def _full_gradients(trainer) -> dict:
 
 def train_and_probe(recipe: str, sets: list[str]) -> dict:
     """Train as `sets` say, then take the gradients of the first global batch again."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     trainer = Trainer(resolve_config(recipe, sets), console=False)

@@ -1,5 +1,5 @@
 """GRPO's prompts as a dataset (`data.kind = "grpo"`): `PromptRecord`, one prompt rendered and
-tokenized (by `pipeline.preprocess.prompts`, which reads the JSONL files), and `PromptDataset`,
+tokenized (by `pipeline.data.prompt_files`, which reads the JSONL files), and `PromptDataset`,
 one split of them served in a seeded order per epoch: `num_samples` samples, each epoch every
 prompt once in an order shuffled afresh, each sample the prompt's ids padded to the longest
 prompt of the split.

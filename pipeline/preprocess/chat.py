@@ -18,21 +18,19 @@ template whose spans cannot be derived stops the run whatever --skip-bad-lines s
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pipeline.data.chat_records import BadRecord, check_message, check_text, type_name
 from pipeline.preprocess.encode import (
     BadLine,
     DocumentEncoder,
     EncodedBatch,
     EncodeOptions,
     KeyTokens,
-    _Bad,
-    _type_name,
 )
 from pipeline.preprocess.readers import Batch, file_line
 from pipeline.tokenizer.chat_spans import (
@@ -55,7 +53,6 @@ from pipeline.tokenizer.tokenizer import TextTokenizer
 INPUT_KEYS = ("messages", "conversations", "prompt", "completion")
 TOKENS_KEY = "messages"
 MASK_KEY = "messages_loss_mask"
-ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -66,7 +63,6 @@ SHAREGPT_ROLES = {
     "model": "assistant",
     "tool": "tool",
 }
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ------------------------------------------------------------------------------ the template
@@ -119,46 +115,37 @@ def load_chat_setup(tokenizer_path: str | Path, template_file: str | Path | None
 
 
 def conversation(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The messages of one record, validated; raises _Bad naming the field at fault."""
+    """The messages of one record, validated; raises BadRecord naming the field at fault."""
     if "messages" in record:
-        messages = [_message(m, f"messages[{i}]") for i, m in enumerate(_list(record, "messages"))]
+        listed = enumerate(_list(record, "messages"))
+        messages = [check_message(m, f"messages[{i}]") for i, m in listed]
     elif "conversations" in record:
         turns = _list(record, "conversations")
         messages = [_sharegpt(t, f"conversations[{i}]") for i, t in enumerate(turns)]
     elif "prompt" in record or "completion" in record:
         messages = _prompt_completion(record)
     else:
-        raise _Bad("no 'messages', 'conversations' or 'prompt'/'completion' key")
+        raise BadRecord("no 'messages', 'conversations' or 'prompt'/'completion' key")
     if not any(m["role"] == "assistant" for m in messages):
-        raise _Bad("no assistant message (nothing to train on)")
+        raise BadRecord("no assistant message (nothing to train on)")
     return messages
 
 
 def _list(record: dict[str, Any], key: str) -> list:
     value = record[key]
     if not isinstance(value, list):
-        raise _Bad(f"'{key}' is {_type_name(value)}, expected a list of messages")
+        raise BadRecord(f"'{key}' is {type_name(value)}, expected a list of messages")
     return value
-
-
-def _message(message: Any, where: str) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise _Bad(f"{where} is {_type_name(message)}, expected an object")
-    role = message.get("role")
-    if role not in ROLES:
-        raise _Bad(f"{where}: unknown role {role!r} (expected {', '.join(ROLES)})")
-    _check_text(message.get("content"), f"{where}.content")
-    return message
 
 
 def _sharegpt(turn: Any, where: str) -> dict[str, Any]:
     if not isinstance(turn, dict):
-        raise _Bad(f"{where} is {_type_name(turn)}, expected an object")
+        raise BadRecord(f"{where} is {type_name(turn)}, expected an object")
     speaker = turn.get("from")
     if speaker not in SHAREGPT_ROLES:
         known = ", ".join(SHAREGPT_ROLES)
-        raise _Bad(f"{where}: unknown role {speaker!r} in 'from' (expected {known})")
-    _check_text(turn.get("value"), f"{where}.value")
+        raise BadRecord(f"{where}: unknown role {speaker!r} in 'from' (expected {known})")
+    check_text(turn.get("value"), f"{where}.value")
     return {"role": SHAREGPT_ROLES[speaker], "content": turn["value"]}
 
 
@@ -167,17 +154,11 @@ def _prompt_completion(record: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(prompt, list) and isinstance(completion, list):
         turns = [("prompt", i, m) for i, m in enumerate(prompt)]
         turns += [("completion", i, m) for i, m in enumerate(completion)]
-        return [_message(m, f"{key}[{i}]") for key, i, m in turns]
-    _check_text(prompt, "prompt")
-    _check_text(completion, "completion")
+        return [check_message(m, f"{key}[{i}]") for key, i, m in turns]
+    check_text(prompt, "prompt")
+    check_text(completion, "completion")
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
 
-
-def _check_text(value: Any, where: str) -> None:
-    if not isinstance(value, str):
-        raise _Bad(f"{where} is {_type_name(value)}, expected a string")
-    if not value.isascii() and _SURROGATE.search(value):
-        raise _Bad(f"{where} holds an unpaired surrogate (not valid Unicode)")
 
 
 # ------------------------------------------------------------------------------ the encoder
@@ -230,7 +211,7 @@ class ChatEncoder(DocumentEncoder):
                 continue
             try:
                 conversations.append(conversation(record))
-            except _Bad as e:
+            except BadRecord as e:
                 result.bad_lines.append(BadLine(batch.source, file_line(batch, offset), str(e)))
                 continue
             offsets.append(offset)

@@ -10,18 +10,17 @@ that has a token. A document with no token stays a document with no sequence.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
 
+from pipeline.data.chat_records import SURROGATE, BadRecord, type_name
 from pipeline.preprocess.readers import Batch, file_line
 from pipeline.tokenizer.engines import POOL
 from pipeline.tokenizer.tokenizer import TextTokenizer
 
 _UTF8_BOM = b"\xef\xbb\xbf"
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -116,7 +115,7 @@ class DocumentEncoder:
                 continue
             try:
                 values = [self._sentences(record, key) for key in keys]
-            except _Bad as e:
+            except BadRecord as e:
                 result.bad_lines.append(BadLine(batch.source, file_line(batch, offset), str(e)))
                 continue
             offsets.append(offset)
@@ -165,7 +164,7 @@ class DocumentEncoder:
             problem = "malformed JSON: nested too deeply"
         else:
             if not isinstance(record, dict):
-                problem = f"expected a JSON object, got {_type_name(record)}"
+                problem = f"expected a JSON object, got {type_name(record)}"
             elif surrogate := _surrogate_key(record, self.options.keys):
                 problem = f"key '{surrogate}' holds an unpaired surrogate (not valid Unicode)"
             else:
@@ -176,11 +175,11 @@ class DocumentEncoder:
     def _sentences(self, record: dict, key: str) -> str | list[str]:
         """The key's value: one string, or a list of strings (sentences)."""
         if key not in record:
-            raise _Bad(f"missing key '{key}'")
+            raise BadRecord(f"missing key '{key}'")
         value = record[key]
         sentences = [value] if isinstance(value, str) else value
         if not isinstance(sentences, list) or not all(isinstance(s, str) for s in sentences):
-            raise _Bad(f"key '{key}' is {_type_name(value)}, expected a string")
+            raise BadRecord(f"key '{key}' is {type_name(value)}, expected a string")
         return value
 
     # ----------------------------------------------------------------------------- encoding
@@ -231,22 +230,13 @@ def pack_documents(
     return KeyTokens(tokens.astype(dtype, copy=False), sequence_lengths, per_document)
 
 
-class _Bad(ValueError):
-    """A record-level problem, reported with the record's file and line."""
-
-
 def _surrogate_key(record: dict, keys: tuple[str, ...]) -> str | None:
     """The first key whose text holds an unpaired surrogate (only the standard library's parser
     lets one through; orjson and Arrow refuse them)."""
     for key in keys:
         value = record.get(key)
         for s in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
-            if isinstance(s, str) and not s.isascii() and _SURROGATE.search(s):
+            if isinstance(s, str) and not s.isascii() and SURROGATE.search(s):
                 return key
     return None
 
-
-def _type_name(value: object) -> str:
-    names = {dict: "an object", list: "a list", int: "a number", float: "a number", str: "a string"}
-    names[bool] = "a boolean"
-    return "null" if value is None else names.get(type(value), type(value).__name__)

@@ -15,15 +15,14 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.data.chat_records import BadRecord, check_message, check_text, type_name
 from pipeline.preprocess.chat import (
     ChatEncoder,
     EncodedChats,
     ParsedChats,
-    _check_text,
-    _message,
     conversation,
 )
-from pipeline.preprocess.encode import BadLine, EncodedBatch, KeyTokens, _Bad, _type_name
+from pipeline.preprocess.encode import BadLine, EncodedBatch, KeyTokens
 from pipeline.preprocess.readers import Batch, file_line
 from pipeline.tokenizer.engines import POOL
 
@@ -33,38 +32,38 @@ OUTPUT_KEYS = ("chosen", "chosen_loss_mask", "rejected", "rejected_loss_mask")
 
 
 def pair(record: dict[str, Any]) -> tuple[list[dict], list[dict]]:
-    """The chosen and rejected conversations of one record; raises _Bad naming the field."""
+    """The chosen and rejected conversations of one record; raises BadRecord naming the field."""
     if "prompt" in record and "messages" in record:
-        raise _Bad("both 'prompt' and 'messages': give the prompt once")
+        raise BadRecord("both 'prompt' and 'messages': give the prompt once")
     if "prompt" in record and isinstance(record["prompt"], str):
-        _check_text(record["prompt"], "prompt")
+        check_text(record["prompt"], "prompt")
         prompt = [{"role": "user", "content": record["prompt"]}]
     elif "prompt" in record or "messages" in record:
         key = "prompt" if "prompt" in record else "messages"
         prompt = _messages(record[key], key)
     else:
-        raise _Bad("no 'prompt' or 'messages' key")
+        raise BadRecord("no 'prompt' or 'messages' key")
     sides = []
     for side in SIDES:
         if side not in record:
-            raise _Bad(f"no '{side}' key")
+            raise BadRecord(f"no '{side}' key")
         value = record[side]
         if isinstance(value, str):
-            _check_text(value, side)
+            check_text(value, side)
             reply = [{"role": "assistant", "content": value}]
         else:
             reply = _messages(value, side)
         try:
             sides.append(conversation({"messages": prompt + reply}))
-        except _Bad as e:
-            raise _Bad(f"{side}: {e}") from None
+        except BadRecord as e:
+            raise BadRecord(f"{side}: {e}") from None
     return sides[0], sides[1]
 
 
 def _messages(value: Any, key: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        raise _Bad(f"'{key}' is {_type_name(value)}, expected a string or a list of messages")
-    return [_message(m, f"{key}[{i}]") for i, m in enumerate(value)]
+        raise BadRecord(f"'{key}' is {type_name(value)}, expected a string or a list of messages")
+    return [check_message(m, f"{key}[{i}]") for i, m in enumerate(value)]
 
 
 class PreferenceEncoder(ChatEncoder):
@@ -84,7 +83,7 @@ class PreferenceEncoder(ChatEncoder):
                 continue
             try:
                 good, bad = pair(record)
-            except _Bad as e:
+            except BadRecord as e:
                 result.bad_lines.append(BadLine(batch.source, file_line(batch, offset), str(e)))
                 continue
             chosen.append(good)

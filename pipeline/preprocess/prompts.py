@@ -1,37 +1,26 @@
-"""Prompts for GRPO (`data.kind = "grpo"`): a JSONL file of prompts, rendered and tokenized once
-when a run starts (no preprocessing step: prompts are few), for `pipeline.data.prompt_dataset`.
-
-A line is a JSON object with `prompt`, either a string (one user turn) or a list of OpenAI-style
-messages (`{"role", "content"}`, checked as `pipe preprocess --chat` checks them), plus whatever
-fields the rewards read (`answer`, ...). The prompt is rendered by the chat template with the
-assistant's turn opened, as `pipe generate --chat` renders it (no template: `role: content`
-lines), and encoded without adding special tokens. A line that cannot be used is a
-`PromptFileError` naming its file:line; a prompt longer than `max_prompt_tokens` is skipped and
-counted.
-"""
+"""GRPO's prompt files read with a tokenizer's chat template: the reader is
+`pipeline.data.prompt_files` (training reads it from there); this gives it the rendering
+`pipe generate --chat` and `pipe serve` use (`chat_prompt`: the template with the assistant's
+turn opened; without a template, `role: content` lines)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
-from pipeline.data.gpt_dataset import SPLIT_NAMES, parse_split, split_sequence_indices
-from pipeline.data.prompt_dataset import PromptRecord, PromptSet
-from pipeline.preprocess.chat import _check_text, _message
-from pipeline.preprocess.encode import _Bad, _type_name
-from pipeline.tokenizer.chat_template import ChatTemplate, ChatTemplateError, chat_prompt
+from pipeline.data import prompt_files
+from pipeline.data.prompt_dataset import PromptSet
+from pipeline.data.prompt_files import PromptFileError, Render, split_records
+from pipeline.tokenizer.chat_template import ChatTemplate, chat_prompt
 
-__all__ = ["PromptFileError", "read_prompt_splits", "read_prompts", "split_records"]
-
-# The arguments a reward function is called with (TRL's convention): a field of these names
-# could not be handed to it as well.
-RESERVED_FIELDS = ("prompts", "completions", "completion_ids")
+__all__ = ["PromptFileError", "read_prompt_splits", "read_prompts", "renderer", "split_records"]
 
 
-class PromptFileError(ValueError):
-    """A prompt file that cannot be used; the message is one line naming file:line."""
+def renderer(template: ChatTemplate | str | None) -> Render:
+    """The prompt renderer of `template` (a chat template, its source, or None)."""
+    return partial(chat_prompt, template=template, add_generation_prompt=True)
 
 
 def read_prompts(
@@ -40,95 +29,8 @@ def read_prompts(
     template: ChatTemplate | str | None,
     max_prompt_tokens: int | None = None,
 ) -> PromptSet:
-    """Every usable prompt of the JSONL file at `path` (see the module docstring); `tokenizer` is
-    a `pipeline.tokenizer.tokenizer.TextTokenizer` loaded without special tokens. Raises
-    PromptFileError (one line) for a bad line, an empty file, or when no prompt is short enough."""
-    path = str(path)
-    parsed = [(line, *_parse_line(path, line, raw)) for line, raw in _lines(path)]
-    if not parsed:
-        raise PromptFileError(f"{path}: no prompts (the file is empty)")
-    texts = [_render(path, line, messages, template) for line, _, messages, _ in parsed]
-    records, skipped = [], {}
-    for (line, prompt, _, fields), text, ids in zip(parsed, texts, tokenizer.encode_batch(texts)):
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            reason = f"longer than {max_prompt_tokens} tokens"
-            skipped[reason] = skipped.get(reason, 0) + 1
-            continue
-        records.append(PromptRecord(tuple(ids), fields, f"{path}:{line}", text, prompt))
-    if not records:
-        raise PromptFileError(
-            f"{path}: all {len(parsed)} prompts are longer than {max_prompt_tokens} tokens"
-        )
-    return PromptSet(records, skipped)
-
-
-def _lines(path: str) -> list[tuple[int, str]]:
-    """The file's non-blank lines with their 1-based numbers."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [(n, raw) for n, raw in enumerate(f, start=1) if raw.strip()]
-    except FileNotFoundError:
-        raise PromptFileError(f"{path}: prompt file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptFileError(f"{path}: cannot read the prompt file ({e})") from None
-
-
-def _parse_line(path: str, line: int, raw: str) -> tuple[str | list, list[dict], dict[str, Any]]:
-    """The line's prompt as written, its messages, and its other fields; PromptFileError naming
-    path:line for anything wrong."""
-    try:
-        record = json.loads(raw)
-    except ValueError as e:
-        raise PromptFileError(f"{path}:{line}: not valid JSON ({e})") from None
-    try:
-        if not isinstance(record, dict):
-            raise _Bad(f"{_type_name(record)}, expected a JSON object with a 'prompt'")
-        if "prompt" not in record:
-            raise _Bad("no 'prompt' key")
-        reserved = [k for k in RESERVED_FIELDS if k in record]
-        if reserved:
-            raise _Bad(f"field '{reserved[0]}' is a name reward functions are called with")
-        messages = prompt_messages(record["prompt"])
-    except _Bad as e:
-        raise PromptFileError(f"{path}:{line}: {e}") from None
-    fields = {k: v for k, v in record.items() if k != "prompt"}
-    return record["prompt"], messages, fields
-
-
-def prompt_messages(prompt: Any) -> list[dict[str, Any]]:
-    """The messages of a prompt (a string is one user turn), validated; raises _Bad naming the
-    part at fault. The last turn may not be the assistant's: the reply is what is sampled."""
-    if isinstance(prompt, str):
-        _check_text(prompt, "prompt")
-        if not prompt:
-            raise _Bad("'prompt' is empty")
-        return [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list):
-        raise _Bad(f"'prompt' is {_type_name(prompt)}, expected a string or a list of messages")
-    if not prompt:
-        raise _Bad("'prompt' is an empty list of messages")
-    messages = [_message(m, f"prompt[{i}]") for i, m in enumerate(prompt)]
-    if messages[-1]["role"] == "assistant":
-        raise _Bad(f"prompt[{len(messages) - 1}] is the assistant's: a prompt ends before a reply")
-    return messages
-
-
-def _render(path: str, line: int, messages: list[dict], template: ChatTemplate | str | None) -> str:
-    try:
-        return chat_prompt(messages, template, add_generation_prompt=True)
-    except ChatTemplateError as e:
-        raise PromptFileError(f"{path}:{line}: chat template: {e}") from None
-
-
-# ------------------------------------------------------------------------------ splits
-
-
-def split_records(records: list[PromptRecord], split: str) -> list[list[PromptRecord] | None]:
-    """The records of each split (train, valid, test) by Megatron-style proportions ("969,30,1"):
-    contiguous ranges in file order, rounded as `GPTDataset` rounds them; None for a split of
-    zero weight."""
-    ranges = split_sequence_indices(parse_split(split), len(records))
-    return [None if r is None else [records[i] for i in r] for r in ranges]
+    """`prompt_files.read_prompts` with the prompts rendered by `template`."""
+    return prompt_files.read_prompts(path, tokenizer, renderer(template), max_prompt_tokens)
 
 
 def read_prompt_splits(
@@ -139,27 +41,8 @@ def read_prompt_splits(
     template: ChatTemplate | str | None,
     max_prompt_tokens: int | None = None,
 ) -> list[PromptSet | None]:
-    """The prompts of train, valid and test: one file (`blend`, the `data.blend` of a GRPO run)
-    cut by `split`, or one file per split (`per_split`: data.train_blend, valid_blend,
-    test_blend). A split with no file, or of zero weight, is None."""
-    if blend is not None:
-        whole = read_prompts(_one_path(blend, "data.blend"), tokenizer, template, max_prompt_tokens)
-        return [
-            None if part is None else PromptSet(part, dict(whole.skipped) if i == 0 else {})
-            for i, part in enumerate(split_records(whole.records, split))
-        ]
-    names = [f"data.{name}_blend" for name in SPLIT_NAMES]
-    return [
-        None if value is None else
-        read_prompts(_one_path(value, name), tokenizer, template, max_prompt_tokens)
-        for value, name in zip(per_split, names)
-    ]  # fmt: skip
-
-
-def _one_path(value: str, name: str) -> str:
-    parts = value.split()
-    if len(parts) != 1:
-        raise PromptFileError(
-            f"{name} {value!r}: GRPO prompts are one JSONL file per split, not a weighted blend"
-        )
-    return parts[0]
+    """`prompt_files.read_prompt_splits` with the prompts rendered by `template`."""
+    render = renderer(template)
+    return prompt_files.read_prompt_splits(
+        blend, split, per_split, tokenizer, render, max_prompt_tokens
+    )

@@ -1,8 +1,12 @@
-"""Training: config and recipes, LR schedules, the optimizer registry, dry-run estimates, trainer.
-
-The config (`config`: the schema; `config_checks`, `model_overrides`; `config_loader` layers it
-and reads the loaded checkpoint's model once) reads no file itself. The trainer's loop
-(`trainer`) runs each step through `train_step` and a step runner (`step_runner`, or
-`pipeline_step` for pipeline stages). Submodules are imported where used, so importing this
-package stays cheap and never imports torch.
+"""Training (`pipe train`), in rooms imported in one order, with no cycle: `config` (the schema,
+its checks, recipes) < `state` (checkpoints and resume) < `objectives` and `optimizers` (one
+registry each) < `assembly` (the run's config resolved and checked, layout, model, data) and
+`report` (metrics, dry-run estimates, samples) < `loop` (the trainer and its step) <
+`commands`. docs/architecture.md, "The training package", walks through them. Submodules are
+imported where used, so importing this package stays cheap and never imports torch.
 """
+
+# The composition root: the objectives' registry joins each objective's settings to the config
+# (`add_section`), so any `TrainConfig` has its `[dpo]`-like sections whatever was imported
+# first; the config itself names no objective. The registry is torch-free.
+from pipeline.train import objectives as objectives

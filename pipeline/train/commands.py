@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -28,6 +29,7 @@ from pipeline.core.parallel.process_group import (
     launched_world_size,
     relaunch_under_torchrun,
 )
+from pipeline.train.objectives import OBJECTIVES, ObjectiveOption, ObjectiveSpec
 
 EXIT_SIGINT = 130  # the shell's convention for "interrupted by Ctrl-C"
 
@@ -39,6 +41,93 @@ def _world_size(nproc_per_node: int) -> int:
 
 def _default_run_dir(recipe: str | None) -> str:
     return f"runs/{Path(recipe).stem if recipe else 'run'}"
+
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def _flagged() -> list[ObjectiveSpec]:
+    """The registered objectives that bring a `--KIND` flag of their own."""
+    return [spec for spec in OBJECTIVES.values() if spec.flag_help is not None]
+
+
+def _option_param(option: ObjectiveOption) -> str:
+    """The click parameter name of an objective's option ("--rollout-server": rollout_server)."""
+    return option.name.removeprefix("--").replace("-", "_")
+
+
+def objective_options(command: _Command) -> _Command:
+    """`--objective NAME`, and each registered objective's `--KIND` flag and options, in the
+    registry's order: `pipe train` names no objective, the registry does."""
+    decorators = [
+        click.option(
+            "--objective",
+            type=click.Choice(list(OBJECTIVES)),
+            help="The training objective by its registry name (data.kind); the objective "
+            "flags below are shorthands for it.",
+        )
+    ]
+    for spec in _flagged():
+        decorators.append(click.option(f"--{spec.kind}", is_flag=True, help=spec.flag_help))
+    for spec in OBJECTIVES.values():
+        for option in spec.options:
+            decorators.append(
+                click.option(
+                    option.name,
+                    _option_param(option),
+                    multiple=option.multiple,
+                    metavar=option.metavar,
+                    help=option.help,
+                )
+            )
+    for decorator in reversed(decorators):
+        command = decorator(command)
+    return command
+
+
+def objective_choice(
+    given: dict[str, Any], objective: str | None
+) -> tuple[list[tuple[str, str]], list[tuple[ObjectiveSpec, ObjectiveOption, Any]]]:
+    """Take the objective flags and options out of the typed flags `given`: the objectives
+    chosen, each as (kind, the flag that chose it: `--objective NAME`, `--KIND`), and each
+    objective option given with its value."""
+    chosen = [(objective, f"--objective {objective}")] if objective is not None else []
+    for spec in _flagged():
+        if given.pop(spec.kind, False):
+            chosen.append((spec.kind, f"--{spec.kind}"))
+    options = []
+    for spec in OBJECTIVES.values():
+        for option in spec.options:
+            value = given.pop(_option_param(option), None)
+            if value:  # a flag left out is None, a repeatable one an empty tuple
+                options.append((spec, option, value))
+    return chosen, options
+
+
+def set_objective(
+    cfg: Any,
+    chosen: list[tuple[str, str]],
+    options: list[tuple[ObjectiveSpec, ObjectiveOption, Any]],
+) -> None:
+    """`data.kind` from `--objective NAME` or a `--KIND` flag (one at most), then the objectives'
+    options, each refused for a run of another objective."""
+    from pipeline.train.config.schema import ConfigError
+
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(flag for _, flag in chosen)}: choose one")
+    if chosen:
+        kind, flag = chosen[0]
+        cfg.set("data.kind", kind, source=flag)
+    current = OBJECTIVES.get(cfg.data.kind)
+    brought = current.options if current is not None else ()
+    for spec, option, value in options:
+        if option not in brought:  # an option of another objective
+            flag = f"--{spec.kind}" if spec.flag_help else f"--objective {spec.kind}"
+            raise ConfigError(f"{option.name} is for {flag} (data.kind = {spec.kind})")
+        if option.multiple:
+            section, _, key = option.field.partition(".")
+            value = [*getattr(getattr(cfg, section), key), *value]
+        cfg.set(option.field, value, source=option.name)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,32 +175,7 @@ def _default_run_dir(recipe: str | None) -> str:
     "Hugging Face directory).",
 )  # fmt: skip
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
-@click.option(
-    "--sft", is_flag=True,
-    help="Supervised fine-tuning on chat data (pipe preprocess --chat): packed conversations, "
-    "loss on assistant tokens (data.kind=sft).",
-)  # fmt: skip
-@click.option(
-    "--dpo", is_flag=True,
-    help="Preference tuning (DPO) on chosen/rejected pairs (pipe preprocess --preference; "
-    "--data PREFIX): the [dpo] loss against the starting weights, frozen (data.kind=dpo).",
-)  # fmt: skip
-@click.option(
-    "--grpo", is_flag=True,
-    help="Reinforcement learning with verifiable rewards (GRPO) on prompts (--data "
-    "prompts.jsonl): completions generated from the current weights, the [grpo] loss "
-    "(data.kind=grpo).",
-)  # fmt: skip
-@click.option(
-    "--reward-function", "reward_functions", multiple=True, metavar="MODULE:FUNCTION",
-    help="With --grpo: a reward of your own, imported from MODULE (repeatable; adds to "
-    "grpo.reward_funcs).",
-)  # fmt: skip
-@click.option(
-    "--rollout-server", metavar="URL",
-    help="With --grpo: generate the rollouts on the `pipe serve` at URL (on this machine), "
-    "pushing the new weights to it before each batch (grpo.rollout_server).",
-)  # fmt: skip
+@objective_options
 @click.option(
     "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
     help="With --load: skip checking each file against its recorded SHA-256 while reading.",
@@ -128,10 +192,7 @@ def train(
     recipe: str | None,
     sets: tuple[str, ...],
     finetune: bool,
-    sft: bool,
-    dpo: bool,
-    grpo: bool,
-    reward_functions: tuple[str, ...],
+    objective: str | None,
     verify_checksums: bool,
     run_dir: str | None,
     dry_run: bool,
@@ -144,7 +205,7 @@ def train(
     Exit codes: 0 when finished or after SIGTERM (a checkpoint was saved: Slurm can requeue
     with --load), 130 after SIGINT (also saved), 1 on errors or a diverged run (saved).
     """
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import check_config, resolve_config
     from pipeline.train.config.schema import ConfigError, LoggingSection
 
     _check_gpu(gpu, dry_run)
@@ -153,19 +214,20 @@ def train(
         for name, value in flags.items()
         if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
     }
+    chosen, options = objective_choice(given, objective)
     world_size = _world_size(nproc_per_node)
     try:
         cfg = resolve_config(recipe, sets, given, validate=False)
         if finetune:
             cfg.checkpoint.finetune = True
-        _set_objective(cfg, {"sft": sft, "dpo": dpo, "grpo": grpo}, reward_functions)
+        set_objective(cfg, chosen, options)
         if not verify_checksums:
             cfg.checkpoint.verify_checksums = False
         if run_dir is not None:
             cfg.set("logging.run_dir", run_dir, source="--run-dir")
         elif cfg.logging.run_dir == LoggingSection().run_dir:
             cfg.logging.run_dir = _default_run_dir(recipe)
-        cfg.validate(world_size=world_size)
+        check_config(cfg, world_size=world_size)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     if dry_run:
@@ -178,22 +240,6 @@ def train(
     if nproc_per_node > 1 and not launched_by_torchrun():
         relaunch_under_torchrun(nproc_per_node, "train")
     _run(cfg)
-
-
-def _set_objective(cfg: Any, flags: dict[str, bool], reward_functions: tuple[str, ...]) -> None:
-    """`data.kind` from --sft, --dpo or --grpo (one at most), and --reward-function's rewards."""
-    from pipeline.train.config.schema import ConfigError
-
-    chosen = [name for name, given in flags.items() if given]
-    if len(chosen) > 1:
-        raise ConfigError(f"{' and '.join('--' + n for n in chosen)}: choose one")
-    if chosen:
-        cfg.set("data.kind", chosen[0], source=f"--{chosen[0]}")
-    if reward_functions:
-        if cfg.data.kind != "grpo":
-            raise ConfigError("--reward-function is for --grpo (data.kind = grpo)")
-        funcs = [*cfg.grpo.reward_funcs, *reward_functions]
-        cfg.set("grpo.reward_funcs", funcs, source="--reward-function")
 
 
 def _check_gpu(gpu: str | None, dry_run: bool) -> None:

@@ -92,10 +92,11 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
     import torch
 
     from pipeline.serve.engine.core import Engine
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop import train_step
     from pipeline.train.loop.trainer import Trainer
-    from pipeline.train.objectives import grpo, grpo_rollout
+    from pipeline.train.objectives.grpo import objective as grpo
+    from pipeline.train.objectives.grpo import rollout as grpo_rollout
 
     prompts, tokenizer = write_task(work)
     iters = args.warmup + args.steps
@@ -182,7 +183,7 @@ def _engine_alone(
     each timed step's seconds."""
     import torch
 
-    from pipeline.train.objectives import ROLLOUT_BLOCK
+    from pipeline.train.objectives.grpo import ROLLOUT_BLOCK
 
     everything = warm + timed
     rows = max(sum(len(group) for group in c["params"]) for c in everything)

@@ -36,7 +36,7 @@ def measure(name: str, model, args: argparse.Namespace) -> dict:
     and estimated."""
     import torch
 
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.optimizers import build_optimizer, state_bytes_per_param
 
     optimizer_name, _, dtype = name.partition(":")
@@ -69,7 +69,7 @@ def build_model(args: argparse.Namespace):
     import torch
 
     from pipeline.core.model.transformer import Transformer
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
 
     cfg = resolve_config(args.recipe, [*args.sets, f"training.device={args.device}"], world_size=1)
     torch.manual_seed(0)

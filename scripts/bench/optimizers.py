@@ -49,7 +49,7 @@ def build_corpus(work: Path) -> str:
 def train(name: str, lr: float, prefix: str, steps: int, work: Path, sets: list[str]) -> dict:
     """One run of the `tiny` recipe with optimizer `name` at `lr`: its losses by step, tokens
     per step, and the share of step time the optimizer step took."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop import train_step
     from pipeline.train.loop.trainer import Trainer
 

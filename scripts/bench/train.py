@@ -54,7 +54,7 @@ def _measure(args: argparse.Namespace, emit) -> None:
     import torch
 
     from pipeline.core.model.flavors import flops_per_token
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
     from pipeline.train.report.perf import memory_gib, peak_tflops
 

@@ -46,7 +46,7 @@ def assert_refused(result, path: Path, what: str = "") -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A micro model's two-step training checkpoint (weights, optimizer; one shard file)."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     run_dir = tmp_path_factory.mktemp("trained")

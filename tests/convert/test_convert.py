@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from pipeline.convert.commands import convert, parse_size, parse_verify
 from pipeline.convert.verify import compare_tensors
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.pipe_checkpoint import (
     PipeCheckpointSource,

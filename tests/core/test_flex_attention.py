@@ -175,8 +175,8 @@ def test_a_run_resolves_auto_for_its_shape_per_rank(cache: Path) -> None:
     """`training.attention_backend` through the run's config: the shape is this rank's heads
     (tensor parallelism divides them), and flex is refused on a CPU in one line."""
     from pipeline.core.parallel.dims import ParallelDims
-    from pipeline.train.build.model_build import attention_choice as run_choice
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.model_build import attention_choice as run_choice
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.config.schema import ConfigError
 
     sets = ["data.mock=true", "data.reset_attention_mask=true", "data.seq_length=64",

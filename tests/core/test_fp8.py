@@ -109,7 +109,7 @@ def test_refusals_name_the_fix(monkeypatch):
 
 
 def test_compile_is_on_by_default_on_cuda_only():
-    from pipeline.train.build.parallelize import compile_enabled
+    from pipeline.train.assembly.parallelize import compile_enabled
     from pipeline.train.config.schema import TrainConfig
 
     assert TrainConfig().training.compile is None

@@ -18,7 +18,7 @@ from pipeline.core.model.flavors import tiny_deepseek_v3
 from pipeline.core.model.mtp import mtp_loss_sum
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.layout_rules import model_problems
-from pipeline.train.objectives.language_model import micro_batch_loss
+from pipeline.train.objectives.language_model.objective import micro_batch_loss
 from tests.builders import perturbed
 
 DEPTH = 2
@@ -119,7 +119,7 @@ def test_checkpoint_names(depth: int) -> None:
 def test_a_run_trains_the_mtp_module_and_moves_its_balancing_bias(tmp_path) -> None:
     """`pipe train` with model.mtp_num_layers = 1: the MTP module's weights and its MoE's
     balancing bias move, and the checkpoint holds them under `mtp.{num_layers}.*`."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
     from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
     from tests.builders import layout_sets

@@ -12,7 +12,7 @@ import pytest
 from pipeline.examples.largest_number import make_task
 from pipeline.tokenizer.chat_template import chat_prompt, load_chat_template
 from pipeline.tokenizer.tokenizer import load_tokenizer
-from pipeline.train.objectives.grpo_rewards import answer_matches
+from pipeline.train.objectives.grpo.rewards import answer_matches
 
 
 def _numbers(question: str) -> list[int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.formats import open_source
 from pipeline.weights.pipe_checkpoint import write_pipe_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets, records, run_pipe, tokenized_corpus

@@ -21,7 +21,7 @@ import torch
 from pipeline.checkpoint import read_checkpoint_record, verify
 from pipeline.checkpoint import saver as saver_module
 from pipeline.checkpoint.layout import PIPE_METADATA, read_tracker
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets, records, run_python
 

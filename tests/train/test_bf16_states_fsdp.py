@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import layout_sets
 from tests.distributed import run_distributed

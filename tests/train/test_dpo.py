@@ -23,7 +23,7 @@ import torch
 from pipeline.data.indexed import IndexedDatasetWriter
 from pipeline.data.loss_mask import loss_mask_prefix
 from pipeline.data.preference_dataset import PreferencePairs
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from tests.builders import kill_after_save, layout_sets, records, run_pipe, train_and_probe
 from tests.distributed import run_distributed
@@ -322,7 +322,7 @@ def test_with_lora_the_base_is_the_reference(tmp_path: Path) -> None:
     """`pipe train --dpo --lora`: the reference is the base without adapters, live (no second
     model) or precomputed, with the same losses."""
     from pipeline.train.loop.trainer import Trainer
-    from pipeline.train.objectives.dpo_reference import AdaptersOffRunner
+    from pipeline.train.objectives.frozen_start import AdaptersOffRunner
 
     prefix = write_pairs(tmp_path / "pairs", 40, 128)
     lora = ("lora.enabled=true", "lora.rank=4")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipeline.core.model.hf_names import from_hf_state_dict
-from pipeline.train.objectives.dpo_loss import DPOLoss, DPOOptions, dpo_terms, sequence_logps
+from pipeline.train.objectives.dpo.loss import DPOLoss, DPOOptions, dpo_terms, sequence_logps
 from pipeline.weights.hf_reader import HFSource
 from tests.builders import VOCAB, load_from_source, perturbed, save_hf
 
@@ -186,7 +186,7 @@ def test_a_lora_runs_reference_is_its_base_without_adapters(models) -> None:
     exactly the base it was adapted from, and the DPO loss and gradients equal those with the
     base as a separate reference."""
     from pipeline.core.model.lora import LoRASpec, adapter_names, apply_lora
-    from pipeline.train.objectives.dpo_reference import BaseOfLoRA
+    from pipeline.train.objectives.frozen_start import BaseOfLoRA
 
     _, base, *_ = models
     policy = apply_lora(copy.deepcopy(base), LoRASpec(rank=4, alpha=8.0))

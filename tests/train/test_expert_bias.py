@@ -91,7 +91,7 @@ def test_training_moves_the_bias_and_resume_restores_it_bit_exactly(tmp_path) ->
     """`pipe train` of tiny_deepseek_v3 moves the biases (they start at zero), saves them, and
     a run resumed from the checkpoint starts from exactly those biases, then keeps moving them
     as the uninterrupted run does."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     def trainer(run: str, iters: int, *extra: str) -> Trainer:

@@ -92,7 +92,7 @@ def _run(recipe: str, name: str, run_dir: Path, extra: list[str]) -> dict:
 
 def _fsdp_gathered_dtype(run_dir: Path) -> torch.dtype:
     """The dtype FSDP2 gathers a block's weights in, for a bf16 dp2 run."""
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     sets = layout_sets("tiny", run_dir, "training.dtype=bf16", "parallel.dp=2")
@@ -162,7 +162,7 @@ def test_bf16_on_a_cpu_is_real_and_says_so(tmp_path: Path, caplog) -> None:
     one-line warning; fp32 stays what the CPU recipes ask for."""
     import logging
 
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
 
     def first_loss(dtype: str) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from tests.builders import kill_after_save, records, run_pipe, train_and_probe, write_jsonl
 from tests.distributed import run_distributed
@@ -96,7 +96,7 @@ def test_bf16_rollouts_run_a_bf16_copy_outside_autocast(tmp_path: Path, task: di
     from pipeline.core.model.transformer import Transformer
     from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.sampling import SamplingParams
-    from pipeline.train.objectives.grpo_rollout import RolloutModel
+    from pipeline.train.objectives.grpo.rollout import RolloutModel
 
     cfg = resolve_config(None, grpo_sets(tmp_path, task, "training.dtype=bf16"))
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def test_rollouts_after_a_step_never_read_the_old_weights_cache(tmp_path, task) 
     from pipeline.core.model.transformer import Transformer
     from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.sampling import SamplingParams
-    from pipeline.train.objectives.grpo_rollout import RolloutModel
+    from pipeline.train.objectives.grpo.rollout import RolloutModel
 
     cfg = resolve_config(None, grpo_sets(tmp_path, task))
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def test_rollout_cuda_graphs_reach_the_engine(tmp_path, task, value, graphs) -> 
     in one line."""
     from pipeline.core.model.transformer import Transformer
     from pipeline.serve.engine.sampling import SamplingParams
-    from pipeline.train.objectives.grpo_rollout import RolloutModel
+    from pipeline.train.objectives.grpo.rollout import RolloutModel
 
     sets = grpo_sets(tmp_path, task) + ([f"grpo.rollout_cuda_graphs={value}"] if value else [])
     cfg = resolve_config(None, sets)
@@ -184,7 +184,7 @@ def test_dry_run_estimate_holds_the_rollout_engine(tmp_path: Path, task: dict, d
     rollouts: its weights (none when it runs on the fp32 policy itself) and KV cache."""
     from pipeline.core.model.transformer import Transformer
     from pipeline.serve.engine.sampling import SamplingParams
-    from pipeline.train.objectives.grpo_rollout import RolloutModel
+    from pipeline.train.objectives.grpo.rollout import RolloutModel
     from pipeline.train.report.estimates import estimate_memory
 
     cfg = resolve_config(None, grpo_sets(tmp_path, task, f"training.dtype={dtype}"))
@@ -254,7 +254,7 @@ def _recorded_run(sets: list[str]) -> dict:
     """Train as `sets` say; the rollouts of every step and evaluation on this rank (as they go
     into rows) and the requests its engine ran."""
     from pipeline.train.loop.trainer import Trainer
-    from pipeline.train.objectives import grpo
+    from pipeline.train.objectives.grpo import objective as grpo
 
     seen, into_rows = [], grpo.rollout_rows
 
@@ -297,7 +297,7 @@ class _Echo:
         self.asked: list[list[int]] = []
 
     def generate(self, prompts, params):
-        from pipeline.train.objectives.grpo_rollout import Rollouts
+        from pipeline.train.objectives.grpo.rollout import Rollouts
 
         if not prompts:
             raise ValueError("no prompts")
@@ -319,7 +319,7 @@ UNEVEN = [
 def _split_worker(rank: int, world_size: int, tmp: Path) -> list:
     import torch.distributed as dist
 
-    from pipeline.train.objectives.grpo_split import generate_split
+    from pipeline.train.objectives.grpo.split import generate_split
 
     results = []
     for prompts, params in UNEVEN:

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.train.config.schema import GRPOSection
-from pipeline.train.objectives.grpo_loss import (
+from pipeline.train.objectives.grpo.loss import (
     CLIP_STATS,
     GRPOLossOptions,
     group_advantages,
@@ -31,6 +30,7 @@ from pipeline.train.objectives.grpo_loss import (
     reduce_loss,
     weighted_rewards,
 )
+from pipeline.train.objectives.grpo.settings import GRPOSection
 
 trl = pytest.importorskip("trl")
 ROWS, LENGTH, MAX_LENGTH = 4, 6, 8

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.train.objectives.grpo import GRPO
-from pipeline.train.objectives.grpo_rollout import RolloutModel
+from pipeline.train.objectives.grpo.objective import GRPO
+from pipeline.train.objectives.grpo.rollout import RolloutModel
 from tests.train.test_grpo import _train, grpo_sets, task  # noqa: F401
 
 

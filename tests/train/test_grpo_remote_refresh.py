@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
-import pipeline.train.objectives.grpo_remote as grpo_remote
-from pipeline.train.objectives.grpo_remote import RemoteRollouts
+import pipeline.train.objectives.grpo.remote as grpo_remote
+from pipeline.train.objectives.grpo.remote import RemoteRollouts
 
 
 class _Policy(torch.nn.Module):

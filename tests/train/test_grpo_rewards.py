@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 from pipeline.data.prompt_dataset import PromptRecord
-from pipeline.train.config.schema import ConfigError, GRPOSection
-from pipeline.train.objectives.grpo_rewards import (
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.objectives.grpo.rewards import (
     RewardError,
     answer_matches,
     build_rewards,
     extract_final_answer,
     normalize_answer,
 )
+from pipeline.train.objectives.grpo.settings import GRPOSection
 
 
 def record(line: int, prompt="q", **fields) -> PromptRecord:

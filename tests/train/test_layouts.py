@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import LAYOUT_ITERS as ITERS
 from tests.builders import LAYOUT_MOE_RECIPES as MOE_RECIPES

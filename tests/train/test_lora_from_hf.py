@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipeline.checkpoint import read_checkpoint_record
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.formats import open_source

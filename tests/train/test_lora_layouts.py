@@ -34,7 +34,7 @@ def _train_and_probe(run: Path, *extra: str, recipe: str = "tiny_moe") -> dict:
     tensors; every rank calls this, gathering DTensors)."""
     from torch.distributed.tensor import DTensor
 
-    from pipeline.train.config.loader import resolve_config
+    from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.loop.trainer import Trainer
     from tests.builders import _probe_gradients
 

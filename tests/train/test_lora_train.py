@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.checkpoint import read_checkpoint_record
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.formats import open_source
 from pipeline.weights.model import model_from_source

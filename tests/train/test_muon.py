@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from pipeline.train.optimizers import OPTIMIZERS, OptimizerSpec
 from pipeline.train.optimizers.muon import is_hidden_matrix

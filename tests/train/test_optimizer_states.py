@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.optimizers import build_optimizer, state_bytes_per_param
 from pipeline.train.optimizers.adamw_bf16 import AdamWBF16, stochastic_round_bf16

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.optimizers import OPTIMIZERS, build_optimizer, optimizer_spec
 from pipeline.train.optimizers.adamw import param_groups

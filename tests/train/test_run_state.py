@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from pipeline.checkpoint import read_checkpoint_record
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.trainer import Trainer
-from pipeline.train.objectives.language_model import LanguageModelling
+from pipeline.train.objectives.language_model.objective import LanguageModelling
 from tests.builders import micro_sets
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.optimizers import build_optimizer
 from pipeline.train.optimizers.adamw import param_groups
 from pipeline.train.optimizers.lr_scheduler import build_scheduler

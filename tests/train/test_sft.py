@@ -30,7 +30,7 @@ from pipeline.data.indexed import IndexedDatasetWriter, IndexFormatError
 from pipeline.data.loader import collate_numpy
 from pipeline.data.sft_dataset import SFTDataset, SFTDatasetConfig
 from pipeline.data.sft_packing import first_fit_decreasing
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.report.samples import TrainingSamples
 from tests.builders import layout_sets, records, run_pipe, train_and_probe

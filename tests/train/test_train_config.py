@@ -9,13 +9,13 @@ import typing
 import pytest
 
 from pipeline.core.model.flavors import get_flavor
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.loader import (
     FLAG_TARGETS,
     apply_set,
     list_recipes,
     load_recipe,
     parse_set_value,
-    resolve_config,
     save_config_toml,
 )
 from pipeline.train.config.schema import SECTIONS, ConfigError, TrainConfig, field_types

@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.state.checkpoint_model import check_checkpoint_model
 from pipeline.weights.pipe_checkpoint import PipeCheckpointSource

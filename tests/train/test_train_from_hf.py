@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pipeline.checkpoint import CheckpointError
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.loop.trainer import Trainer
 from pipeline.train.state.hf_weights import tokenizer_mismatch

@@ -16,8 +16,8 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.checkpoint import read_checkpoint_record, verify
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.config import toml_io
-from pipeline.train.config.loader import resolve_config
 from pipeline.train.loop.guards import NonFiniteStop
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import (

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.checkpoint import verify
 from pipeline.checkpoint.layout import read_tracker
-from pipeline.train.config.loader import resolve_config
+from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets
 from tests.distributed import run_distributed

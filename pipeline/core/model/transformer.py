@@ -2,7 +2,7 @@
 Qwen3-MoE and DeepSeek-V3's latent attention, one definition.
 
 Written as plain single-device PyTorch; tensor, pipeline, data and expert parallelism are applied
-afterwards by `pipeline.train.build.parallelize` (docs/architecture.md). What a run chooses
+afterwards by `pipeline.train.assembly.parallelize` (docs/architecture.md). What a run chooses
 about the model itself (the attention kernel, activation recomputation, how MoE layers weigh their
 auxiliary loss) is given to the constructor as `ModelOptions`. Build it on the `meta` device,
 parallelise, `to_empty(device=...)`, then call `init_weights()`:

@@ -1,9 +1,12 @@
 """The training config's cross-field checks: what no single field's type can say.
 
-`TrainConfig.validate` calls `config_problems`, which lists every problem at once (batch
-geometry, data sources, the optimizer's name and ranges, the schedule, FP8 recipe) and adds the
-layout rules of `pipeline.core.parallel.layout_rules` for the run's model, so one `ConfigError`
-names them all.
+`TrainConfig.validate` calls `config_problems`, which lists every problem of the sections
+at once (batch geometry, data sources, the optimizer's ranges, the schedule, FP8 recipe, LoRA)
+and adds the layout rules of `pipeline.core.parallel.layout_rules` for the run's model, so one
+`ConfigError` names them all. What an objective or an optimizer refuses is its registry entry's
+to say (`ObjectiveSpec.problems`, `OptimizerSpec.problems`): the config sits below both
+registries, so a run's whole check, `pipeline.train.assembly.run_config.check_config`, adds
+theirs.
 Reads no file: a model taken from a checkpoint was read once by the config loader.
 """
 
@@ -14,8 +17,6 @@ from typing import TYPE_CHECKING
 from pipeline.core.kernels.fp8 import normalize_recipe
 from pipeline.core.parallel.layout_rules import layout_problems
 from pipeline.train.config.fields import ConfigError
-from pipeline.train.objectives import objective_problems
-from pipeline.train.optimizers import optimizer_spec, state_problems
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -50,13 +51,11 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("data.blend excludes data.train_blend/valid_blend/test_blend")
     if d.mock and (d.blend is not None or split_blends):
         problems.append("data.mock is set together with a data blend; set one or the other")
-    problems += objective_problems(cfg)
     if not d.mock and d.blend is None and d.train_blend is None:
         problems.append("no training data: pass --data, set data.blend, or set data.mock=true")
     problems += _split_problems(d.split)
 
     problems += _optimizer_problems(cfg)
-    problems += state_problems(cfg, world_size)
     if not 0 <= s.warmup_init_lr <= o.lr:
         problems.append(f"scheduler.warmup_init_lr ({s.warmup_init_lr}) must be in [0, lr]")
 
@@ -86,26 +85,16 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
 
 
 def _optimizer_problems(cfg: TrainConfig) -> list[str]:
-    """`[optimizer]`: a name of the optimizer registry (the line names the known ones) and
-    hyper-parameters in range."""
+    """`[optimizer]`: hyper-parameters in range (the name and what the chosen optimizer refuses
+    are its registry's: `pipeline.train.optimizers.optimizer_problems`)."""
     o = cfg.optimizer
     problems = []
-    try:
-        optimizer_spec(o.name)
-    except ConfigError as e:
-        problems.append(str(e))
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         problems.append(f"need 0 <= optimizer.min_lr ({o.min_lr}) <= optimizer.lr ({o.lr})")
     if o.weight_decay < 0 or o.eps <= 0 or o.clip_grad < 0:
         problems.append("optimizer.weight_decay, clip_grad must be >= 0 and eps > 0")
     if not (0 <= o.beta1 < 1 and 0 <= o.beta2 < 1):
         problems.append(f"optimizer.beta1/beta2 must be in [0, 1), got {o.beta1}, {o.beta2}")
-    if not 0 <= o.muon_momentum < 1 or o.muon_num_ns_steps < 1:
-        problems.append("optimizer.muon_momentum must be in [0, 1) and muon_num_ns_steps >= 1")
-    if len(o.muon_ns_coefficients) != 3:
-        problems.append(
-            f"optimizer.muon_ns_coefficients: need three (a, b, c), got {o.muon_ns_coefficients}"
-        )
     return problems
 
 

@@ -1,5 +1,9 @@
 """Build a `TrainConfig` from its layers: defaults < recipe TOML < `--set` < first-class flags.
 
+The whole resolution, with the checkpoint `checkpoint.load` names read once and every check
+(the objective's and the optimizer's included), is `pipeline.train.assembly.run_config`'s
+`resolve_config`; this module reads no checkpoint.
+
 The CLI keeps a small, fixed set of options (the "first-class flags" in `FLAG_TARGETS`); anything
 else is reachable as `--set section.key=value`, type-checked against the schema in
 `pipeline.train.config.schema`. Flags win over `--set` because they are the explicit, named way
@@ -10,12 +14,12 @@ from __future__ import annotations
 
 import ast
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pipeline.train.config.fields import field_types, literal_values
-from pipeline.train.config.schema import CHECKPOINT_FLAVOR, SECTIONS, ConfigError, TrainConfig
+from pipeline.train.config.schema import SECTIONS, ConfigError, TrainConfig
 from pipeline.train.config.toml_io import load as load_toml
 
 __all__ = [
@@ -28,7 +32,7 @@ __all__ = [
     "load_recipe",
     "parse_set_value",
     "recipe_path",
-    "resolve_config",
+    "recipe_tables",
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -52,7 +56,6 @@ FLAG_TARGETS: dict[str, str] = {
     "fp8": "fp8.recipe",
     "lora": "lora.enabled",
     "lora_base": "lora.base",
-    "rollout_server": "grpo.rollout_server",
 }
 
 
@@ -77,7 +80,7 @@ def recipe_path(name_or_path: str | Path) -> Path:
     return shipped
 
 
-def _recipe_tables(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
+def recipe_tables(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
     """The recipe's file and its parsed tables."""
     path = recipe_path(name_or_path)
     try:
@@ -96,7 +99,7 @@ def save_config_toml(cfg: TrainConfig, path: str | Path) -> None:
 
 def load_recipe(name_or_path: str | Path) -> TrainConfig:
     """Defaults overlaid with a recipe: a shipped name or a TOML file (e.g. a run's config.toml)."""
-    path, tables = _recipe_tables(name_or_path)
+    path, tables = recipe_tables(name_or_path)
     cfg = TrainConfig()
     cfg.update(tables, source=str(path))
     return cfg
@@ -167,48 +170,6 @@ def apply_flags(cfg: TrainConfig, flags: Mapping[str, Any]) -> None:
             cfg.data.mock = False
 
 
-def resolve_config(
-    recipe: str | Path | None = None,
-    sets: Iterable[str] = (),
-    flags: Mapping[str, Any] | None = None,
-    world_size: int | None = None,
-    validate: bool = True,
-) -> TrainConfig:
-    """defaults < `recipe` < each of `sets` in order < `flags`, then validated for `world_size`.
-
-    The checkpoint `checkpoint.load` resumes from, if any, is read here, once: its recorded
-    model goes into `recorded_model`. When nothing names a model (no recipe or one without a
-    `[model]` table, and no `--set model.flavor`) and there is such a checkpoint, the run takes
-    its model (`model.flavor = "checkpoint"`); other `--set model.*` adjust it. A Hugging Face
-    directory is read the same way, and its tokenizer is `data.tokenizer` unless one is set.
-    """
-    from pipeline.train.state.checkpoint_model import read_recorded_model
-
-    cfg, tables = TrainConfig(), {}
-    if recipe is not None:
-        path, tables = _recipe_tables(recipe)
-        cfg.update(tables, source=str(path))
-    sets = list(sets)
-    for assignment in sets:
-        apply_set(cfg, assignment)
-    apply_flags(cfg, flags or {})
-    cfg.recorded_model = read_recorded_model(cfg.checkpoint.load)
-    names_model = "model" in tables or any(_assigns(a, "model.flavor") for a in sets)
-    if not names_model and cfg.recorded_model is not None:
-        cfg.model.flavor = CHECKPOINT_FLAVOR
-    if cfg.recorded_model is not None and cfg.recorded_model.hf and cfg.data.tokenizer is None:
-        cfg.data.tokenizer = _tokenizer_beside(cfg.recorded_model.directory)
-    if validate:
-        cfg.validate(world_size)
-    return cfg
-
-
-def _tokenizer_beside(directory: Path) -> str | None:
-    """`directory` when it holds a tokenizer's vocabulary file, else None."""
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
-    return str(directory) if any((directory / n).is_file() for n in names) else None
-
-
 def _accepts_str(tp: Any) -> bool:
     if typing.get_origin(tp) is list:  # list[str] takes a list, not the raw text
         return False
@@ -219,8 +180,3 @@ def _accepts_str(tp: Any) -> bool:
 
 def _accepts_none(tp: Any) -> bool:
     return type(None) in getattr(tp, "__args__", ())
-
-
-def _assigns(assignment: str, dotted: str) -> bool:
-    """Whether a `--set` assignment sets `dotted` (e.g. `model.flavor`)."""
-    return assignment.partition("=")[0].strip() == dotted

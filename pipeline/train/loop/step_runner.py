@@ -22,15 +22,27 @@ count.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from pipeline.train.build.model_parts import TrainableModel
-from pipeline.train.objectives.base import Batch, Objective, model_hidden
+from pipeline.core.parallel.dims import ParallelDims
+from pipeline.train.assembly.layout import micro_batches_per_step
+from pipeline.train.assembly.model_build import BuiltModel
+from pipeline.train.assembly.model_parts import TrainableModel
+from pipeline.train.config.schema import TrainConfig
+from pipeline.train.loop.pipeline_step import PipelineRunner
+from pipeline.train.objectives.base import Batch, Objective, evaluation_mode, model_hidden
 
-__all__ = ["Batch", "LocalStepRunner", "StepRunner", "evaluation_mode", "prepare_micro_batches"]
+__all__ = [
+    "Batch",
+    "LocalStepRunner",
+    "StepRunner",
+    "build_runner",
+    "evaluation_mode",
+    "prepare_micro_batches",
+]
 
 
 class StepRunner(Protocol):
@@ -127,12 +139,24 @@ def prepare_micro_batches(
         runner.objective.prepare(micro_batches, runner)
 
 
-@contextlib.contextmanager
-def evaluation_mode(model: TrainableModel) -> Iterator[None]:
-    """`model` in eval mode inside the block, then back in the mode it was in."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
+def build_runner(
+    built: BuiltModel,
+    objective: Objective,
+    layout: ParallelDims,
+    device: torch.device,
+    cfg: TrainConfig,
+) -> StepRunner:
+    """The runner of an assembled model for `objective`: `LocalStepRunner` over the whole
+    model, or a `PipelineRunner` over this rank's stages under `parallel.pipeline_schedule`."""
+    if built.num_stages == 1:
+        return LocalStepRunner(built.model, objective)
+    return PipelineRunner(
+        built.parts,
+        built.stage_indices,
+        built.num_stages,
+        cfg.parallel.pipeline_schedule,
+        micro_batches_per_step(cfg, layout),
+        device,
+        layout.pipeline_group,
+        objective,
+    )

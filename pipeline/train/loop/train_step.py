@@ -32,7 +32,7 @@ import torch.distributed as dist
 from pipeline.core.parallel.fsdp import global_token_count
 from pipeline.core.parallel.grad_norm import clip_grad_norm_
 from pipeline.core.parallel.tensor_parallel import sum_moe_gradients
-from pipeline.train.build.model_parts import TrainableModel
+from pipeline.train.assembly.model_parts import TrainableModel
 from pipeline.train.loop.expert_bias import update_expert_biases
 from pipeline.train.loop.step_runner import Batch, StepRunner, prepare_micro_batches
 from pipeline.train.optimizers.nonfinite import step_unless_nonfinite

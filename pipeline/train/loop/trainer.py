@@ -41,15 +41,15 @@ from typing import Any
 
 from pipeline.common.progress import terminal_bar
 from pipeline.core.model.flavors import flops_per_token
-from pipeline.train.build import train_data
-from pipeline.train.build.layout import (
+from pipeline.train.assembly import train_data
+from pipeline.train.assembly.layout import (
     build_layout,
     micro_batches_per_step,
     resolve_device,
     seed_everything,
 )
-from pipeline.train.build.model_build import build_fp8_backend, build_model, model_options
-from pipeline.train.build.model_parts import model_parts
+from pipeline.train.assembly.model_build import build_fp8_backend, build_model, model_options
+from pipeline.train.assembly.model_parts import model_parts
 from pipeline.train.config.loader import save_config_toml
 from pipeline.train.config.schema import TrainConfig
 from pipeline.train.loop.guards import (
@@ -59,9 +59,10 @@ from pipeline.train.loop.guards import (
     StopSignals,
 )
 from pipeline.train.loop.loop_state import LogWindow, LoopState, TrainResult
-from pipeline.train.loop.step_runner import Batch, evaluation_mode, prepare_micro_batches
+from pipeline.train.loop.step_runner import Batch, build_runner, prepare_micro_batches
 from pipeline.train.loop.train_step import StepResult, autocast_context, global_mean, train_step
 from pipeline.train.objectives import build_objective
+from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.optimizers import build_optimizer
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
 from pipeline.train.report.metrics import MetricsLogger, router_statistics
@@ -144,11 +145,10 @@ class Trainer:
     def build_same_model(self) -> Any:
         """A model built as this run's is (layout, options, FP8, initialisation), with its step
         runner: the run's own, or a frozen reference beside it."""
-        options = model_options(self.cfg, self.layout, self.device, self.num_micro_batches)
-        return build_model(
-            self.cfg, self.model_config, options, self.layout, self.device, self.fp8,
-            self.num_micro_batches, self.objective,
-        )  # fmt: skip
+        opts = model_options(self.cfg, self.layout, self.device, self.num_micro_batches)
+        built = build_model(self.cfg, self.model_config, opts, self.layout, self.device, self.fp8)
+        built.runner = build_runner(built, self.objective, self.layout, self.device, self.cfg)
+        return built
 
     def _build_run_state(self) -> RunState:
         """The run's checkpoints (`run_state.py`), with the adapters' hook when the model has

@@ -1,18 +1,23 @@
-"""The training objectives, one file each, found by `data.kind` in one registry.
+"""The training objectives, one folder each, found by `data.kind` in one registry.
 
 An objective is what a run optimises: language modelling (pre-training, and supervised
-fine-tuning, which is language modelling with a loss mask), DPO, and the next ones. Its class
-(`pipeline.train.objectives.base.Objective`) owns the loss and what the loss is normalised by,
-the batch keys it needs, its metrics, its setup (a reference model) and what it records in a
-checkpoint; the loop (trainer, train step, step runners) calls it and names none.
+fine-tuning, which is language modelling with a loss mask), DPO, GRPO, and the next ones. Its
+class (`pipeline.train.objectives.base.Objective`) owns the loss and what the loss is
+normalised by, the batch keys it needs, its metrics, its setup (a reference model) and what it
+records in a checkpoint; the loop (trainer, train step, step runners) calls it and names none.
 
-This module is the registry and stays free of torch, so that `pipe train --dry-run` and the
-config checks can ask what an objective is without importing it. Each entry gives the facts a
-run needs before the model exists (sequences per sample, attention masking, how sample prompts
-are asked, the config problems) and where the class lives; `build_objective` imports it.
+This module is the registry and stays free of torch, so that `pipe train --help`, `--dry-run`
+and the config checks can ask what an objective is without importing it. Each entry
+(`ObjectiveSpec`) gives the facts a run needs before the model exists (sequences per sample,
+attention masking, how sample prompts are asked, its config problems, what it holds in memory),
+how its data is built, its CLI flag and options, and where its class lives; `build_objective`
+imports the class. The assembly, the reports and `pipe train` ask these entries and name no
+objective.
 
-To add an objective: write `objectives/NAME.py` with a subclass of `Objective`, and add one
-`ObjectiveSpec` to `OBJECTIVES` below (docs/architecture.md walks through it).
+To add an objective: write the folder `objectives/NAME/` (its `__init__.py` holds `SPECS`, its
+modules the class, its data and its settings), and add NAME to `OBJECTIVE_FOLDERS` below
+(docs/architecture.md, "Adding an objective"). `pipeline.train` imports this registry as it is
+imported itself, so every objective's settings are sections of any `TrainConfig`.
 """
 
 from __future__ import annotations
@@ -22,39 +27,80 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pipeline.train.config.fields import ConfigError
+from pipeline.train.config.registry import Registry
+from pipeline.train.config.schema import add_section
+
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
 
 __all__ = [
-    "OBJECTIVES", "ROLLOUT_BLOCK", "ObjectiveSpec", "build_objective", "objective_problems",
+    "OBJECTIVES",
+    "OBJECTIVE_FOLDERS",
+    "ObjectiveOption",
+    "ObjectiveSpec",
+    "build_objective",
+    "call_target",
+    "objective_problems",
     "objective_spec",
-]  # fmt: skip
+    "register",
+]
 
-ROLLOUT_BLOCK = 16
-"""Tokens per KV cache block of GRPO's rollout engine (`grpo_rollout.RolloutModel`); the dry
-run's estimate rounds each completion's positions up to whole blocks of it."""
+
+@dataclass(frozen=True)
+class ObjectiveOption:
+    """A `pipe train` option an objective brings beside its flag: `--NAME VALUE` sets `field`
+    (`multiple`: repeatable, each value appended to the list `field` holds). Given for a run of
+    another objective, it is refused in one line."""
+
+    name: str
+    """The option as typed, e.g. "--rollout-server"."""
+    field: str
+    """The config field it sets, "section.key"."""
+    metavar: str
+    help: str
+    multiple: bool = False
 
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
-    """What the run knows of an objective before building it.
+    """One registry entry: what the run knows of an objective before building it.
 
-    `target` is "module:Class"; `sequences_per_sample` counts the sequences one sample holds
-    (throughput counts them all; a function of the config where that decides it);
-    `document_masking` stops attention at document boundaries;
-    `chat_prompts` asks `training.sample_prompts` as a user's turn; `problems` lists what is
+    `target` is "module:Class"; `datasets` is "module:function", called as
+    `function(cfg, blend, tokenizer)` for the train, valid and test datasets (None for a split
+    without data); `data_note` ("module:function" or None), called as `function(cfg, datasets)`,
+    is one line for the log about what the data building left out (None: nothing);
+    `manifest_dataset` maps the first prefix of the blend to the dataset beside which the
+    preprocess manifest lies; `documents_at_eod`: with `data.reset_attention_mask`, documents
+    are separated at EOD tokens (packed samples carry their own document ids);
+    `sequences_per_sample` counts the sequences one sample holds (throughput and the memory
+    estimate count them all; a function of the config where that decides it);
+    `document_masking` stops attention at document boundaries; `chat_prompts` asks
+    `training.sample_prompts` as a user's turn in the samples log; `problems` lists what is
     wrong with a config for this objective (one line each, no torch); `held_bytes` says what
     the objective keeps on each device beside the model's training state, for `--dry-run`:
-    (bytes, what they are) given the config, the `ModelConfig` and the data-parallel size."""
+    (bytes, what they are) given the config, the `ModelConfig` and the data-parallel size;
+    `data_line` adds to the dry run's data line. `flag_help` gives the objective a `pipe train
+    --KIND` flag (None: `--objective KIND` only); `options` are the CLI options it brings;
+    `section` is its settings, a dataclass the registry adds to the config as `[KIND]`
+    (`cfg.KIND`; None: it has none)."""
 
     kind: str
     target: str
     description: str
+    datasets: str
+    data_note: str | None = None
+    manifest_dataset: Callable[[str], str] | None = None
+    documents_at_eod: bool = False
     sequences_per_sample: int | Callable[[TrainConfig], int] = 1
     document_masking: bool = False
     chat_prompts: bool = False
     problems: Callable[[TrainConfig], list[str]] = field(default=lambda cfg: [])
     held_bytes: Callable[[TrainConfig, Any, int], tuple[float, str]] | None = None
+    data_line: Callable[[TrainConfig], str] | None = None
+    flag_help: str | None = None
+    options: tuple[ObjectiveOption, ...] = ()
+    section: type | None = None
 
     def sequences(self, cfg: TrainConfig) -> int:
         """The sequences one sample of `cfg`'s run holds."""
@@ -62,135 +108,47 @@ class ObjectiveSpec:
         return per_sample(cfg) if callable(per_sample) else per_sample
 
 
-def _sft_problems(cfg: TrainConfig) -> list[str]:
-    if cfg.data.mock:
-        return [
-            "data.kind = sft trains on chat data with a loss mask; mock data has none: pass "
-            "--data PREFIX_messages_document (made by `pipe preprocess --chat`)"
-        ]
-    return []
+def call_target(target: str, *args: Any, **kwargs: Any) -> Any:
+    """Import "module:function" (or "module:Class") now and call it with the arguments given:
+    the registry names what it needs as text, so it stays torch-free."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
-def _dpo_problems(cfg: TrainConfig) -> list[str]:
-    """DPO trains on whole preference pairs against a frozen reference."""
-    problems = []
-    if cfg.data.mock:
-        problems.append(
-            "data.kind = dpo trains on preference pairs; mock data has none: pass --data "
-            "PREFIX (made by `pipe preprocess --preference`)"
-        )
-    k = cfg.dpo
-    if k.beta <= 0 or not 0.0 <= k.label_smoothing < 0.5:
-        problems.append("dpo.beta must be > 0 and dpo.label_smoothing in [0, 0.5)")
-    if k.loss == "ipo" and k.label_smoothing:
-        problems.append("dpo.label_smoothing applies to the sigmoid loss, not ipo")
-    if cfg.model.mtp_num_layers:
-        problems.append("data.kind = dpo trains no multi-token prediction: model.mtp_num_layers 0")
-    return problems
+OBJECTIVES: Registry[ObjectiveSpec] = Registry("data.kind", "{field} {name}: one of {known}")
+"""Every objective `data.kind` may choose, by kind."""
 
 
-def _grpo_problems(cfg: TrainConfig) -> list[str]:
-    """GRPO generates from prompts with the data's tokenizer, on layouts that hold whole
-    sequences on each rank."""
-    g, p, problems = cfg.grpo, cfg.parallel, []
-    if cfg.data.mock:
-        problems.append("data.kind = grpo trains on prompts: pass --data prompts.jsonl")
-    if cfg.data.tokenizer is None:
-        problems.append(
-            "data.kind = grpo renders prompts and reads completions with the tokenizer: set "
-            "data.tokenizer (a Hugging Face tokenizer directory)"
-        )
-    if p.pp > 1 or p.cp > 1 or p.ep > 1:
-        problems.append("data.kind = grpo runs without pipeline, context or expert parallelism "
-                        "for now: parallel.pp, cp and ep 1")  # fmt: skip
-    if g.num_generations < 2:
-        problems.append("grpo.num_generations must be at least 2 (advantages compare a group)")
-    if not 0 < g.max_completion_length < cfg.data.seq_length:
-        problems.append("grpo.max_completion_length must be > 0 and leave room for a prompt in "
-                        f"data.seq_length ({cfg.data.seq_length})")  # fmt: skip
-    if g.num_iterations < 1:
-        problems.append("grpo.num_iterations must be at least 1")
-    elif cfg.checkpoint.save_interval % g.num_iterations:
-        problems.append(
-            f"checkpoint.save_interval must be a multiple of grpo.num_iterations "
-            f"({g.num_iterations}): a checkpoint falls between batches of rollouts"
-        )
-    if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
-        problems.append(f"grpo.reward_weights has {len(g.reward_weights)} weights for "
-                        f"{len(g.reward_funcs)} reward_funcs")  # fmt: skip
-    if cfg.model.mtp_num_layers:
-        problems.append("data.kind = grpo trains no multi-token prediction: model.mtp_num_layers 0")
-    if g.rollout_server and cfg.lora.enabled:
-        problems.append("grpo.rollout_server pushes whole weights: train without --lora, or "
-                        "leave grpo.rollout_server empty")  # fmt: skip
-    return problems
-
-
-def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]:
-    """The rollout engine's weights (a copy unless the engine runs on the policy itself: one
-    fp32 process, not compiled; see `grpo_rollout`) and its KV cache, sized for every
-    completion of this rank's share of its prompts at once (a tp rank draws 1/tp of them,
-    `grpo_split`); nothing with a rollout server."""
-    from pipeline.core.model.flavors import num_parameters
-    from pipeline.core.model.kv_sizes import kv_bytes_per_token
-    from pipeline.train.build.compile_setting import compile_enabled
-
-    if cfg.grpo.rollout_server:  # the server holds them
-        return 0.0, ""
-    bf16 = cfg.training.dtype == "bf16"
-    device_type = "cpu" if cfg.training.device == "cpu" else "cuda"  # "auto": a GPU's defaults
-    compiled = compile_enabled(cfg.training.compile, device_type)
-    shared = not bf16 and cfg.parallel.tp == 1 and dp == 1 and not compiled
-    weights = 0 if shared else num_parameters(model) * (2 if bf16 else 4)
-    prompts = -(-(cfg.training.global_batch_size // dp) // cfg.parallel.tp)
-    rows = prompts * cfg.grpo.num_generations
-    positions = -(-cfg.data.seq_length // ROLLOUT_BLOCK) * ROLLOUT_BLOCK
-    kv = rows * positions * kv_bytes_per_token(model, 2 if bf16 else 4)
-    what = "the KV cache" if shared else "a copy of the weights and the KV cache"
-    return weights + kv, f"rollout engine ({what})"
-
-
-_LM = "pipeline.train.objectives.language_model:LanguageModelling"
-
-OBJECTIVES: dict[str, ObjectiveSpec] = {
-    spec.kind: spec
-    for spec in (
-        ObjectiveSpec("gpt", _LM, "pre-training: next-token cross-entropy over every token"),
-        ObjectiveSpec(
-            "sft", _LM, "supervised fine-tuning: cross-entropy over the assistant's tokens",
-            document_masking=True, chat_prompts=True, problems=_sft_problems,
-        ),  # fmt: skip
-        ObjectiveSpec(
-            "dpo", "pipeline.train.objectives.dpo:DPO",
-            "preference tuning: the DPO loss of chosen/rejected pairs against a frozen reference",
-            sequences_per_sample=2, chat_prompts=True, problems=_dpo_problems,
-        ),  # fmt: skip
-        ObjectiveSpec(
-            "grpo", "pipeline.train.objectives.grpo:GRPO",
-            "reinforcement learning with verifiable rewards: GRPO on completions of prompts",
-            sequences_per_sample=lambda cfg: cfg.grpo.num_generations, chat_prompts=True,
-            problems=_grpo_problems, held_bytes=_grpo_held_bytes,
-        ),  # fmt: skip
-    )
-}
+def register(spec: ObjectiveSpec) -> ObjectiveSpec:
+    """Add `spec` to `OBJECTIVES`, and its settings to the config as `[KIND]`; a kind taken
+    already is a programming error (ValueError)."""
+    if spec.section is not None:
+        add_section(spec.kind, spec.section)
+    return OBJECTIVES.add(spec.kind, spec)
 
 
 def objective_spec(kind: str) -> ObjectiveSpec:
-    """The registry entry of `data.kind` (KeyError for an unknown kind: config checks first)."""
-    return OBJECTIVES[kind]
+    """The entry of `data.kind`; an unknown kind is a one-line `ConfigError` naming the known."""
+    return OBJECTIVES.spec(kind)
 
 
 def objective_problems(cfg: TrainConfig) -> list[str]:
     """What is wrong with `cfg` for its objective, an unknown `data.kind` included."""
-    spec = OBJECTIVES.get(cfg.data.kind)
-    if spec is None:
-        return [f"data.kind {cfg.data.kind!r}: one of {', '.join(OBJECTIVES)}"]
-    return spec.problems(cfg)
+    try:
+        return objective_spec(cfg.data.kind).problems(cfg)
+    except ConfigError as e:
+        return [str(e)]
 
 
 def build_objective(cfg: TrainConfig, **context: Any) -> Any:
     """The objective of `cfg.data.kind`, its class imported now; `context` goes to it."""
     spec = objective_spec(cfg.data.kind)
-    module, name = spec.target.split(":")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(cfg, spec, **context)
+    return call_target(spec.target, cfg, spec, **context)
+
+
+OBJECTIVE_FOLDERS = ("language_model", "dpo", "grpo")
+"""The registry's one line per objective: the folders whose `SPECS` it holds, in order."""
+
+for _folder in OBJECTIVE_FOLDERS:
+    for _spec in importlib.import_module(f"{__name__}.{_folder}").SPECS:
+        register(_spec)

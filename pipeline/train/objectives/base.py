@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batch", "Objective", "batch_to_device", "document_ids_from_tokens", "model_hidden"]
+__all__ = [
+    "Batch",
+    "Objective",
+    "batch_to_device",
+    "document_ids_from_tokens",
+    "evaluation_mode",
+    "model_hidden",
+]
 
 Batch = dict[str, torch.Tensor]
 """One micro-batch on the device: tokens, labels, loss_mask, position_ids (and document_ids)."""
@@ -102,3 +109,15 @@ class Objective:
     def metrics(self) -> dict[str, float]:
         """The objective's own figures since the last call (every rank calls it)."""
         return {}
+
+
+@contextlib.contextmanager
+def evaluation_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode inside the block, then back in the mode it was in (the loop's
+    evaluation, and a reference's pass over the data)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

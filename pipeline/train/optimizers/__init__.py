@@ -20,10 +20,12 @@ them: `optimizer.state_dtype = "bf16"` halves the state (`bf16_state`), and
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipeline.train.config.fields import ConfigError
+from pipeline.train.config.registry import Registry
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +37,7 @@ __all__ = [
     "OPTIMIZERS",
     "OptimizerSpec",
     "build_optimizer",
+    "optimizer_problems",
     "optimizer_spec",
     "register",
     "skips_on_device",
@@ -70,6 +73,9 @@ class OptimizerSpec:
     """`module:function`, called as `function(cfg, model)`: the mean state bytes per trainable
     parameter of that model, for an optimizer whose state differs between parameters (Muon:
     4 on the hidden matrices, 8 on the rest); None: `state_bytes_per_param` for every one."""
+    problems: Callable[[TrainConfig], list[str]] = field(default=lambda cfg: [])
+    """What is wrong with a config for this optimizer, one line each, no torch (Muon: its
+    momentum, Newton-Schulz steps and coefficients)."""
 
     def state_bytes(self, cfg: TrainConfig, model: ModelConfig) -> float:
         """Mean bytes of fp32 optimizer state per trainable parameter of `model` under `cfg`
@@ -85,25 +91,20 @@ class OptimizerSpec:
         return getattr(importlib.import_module(module), function)(model, cfg)
 
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {}
+OPTIMIZERS: Registry[OptimizerSpec] = Registry(
+    "optimizer.name", "{field}: unknown optimizer {name}; known: {known}"
+)
 """Every optimizer `optimizer.name` may choose, by name."""
 
 
 def register(spec: OptimizerSpec) -> OptimizerSpec:
     """Add `spec` to `OPTIMIZERS`; a name taken already is a programming error (ValueError)."""
-    if spec.name in OPTIMIZERS:
-        raise ValueError(f"optimizer {spec.name!r} is registered already")
-    OPTIMIZERS[spec.name] = spec
-    return spec
+    return OPTIMIZERS.add(spec.name, spec)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
     """The entry called `name`; an unknown name is a one-line `ConfigError` naming the known."""
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        known = ", ".join(OPTIMIZERS)
-        raise ConfigError(f"optimizer.name: unknown optimizer {name!r}; known: {known}") from None
+    return OPTIMIZERS.spec(name)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -138,6 +139,16 @@ def skips_on_device(cfg: TrainConfig) -> bool:
     o = cfg.optimizer
     fp32 = o.state_dtype == "fp32" and not o.cpu_offload
     return optimizer_spec(o.name).skips_on_device and fp32
+
+
+def optimizer_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
+    """What is wrong with `cfg` for its optimizer: an unknown `optimizer.name` (the line names
+    the known ones), the entry's own problems and the state settings it cannot take."""
+    try:
+        spec = optimizer_spec(cfg.optimizer.name)
+    except ConfigError as e:
+        return [str(e)]
+    return spec.problems(cfg) + state_problems(cfg, world_size)
 
 
 def state_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
@@ -180,6 +191,18 @@ register(
     )
 )
 
+def _muon_problems(cfg: TrainConfig) -> list[str]:
+    """Muon's settings in range: momentum, Newton-Schulz steps and its three coefficients."""
+    o, problems = cfg.optimizer, []
+    if not 0 <= o.muon_momentum < 1 or o.muon_num_ns_steps < 1:
+        problems.append("optimizer.muon_momentum must be in [0, 1) and muon_num_ns_steps >= 1")
+    if len(o.muon_ns_coefficients) != 3:
+        problems.append(
+            f"optimizer.muon_ns_coefficients: need three (a, b, c), got {o.muon_ns_coefficients}"
+        )
+    return problems
+
+
 register(
     OptimizerSpec(
         name="muon",
@@ -189,6 +212,7 @@ register(
         "the rest",
         skips_on_device=False,
         state_bytes_for="pipeline.train.optimizers.muon:state_bytes_per_param",
+        problems=_muon_problems,
         bf16_state="a bf16 momentum on the hidden matrices (2 B), two bf16 moments (AdamW, 4 B) "
         "on the rest, stochastically rounded (fp32 weights and update)",
     )

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.flavors import flops_per_token, num_parameters
 from pipeline.train.config.schema import TrainConfig
+from pipeline.train.objectives import OBJECTIVES
 from pipeline.train.optimizers import (
     optimizer_spec,
     skips_on_device,
@@ -212,8 +213,6 @@ def estimate_memory(
 
 def _objective_held(cfg: TrainConfig, model: ModelConfig, dp: int) -> tuple[float, str]:
     """(bytes, what) the run's objective keeps on a device beside the training state."""
-    from pipeline.train.objectives import OBJECTIVES
-
     spec = OBJECTIVES.get(cfg.data.kind)
     if spec is None or spec.held_bytes is None:
         return 0.0, ""
@@ -317,12 +316,13 @@ def _model_line(cfg: TrainConfig, model: ModelConfig) -> str:
 
 
 def _data_line(cfg: TrainConfig) -> str:
-    """`data ...`: where the tokens come from (SFT: how conversations are packed)."""
+    """`data ...`: where the tokens come from, and what the objective adds (SFT: how
+    conversations are packed)."""
     d = cfg.data
     data = "mock (synthetic tokens)" if d.mock else (d.blend or d.train_blend or "-")
-    if d.kind == "sft":
-        long = "truncated" if d.sft_truncate else "dropped"
-        data += f" (SFT: conversations packed per sample, longer ones {long})"
+    spec = OBJECTIVES.get(d.kind)
+    if spec is not None and spec.data_line is not None:
+        data += spec.data_line(cfg)
     return f"data         {data}; seq {d.seq_length}, split {d.split}"
 
 
@@ -435,8 +435,6 @@ def _tokens_per_step(cfg: TrainConfig) -> int:
 
 def _sequences(cfg: TrainConfig) -> int:
     """The sequences one sample of the run's objective holds."""
-    from pipeline.train.objectives import OBJECTIVES
-
     spec = OBJECTIVES.get(cfg.data.kind)
     return spec.sequences(cfg) if spec is not None else 1
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.core.parallel.dims import ParallelDims
-from pipeline.train.build.compile_setting import compile_enabled
+from pipeline.train.config.compile_setting import compile_enabled
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -17,7 +17,7 @@ reply), of the log-probability of the label (`sequence_logps`). With policy log-
   the `nc`, `nr` mask tokens of each side (as TRL computes IPO).
 
 `DPOLoss` returns the summed per-pair losses and the number of pairs (the DPO objective,
-`pipeline.train.objectives.dpo`, hands it to the loop), so the step's division by the pairs of
+`objective.py`, hands it to the loop), so the step's division by the pairs of
 the global batch gives the mean over pairs whatever the micro-batch size or layout. It keeps
 running sums of the rewards, margins and accuracies for the objective to log (`take_stats`).
 """

@@ -25,6 +25,7 @@ from pipeline.core.parallel.process_group import (
     rank_device,
     start_process_group,
 )
+from pipeline.train.assembly.run_config import check_config
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -47,7 +48,7 @@ def build_layout(cfg: TrainConfig, device: torch.device) -> tuple[ParallelDims, 
     if wants_distributed(cfg):
         device = init_distributed(device)
         world_size = dist.get_world_size()
-    cfg.validate(world_size=world_size)
+    check_config(cfg, world_size=world_size)
     layout = ParallelDims.from_config(cfg.parallel, world_size).build(device.type)
     if layout.distributed:
         log.info("parallel layout: %s", layout.describe())

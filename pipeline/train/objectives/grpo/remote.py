@@ -1,6 +1,6 @@
 """GRPO's rollouts on a running `pipe serve` (`pipe train --grpo --rollout-server URL`).
 
-Where `grpo_rollout.RolloutModel` runs pipe's engine inside the training processes, this sends
+Where `rollout.RolloutModel` runs pipe's engine inside the training processes, this sends
 the same requests to a server, as TRL's and open-instruct's trainers do with vLLM's server mode:
 the trainer's GPUs train while the server's generate, and one server can serve several
 trainers' evaluations too.
@@ -10,7 +10,7 @@ through its weight routes (`pipeline.serve.http.weight_client`: shared memory, s
 the same machine): every rank gathers the full tensors together (a collective under tensor
 parallelism and FSDP), the first rank pushes them, all wait until the server has swapped. Then
 each rank sends its own prompts' completions (under tensor parallelism its share of them,
-`grpo_split`), one request per completion with the completion's
+`split`), one request per completion with the completion's
 own seed (`completion_seed`) and the prompt as token ids, and reads the generated token ids
 back (`return_token_ids`, vLLM's field): a server on the same weights draws the completions the
 engine in the trainer would draw. The completions of a prompt share its prefill through the
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pipeline.train.config.schema import ConfigError
-from pipeline.train.objectives.grpo_rollout import Rollouts, named_full_tensors
+from pipeline.train.objectives.grpo.rollout import Rollouts, named_full_tensors
 
 __all__ = ["RemoteRollouts"]
 

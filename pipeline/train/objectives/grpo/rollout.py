@@ -8,7 +8,7 @@ itself; otherwise on a plain copy of the model held beside it (`RolloutModel`), 
 the policy's full weights before each batch of rollouts (under tensor parallelism and FSDP every
 rank gathers the full weights together; an FSDP rank then generates its own prompts, and the tp
 ranks, which hold the same prompts, each generate a share of them and exchange the
-completions, `grpo_split`). A LoRA policy's copy carries the same adapters, so the copy is the
+completions, `split`). A LoRA policy's copy carries the same adapters, so the copy is the
 adapted model.
 
 With bf16 training the copy is in bf16, as `pipe serve` holds a model on a GPU, and the engine
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.train.objectives import ROLLOUT_BLOCK
+from pipeline.train.objectives.grpo import ROLLOUT_BLOCK
 
 __all__ = ["Rollouts", "RolloutModel", "completion_seed", "named_full_tensors", "rollout_rows"]
 

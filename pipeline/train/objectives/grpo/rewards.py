@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.prompt_dataset import PromptRecord
-from pipeline.train.config.schema import ConfigError, GRPOSection
+from pipeline.train.config.schema import ConfigError
+from pipeline.train.objectives.grpo.settings import GRPOSection
 
 __all__ = [
     "BUILTIN_REWARDS",

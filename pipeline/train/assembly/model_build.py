@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,13 +26,10 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
-from pipeline.train.build.model_parts import StageUnion, TrainableModel
-from pipeline.train.build.parallelize import build_model_parts, parallelize
+from pipeline.train.assembly.model_parts import StageUnion, TrainableModel
+from pipeline.train.assembly.parallelize import build_model_parts, parallelize
 from pipeline.train.config.schema import ConfigError
-from pipeline.train.loop.pipeline_step import PipelineRunner
-from pipeline.train.loop.step_runner import LocalStepRunner, StepRunner
 from pipeline.train.objectives import objective_spec
-from pipeline.train.objectives.base import Objective
 
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
@@ -52,12 +49,15 @@ log = logging.getLogger("pipeline.train")
 @dataclass
 class BuiltModel:
     """This rank's model: `model` (a `Transformer`, or a `StageUnion` of its stages) for the
-    optimizer and checkpoints, `parts` for schedules, and the `runner` that runs micro-batches
-    through it (`LocalStepRunner`, or a `PipelineRunner` under pp)."""
+    optimizer and checkpoints, `parts` for schedules (the stages `stage_indices` of
+    `num_stages`), and `runner`, which runs micro-batches through it: the loop's to give
+    (`pipeline.train.loop.step_runner.build_runner`), None until then."""
 
     model: TrainableModel
     parts: list[Transformer]
-    runner: StepRunner
+    stage_indices: list[int]
+    num_stages: int
+    runner: Any = None
 
 
 def model_options(
@@ -131,11 +131,9 @@ def build_model(
     layout: ParallelDims,
     device: torch.device,
     fp8: Fp8Training | None,
-    num_micro_batches: int,
-    objective: Objective,
 ) -> BuiltModel:
     """Built on `meta`, split into this rank's pipeline stages, parallelised, materialised on
-    `device` and initialised (fp32); its runner applies `objective`."""
+    `device` and initialised (fp32)."""
 
     def build() -> Transformer:
         with torch.device("meta"):
@@ -158,15 +156,9 @@ def build_model(
             init_adapters(part, cfg.training.seed)
     model = StageUnion(parts) if num_stages > 1 else parts[0]
     model.train()
-    runner: StepRunner = LocalStepRunner(model, objective)
-    if num_stages > 1:
-        runner = PipelineRunner(
-            parts, stage_indices, num_stages, cfg.parallel.pipeline_schedule,
-            num_micro_batches, device, layout.pipeline_group, objective,
-        )  # fmt: skip
     if device.type == "cpu" and cfg.training.dtype == "bf16" and layout.rank == 0:
         log.warning("training.dtype = bf16 on a CPU: real bf16 compute, slower than fp32 here")
-    return BuiltModel(model, parts, runner)
+    return BuiltModel(model, parts, stage_indices, num_stages)
 
 
 def init_weights(

@@ -28,11 +28,15 @@ from typing import Any
 import torch
 
 from pipeline.train.config.schema import ConfigError
-from pipeline.train.loop.step_runner import evaluation_mode
-from pipeline.train.objectives import dpo_reference as ref
-from pipeline.train.objectives.base import Batch, Objective, batch_to_device
-from pipeline.train.objectives.dpo_loss import DPOLoss, pair_rows, sum_over
-from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start, start_record
+from pipeline.train.objectives.base import Batch, Objective, batch_to_device, evaluation_mode
+from pipeline.train.objectives.dpo import reference as ref
+from pipeline.train.objectives.dpo.loss import DPOLoss, pair_rows, sum_over
+from pipeline.train.objectives.frozen_start import (
+    AdaptersOffRunner,
+    ReferenceRecord,
+    frozen_start,
+    start_record,
+)
 
 __all__ = ["DPO"]
 
@@ -68,7 +72,7 @@ class DPO(Objective):
 
     def _precompute(self, run: Any, start: dict[str, Any]) -> None:
         members = ref.preference_members(run.datasets)
-        runner = ref.AdaptersOffRunner(run.step_runner, run.model)
+        runner = AdaptersOffRunner(run.step_runner, run.model)
         with evaluation_mode(run.model):
             sums = ref.precompute_reference(
                 runner, members, start["key"], self.layout, run.device, run.autocast,

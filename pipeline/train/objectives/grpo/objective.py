@@ -3,16 +3,16 @@ verifiable rewards, rollouts generated in the training processes.
 
 A sample is one prompt (`pipeline.data.prompt_dataset`). Before a step's forward passes
 (`prepare`) every prompt of this rank's share of the global batch gets `num_generations`
-completions from the current weights (`grpo_rollout`; under tensor parallelism each tp rank
-draws a share of them and the ranks exchange the rest, `grpo_split`), each completion its rewards
-(`grpo_rewards`), each group of completions its advantages, and the micro-batch its rows:
+completions from the current weights (`rollout`; under tensor parallelism each tp rank
+draws a share of them and the ranks exchange the rest, `split`), each completion its rewards
+(`rewards`), each group of completions its advantages, and the micro-batch its rows:
 prompt and completion, the loss mask on the completion's tokens, the advantages, and, when
 needed, the log-probabilities of the weights that sampled them (`num_iterations` > 1) and of
 the frozen start (`beta` > 0). With `num_iterations` > 1 the same rollouts serve that many
 optimizer steps (the prompt dataset repeats each global batch as often, so every pass sees
 the same prompts on the same ranks).
 
-The loss is TRL's (`grpo_loss`), its gradient taken as DPO's is: the token log-probabilities
+The loss is TRL's (`loss`), its gradient taken as DPO's is: the token log-probabilities
 come from one fused pass without gradients, the loss's derivative by each of them from a small
 autograd graph on a leaf, and the model's gradient from the chunked cross-entropy with the
 mask weighed by that derivative, so full-vocabulary logits never exist and tensor parallelism
@@ -36,7 +36,7 @@ from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy, tp_t
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.objectives.base import Batch, Objective
 from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start
-from pipeline.train.objectives.grpo_loss import (
+from pipeline.train.objectives.grpo.loss import (
     GRPOLossOptions,
     group_advantages,
     nanstd,
@@ -44,12 +44,12 @@ from pipeline.train.objectives.grpo_loss import (
     reduce_loss,
     weighted_rewards,
 )
-from pipeline.train.objectives.grpo_metrics import RunningFigures
-from pipeline.train.objectives.grpo_rollout import RolloutModel, completion_seed, rollout_rows
-from pipeline.train.objectives.grpo_split import generate_split
+from pipeline.train.objectives.grpo.metrics import RunningFigures
+from pipeline.train.objectives.grpo.rollout import RolloutModel, completion_seed, rollout_rows
+from pipeline.train.objectives.grpo.split import generate_split
 
 if TYPE_CHECKING:
-    from pipeline.train.objectives.grpo_remote import RemoteRollouts
+    from pipeline.train.objectives.grpo.remote import RemoteRollouts
 
 __all__ = ["GRPO"]
 
@@ -91,11 +91,11 @@ class GRPO(Objective):
         """The rollout model, the rewards, the tokenizer and (beta > 0) the reference."""
         from pipeline.tokenizer.chat_template import eos_token_ids, load_chat_template
         from pipeline.tokenizer.tokenizer import load_tokenizer
-        from pipeline.train.objectives.grpo_rewards import build_rewards
+        from pipeline.train.objectives.grpo.rewards import build_rewards
 
         self.run, self._refreshed_at = run, None
         if self.section.rollout_server:
-            from pipeline.train.objectives.grpo_remote import RemoteRollouts
+            from pipeline.train.objectives.grpo.remote import RemoteRollouts
 
             self.rollout = RemoteRollouts(self.section.rollout_server, run.model, self.layout)
         else:
@@ -244,7 +244,7 @@ class GRPO(Objective):
 
     def _rewards(self, outs: Any, records: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(weighted reward `[rows]`, each function's `[rows, F]`) of the completions."""
-        from pipeline.train.objectives.grpo_rewards import RewardError
+        from pipeline.train.objectives.grpo.rewards import RewardError
 
         texts = [self.text.decode(_without_stop(c, self.stop_ids)) for c in outs.completions]
         try:

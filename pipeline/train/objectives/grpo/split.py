@@ -7,8 +7,8 @@ what they drew, so each ends with the whole batch's `Rollouts` in the order one 
 would have produced. Each completion samples with its own seed (`completion_seed`), so which
 rank draws it does not change it.
 
-Both rollout sources split so: the engine in the trainer (`grpo_rollout.RolloutModel`) and a
-rollout server (`grpo_remote.RemoteRollouts`), which then gets each request once per
+Both rollout sources split so: the engine in the trainer (`rollout.RolloutModel`) and a
+rollout server (`remote.RemoteRollouts`), which then gets each request once per
 data-parallel replica instead of once per tp rank.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.train.objectives.grpo_rollout import Rollouts
+from pipeline.train.objectives.grpo.rollout import Rollouts
 
 __all__ = ["gather_rollouts", "generate_split"]
 

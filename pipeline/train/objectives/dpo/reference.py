@@ -17,7 +17,6 @@ states on and the last stage's results are summed into the others'.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,22 +25,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.checkpoint import load as checkpoint_load
-from pipeline.checkpoint import load_model_and_optimizer_state, model_and_optimizer_state
-from pipeline.checkpoint.loader import CheckpointError, resolve_checkpoint_dir
 from pipeline.common.atomic import atomic_file
-from pipeline.common.quiet import quiet_dcp
-from pipeline.core.model.lora import adapters_off
 from pipeline.core.parallel.reduce import sum_over_groups
 from pipeline.data.loader import collate_numpy
 from pipeline.data.preference_dataset import PreferenceDataset, PreferencePairs
 from pipeline.train.config.schema import ConfigError, TrainConfig
-from pipeline.train.objectives.dpo_loss import DPOOptions, pair_rows, row_logps
-from pipeline.train.state.checkpoint_model import is_hf_directory
+from pipeline.train.objectives.dpo.loss import DPOOptions, pair_rows, row_logps
 
 __all__ = [
-    "AdaptersOffRunner", "BaseOfLoRA", "dpo_options", "logps_checksum", "precompute_reference",
-    "load_start", "preference_members", "start_directory", "reference_logps", "start_key",
+    "dpo_options",
+    "logps_checksum",
+    "precompute_reference",
+    "preference_members",
+    "reference_logps",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,35 +53,6 @@ def dpo_options(cfg: TrainConfig) -> DPOOptions:
         raise ConfigError(str(e)) from None
 
 
-class BaseOfLoRA:
-    """A LoRA run's reference: the policy itself with its adapters left out, which is the frozen
-    base the run started from, so no second model is held in memory. Called as the model is
-    (`sequence_logps` reads `output` and calls it)."""
-
-    def __init__(self, policy: torch.nn.Module) -> None:
-        self.policy = policy
-
-    @property
-    def output(self) -> torch.nn.Module:
-        return self.policy.output
-
-    def __call__(self, *inputs: Any) -> torch.Tensor:
-        with adapters_off(self.policy):
-            return self.policy(*inputs)
-
-
-class AdaptersOffRunner:
-    """A LoRA run's reference as a step runner: the policy's own runner (whole model or
-    pipeline stages) with the adapters of `policy` left out while it runs."""
-
-    def __init__(self, runner: Any, policy: torch.nn.Module) -> None:
-        self.runner, self.policy = runner, policy
-
-    def hidden_states(self, batch: dict[str, torch.Tensor]) -> Any:
-        with adapters_off(self.policy):
-            return self.runner.hidden_states(batch)
-
-
 def reference_logps(runner: Any, rows: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """`[pairs, 2]` log-probabilities of `rows` by a reference `runner` on the rank holding
     the output layer (None elsewhere); under context parallelism this rank's partial sums."""
@@ -96,14 +63,6 @@ def reference_logps(runner: Any, rows: dict[str, torch.Tensor]) -> torch.Tensor 
     return row_logps(hidden, module.output.weight, rows)[0]
 
 
-def freeze(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` as a reference: no gradients, eval mode (no dropout)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    model.eval()
-    return model
-
-
 def preference_members(datasets: Sequence[Any]) -> list[PreferenceDataset]:
     """Every `PreferenceDataset` of the split datasets (a blend's members, or the dataset)."""
     members = []
@@ -111,69 +70,6 @@ def preference_members(datasets: Sequence[Any]) -> list[PreferenceDataset]:
         if dataset is not None:
             members += [m for m in getattr(dataset, "datasets", [dataset])]
     return [m for m in members if isinstance(m, PreferenceDataset)]
-
-
-def start_key(cfg: TrainConfig, model_config: Any, load: str | None) -> str:
-    """Names the reference's log-probabilities: the starting weights (the files under `load`,
-    by name, size and modification time, or the seed of a fresh model), the model, the sample
-    length and the compute dtype."""
-    files = []
-    if load is not None:
-        root = Path(load)
-        files = [
-            [str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
-            for f in sorted(root.rglob("*")) if f.is_file() and "cache" not in f.parts
-        ]  # fmt: skip
-    record = {
-        "load": load,
-        "files": files,
-        "seed": None if load else cfg.training.seed,
-        "model": repr(model_config),
-        "seq_length": cfg.data.seq_length,
-        "dtype": cfg.training.dtype,
-    }
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def start_directory(load: str | None) -> str | None:
-    """Where a run's starting weights are: the checkpoint directory `load` resolves to (its
-    newest, a fixed `iter_*` directory), a Hugging Face directory, or None (nothing there yet:
-    the run starts from its seeded initialisation)."""
-    if load is None:
-        return None
-    if is_hf_directory(load):
-        return str(Path(load).resolve())
-    try:
-        return str(resolve_checkpoint_dir(load).resolve())
-    except CheckpointError:
-        return None
-
-
-def load_start(built: Any, start: dict[str, Any], run: Any) -> None:
-    """Read a resumed run's starting weights (as `DPO.setup` recorded them) into the reference
-    model `built`, refusing in one line when they changed since the run began. A run that
-    started from its seeded initialisation needs nothing: `built` was initialised the same."""
-    load = start.get("load")
-    if load is None:
-        return
-    if not Path(load).exists() or start_key(run.cfg, run.model_config, load) != start["key"]:
-        raise ConfigError(
-            f"{load}: the weights this run started from (its reference) are missing or "
-            "have changed since it began; resume needs them as they were"
-        )
-    if is_hf_directory(load):
-        from pipeline.train.state.hf_weights import load_hf_weights
-        from pipeline.weights.hf_reader import HFSource
-
-        load_hf_weights(built.parts, HFSource(load))
-        return
-    state = model_and_optimizer_state(built.model)
-    with quiet_dcp():
-        checkpoint_load(
-            load, None, state, restore_rng=False, process_group=run.layout.world_group,
-            verify_checksums=run.cfg.checkpoint.verify_checksums,
-        )  # fmt: skip
-    load_model_and_optimizer_state(built.model, None, state)
 
 
 def reference_path(pairs: PreferencePairs, key: str) -> Path:

@@ -2,7 +2,7 @@
 
 Pure torch, equal to TRL 1.16's `GRPOTrainer` (its `sum_then_normalize` advantages and its
 `_compute_loss` for the grpo, bnpo, dr_grpo and dapo losses); the GRPO objective
-(`pipeline.train.objectives.grpo`) gathers the log-probabilities and calls these.
+(`pipeline.train.objectives.grpo.objective`) gathers the log-probabilities and calls these.
 
 - rewards: the weighted sum of the reward functions, NaN where every function gave none
   (`weighted_rewards`); advantages relative to the prompt's group of `num_generations`

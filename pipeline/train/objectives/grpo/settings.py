@@ -1,0 +1,80 @@
+"""GRPO's settings: its `[grpo]` section, which the registry adds to the config
+(`ObjectiveSpec.section`), read as `cfg.grpo`. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["GRPOSection"]
+
+
+@dataclass
+class GRPOSection:
+    """Reinforcement learning with verifiable rewards (`data.kind = "grpo"`, `pipe train --grpo`):
+    rollouts from the policy's current weights, rewards, and the clipped policy-gradient loss
+    (pipeline.train.objectives.grpo). Names and defaults are TRL's `GRPOConfig`'s. A step's
+    `training.global_batch_size` counts prompts; each gives `num_generations` completions."""
+
+    num_generations: int = 8
+    """Completions sampled per prompt (a group: advantages are relative within it)."""
+    max_completion_length: int = 512
+    """Most tokens a completion may have; one cut at this limit is flagged as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling of the rollouts (1: off)."""
+    top_k: int = 0
+    """Top-k sampling of the rollouts (0: off)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How token losses are averaged: grpo per sequence then over sequences; bnpo over the
+    tokens of each micro-batch; dr_grpo over sequences x max_completion_length (a constant);
+    dapo over the tokens of the whole global batch."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio per token (GRPO); sequence: one length-normalised ratio per completion
+    (GSPO)."""
+    epsilon: float = 0.2
+    """Lower clipping bound of the ratio: 1 - epsilon."""
+    epsilon_high: float | None = None
+    """Upper clipping bound: 1 + epsilon_high (DAPO's clip-higher; default: epsilon)."""
+    delta: float | None = None
+    """Two-sided clipping: the unclipped ratio is capped at delta too (None: off)."""
+    beta: float = 0.0
+    """Weight of the KL term to the frozen start (k3 estimator); 0 keeps no reference."""
+    use_bias_correction_kl: bool = True
+    """Multiply the KL term by the importance ratio (TRL's default)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the standard deviation of the group's rewards, of the global
+    batch's, or not at all (Dr. GRPO)."""
+    num_iterations: int = 1
+    """Optimizer steps taken on each batch of rollouts (TRL's mu); the log-probabilities of
+    the rollouts' weights are kept for the ratios."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_completion_length out of the loss."""
+    mask_zero_std_groups: bool = False
+    """Leave groups whose rewards are all equal out of the loss (their advantages are 0 anyway;
+    with grpo and dr_grpo they still count in the normaliser, as masked completions do)."""
+    reward_funcs: list[str] = field(default_factory=list)
+    """Rewards by name: accuracy (the final answer equals the prompt's `answer`), format (the
+    completion matches `format_pattern`), length (a penalty past `length_target` tokens), or a
+    user's function "module:function". Empty: accuracy when the prompts have an `answer`."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward (empty: 1 each); the reward is their weighted sum."""
+    format_pattern: str = r"(?s).*####\s*\S+\s*$"
+    """The regular expression the format reward checks the whole completion against."""
+    length_target: int = 0
+    """The length reward is -(tokens past length_target) / max_completion_length (0: the
+    limit itself)."""
+    log_completions: bool = False
+    """Log completions with their rewards at every log step."""
+    num_completions_to_print: int | None = None
+    """With log_completions: how many (None: every completion of the last step on rank 0)."""
+    rollout_server: str = ""
+    """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
+    empty: pipe's engine in the training processes). The policy's weights are pushed to it
+    before each batch of rollouts."""
+    rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
+    (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a
+    policy that decodes on itself with activation checkpointing, decodes eagerly either way and
+    says why in the log."""
