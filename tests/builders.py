@@ -384,10 +384,18 @@ KILL_AFTER_SAVE = """
 """
 
 
-def kill_after_save(iteration: int, recipe: str | None, sets: list[str]) -> subprocess.Popen:
-    """A training run of `recipe` (None: the defaults) with `sets` in a subprocess that SIGKILLs
-    itself right after saving `iteration`."""
-    return run_python(KILL_AFTER_SAVE, str(iteration), recipe or "", *sets)
+def run_training_process(code: str, *args: str):
+    """`run_python(code, *args)` for a run that is killed or signalled, forked from the test fork
+    server (tests/forked.py) so that it skips seconds of imports; a Popen-like handle."""
+    from tests.forked import run_forked
+
+    return run_forked(code, *args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def kill_after_save(iteration: int, recipe: str | None, sets: list[str]):
+    """A training run of `recipe` (None: the defaults) with `sets` in a process of its own that
+    SIGKILLs itself right after saving `iteration`."""
+    return run_training_process(KILL_AFTER_SAVE, str(iteration), recipe or "", *sets)
 
 
 def lm_runner(model):

@@ -4,11 +4,11 @@
         ...                                  # raise (or assert) to fail; return picklable results
     results = run_distributed(check, world_size=2, tmp_path=tmp_path)   # one result per rank
 
-Processes are forked from a fork server that has torch and pipe's training modules imported
-(not from the test process, whose torch threads a fork would copy), take the test process's
-environment and working directory, use a FileStore rendezvous in `tmp_path` (no ports), and
-`destroy_process_group` runs in each. An exception in any rank fails the test with that rank's
-traceback. Mark such tests `@pytest.mark.dist`; each costs a second or two of process start-up.
+Processes are forked from the fork server of tests/forked.py (torch and pipe's training modules
+imported once, not by every rank) and take the test process's environment and directory; they
+use a FileStore rendezvous in `tmp_path` (no ports), and `destroy_process_group` runs in each.
+An exception in any rank fails the test with that rank's traceback. Mark such tests
+`@pytest.mark.dist`; each costs a second or two of process start-up.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+from tests.forked import fork_server, parent_state, take_parent_state
 
 TIMEOUT_S = 240
 
@@ -33,7 +33,7 @@ def _entry(
     import torch.distributed as dist
 
     try:
-        _take_parent_state(*parent)
+        take_parent_state(*parent)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
@@ -52,34 +52,13 @@ def _entry(
             dist.destroy_process_group()
 
 
-def _take_parent_state(environ: dict[str, str], cwd: str) -> None:
-    """Take the test process's environment and working directory as they are now: a rank forked
-    from the fork server would otherwise have the server's, from when it started."""
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-
-
-# Imported once by the fork server, so each rank starts with them loaded instead of spending
-# seconds importing torch and pipe's training modules (8 ranks on 2 cores: most of a launch).
-PRELOAD = ["torch", "torch.distributed", "pipeline.train.loop.trainer", "tests.builders"]
-
-
-def _context() -> Any:
-    """A forkserver context whose server has PRELOAD imported: each rank is forked from that
-    single-threaded server (no torch threads to copy, unlike a fork of the test process)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
     """Run `fn(rank, world_size, tmp_path, *args)` on `world_size` gloo ranks; return results in
     rank order. `fn` must be importable (a module-level function of a test module)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ctx = _context()
+    ctx = fork_server()
     queue = ctx.Queue()
-    parent = (dict(os.environ), os.getcwd())
+    parent = parent_state()
     procs = [
         ctx.Process(target=_entry, args=(r, fn, world_size, str(tmp_path), args, queue, parent))
         for r in range(world_size)
