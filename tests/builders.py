@@ -384,10 +384,18 @@ KILL_AFTER_SAVE = """
 """
 
 
-def kill_after_save(iteration: int, recipe: str | None, sets: list[str]) -> subprocess.Popen:
-    """A training run of `recipe` (None: the defaults) with `sets` in a subprocess that SIGKILLs
-    itself right after saving `iteration`."""
-    return run_python(KILL_AFTER_SAVE, str(iteration), recipe or "", *sets)
+def run_training_process(code: str, *args: str):
+    """`run_python(code, *args)` for a run that is killed or signalled, forked from the test fork
+    server (tests/forked.py) so that it skips seconds of imports; a Popen-like handle."""
+    from tests.forked import run_forked
+
+    return run_forked(code, *args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def kill_after_save(iteration: int, recipe: str | None, sets: list[str]):
+    """A training run of `recipe` (None: the defaults) with `sets` in a process of its own that
+    SIGKILLs itself right after saving `iteration`."""
+    return run_training_process(KILL_AFTER_SAVE, str(iteration), recipe or "", *sets)
 
 
 def lm_runner(model):
@@ -457,7 +465,11 @@ LAYOUT_QWEN3 = ["model.head_dim=16"]
 
 
 def layout_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
-    """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU."""
+    """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU.
+
+    The mock data's sample indices (2 million samples a split: most of a micro run's time) are
+    cached beside `run_dir`, so the runs of one test (every layout, every rank) build them once
+    and memory-map them after, as ranks do with real data."""
     return [
         *LAYOUT_MICRO,
         # DeepSeek-V3 keeps its flavor's 8 experts in 4 groups (top-2 from the best 2 groups).
@@ -466,6 +478,7 @@ def layout_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
         "data.mock=true",
         "data.seq_length=32",
         "data.num_workers=0",
+        f"data.data_cache_path={run_dir.parent / 'mock_indices'}",
         f"training.iters={LAYOUT_ITERS}",
         "training.micro_batch_size=2",
         "training.global_batch_size=8",

@@ -4,9 +4,11 @@
         ...                                  # raise (or assert) to fail; return picklable results
     results = run_distributed(check, world_size=2, tmp_path=tmp_path)   # one result per rank
 
-Processes are spawned (not forked), use a FileStore rendezvous in `tmp_path` (no ports), and
-`destroy_process_group` runs in each. An exception in any rank fails the test with that rank's
-traceback. Mark such tests `@pytest.mark.dist`; each costs a few seconds of process start-up.
+Processes are forked from the fork server of tests/forked.py (torch and pipe's training modules
+imported once, not by every rank) and take the test process's environment and directory; they
+use a FileStore rendezvous in `tmp_path` (no ports), and `destroy_process_group` runs in each.
+An exception in any rank fails the test with that rank's traceback. Mark such tests
+`@pytest.mark.dist`; each costs a second or two of process start-up.
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
+from tests.forked import fork_server, parent_state, take_parent_state
 
 TIMEOUT_S = 240
 
 
-def _entry(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, queue: Any) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, tmp: str, args: tuple, queue: Any, parent: tuple
+) -> None:
     import torch
     import torch.distributed as dist
 
     try:
+        take_parent_state(*parent)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
@@ -51,10 +56,11 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -
     """Run `fn(rank, world_size, tmp_path, *args)` on `world_size` gloo ranks; return results in
     rank order. `fn` must be importable (a module-level function of a test module)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     queue = ctx.Queue()
+    parent = parent_state()
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, world_size, str(tmp_path), args, queue))
+        ctx.Process(target=_entry, args=(r, fn, world_size, str(tmp_path), args, queue, parent))
         for r in range(world_size)
     ]
     for p in procs:

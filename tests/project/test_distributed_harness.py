@@ -22,6 +22,22 @@ def _fails_on_rank_one(rank, world_size, tmp):
     return rank
 
 
+def _environment(rank, world_size, tmp):
+    import os
+
+    return os.environ.get("PIPE_HARNESS_CHECK"), os.getcwd()
+
+
+@pytest.mark.dist
+def test_ranks_see_the_test_process_environment_and_directory(tmp_path, monkeypatch):
+    """Ranks are forked from a fork server started earlier, yet see what the test set just now."""
+    run_distributed(_all_reduce, 2, tmp_path / "start")  # the fork server is running by now
+    monkeypatch.setenv("PIPE_HARNESS_CHECK", "set by the test")
+    monkeypatch.chdir(tmp_path)
+    expected = ("set by the test", str(tmp_path))
+    assert run_distributed(_environment, 2, tmp_path / "env") == [expected, expected]
+
+
 @pytest.mark.dist
 def test_harness_runs_every_rank_and_reports_failures(tmp_path):
     assert run_distributed(_all_reduce, 2, tmp_path / "a") == [3.0, 3.0]

@@ -130,15 +130,33 @@ def test_an_unknown_step_is_refused_in_one_line(flag: str, tmp_path: Path) -> No
     assert not (tmp_path / "gpu_report.json").exists()
 
 
+def _ended(pid: int) -> bool:
+    """Whether process `pid` is gone (or a zombie nobody reaped: it runs no more code)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
 def test_a_step_out_of_time_kills_its_children(tmp_path: Path) -> None:
-    marker = tmp_path / "grandchild_lived"
-    grandchild = f"import time; time.sleep(1.5); open({str(marker)!r}, 'w')"
+    marker, pid_file = tmp_path / "grandchild_lived", tmp_path / "grandchild_pid"
+    grandchild = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+        f"time.sleep(1.5); open({str(marker)!r}, 'w')"
+    )
     child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"
     run = measure.Run(measure.FULL, tmp_path, time.monotonic() + 60, tmp_path)
     run.step_deadline = time.monotonic() + 0.5
     code, output = run.command("sleeper", [sys.executable, "-c", child])
     assert code is None and "timed out" in output
-    time.sleep(2.0)
+    # A grandchild that outlived the step writes the marker and then ends: wait for its end
+    # (none started if the group was killed before it wrote its pid).
+    if pid_file.exists() and pid_file.read_text():
+        pid, deadline = int(pid_file.read_text()), time.monotonic() + 60
+        while not _ended(pid):
+            assert time.monotonic() < deadline, "the grandchild neither ended nor was killed"
+            time.sleep(0.02)
     assert not marker.exists(), "the benchmark's own child outlived its step's budget"
 
 

@@ -23,7 +23,7 @@ from pipeline.checkpoint import saver as saver_module
 from pipeline.checkpoint.layout import PIPE_METADATA, read_tracker
 from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
-from tests.builders import micro_sets, records, run_python
+from tests.builders import micro_sets, records, run_training_process
 
 # 35M parameters, mostly the embedding and output layer: with Adam's two moments a checkpoint
 # of 420 MB, whose write (fsynced) and SHA-256 take over a second, while a step of one short
@@ -159,7 +159,7 @@ def test_sigkill_during_background_write_keeps_the_previous_checkpoint(tmp_path:
     names the previous checkpoint, which verifies and resumes; the killed save left only its
     `.tmp-` directory, nothing under a final name."""
     sets = ["--set=" + s for s in large_sets(tmp_path, iters=1000)]
-    proc = run_python("from pipeline.train.commands import train; train()", *sets)
+    proc = run_training_process("from pipeline.train.commands import train; train()", *sets)
     try:
         killed_at = _kill_during_second_write(proc, tmp_path)
     finally:

@@ -27,6 +27,7 @@ from tests.builders import (
     nan_loss,
     records,
     run_python,
+    run_training_process,
     write_jsonl,
 )
 
@@ -116,7 +117,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path: Path) -> None:
     """SIGTERM mid-run: the step finishes, a checkpoint is saved and verifies, exit code 0."""
     args = ["--set=" + s for s in micro_sets(tmp_path, "training.eval_interval=0")]
     args += ["--iters", "100000", "--set", "checkpoint.save_interval=0"]
-    proc = run_python("from pipeline.train.commands import train; train()", *args)
+    proc = run_training_process("from pipeline.train.commands import train; train()", *args)
     deadline = time.monotonic() + 60
     metrics = tmp_path / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -158,7 +159,7 @@ def test_sigterm_during_evaluation_saves_and_exits_before_it_ends(tmp_path: Path
     stops there (unlogged), the iteration is saved and the run exits 0."""
     sets = micro_sets(tmp_path, "training.eval_interval=2", "training.eval_iters=1000")
     args = [*("--set=" + s for s in sets), "--iters", "100", "--set", "checkpoint.save_interval=0"]
-    proc = run_python(SIGTERM_DURING_EVALUATION, *args)
+    proc = run_training_process(SIGTERM_DURING_EVALUATION, *args)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "SIGTERM received: evaluation stopped" in output and "evaluation batches: 2" in output
