@@ -8,5 +8,6 @@ source "$ROOT/scripts/setup_env.sh" dev
 cd "$ROOT"
 echo "[test] ruff"
 ruff check .
+ruff format --check .
 echo "[test] pytest"
 python -m pytest -m "not gpu" -q "$@"

@@ -22,16 +22,26 @@ NO_EOS = {"ignore_eos": True}  # vLLM's extra: exactly max_tokens, whatever is s
 @pytest.fixture(scope="module")
 def server(tiny_hf_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("openai_server") / "stderr.txt"
-    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--block-size", "8",
-                    "--served-model-name", "tiny_hf0", "--access-log")  # fmt: skip
+    server = Server(
+        tiny_hf_dir,
+        log,
+        "--max-batch",
+        "8",
+        "--block-size",
+        "8",
+        "--served-model-name",
+        "tiny_hf0",
+        "--access-log",
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                         max_retries=0, timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +126,18 @@ def test_bad_completion_values_name_their_field(client, fields, param) -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
         (
-            {"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
             "messages",
         ),
     ],
-)  # fmt: skip
+)
 def test_bad_chat_values_name_their_field(client, fields, param) -> None:
     fields = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -144,18 +160,32 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(server) -> None:
 
 def test_null_fields_mean_their_defaults(client) -> None:
     answer = client.completions.create(
-        model=None, prompt=PROMPT, max_tokens=3, temperature=None, top_p=None, seed=None,
-        stop=None, n=None, presence_penalty=None, logprobs=None, echo=None, user="someone",
-    )  # fmt: skip
+        model=None,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=None,
+        top_p=None,
+        seed=None,
+        stop=None,
+        n=None,
+        presence_penalty=None,
+        logprobs=None,
+        echo=None,
+        user="someone",
+    )
     assert answer.usage.completion_tokens == 3 and len(answer.choices) == 1
 
 
 def test_null_max_tokens_runs_to_a_stop(client) -> None:
     """max_tokens null: up to the context, here ended by a stop token the bias makes certain."""
     answer = client.completions.create(
-        model="tiny_hf0", prompt=PROMPT, max_tokens=None, temperature=0,
-        logit_bias={"7": 100}, extra_body={"stop_token_ids": [7]},
-    )  # fmt: skip
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=None,
+        temperature=0,
+        logit_bias={"7": 100},
+        extra_body={"stop_token_ids": [7]},
+    )
     assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == 1
 
 
@@ -164,19 +194,30 @@ def test_logit_bias_and_penalties(client, tokenizer) -> None:
         model="tiny_hf0", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"42": 100}
     )
     assert biased.choices[0].text == tokenizer.decode([42] * 4)
-    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=12,
-                                      temperature=0)  # fmt: skip
+    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=12, temperature=0)
     penalised = client.completions.create(
-        model="tiny_hf0", prompt=PROMPT, max_tokens=12, temperature=0, presence_penalty=2,
-        frequency_penalty=2, extra_body={"repetition_penalty": 1.5, "top_k": 5},
-    )  # fmt: skip
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=2,
+        frequency_penalty=2,
+        extra_body={"repetition_penalty": 1.5, "top_k": 5},
+    )
     assert penalised.usage.completion_tokens == 12
     assert penalised.choices[0].text != plain.choices[0].text
 
 
 def test_n_choices_with_a_seed_differ_and_repeat(client) -> None:
-    fields = {"model": "tiny_hf0", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
-              "seed": 3, "n": 3, "extra_body": NO_EOS}  # fmt: skip
+    fields = {
+        "model": "tiny_hf0",
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 3,
+        "extra_body": NO_EOS,
+    }
     first = client.completions.create(**fields)
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert len({c.text for c in first.choices}) > 1
@@ -187,26 +228,27 @@ def test_n_choices_with_a_seed_differ_and_repeat(client) -> None:
 
 
 def test_completion_logprobs_in_the_legacy_shape(client) -> None:
-    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=4,
-                                       temperature=0, logprobs=2)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2
+    )
     logprobs = answer.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     assert "".join(logprobs.tokens) == answer.choices[0].text
     assert logprobs.text_offset == [0] + [sum(map(len, logprobs.tokens[: i + 1])) for i in range(3)]
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
-                                   logprobs.top_logprobs):  # fmt: skip
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
         assert logprob == pytest.approx(max(top.values()))  # greedy took the best
 
 
 def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
-    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
-                                      temperature=0)  # fmt: skip
-    echoed = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
-                                       temperature=0, echo=True)  # fmt: skip
+    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0)
+    echoed = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    scored = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
-                                       temperature=0, echo=True, logprobs=1)  # fmt: skip
+    scored = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
     logprobs = scored.choices[0].logprobs
     prompt_ids = encode(tokenizer, PROMPT)
     assert len(logprobs.tokens) == len(prompt_ids) + 2
@@ -214,8 +256,9 @@ def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
     assert scored.usage.prompt_tokens == len(prompt_ids)
     # max_tokens 0: the prompt scored alone, its logprobs those of the longer answer
-    alone = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=0,
-                                      echo=True, logprobs=20)  # fmt: skip
+    alone = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=0, echo=True, logprobs=20
+    )
     choice = alone.choices[0]
     assert choice.text == PROMPT and alone.usage.completion_tokens == 0
     assert choice.logprobs.token_logprobs == logprobs.token_logprobs[: len(prompt_ids)]
@@ -223,30 +266,49 @@ def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
     tops = choice.logprobs.top_logprobs[1:]
     assert 5 < max(map(len, tops)) <= 21
     assert all(set(few) <= set(many) for few, many in zip(logprobs.top_logprobs[1:], tops))
-    chunks = list(client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=0,
-                                            echo=True, stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="tiny_hf0", prompt=PROMPT, max_tokens=0, echo=True, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == PROMPT
 
 
 def test_best_of_keeps_the_most_likely(client) -> None:
-    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=6,
-                                       temperature=1.0, seed=1, n=2, best_of=4,
-                                       logprobs=0, extra_body=NO_EOS)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        n=2,
+        best_of=4,
+        logprobs=0,
+        extra_body=NO_EOS,
+    )
     assert [c.index for c in answer.choices] == [0, 1]
     totals = [sum(c.logprobs.token_logprobs) for c in answer.choices]
     assert totals == sorted(totals, reverse=True)
     assert answer.usage.completion_tokens == 4 * 6  # every generated token counts
-    alone = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=6,
-                                      temperature=1.0, seed=1, n=4, logprobs=0,
-                                      extra_body=NO_EOS)  # fmt: skip
+    alone = client.completions.create(
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        n=4,
+        logprobs=0,
+        extra_body=NO_EOS,
+    )
     best = max(sum(c.logprobs.token_logprobs) for c in alone.choices)
     assert totals[0] == pytest.approx(best)  # the same four, seeded alike
 
 
 def test_prompt_lists_and_token_ids(client, tokenizer) -> None:
     prompts = [PROMPT, "line 9: value"]
-    answer = client.completions.create(model="tiny_hf0", prompt=prompts, max_tokens=3,
-                                       temperature=0, n=2)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=prompts, max_tokens=3, temperature=0, n=2
+    )
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]
     texts = [c.text for c in answer.choices]
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy
@@ -256,17 +318,25 @@ def test_prompt_lists_and_token_ids(client, tokenizer) -> None:
     assert [c.text for c in by_ids.choices] == [texts[0], texts[2]]
     one = client.completions.create(model="tiny_hf0", prompt=ids[1], max_tokens=3, temperature=0)
     assert one.choices[0].text == texts[2]
-    echoed = client.completions.create(model="tiny_hf0", prompt=ids[0], max_tokens=1,
-                                       temperature=0, echo=True)  # fmt: skip
+    echoed = client.completions.create(
+        model="tiny_hf0", prompt=ids[0], max_tokens=1, temperature=0, echo=True
+    )
     assert echoed.choices[0].text.startswith(PROMPT)
 
 
 def test_streamed_completions_match_whole_ones(client) -> None:
-    fields = {"model": "tiny_hf0", "prompt": [PROMPT, "x"], "max_tokens": 5, "temperature": 0,
-              "n": 2, "logprobs": 1}  # fmt: skip
+    fields = {
+        "model": "tiny_hf0",
+        "prompt": [PROMPT, "x"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": 1,
+    }
     whole = client.completions.create(**fields)
-    chunks = list(client.completions.create(**fields, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(**fields, stream=True, stream_options={"include_usage": True})
+    )
     texts, tokens, finish = {}, {}, {}
     for chunk in chunks[:-1]:
         (choice,) = chunk.choices
@@ -290,33 +360,52 @@ def test_chat_accepts_what_clients_send(client, tokenizer) -> None:
 
     messages = [
         {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
-                                                                        "text": "there"}],
-         "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "clock", "arguments": "{}"}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            "name": "ann",
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "clock", "arguments": "{}"},
+                }
+            ],
+        },
         {"role": "tool", "content": "noon", "tool_call_id": "call_1"},
-    ]  # fmt: skip
-    answer = client.chat.completions.create(model="tiny_hf0", messages=messages,
-                                            max_completion_tokens=3, temperature=0,
-                                            user="ann")  # fmt: skip
+    ]
+    answer = client.chat.completions.create(
+        model="tiny_hf0", messages=messages, max_completion_tokens=3, temperature=0, user="ann"
+    )
     assert answer.choices[0].message.role == "assistant"
     assert answer.usage.completion_tokens == 3
     # developer is system for a template that does not name it; parts are joined
     prompt = chat_prompt(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-         {"role": "assistant", "content": ""}, {"role": "tool", "content": "noon"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "content": "noon"},
+        ],
         CHAT_TEMPLATE,
-    )  # fmt: skip
+    )
     assert answer.usage.prompt_tokens == len(encode(tokenizer, prompt))
 
 
 def test_chat_n_and_logprobs(client) -> None:
     answer = client.chat.completions.create(
-        model="tiny_hf0", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-        temperature=0, n=2, logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model="tiny_hf0",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert [c.index for c in answer.choices] == [0, 1]
     content = answer.choices[0].logprobs.content
     assert len(content) == 3
@@ -325,15 +414,27 @@ def test_chat_n_and_logprobs(client) -> None:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.bytes == list(entry.token.encode())
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
-    assert client.chat.completions.create(
-        model="tiny_hf0", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-        logprobs=False,
-    ).choices[0].logprobs is None  # fmt: skip
+    assert (
+        client.chat.completions.create(
+            model="tiny_hf0",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            logprobs=False,
+        )
+        .choices[0]
+        .logprobs
+        is None
+    )
 
 
 def test_streamed_chat_deltas(client) -> None:
-    fields = {"model": "tiny_hf0", "messages": [{"role": "user", "content": "Hi"}],
-              "max_tokens": 4, "temperature": 0, "n": 2}  # fmt: skip
+    fields = {
+        "model": "tiny_hf0",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**fields)
     usage = {"include_usage": True}
     chunks = list(client.chat.completions.create(**fields, stream=True, stream_options=usage))
@@ -362,8 +463,12 @@ def test_tokenize_detokenize_and_version(server, tokenizer) -> None:
 
     status, body = raw(server, "POST", "/tokenize", {"model": "tiny_hf0", "prompt": PROMPT})
     ids = encode(tokenizer, PROMPT)
-    assert status == 200 and body == {"count": len(ids), "max_model_len": 2048, "tokens": ids,
-                                      "token_strs": None}  # fmt: skip
+    assert status == 200 and body == {
+        "count": len(ids),
+        "max_model_len": 2048,
+        "tokens": ids,
+        "token_strs": None,
+    }
     # lm-eval's remote tokenizer: no special tokens, the EOS token's text as its one id
     request = {"prompt": "<|end_of_text|>", "add_special_tokens": False, "return_token_strs": True}
     status, body = raw(server, "POST", "/tokenize", request)
@@ -444,11 +549,16 @@ def test_usage_reports_cached_prompt_tokens(client, tokenizer) -> None:
     again = client.completions.create(**fields)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == (size - 1) // 8 * 8
-    streamed = list(client.completions.create(**fields, stream=True,
-                                              stream_options={"include_usage": True}))  # fmt: skip
+    streamed = list(
+        client.completions.create(**fields, stream=True, stream_options={"include_usage": True})
+    )
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (size - 1) // 8 * 8
-    chat = {"model": "tiny_hf0", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 2, "temperature": 0}  # fmt: skip
+    chat = {
+        "model": "tiny_hf0",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
     client.chat.completions.create(**chat)
     answer = client.chat.completions.create(**chat)
     cached = answer.usage.prompt_tokens_details.cached_tokens
@@ -465,8 +575,9 @@ def test_n_completions_prefill_their_prompt_once(server, client, tokenizer) -> N
     prompt = "line 97: a prompt never sent before, " * 3
     size = len(encode(tokenizer, prompt))
     before = metrics(server)
-    answer = client.completions.create(model="tiny_hf0", prompt=prompt, max_tokens=2, n=8,
-                                       temperature=1.0, seed=3)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=prompt, max_tokens=2, n=8, temperature=1.0, seed=3
+    )
     after = metrics(server)
 
     def moved(name: str) -> float:

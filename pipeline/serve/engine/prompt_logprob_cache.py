@@ -30,9 +30,14 @@ class BlockLogprobs:
     next_token: int
 
 
-def keep_block_logprobs(cache: BlockKVCache, block_hash: bytes, prompt: Sequence[int],
-                        prompt_logprobs: Sequence[TokenLogprobs | None], index: int,
-                        top: int) -> None:  # fmt: skip
+def keep_block_logprobs(
+    cache: BlockKVCache,
+    block_hash: bytes,
+    prompt: Sequence[int],
+    prompt_logprobs: Sequence[TokenLogprobs | None],
+    index: int,
+    top: int,
+) -> None:
     """Keep the entries of block `index` of a request's prompt with the cached block named
     `block_hash` (the request's, or an equal one computed before), once each of its positions
     predicts a prompt token, unless that block keeps as many tops already.
@@ -50,15 +55,19 @@ def keep_block_logprobs(cache: BlockKVCache, block_hash: bytes, prompt: Sequence
     cache.attach(block, BlockLogprobs(top, entries, prompt[end - 1]))  # type: ignore[arg-type]
 
 
-def usable_prefix(cache: BlockKVCache, blocks: list[int], prompt: Sequence[int],
-                  top: int) -> list[int]:  # fmt: skip
+def usable_prefix(
+    cache: BlockKVCache, blocks: list[int], prompt: Sequence[int], top: int
+) -> list[int]:
     """The leading run of `blocks` (cached blocks that begin `prompt`) whose kept entries serve
     a request asking `top` most likely tokens."""
     size = cache.block_size
     for i, block in enumerate(blocks):
         kept = cache.payload(block)
-        if (not isinstance(kept, BlockLogprobs) or kept.top < top
-                or kept.next_token != prompt[(i + 1) * size]):  # fmt: skip
+        if (
+            not isinstance(kept, BlockLogprobs)
+            or kept.top < top
+            or kept.next_token != prompt[(i + 1) * size]
+        ):
             return blocks[:i]
     return blocks
 

@@ -404,8 +404,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def envelope(ident: str, model: str, kind: str, choices: list[dict]) -> dict:
     """The object around choices: id, object type, creation time, model."""
-    return {"id": ident, "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices}  # fmt: skip
+    return {
+        "id": ident,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
 
 
 def _finite(logprob: float) -> float:
@@ -436,8 +441,12 @@ def completion_logprobs(
         best = {token_text(t): _finite(lp) for t, lp in entry.top[:top]}
         best.setdefault(text, _finite(entry.token_logprob))
         tops.append(best)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(

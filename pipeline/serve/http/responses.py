@@ -32,15 +32,23 @@ from pipeline.serve.http.tool_calls import ToolReply
 log = logging.getLogger(__name__)
 
 
-def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
     """OpenAI's `{"error": {...}}` body with its status code."""
     return JSONResponse(error_body(message, status, param), status, headers=headers)
 
 
-async def respond(writer, ident: str, model: str, jobs: list[Job], streams: list, stream: bool,
-                  is_disconnected: Callable[[], Awaitable[bool]],
-                  fingerprint: str | None = None):  # fmt: skip
+async def respond(
+    writer,
+    ident: str,
+    model: str,
+    jobs: list[Job],
+    streams: list,
+    stream: bool,
+    is_disconnected: Callable[[], Awaitable[bool]],
+    fingerprint: str | None = None,
+):
     """The answer, as server-sent events or whole (499 if the client went away meanwhile), each
     object with `fingerprint` as its `system_fingerprint` (which weights answered)."""
     if stream:
@@ -91,8 +99,11 @@ class CompletionWriter:
         self.body, self.prompts, self.token_text = body, prompts, token_text
         texts = completion_prompts(body.prompt)
         # an echoed token-id prompt is its decoded text
-        self.prompt_texts = [t if isinstance(t, str) else "".join(map(token_text, t))
-                             for t in texts] if body.echo else []  # fmt: skip
+        self.prompt_texts = (
+            [t if isinstance(t, str) else "".join(map(token_text, t)) for t in texts]
+            if body.echo
+            else []
+        )
 
     def choice_index(self, job: Job, rank: int) -> int:
         """The index of a prompt's choice `rank` among all the body's choices."""
@@ -133,8 +144,9 @@ class CompletionWriter:
                 text, ids, entries = self._echo(g.job, g.prompt_logprobs)
                 new_text, new_ids, new_entries = self._generated(g.text, g.token_ids, g.logprobs)
                 logprobs = self._logprobs(ids + new_ids, entries + new_entries, 0)
-                choice = self._choice(self.choice_index(g.job, rank), text + new_text, logprobs,
-                                      g.finish_reason)  # fmt: skip
+                choice = self._choice(
+                    self.choice_index(g.job, rank), text + new_text, logprobs, g.finish_reason
+                )
                 if self.body.return_token_ids:
                     choice["prompt_token_ids"] = self.prompts[index]
                     choice["token_ids"] = new_ids
@@ -161,22 +173,29 @@ class CompletionWriter:
             logprobs = self._logprobs(ids, entries, offsets[k])
             offsets[k] += sum(len(self.token_text(t)) for t in ids)
             generated[k] = 0 if self.body.echo_only else delta.completion_tokens
-            choice = self._choice(self.choice_index(job, job.number), text, logprobs,
-                                  delta.finish_reason)  # fmt: skip
+            choice = self._choice(
+                self.choice_index(job, job.number), text, logprobs, delta.finish_reason
+            )
             chunk = envelope(ident, model, "text_completion", [choice])
             yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
         if self.body.include_usage:
             last = envelope(ident, model, "text_completion", [])
-            last["usage"] = usage(sum(map(len, self.prompts)), sum(generated),
-                                  cached_tokens(jobs, cached))  # fmt: skip
+            last["usage"] = usage(
+                sum(map(len, self.prompts)), sum(generated), cached_tokens(jobs, cached)
+            )
             yield last
 
 
 class ChatWriter:
     """The /v1/chat/completions answer of one body, whole or as chunks."""
 
-    def __init__(self, body: ChatBody, prompt_tokens: int, token_text: Callable,
-                 tools: ToolReply | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        body: ChatBody,
+        prompt_tokens: int,
+        token_text: Callable,
+        tools: ToolReply | None = None,
+    ) -> None:
         """`tools`: how to read the reply into tool calls (None: plain text)."""
         self.body, self.prompt_tokens, self.token_text = body, prompt_tokens, token_text
         self.tools = tools
@@ -196,9 +215,14 @@ class ChatWriter:
         choices = []
         for g in generations:
             message, finish_reason = self._message(g)
-            choices.append({"index": g.job.number, "message": message,
-                            "logprobs": self._logprobs(g.token_ids, g.logprobs),
-                            "finish_reason": finish_reason})  # fmt: skip
+            choices.append(
+                {
+                    "index": g.job.number,
+                    "message": message,
+                    "logprobs": self._logprobs(g.token_ids, g.logprobs),
+                    "finish_reason": finish_reason,
+                }
+            )
         answer = envelope(ident, model, "chat.completion", choices)
         generated = sum(g.completion_tokens for g in generations)
         answer["usage"] = usage(self.prompt_tokens, generated, _cached_of(generations))
@@ -209,8 +233,12 @@ class ChatWriter:
         finish reason), then usage if asked."""
         kind = "chat.completion.chunk"
         for job in jobs:
-            first = {"index": job.number, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None}  # fmt: skip
+            first = {
+                "index": job.number,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             first_chunk = envelope(ident, model, kind, [first])
             yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
         generated, cached = [0] * len(jobs), [0] * len(jobs)
@@ -225,9 +253,12 @@ class ChatWriter:
                 content, finish_reason = tool_streams[k].delta(delta.text, finish_reason)
                 if not content and finish_reason is None and not self.body.logprobs:
                     continue
-            choice = {"index": jobs[k].number, "delta": content,
-                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
-                      "finish_reason": finish_reason}  # fmt: skip
+            choice = {
+                "index": jobs[k].number,
+                "delta": content,
+                "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
+                "finish_reason": finish_reason,
+            }
             chunk = envelope(ident, model, kind, [choice])
             yield with_usage(chunk, self.body, self.prompt_tokens, generated[k])
         if self.body.include_usage:
