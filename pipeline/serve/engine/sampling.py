@@ -1,8 +1,9 @@
 """Choosing the next token: greedy, or temperature / top-k / top-p sampling from a request's own
 random generator, so a seed gives the same text whatever else shares the batch.
 
-Before the choice, a request may adjust its logits (logit bias, then repetition, frequency and
-presence penalties, in vLLM's order) and ask for log-probabilities (the model's raw log-softmax,
+Before the choice, a request may adjust its logits (its constraints: allowed token ids, bad words,
+stop tokens masked before `min_tokens`; then logit bias, repetition, frequency and presence
+penalties, in vLLM's order) and ask for log-probabilities (the model's raw log-softmax,
 before any adjustment or temperature, as vLLM reports them by default). `choose` does both for a
 batch of rows, touching only the rows that ask, so plain requests take the plain path."""
 
@@ -54,7 +55,14 @@ class SamplingParams:
     mapping is accepted and stored as pairs). `logprobs` / `prompt_logprobs`: report each
     generated / prompt token's log-probability and that many most likely alternatives.
     `structured_output`: the output held to a JSON schema, regex, choice or grammar
-    (`pipeline.serve.engine.structured_output`)."""
+    (`pipeline.serve.engine.structured_output`).
+
+    vLLM's constraints: `min_p` drops tokens less likely than min_p x the best one (after the
+    temperature); `min_tokens` masks the stop tokens until that many are generated (stop strings
+    are looked for after it too); `allowed_token_ids` (None: all) masks every other token;
+    `bad_words` (token id sequences) masks a sequence's last token wherever the output ends with
+    the rest of it. The text: `skip_special_tokens` leaves special tokens out of it,
+    `include_stop_str_in_output` keeps the stop string (or a stop token's text) in it."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -71,6 +79,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -92,6 +106,19 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("logprobs", "prompt_logprobs"):
             _check_count(name, getattr(self, name))
+        if not 0 <= self.min_p <= 1:
+            raise BadSamplingValue(f"min_p must be in [0, 1], not {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise BadSamplingValue(
+                f"min_tokens must be in [0, max_tokens ({self.max_new_tokens})], "
+                f"not {self.min_tokens}"
+            )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise BadSamplingValue("allowed_token_ids must be a non-empty list of token ids")
+        if any(not word for word in self.bad_words):
+            raise BadSamplingValue("bad_words: a bad word has no tokens")
 
     @property
     def is_greedy(self) -> bool:
@@ -101,11 +128,18 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a bias or penalty changes the logits before the choice."""
         return bool(
-            self.logit_bias
+            self.constrains
+            or self.logit_bias
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1
         )
+
+
+    @functools.cached_property
+    def constrains(self) -> bool:
+        """Whether vLLM's token constraints (min_tokens, allowed ids, bad words) mask logits."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
 
 
 def _bias_pairs(bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> tuple:
@@ -156,6 +190,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.is_greedy:
         return greedy_token(logits)
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if 0 < params.top_k < logits.numel():
         threshold = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, -math.inf)
@@ -232,7 +269,12 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
 
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
-    return not params.is_greedy and not 0 < params.top_k < vocab and params.top_p >= 1
+    return (
+        not params.is_greedy
+        and not 0 < params.top_k < vocab
+        and params.top_p >= 1
+        and not params.min_p
+    )
 
 
 def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
@@ -248,8 +290,11 @@ def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None])
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """`logits` `[rows, vocab]` (float) after each row's logit bias, repetition penalty, then
-    frequency and presence penalties (vLLM's order)."""
+    """`logits` `[rows, vocab]` (float) after each row's constraints (`constrained`), logit
+    bias, repetition penalty, then frequency and presence penalties (vLLM's order)."""
+    for i, row in enumerate(rows):
+        if row.params.constrains:
+            logits[i] = constrained(logits[i], row)
     logits = _add_bias(logits, [row.params.logit_bias for row in rows])
     penalties = [row.params.repetition_penalty for row in rows]
     if any(p != 1 for p in penalties):
@@ -260,6 +305,26 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     if any(frequency) or any(presence):
         counts = _token_counts([row.output for row in rows], logits)
         logits = count_penalized(logits, counts, frequency, presence)
+    return logits
+
+
+def constrained(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """One row's logits `[vocab]` with the tokens its constraints rule out at -inf: all but
+    `allowed_token_ids`; each bad word's last token where the output ends with the rest of the
+    word (a one-token word: always); the stop tokens while fewer than `min_tokens` are out."""
+    params, banned = row.params, []
+    if params.allowed_token_ids is not None:
+        keep = torch.full_like(logits, -math.inf)
+        allowed = torch.tensor(params.allowed_token_ids, device=logits.device)
+        logits = keep.index_copy(0, allowed, logits[allowed])
+    for word in params.bad_words:
+        head = list(word[:-1])
+        if not head or (len(row.output) >= len(head) and row.output[-len(head) :] == head):
+            banned.append(word[-1])
+    if len(row.output) < params.min_tokens:
+        banned += params.stop_token_ids
+    if banned:
+        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), -math.inf)
     return logits
 
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible request bodies and response objects of `pipe serve`.
 
-Bodies follow OpenAI's documented fields, plus the extras vLLM accepts (`top_k`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`) and the chat body's tool fields
-(`pipeline.serve.http.tool_fields`). Unknown fields are ignored and logged once, as vLLM does
-(`pipeline.serve.http.lenient`). `null`
+Bodies follow OpenAI's documented fields, plus the extras vLLM accepts (sampling constraints,
+detokenisation, prompt truncation, chat-template arguments) and the chat body's tool fields
+(`pipeline.serve.http.tool_fields`). Every field of vLLM's bodies is served, refused or ignored
+on purpose (`pipeline.serve.http.vllm_fields`); other unknown fields are ignored and logged once,
+as vLLM does (`pipeline.serve.http.lenient`). `null`
 for an optional field means its default. Errors are OpenAI's `{"error": {...}}` body with vLLM's
 type names ("BadRequestError", "NotFoundError") and the field at fault as `param`.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -95,6 +96,23 @@ class _Body(LenientModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's constraints, text and prompt fields (vllm_fields says what each does)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=0, ge=0)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool | None = None  # None: the body's default (special_tokens_wanted)
+    request_id: str | None = None
+
+    @property
+    def special_tokens_wanted(self) -> bool:
+        """Whether the tokenizer's own special tokens (BOS) go into a text prompt."""
+        raise NotImplementedError
 
     @property
     def choices_per_prompt(self) -> int:
@@ -119,6 +137,21 @@ class _Body(LenientModel):
             _token_id(key, vocab_size, "logit_bias")
         for token in self.stop_token_ids or []:
             _token_id(token, vocab_size, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
+            for token in self.allowed_token_ids:
+                _token_id(token, vocab_size, "allowed_token_ids")
+        asked = self.requested_tokens()
+        if self.min_tokens and asked is not None and self.min_tokens > asked:
+            raise APIError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
+                           f"({asked})", param="min_tokens")  # fmt: skip
+        if self.spaces_between_special_tokens is False and self.skip_special_tokens is False:
+            raise APIError(
+                "spaces_between_special_tokens: false is not supported with special tokens in "
+                "the text (pipe's detokeniser writes them as the tokenizer decodes them)",
+                param="spaces_between_special_tokens",
+            )
         self.structured_output()
 
     def structured_output(self) -> StructuredOutput | None:
@@ -136,13 +169,30 @@ class _Body(LenientModel):
         """Alternatives per generated token to report (None: no logprobs)."""
         raise NotImplementedError
 
+    def truncated(self, prompt: list[int], context: int) -> list[int]:
+        """`prompt` cut to `truncate_prompt_tokens` (-1: the context), keeping its last tokens
+        (`truncation_side` right: its first), as vLLM cuts it."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        keep = context if keep == -1 else keep
+        if len(prompt) <= keep:
+            return prompt
+        return prompt[:keep] if self.truncation_side == "right" else prompt[len(prompt) - keep :]
+
     def sampling(
-        self, prompt_tokens: int, token_budget: int, eos_ids: frozenset[int], index: int = 0
+        self,
+        prompt_tokens: int,
+        token_budget: int,
+        eos_ids: frozenset[int],
+        index: int = 0,
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """The engine parameters of choice `index` for a prompt of `prompt_tokens` tokens.
 
         `token_budget` bounds prompt + output (the context, or the cache if smaller); a choice
-        beyond the first gets its own seed, so n seeded choices differ yet repeat."""
+        beyond the first gets its own seed, so n seeded choices differ yet repeat. `bad_words`:
+        the body's bad words as token ids (`bad_word_ids`)."""
         max_new = self.requested_tokens()
         if max_new is None:
             max_new = max(1, token_budget - prompt_tokens)
@@ -168,10 +218,34 @@ class _Body(LenientModel):
             logprobs=self.logprobs_wanted(),
             prompt_logprobs=self.prompt_logprobs_wanted(),
             structured_output=self.structured_output(),
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            allowed_token_ids=(
+                None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+            ),
+            bad_words=bad_words,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
         )
 
     def prompt_logprobs_wanted(self) -> int | None:
         return None
+
+
+def bad_word_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple:
+    """Each bad word as the token sequences it may be written as, vLLM's way: the word alone
+    (its leading spaces stripped), and after a space when that starts with another token of
+    the same count (a word inside text, for tokenizers that mark a leading space)."""
+    sequences = []
+    for word in words:
+        alone = tuple(encode(word.lstrip()))
+        if not alone:
+            raise APIError(f"bad_words: {word!r} has no tokens", param="bad_words")
+        sequences.append(alone)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def _token_id(value: Any, vocab_size: int, param: str) -> int:
@@ -199,6 +273,8 @@ Prompt = (
 
 class CompletionBody(_Body):
     """POST /v1/completions."""
+
+    vllm_body: ClassVar[str] = "completion"
 
     prompt: Prompt
     max_tokens: int | None = Field(default=16, ge=0)  # 0 with echo: score the prompt alone
@@ -243,6 +319,10 @@ class CompletionBody(_Body):
     def prompt_logprobs_wanted(self) -> int | None:
         return self.logprobs if self.echo else None
 
+    @property
+    def special_tokens_wanted(self) -> bool:
+        return self.add_special_tokens is not False  # vLLM's default for a prompt: added
+
 
 class ChatMessage(LenientModel):
     """One message; `content` is text or a list of parts (only text parts are supported)."""
@@ -262,16 +342,43 @@ class ChatMessage(LenientModel):
 class ChatBody(_Body, ToolFields):
     """POST /v1/chat/completions."""
 
+    vllm_body: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # what reaches the chat template (vLLM's)
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if "chat_template" in (self.chat_template_kwargs or {}):
+            raise APIError(
+                "chat_template_kwargs: a chat template from the request is not accepted",
+                param="chat_template_kwargs",
+            )
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+    @property
+    def special_tokens_wanted(self) -> bool:
+        return bool(self.add_special_tokens)  # vLLM's default for chat: the template's only
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The extra arguments the chat template sees: `documents`, `chat_template_kwargs`."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            extra["documents"] = self.documents
+        return extra
 
     def structured_output(self) -> StructuredOutput | None:
         """A `required` or named `tool_choice` holds the reply to its calls' JSON, as vLLM does
