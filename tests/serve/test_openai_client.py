@@ -476,3 +476,176 @@ def test_n_completions_prefill_their_prompt_once(server, client, tokenizer) -> N
     assert answer.usage.prompt_tokens_details.cached_tokens == 0  # the first completion's
     assert moved("pipe:prefix_cache_queries_total") == 8 * size
     assert moved("pipe:prefix_cache_hits_total") == 7 * (size - 1)
+
+
+# ---- vLLM's request fields (pipeline.serve.http.vllm_fields) ---------------------------------
+
+BODIES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    "completion": ("/v1/completions", {"prompt": PROMPT}),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_hf_dir):
+    """transformers' own tokenizer of the served model: the text oracle."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tiny_hf_dir)
+
+
+def _text(body: dict) -> str:
+    choice = body["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("kind", sorted(BODIES))
+def test_refused_fields_are_a_400_naming_them_unless_at_vllms_default(server, kind) -> None:
+    """Every field the inventory refuses, sent with a value that asks for something, is a 400
+    naming it; sent at vLLM's default (clients send defaults) it is served; an ignored field
+    changes nothing of the answer."""
+    from pipeline.serve.http.vllm_fields import FIELDS, fields_with
+
+    path, base = BODIES[kind]
+    base = {**base, "max_tokens": 3, "temperature": 0}
+    status, plain = raw(server, "POST", path, base)
+    assert status == 200, plain
+    for name in fields_with(kind, "refused"):
+        rule = FIELDS[kind][name]
+        status, body = raw(server, "POST", path, {**base, name: rule.example})
+        assert status == 400 and body["error"]["param"] == name, (name, body)
+        assert name in body["error"]["message"]
+        status, body = raw(server, "POST", path, {**base, name: rule.default})
+        assert status == 200 and _text(body) == _text(plain), (name, body)
+    for name in fields_with(kind, "ignored"):
+        status, body = raw(server, "POST", path, {**base, name: FIELDS[kind][name].example})
+        assert status == 200 and _text(body) == _text(plain), (name, body)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked(server, hf_tokenizer) -> None:
+    """vLLM's default `skip_special_tokens: true`, whole and streamed, chat and completions:
+    the text is what transformers decodes from the same ids."""
+    special = hf_tokenizer.all_special_ids
+    words = hf_tokenizer.encode("line value", add_special_tokens=False)
+    fields = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 5,
+              "ignore_eos": True, "return_token_ids": True,
+              "allowed_token_ids": sorted(set(special + words))}  # fmt: skip
+    for skip in (None, True, False):
+        asked = fields if skip is None else {**fields, "skip_special_tokens": skip}
+        status, body = raw(server, "POST", "/v1/completions", asked)
+        ids = body["choices"][0]["token_ids"]
+        assert status == 200 and set(ids) <= set(fields["allowed_token_ids"])
+        assert set(ids) & set(special) and set(ids) - set(special)  # both kinds are there
+        expected = hf_tokenizer.decode(ids, skip_special_tokens=skip is not False)
+        assert body["choices"][0]["text"] == expected
+        streamed = raw_stream(server, "/v1/completions", {**asked, "return_token_ids": False})
+        assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == expected
+    only = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "allowed_token_ids": special[:1], "ignore_eos": True}  # fmt: skip
+    bos = hf_tokenizer.convert_ids_to_tokens(special[0])
+    for skip, expected in ((None, ""), (False, bos * 3)):
+        asked = only if skip is None else {**only, "skip_special_tokens": skip}
+        status, body = raw(server, "POST", "/v1/chat/completions", asked)
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected
+        streamed = raw_stream(server, "/v1/chat/completions", asked)
+        deltas = [c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]]
+        assert "".join(deltas) == expected
+    status, body = raw(server, "POST", "/v1/completions", {
+        **fields, "skip_special_tokens": False, "spaces_between_special_tokens": False})
+    assert status == 400 and body["error"]["param"] == "spaces_between_special_tokens"
+    status, _ = raw(server, "POST", "/v1/completions",
+                    {**fields, "spaces_between_special_tokens": False})  # fmt: skip
+    assert status == 200  # special tokens skipped: nothing to space
+
+
+def raw_stream(server, path: str, body: dict) -> list[dict]:
+    """The chunks of a streamed answer, as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", path, json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    lines = conn.getresponse().read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_min_tokens_masks_the_stop_tokens_until_that_count(server) -> None:
+    fields = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logit_bias": {"7": 100},
+              "stop_token_ids": [7], "return_token_ids": True}  # fmt: skip
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "min_tokens": 5})
+    ids = body["choices"][0]["token_ids"]
+    assert status == 200 and 7 not in ids[:5] and ids[5:] == [7]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]["token_ids"] == [7]
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "min_tokens": 11})
+    assert status == 400 and body["error"]["param"] == "min_tokens"
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_bad_words_never_appear(server, hf_tokenizer) -> None:
+    """A word the greedy answer writes, banned: none of the token sequences it is written as
+    (alone, and after a space) appears any more."""
+    fields = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True}  # fmt: skip
+    plain = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]
+    word = hf_tokenizer.decode(plain["token_ids"][2:4]).strip()
+    assert word and word in plain["text"]
+    banned = raw(server, "POST", "/v1/completions", {**fields, "bad_words": [word]})[1]
+    ids = banned["choices"][0]["token_ids"]
+    alone = hf_tokenizer.encode(word, add_special_tokens=False)
+    spaced = hf_tokenizer.encode(" " + word, add_special_tokens=False)
+    assert not _contains(ids, alone)
+    assert len(spaced) != len(alone) or not _contains(ids, spaced)
+    assert ids != plain["token_ids"]
+
+
+def test_include_stop_str_in_output(server) -> None:
+    fields = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]["text"]
+    stop = text[4:7]
+    at = text.find(stop)
+    stopped = {**fields, "stop": [stop]}
+    assert _text(raw(server, "POST", "/v1/completions", stopped)[1]) == text[:at]
+    kept = {**stopped, "include_stop_str_in_output": True}
+    assert _text(raw(server, "POST", "/v1/completions", kept)[1]) == text[: at + len(stop)]
+    streamed = raw_stream(server, "/v1/completions", kept)
+    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == text[
+        : at + len(stop)
+    ]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer) -> None:
+    ids = encode(tokenizer, PROMPT)
+    fields = {"max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    for side, kept in ((None, ids[-3:]), ("left", ids[-3:]), ("right", ids[:3])):
+        asked = {**fields, "prompt": PROMPT, "truncate_prompt_tokens": 3}
+        if side is not None:
+            asked["truncation_side"] = side
+        cut = raw(server, "POST", "/v1/completions", asked)[1]
+        direct = raw(server, "POST", "/v1/completions", {**fields, "prompt": kept})[1]
+        assert cut["choices"][0]["prompt_token_ids"] == kept and cut["usage"]["prompt_tokens"] == 3
+        assert cut["choices"][0]["text"] == direct["choices"][0]["text"]
+
+
+def test_chat_template_fields_reach_the_template(server) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "line 3"}]
+    for extra in ({"add_generation_prompt": False},
+                  {"add_generation_prompt": False, "continue_final_message": True}):  # fmt: skip
+        count = raw(server, "POST", "/tokenize", {"messages": messages, **extra})[1]["count"]
+        status, body = raw(server, "POST", "/v1/chat/completions",
+                           {"messages": messages, "max_tokens": 1, **extra})  # fmt: skip
+        assert status == 200 and body["usage"]["prompt_tokens"] == count
+    plain = raw(server, "POST", "/tokenize", {"messages": messages})[1]["count"]
+    assert count != plain
+    status, body = raw(server, "POST", "/v1/chat/completions",
+                       {"messages": messages, "continue_final_message": True})  # fmt: skip
+    assert status == 400 and body["error"]["param"] == "continue_final_message"
+    status, body = raw(server, "POST", "/v1/chat/completions",
+                       {"messages": messages, "chat_template_kwargs": {"chat_template": "x"}})
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+
+
+def test_request_id_names_the_response(server) -> None:
+    for path, base in BODIES.values():
+        body = raw(server, "POST", path, {**base, "max_tokens": 1, "request_id": "abc"})[1]
+        assert body["id"].endswith("-abc")

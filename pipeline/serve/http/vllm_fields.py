@@ -30,8 +30,8 @@ _UNSET = object()
 @dataclass(frozen=True)
 class FieldRule:
     """What pipe does with one field: its `status`, a one-line `reason`, vLLM's `default` (a
-    refused field sent with it, or null, is accepted) and, for a refused one, an `example`
-    value that is refused (the test sends it)."""
+    refused field sent with it, or null, is accepted) and, for a refused or ignored one, an
+    `example` value other than the default (the tests send it: refused, or no change)."""
 
     status: Status
     reason: str
@@ -49,8 +49,8 @@ def _served(reason: str) -> FieldRule:
     return FieldRule("served", reason)
 
 
-def _ignored(reason: str, default: Any = None) -> FieldRule:
-    return FieldRule("ignored", reason, default)
+def _ignored(reason: str, default: Any, example: Any) -> FieldRule:
+    return FieldRule("ignored", reason, default, example)
 
 
 def _refused(reason: str, default: Any, example: Any) -> FieldRule:
@@ -91,14 +91,14 @@ _BOTH: dict[str, FieldRule] = {
     "structured_outputs": _served("vLLM's structured-output parameters"),
     "add_special_tokens": _served("the tokenizer's own special tokens (e.g. BOS) added"),
     "request_id": _served("the response's id carries it, as vLLM's does"),
-    "user": _ignored("OpenAI's end-user id, for abuse monitoring: no effect on the answer"),
-    "session_id": _ignored("a routing hint for related requests: no effect on the answer"),
+    "user": _ignored("OpenAI's end-user id, for abuse monitoring: no effect", None, "u"),
+    "session_id": _ignored("a routing hint for related requests: no effect", None, "s"),
     "priority": _refused(
         "pipe's scheduler is first come first served; vLLM refuses a priority it does not "
         "schedule by", 0, 5
     ),
     "use_beam_search": _refused("beam search is not implemented", False, True),
-    "length_penalty": _ignored("read by beam search only, which is refused", 1.0),
+    "length_penalty": _ignored("read by beam search only, which is refused", 1.0, 2.0),
     "watermarking": _refused("no watermarking logits processor", None, True),
     "prompt_logprobs": _refused("the prompt's logprobs object is not written yet", None, 1),
     "logprob_token_ids": _refused("logprobs of chosen ids are not served", None, [1]),
@@ -106,13 +106,13 @@ _BOTH: dict[str, FieldRule] = {
         "logprob tokens are written as text only", None, True
     ),
     "routed_experts_prompt_start": _ignored(
-        "only trims routed-expert data, which pipe never returns", 0
+        "only trims routed-expert data, which pipe never returns", 0, 3
     ),
     "return_token_offsets": _ignored(
-        "read only by vLLM's render endpoints; ignored by generation in vLLM too", False
+        "read only by vLLM's render endpoints; ignored by generation in vLLM too", False, True
     ),
     "return_mm_kwargs": _ignored(
-        "read only by vLLM's render endpoints; ignored by generation in vLLM too", True
+        "read only by vLLM's render endpoints; ignored by generation in vLLM too", True, False
     ),
     "cache_salt": _refused(
         "pipe's prefix cache is shared by all requests: a salt cannot be honoured", None, "s"
@@ -125,7 +125,7 @@ _BOTH: dict[str, FieldRule] = {
     ),
     "thinking_token_budget": _refused("no reasoning parser to count thinking", None, 16),
     "stream_interval": _ignored(
-        "how many tokens a streamed chunk groups: the text and tokens are the same"
+        "how many tokens a streamed chunk groups: the text and tokens are the same", None, 4
     ),
     # pipe's, no longer in vLLM's body: OpenAI's best_of, vLLM's older structured fields
     "guided_json": _served("vLLM's older structured-output field"),
