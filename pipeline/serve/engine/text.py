@@ -50,6 +50,7 @@ class TextStream:
         self.text = ""  # released so far
         self.stopped = False
         self._complete = ""  # decoded and whole: released, or held for a stop string
+        self._checked = 0  # _complete[:_checked] was looked at (or passed over) for stops
         self._prefix = 0  # ids[_prefix:_read] is the context decoded before the new ids
         self._read = len(context)
         self._prefix_text = context_text
@@ -64,6 +65,7 @@ class TextStream:
             self._prefix, self._read = self._read, len(self.ids)
             self._prefix_text = self._decode(self.ids[self._prefix : self._read])
         cut = self._stop_at(self._complete) if find_stop else None
+        self._checked = len(self._complete)
         if cut is not None:
             self.stopped = True
             return self._release(self._complete[:cut])
@@ -85,8 +87,9 @@ class TextStream:
         return delta
 
     def _stop_at(self, full: str) -> int | None:
-        start = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
-        found = [(i, s) for i, s in ((full.find(s, start), s) for s in self._stop) if i >= 0]
+        # a stop string counts where it ends in the text not yet looked at (vLLM's rule)
+        starts = ((s, max(0, self._checked - len(s) + 1)) for s in self._stop)
+        found = [(i, s) for i, s in ((full.find(s, start), s) for s, start in starts) if i >= 0]
         if not found:
             return None
         at, stop = min(found)

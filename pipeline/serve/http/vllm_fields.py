@@ -181,3 +181,17 @@ def rule(body: str, name: str) -> FieldRule | None:
 def fields_with(body: str, status: Status) -> list[str]:
     """The names of `body`'s fields with `status`, sorted."""
     return sorted(name for name, each in FIELDS[body].items() if each.status == status)
+
+
+def markdown_table() -> str:
+    """The inventory as the table docs/serve.md shows (its "Request fields" section is checked
+    against this by a test): one row per field, the bodies that take it, status and reason."""
+    names = sorted(set(FIELDS[CHAT]) | set(FIELDS[COMPLETION]))
+    rows = ["| field | chat | completions | why |", "| --- | --- | --- | --- |"]
+    for name in names:
+        chat, completion = rule(CHAT, name), rule(COMPLETION, name)
+        reasons = [r.reason for r in (chat, completion) if r is not None]
+        why = reasons[0] if len(set(reasons)) == 1 else " / ".join(reasons)
+        cells = [each.status if each is not None else "-" for each in (chat, completion)]
+        rows.append(f"| `{name}` | {cells[0]} | {cells[1]} | {why} |")
+    return "\n".join(rows)
