@@ -649,3 +649,48 @@ def test_request_id_names_the_response(server) -> None:
     for path, base in BODIES.values():
         body = raw(server, "POST", path, {**base, "max_tokens": 1, "request_id": "abc"})[1]
         assert body["id"].endswith("-abc")
+
+
+def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
+    """Chat's `return_token_ids` (the ids decode to the reply, the prompt's are /tokenize's),
+    `echo` (the last message's text first, when the reply takes its role) and
+    `return_tokens_as_token_ids`, whole and streamed."""
+    messages = [{"role": "user", "content": "Hi"}]
+    fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, body = raw(server, "POST", "/v1/chat/completions",
+                       {**fields, "return_token_ids": True})  # fmt: skip
+    choice = body["choices"][0]
+    assert status == 200 and len(choice["token_ids"]) == 4
+    assert hf_tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    tokenized = raw(server, "POST", "/tokenize", {"messages": messages})[1]["tokens"]
+    assert body["prompt_token_ids"] == tokenized
+    chunks = raw_stream(server, "/v1/chat/completions", {**fields, "return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == tokenized
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),
+               []) == choice["token_ids"]  # fmt: skip
+    open_turn = {**fields, "add_generation_prompt": False}
+    reply = _text(raw(server, "POST", "/v1/chat/completions", open_turn)[1])
+    last_user = {**open_turn, "echo": True}
+    echoed = raw(server, "POST", "/v1/chat/completions", last_user)[1]["choices"][0]["message"]
+    assert echoed["role"] == "user" and echoed["content"] == "Hi" + reply
+    streamed = raw_stream(server, "/v1/chat/completions", last_user)
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]]
+    assert "".join(deltas) == echoed["content"]
+    assistant = [*messages, {"role": "assistant", "content": "line"}]
+    not_same_role = {**fields, "messages": assistant, "echo": True}
+    answer = raw(server, "POST", "/v1/chat/completions", not_same_role)[1]["choices"][0]
+    prefill = {**fields, "messages": assistant}
+    assert answer["message"]["content"] == "line" + _text(
+        raw(server, "POST", "/v1/chat/completions", prefill)[1]
+    )
+    named = raw(server, "POST", "/v1/chat/completions",
+                {**fields, "logprobs": True, "return_tokens_as_token_ids": True,
+                 "return_token_ids": True})[1]["choices"][0]  # fmt: skip
+    assert [e["token"] for e in named["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in named["token_ids"]
+    ]
+    completion = raw(server, "POST", "/v1/completions",
+                     {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
+                      "return_tokens_as_token_ids": True, "return_token_ids": True})[1]
+    choice = completion["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]

@@ -203,3 +203,12 @@ def test_chat_template_kwargs_and_documents_reach_the_template() -> None:
     })  # fmt: skip
     codec = Codec(None, template, 10)
     assert codec.chat(body.messages, extra=body.template_kwargs()) == "hi|False|T"
+    effort = ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                      "reasoning_effort": "low", "documents": [{"title": "D"}]})
+    assert codec.chat(effort.messages, extra=effort.template_kwargs()) == "hi|True|D"
+    template = ChatTemplate({"default": "{{ reasoning_effort }}|{{ enable_thinking }}"})
+    none = ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                    "reasoning_effort": "none"})  # fmt: skip
+    assert Codec(None, template, 10).chat(none.messages, extra=none.template_kwargs()) == (
+        "none|False"
+    )

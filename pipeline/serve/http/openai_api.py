@@ -108,6 +108,8 @@ class _Body(LenientModel):
     truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool | None = None  # None: the body's default (special_tokens_wanted)
     request_id: str | None = None
+    return_token_ids: bool | None = False  # each choice's prompt and generated ids
+    return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
 
     @property
     def special_tokens_wanted(self) -> bool:
@@ -232,6 +234,14 @@ class _Body(LenientModel):
         return None
 
 
+def logprob_token_text(body: _Body, token_text: Callable[[int], str]) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or `token_id:N` with vLLM's
+    `return_tokens_as_token_ids`."""
+    if body.return_tokens_as_token_ids:
+        return lambda token: f"token_id:{token}"
+    return token_text
+
+
 def bad_word_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple:
     """Each bad word as the token sequences it may be written as, vLLM's way: the word alone
     (its leading spaces stripped), and after a space when that starts with another token of
@@ -281,7 +291,6 @@ class CompletionBody(_Body):
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=128)
-    return_token_ids: bool | None = False  # vLLM's: each choice's prompt and generated ids
 
     @property
     def echo_only(self) -> bool:
@@ -353,6 +362,10 @@ class ChatBody(_Body, ToolFields):
     continue_final_message: bool | None = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    echo: bool | None = False  # the last message's text before the reply (same role)
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
@@ -374,10 +387,15 @@ class ChatBody(_Body, ToolFields):
         return bool(self.add_special_tokens)  # vLLM's default for chat: the template's only
 
     def template_kwargs(self) -> dict[str, Any]:
-        """The extra arguments the chat template sees: `documents`, `chat_template_kwargs`."""
+        """The extra arguments the chat template sees: `documents`, `reasoning_effort` (and
+        `enable_thinking` from it unless the kwargs say), then `chat_template_kwargs`, as vLLM
+        gives them."""
         extra = dict(self.chat_template_kwargs or {})
         if self.documents is not None:
             extra["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            extra["reasoning_effort"] = self.reasoning_effort
+            extra.setdefault("enable_thinking", self.reasoning_effort != "none")
         return extra
 
     def structured_output(self) -> StructuredOutput | None:
@@ -468,7 +486,7 @@ def template_messages(messages: Sequence[ChatMessage], template: ChatTemplate | 
     for index, message in enumerate(messages):
         entry = {
             "role": developer if message.role == "developer" else message.role,
-            "content": _text_content(message.content, index),
+            "content": message_text(message.content, index),
         }
         for key in ("name", "tool_call_id"):
             if getattr(message, key) is not None:
@@ -479,7 +497,8 @@ def template_messages(messages: Sequence[ChatMessage], template: ChatTemplate | 
     return plain
 
 
-def _text_content(content: str | list[dict] | None, index: int) -> str:
+def message_text(content: str | list[dict] | None, index: int) -> str:
+    """Message `index`'s content as text: its text parts joined (other parts: APIError)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []

@@ -102,9 +102,7 @@ _BOTH: dict[str, FieldRule] = {
     "watermarking": _refused("no watermarking logits processor", None, True),
     "prompt_logprobs": _refused("the prompt's logprobs object is not written yet", None, 1),
     "logprob_token_ids": _refused("logprobs of chosen ids are not served", None, [1]),
-    "return_tokens_as_token_ids": _refused(
-        "logprob tokens are written as text only", None, True
-    ),
+    "return_tokens_as_token_ids": _served("logprobs name each token `token_id:N`"),
     "routed_experts_prompt_start": _ignored(
         "only trims routed-expert data, which pipe never returns", 0, 3
     ),
@@ -149,10 +147,12 @@ _CHAT_ONLY: dict[str, FieldRule] = {
         "a template from the request is code from the client; vLLM refuses it unless started "
         "with --trust-request-chat-template", None, "{{ messages }}"
     ),
-    "reasoning_effort": _refused("no reasoning parser yet", None, "low"),
+    "reasoning_effort": _served(
+        "given to the chat template, with enable_thinking (false for none) unless the kwargs say"
+    ),
     "include_reasoning": _refused("no reasoning parser yet", True, False),
-    "echo": _refused("chat echo is not implemented", False, True),
-    "return_token_ids": _refused("chat token ids are not written yet", None, True),
+    "echo": _served("the last message's text before the reply's, when their roles match"),
+    "return_token_ids": _served("the prompt's and each choice's token ids"),
     "return_prompt_text": _refused("the rendered prompt is not written back", None, True),
     "media_io_kwargs": _refused("pipe serves text only", None, {"image": {"a": 1}}),
     "mm_processor_kwargs": _refused("pipe serves text only", None, {"a": 1}),
