@@ -694,3 +694,39 @@ def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
                       "return_tokens_as_token_ids": True, "return_token_ids": True})[1]
     choice = completion["choices"][0]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
+def test_prompt_logprobs_as_transformers_computes_them(server, tiny_hf_dir, tokenizer) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token its logprob and rank, then the best
+    alternatives, against transformers' model on the same weights; chat has them at the
+    answer's level (and with echo, as vLLM does); not streamed."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dir).eval()
+    ids = encode(tokenizer, PROMPT)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    fields = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
+    found = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]["prompt_logprobs"]
+    assert found[0] is None and len(found) == len(ids)
+    for position, (token, entry) in enumerate(zip(ids[1:], found[1:])):
+        row = expected[position]
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert own["rank"] == int((row >= row[token]).sum())
+        assert own["decoded_token"] == tokenizer.decode([token])
+        best = row.topk(2).indices.tolist()
+        assert list(entry) == [str(t) for t in dict.fromkeys([token, *best])]
+        for rank, other in enumerate(best, 1):
+            assert entry[str(other)]["rank"] == rank
+            assert entry[str(other)]["logprob"] == pytest.approx(row[other].item(), abs=1e-4)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    answer = raw(server, "POST", "/v1/chat/completions", {**chat, "prompt_logprobs": 1})[1]
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert all(len(e) in (1, 2) for e in answer["prompt_logprobs"][1:])
+    echoed = raw(server, "POST", "/v1/chat/completions", {**chat, "echo": True})[1]
+    assert all(len(e) == 1 for e in echoed["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in raw(server, "POST", "/v1/chat/completions", chat)[1]
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "stream": True})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs"

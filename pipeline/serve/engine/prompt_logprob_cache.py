@@ -69,5 +69,5 @@ def prefix_logprobs(cache: BlockKVCache, blocks: list[int], top: int) -> list[To
     for block in blocks:
         kept = cache.payload(block)
         assert isinstance(kept, BlockLogprobs)
-        entries += [TokenLogprobs(e.token_logprob, e.top[:top]) for e in kept.entries]
+        entries += [TokenLogprobs(e.token_logprob, e.top[:top], e.rank) for e in kept.entries]
     return entries

@@ -36,10 +36,12 @@ MAX_BIAS = 100.0  # OpenAI's bound on a logit bias (either sign)
 @dataclass(frozen=True)
 class TokenLogprobs:
     """A token's log-probability under the model and the `top` most likely tokens at its
-    position, best first, as (token id, log-probability) pairs."""
+    position, best first, as (token id, log-probability) pairs; `rank`: how many tokens are at
+    least as likely as it (1: the best), as vLLM reports it."""
 
     token_logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -383,15 +385,17 @@ def token_logprobs(
     logprobs: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]
 ) -> list[TokenLogprobs]:
     """For each row of `logprobs` `[rows, vocab]`: `tokens[i]`'s log-probability and the
-    `tops[i]` most likely tokens (read back to the host in one go)."""
+    `tops[i]` most likely tokens and its rank (read back to the host in one go)."""
     index = torch.tensor(tokens, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    chosen = logprobs.gather(1, index)
+    ranks = (logprobs >= chosen).sum(-1).tolist()
+    chosen = chosen[:, 0].tolist()
     width = min(max(tops, default=0), logprobs.shape[-1])
     if width == 0:
-        return [TokenLogprobs(value) for value in chosen]
+        return [TokenLogprobs(value, rank=rank) for value, rank in zip(chosen, ranks)]
     values, ids = logprobs.topk(width, dim=-1)
     values, ids = values.tolist(), ids.tolist()
     return [
-        TokenLogprobs(value, tuple(zip(ids[i][:top], values[i][:top])))
+        TokenLogprobs(value, tuple(zip(ids[i][:top], values[i][:top])), ranks[i])
         for i, (value, top) in enumerate(zip(chosen, tops))
     ]

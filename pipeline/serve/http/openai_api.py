@@ -110,6 +110,7 @@ class _Body(LenientModel):
     request_id: str | None = None
     return_token_ids: bool | None = False  # each choice's prompt and generated ids
     return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def special_tokens_wanted(self) -> bool:
@@ -148,6 +149,9 @@ class _Body(LenientModel):
         if self.min_tokens and asked is not None and self.min_tokens > asked:
             raise APIError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
                            f"({asked})", param="min_tokens")  # fmt: skip
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs is not supported with stream: true",
+                           param="prompt_logprobs")  # fmt: skip
         if self.spaces_between_special_tokens is False and self.skip_special_tokens is False:
             raise APIError(
                 "spaces_between_special_tokens: false is not supported with special tokens in "
@@ -231,7 +235,8 @@ class _Body(LenientModel):
         )
 
     def prompt_logprobs_wanted(self) -> int | None:
-        return None
+        """Alternatives per prompt token to compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
 
 def logprob_token_text(body: _Body, token_text: Callable[[int], str]) -> Callable[[int], str]:
@@ -326,6 +331,16 @@ class CompletionBody(_Body):
         return self.logprobs
 
     def prompt_logprobs_wanted(self) -> int | None:
+        # echo's logprobs are the prompt's too: as many alternatives as either asks
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                 if k is not None]  # fmt: skip
+        return max(asked) if asked else None
+
+    @property
+    def prompt_logprobs_shown(self) -> int | None:
+        """vLLM's `prompt_logprobs` of each choice: as asked, else echo's logprobs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     @property
@@ -415,6 +430,16 @@ class ChatBody(_Body, ToolFields):
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs_shown
+
+    @property
+    def prompt_logprobs_shown(self) -> int | None:
+        """vLLM's `prompt_logprobs`: as asked, else with `echo` top_logprobs' count (vLLM's)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return (self.top_logprobs or 0) if self.echo else None
 
 
 class TokenizeBody(LenientModel):
@@ -564,6 +589,29 @@ def completion_logprobs(
         tops.append(best)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
             "text_offset": offsets}  # fmt: skip
+
+
+def prompt_logprobs_list(
+    prompt: Sequence[int], entries: Sequence[Any] | None, token_text: Callable[[int], str]
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) a map from token id to
+    its logprob, rank and text: the prompt's own token first, then the best alternatives."""
+    entries = list(entries or [])
+    entries += [None] * (len(prompt) - len(entries))
+
+    def one(token: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(token)}
+
+    out: list[dict | None] = []
+    for token, entry in zip(prompt, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        found = {str(token): one(token, entry.token_logprob, entry.rank)}
+        for rank, (other, logprob) in enumerate(entry.top, 1):
+            found[str(other)] = one(other, logprob, rank)
+        out.append(found)
+    return out
 
 
 def chat_logprobs(

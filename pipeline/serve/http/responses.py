@@ -27,6 +27,7 @@ from pipeline.serve.http.openai_api import (
     error_body,
     logprob_token_text,
     message_text,
+    prompt_logprobs_list,
     usage,
 )
 from pipeline.serve.http.tool_calls import ToolReply
@@ -141,6 +142,10 @@ class CompletionWriter:
                 if self.body.return_token_ids:
                     choice["prompt_token_ids"] = self.prompts[index]
                     choice["token_ids"] = new_ids
+                if self.body.prompt_logprobs_shown is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_list(
+                        self.prompts[index], g.prompt_logprobs, self.token_text
+                    )
                 choices.append(choice)
         answer = envelope(ident, model, "text_completion", choices)
         # every generated token counts, also best_of's discarded ones
@@ -222,6 +227,10 @@ class ChatWriter:
         answer = envelope(ident, model, "chat.completion", choices)
         if self.body.return_token_ids:
             answer["prompt_token_ids"] = self.prompt
+        if self.body.prompt_logprobs_shown is not None:
+            answer["prompt_logprobs"] = prompt_logprobs_list(
+                self.prompt, generations[0].prompt_logprobs, self.token_text
+            )
         generated = sum(g.completion_tokens for g in generations)
         answer["usage"] = usage(self.prompt_tokens, generated, _cached_of(generations))
         return answer

@@ -100,7 +100,7 @@ _BOTH: dict[str, FieldRule] = {
     "use_beam_search": _refused("beam search is not implemented", False, True),
     "length_penalty": _ignored("read by beam search only, which is refused", 1.0, 2.0),
     "watermarking": _refused("no watermarking logits processor", None, True),
-    "prompt_logprobs": _refused("the prompt's logprobs object is not written yet", None, 1),
+    "prompt_logprobs": _served("each prompt token's logprob, rank and alternatives (unstreamed)"),
     "logprob_token_ids": _refused("logprobs of chosen ids are not served", None, [1]),
     "return_tokens_as_token_ids": _served("logprobs name each token `token_id:N`"),
     "routed_experts_prompt_start": _ignored(
