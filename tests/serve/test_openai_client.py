@@ -663,7 +663,11 @@ def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
     assert status == 200 and len(choice["token_ids"]) == 4
     assert hf_tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
     tokenized = raw(server, "POST", "/tokenize", {"messages": messages})[1]["tokens"]
-    assert body["prompt_token_ids"] == tokenized
+    assert body["prompt_token_ids"] == tokenized and "prompt_text" not in body
+    with_text = {**fields, "return_prompt_text": True}
+    rendered = raw(server, "POST", "/v1/chat/completions", with_text)[1]["prompt_text"]
+    assert rendered == "<|user|>Hi\n<|assistant|>"  # conftest's CHAT_TEMPLATE
+    assert raw_stream(server, "/v1/chat/completions", with_text)[0]["prompt_text"] == rendered
     chunks = raw_stream(server, "/v1/chat/completions", {**fields, "return_token_ids": True})
     assert chunks[0]["prompt_token_ids"] == tokenized
     assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),

@@ -381,6 +381,7 @@ class ChatBody(_Body, ToolFields):
         None
     )
     echo: bool | None = False  # the last message's text before the reply (same role)
+    return_prompt_text: bool | None = False  # the rendered prompt in the answer
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)

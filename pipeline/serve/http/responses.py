@@ -184,10 +184,10 @@ class ChatWriter:
     """The /v1/chat/completions answer of one body, whole or as chunks."""
 
     def __init__(self, body: ChatBody, prompt: list[int], token_text: Callable,
-                 tools: ToolReply | None = None) -> None:  # fmt: skip
-        """`prompt`: the prompt's token ids; `tools`: how to read the reply into tool calls
-        (None: plain text)."""
-        self.body, self.prompt = body, prompt
+                 tools: ToolReply | None = None, prompt_text: str = "") -> None:  # fmt: skip
+        """`prompt`: the prompt's token ids (`prompt_text`: as the template rendered it);
+        `tools`: how to read the reply into tool calls (None: plain text)."""
+        self.body, self.prompt, self.prompt_text = body, prompt, prompt_text
         self.token_text = logprob_token_text(body, token_text)
         self.prompt_tokens = len(prompt)
         self.tools = tools
@@ -227,6 +227,8 @@ class ChatWriter:
         answer = envelope(ident, model, "chat.completion", choices)
         if self.body.return_token_ids:
             answer["prompt_token_ids"] = self.prompt
+        if self.body.return_prompt_text:
+            answer["prompt_text"] = self.prompt_text
         if self.body.prompt_logprobs_shown is not None:
             answer["prompt_logprobs"] = prompt_logprobs_list(
                 self.prompt, generations[0].prompt_logprobs, self.token_text
@@ -245,6 +247,8 @@ class ChatWriter:
             first_chunk = envelope(ident, model, kind, [first])
             if self.body.return_token_ids:
                 first_chunk["prompt_token_ids"] = self.prompt
+            if self.body.return_prompt_text:
+                first_chunk["prompt_text"] = self.prompt_text
             yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
         for job in jobs if self.echoed else ():
             echo = {"index": job.number, "delta": {"content": self.echoed}, "logprobs": None,

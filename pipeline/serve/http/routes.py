@@ -175,7 +175,7 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
         jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids, served.codec.encode)
         streams = submit_jobs(served.submitter(lora), jobs, "messages")
-        writer = ChatWriter(body, prompt, served.codec.token_text, tools)
+        writer = ChatWriter(body, prompt, served.codec.token_text, tools, text)
         ident = served.response_id(body, "chatcmpl")
         return await respond(writer, ident, lora or served.name, jobs, streams, body.stream,
                              http.is_disconnected, served.weights.fingerprint)  # fmt: skip

@@ -153,7 +153,7 @@ _CHAT_ONLY: dict[str, FieldRule] = {
     "include_reasoning": _refused("no reasoning parser yet", True, False),
     "echo": _served("the last message's text before the reply's, when their roles match"),
     "return_token_ids": _served("the prompt's and each choice's token ids"),
-    "return_prompt_text": _refused("the rendered prompt is not written back", None, True),
+    "return_prompt_text": _served("the prompt as the chat template rendered it"),
     "media_io_kwargs": _refused("pipe serves text only", None, {"image": {"a": 1}}),
     "mm_processor_kwargs": _refused("pipe serves text only", None, {"a": 1}),
 }
