@@ -734,3 +734,19 @@ def test_prompt_logprobs_as_transformers_computes_them(server, tiny_hf_dir, toke
     assert "prompt_logprobs" not in raw(server, "POST", "/v1/chat/completions", chat)[1]
     status, body = raw(server, "POST", "/v1/completions", {**fields, "stream": True})
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+
+
+def test_cache_salt_shares_cached_blocks_only_within_a_salt(server, tokenizer) -> None:
+    prompt = "line 77: a salted value " * 4
+    full = (len(encode(tokenizer, prompt)) - 1) // 8 * 8
+    fields = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(**extra) -> int:
+        body = raw(server, "POST", "/v1/completions", {**fields, **extra})[1]
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(cache_salt="a"), cached(cache_salt="a")] == [0, full]
+    salted_b = [cached(cache_salt="b"), cached(), cached(), cached(cache_salt="b")]
+    assert salted_b == [0, 0, full, full]
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "cache_salt": ""})
+    assert status == 400

@@ -87,6 +87,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # the prefix cache shares blocks only within one salt
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -111,6 +111,7 @@ class _Body(LenientModel):
     return_token_ids: bool | None = False  # each choice's prompt and generated ids
     return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @property
     def special_tokens_wanted(self) -> bool:
@@ -232,6 +233,7 @@ class _Body(LenientModel):
             bad_words=bad_words,
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            cache_salt=self.cache_salt,
         )
 
     def prompt_logprobs_wanted(self) -> int | None:

@@ -112,9 +112,7 @@ _BOTH: dict[str, FieldRule] = {
     "return_mm_kwargs": _ignored(
         "read only by vLLM's render endpoints; ignored by generation in vLLM too", True, False
     ),
-    "cache_salt": _refused(
-        "pipe's prefix cache is shared by all requests: a salt cannot be honoured", None, "s"
-    ),
+    "cache_salt": _served("prefix-cache blocks shared only among requests of the same salt"),
     "kv_transfer_params": _refused("no disaggregated prefill", None, {"a": 1}),
     "ec_transfer_params": _refused("no encoder-cache transfer", None, {"a": 1}),
     "vllm_xargs": _refused("no custom extensions read them", None, {"a": 1}),
