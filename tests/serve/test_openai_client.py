@@ -625,6 +625,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer) -> None
         direct = raw(server, "POST", "/v1/completions", {**fields, "prompt": kept})[1]
         assert cut["choices"][0]["prompt_token_ids"] == kept and cut["usage"]["prompt_tokens"] == 3
         assert cut["choices"][0]["text"] == direct["choices"][0]["text"]
+    whole = raw(server, "POST", "/v1/completions",
+                {**fields, "prompt": PROMPT, "truncate_prompt_tokens": -1})[1]  # fmt: skip
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    status, body = raw(server, "POST", "/v1/completions",
+                       {**fields, "prompt": PROMPT, "truncate_prompt_tokens": 10**6})
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_chat_template_fields_reach_the_template(server) -> None:

@@ -177,12 +177,17 @@ class _Body(LenientModel):
         raise NotImplementedError
 
     def truncated(self, prompt: list[int], context: int) -> list[int]:
-        """`prompt` cut to `truncate_prompt_tokens` (-1: the context), keeping its last tokens
-        (`truncation_side` right: its first), as vLLM cuts it."""
+        """`prompt` cut to `truncate_prompt_tokens`, keeping its last tokens (`truncation_side`
+        right: its first), as vLLM cuts it: -1 is what the context leaves beside max_tokens,
+        more than that is a 400."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt
-        keep = context if keep == -1 else keep
+        room = context - (self.requested_tokens() or 0)
+        if keep > room:
+            raise APIError(f"truncate_prompt_tokens ({keep}) must be at most the context less "
+                           f"max_tokens ({room})", param="truncate_prompt_tokens")  # fmt: skip
+        keep = room if keep == -1 else keep
         if len(prompt) <= keep:
             return prompt
         return prompt[:keep] if self.truncation_side == "right" else prompt[len(prompt) - keep :]
