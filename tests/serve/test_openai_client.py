@@ -740,6 +740,14 @@ def test_prompt_logprobs_as_transformers_computes_them(server, tiny_hf_dir, toke
     assert "prompt_logprobs" not in raw(server, "POST", "/v1/chat/completions", chat)[1]
     status, body = raw(server, "POST", "/v1/completions", {**fields, "stream": True})
     assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+    # blocks a scoring request cached (without ranks) do not serve a request for ranks
+    long = {"prompt": "line 12: value of ranks " * 4, "max_tokens": 1}
+    for _ in range(2):
+        scored = raw(server, "POST", "/v1/completions", {**long, "echo": True, "logprobs": 1})[1]
+        assert "prompt_logprobs" not in scored["choices"][0]  # not asked: no ranks computed
+    ranked = raw(server, "POST", "/v1/completions", {**long, "prompt_logprobs": 1})[1]
+    entries = ranked["choices"][0]["prompt_logprobs"][1:]
+    assert all(isinstance(e[k]["rank"], int) for e in entries for k in e)
 
 
 def test_cache_salt_shares_cached_blocks_only_within_a_salt(server, tokenizer) -> None:

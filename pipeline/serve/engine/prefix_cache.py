@@ -77,7 +77,10 @@ class PrefixCacheManager:
         if request.slots is not None:
             return []
         hits, top = self.cache.lookup(request.block_hashes), request.params.prompt_logprobs
-        return hits if top is None else usable_prefix(self.cache, hits, request.prompt, top)
+        if top is None:
+            return hits
+        ranks = request.params.logprob_ranks
+        return usable_prefix(self.cache, hits, request.prompt, top, ranks)
 
     def take(self, request: Request, hits: list[int]) -> int:
         """Start `request` on the cached blocks `hits` (from `lookup`): its first positions are
@@ -115,9 +118,8 @@ class PrefixCacheManager:
             self.cache.register(request.blocks[index], request.block_hashes[index])
             if top is not None:
                 hashed = request.block_hashes[index]
-                keep_block_logprobs(
-                    self.cache, hashed, request.prompt, request.prompt_logprobs, index, top
-                )
+                keep_block_logprobs(self.cache, hashed, request.prompt, request.prompt_logprobs,
+                                    index, top, request.params.logprob_ranks)  # fmt: skip
         request.registered = full
 
     def reset(self, requests: Iterable[Request]) -> None:

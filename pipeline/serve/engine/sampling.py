@@ -88,6 +88,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # the prefix cache shares blocks only within one salt
+    logprob_ranks: bool = False  # prompt logprobs carry each token's rank (vLLM's object)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -383,13 +384,14 @@ def _token_counts(sequences: Sequence[list[int]], like: torch.Tensor) -> torch.T
 
 
 def token_logprobs(
-    logprobs: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]
+    logprobs: torch.Tensor, tokens: Sequence[int], tops: Sequence[int], ranks: bool = False
 ) -> list[TokenLogprobs]:
     """For each row of `logprobs` `[rows, vocab]`: `tokens[i]`'s log-probability and the
-    `tops[i]` most likely tokens and its rank (read back to the host in one go)."""
+    `tops[i]` most likely tokens (read back to the host in one go); with `ranks`, its rank too
+    (a pass over the vocabulary: over twice a log-softmax's time on a CPU, so only on ask)."""
     index = torch.tensor(tokens, device=logprobs.device)[:, None]
     chosen = logprobs.gather(1, index)
-    ranks = (logprobs >= chosen).sum(-1).tolist()
+    ranks = (logprobs >= chosen).sum(-1).tolist() if ranks else [None] * len(tokens)
     chosen = chosen[:, 0].tolist()
     width = min(max(tops, default=0), logprobs.shape[-1])
     if width == 0:

@@ -239,10 +239,18 @@ class _Body(LenientModel):
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             cache_salt=self.cache_salt,
+            logprob_ranks=self.prompt_logprobs_shown is not None,
         )
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token to compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
+    @property
+    def prompt_logprobs_shown(self) -> int | None:
+        """Alternatives per prompt token in vLLM's `prompt_logprobs` object (None: none), when
+        asked. (vLLM also writes it for a completion's echo with logprobs; pipe does not, so
+        scoring, lm-eval's loglikelihood, does not pay for the ranks it never reads.)"""
         return self.prompt_logprobs
 
 
@@ -342,13 +350,6 @@ class CompletionBody(_Body):
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
                  if k is not None]  # fmt: skip
         return max(asked) if asked else None
-
-    @property
-    def prompt_logprobs_shown(self) -> int | None:
-        """vLLM's `prompt_logprobs` of each choice: as asked, else echo's logprobs."""
-        if self.prompt_logprobs is not None:
-            return self.prompt_logprobs
-        return self.logprobs if self.echo else None
 
     @property
     def special_tokens_wanted(self) -> bool:
