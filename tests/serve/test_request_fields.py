@@ -67,6 +67,18 @@ def test_every_field_is_served_refused_or_ignored_on_purpose(kind) -> None:
             assert name not in declared, name  # refused by the lenient path, not read
 
 
+def test_what_counts_as_vllms_default() -> None:
+    watermarking = vllm_fields.rule("chat", "watermarking")
+    assert all(watermarking.is_default(v) for v in (None, False))
+    assert not watermarking.is_default(True)
+    budget = vllm_fields.rule("completion", "thinking_token_budget")
+    assert budget.is_default(None) and not budget.is_default(0)
+    priority = vllm_fields.rule("chat", "priority")
+    assert priority.is_default(0) and not priority.is_default(-1)
+    assert vllm_fields.rule("chat", "include_reasoning").is_default(True)
+    assert not vllm_fields.rule("chat", "include_reasoning").is_default(False)
+
+
 @pytest.mark.parametrize("kind", sorted(BODY_CLASSES))
 def test_the_lenient_body_refuses_and_ignores_by_the_inventory(kind, caplog) -> None:
     from pipeline.serve.http.openai_api import APIError

@@ -39,10 +39,12 @@ class FieldRule:
     example: Any = _UNSET
 
     def is_default(self, value: Any) -> bool:
-        """Whether `value` asks for nothing beyond vLLM's default (null is always the default)."""
+        """Whether `value` asks for nothing beyond vLLM's default: null always; for a field
+        whose default is null, also false and an empty list, map or text (but not 0, which may
+        be a count)."""
         if value is None or value == self.default:
             return True
-        return self.default is None and value in ([], {}, "")
+        return self.default is None and (value is False or value in ([], {}, ""))
 
 
 def _served(reason: str) -> FieldRule:
