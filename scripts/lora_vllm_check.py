@@ -34,18 +34,42 @@ def train_and_export(base: Path, work: Path, name: str, seed: int, targets: str)
     from pipeline.train.loop.trainer import Trainer
 
     sets = [
-        "data.mock=true", "data.seq_length=32", "data.num_workers=0", "training.iters=2",
-        "training.micro_batch_size=2", "training.global_batch_size=2", "training.eval_interval=0",
-        "training.log_interval=1", "training.dtype=fp32", "training.device=cpu",
-        "optimizer.lr=0.05", "scheduler.warmup_iters=0", f"training.seed={seed}",
-        "lora.rank=8", "lora.alpha=16", f"lora.targets={targets}", "checkpoint.save_interval=2",
+        "data.mock=true",
+        "data.seq_length=32",
+        "data.num_workers=0",
+        "training.iters=2",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=2",
+        "training.eval_interval=0",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "optimizer.lr=0.05",
+        "scheduler.warmup_iters=0",
+        f"training.seed={seed}",
+        "lora.rank=8",
+        "lora.alpha=16",
+        f"lora.targets={targets}",
+        "checkpoint.save_interval=2",
         f"logging.run_dir={work / ('run_' + name)}",
-    ]  # fmt: skip
+    ]
     Trainer(resolve_config(None, sets, {"load": str(base), "lora": True}), console=False).train()
     out = work / name
-    subprocess.run([sys.executable, "-m", "pipeline", "export", str(work / f"run_{name}" /
-                    "checkpoints"), "--peft", "-o", str(out), "--overwrite"], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "export",
+            str(work / f"run_{name}" / "checkpoints"),
+            "--peft",
+            "-o",
+            str(out),
+            "--overwrite",
+        ],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     return out
 
 
@@ -64,9 +88,13 @@ def peft_texts(base: Path, adapter: Path | None, prompts: list[list[int]]) -> li
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                        max_new_tokens=NEW_TOKENS, do_sample=False,
-                                        pad_token_id=0)  # fmt: skip
+            out = model.eval().generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
         # the whole text less the prompt's: a continuation's first space is decoded as servers do
         texts.append(tokenizer.decode(out[0].tolist())[len(tokenizer.decode(prompt)) :])
     return texts
@@ -95,8 +123,9 @@ def served_texts(url: str, model: str, prompts: list[list[int]]) -> list[str]:
     texts = []
     for prompt in prompts:
         body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
-        request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=300) as response:
             texts.append(json.loads(response.read())["choices"][0]["text"])
     return texts
@@ -126,19 +155,49 @@ def main() -> None:
     }
     prompts = load_tokenizer(args.base).encode_batch(PROMPTS)
     models = {"base": None, **adapters}
-    results = {"transformers+peft": {m: peft_texts(args.base, p, prompts)
-                                     for m, p in models.items()}}  # fmt: skip
+    results = {
+        "transformers+peft": {m: peft_texts(args.base, p, prompts) for m, p in models.items()}
+    }
     modules = [f"{name}={path}" for name, path in adapters.items()]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    commands = {"pipe serve": [sys.executable, "-m", "pipeline", "serve", str(args.base),
-                               "--model-name", "base", "--lora-modules", *modules,
-                               "--max-loras", "2", "--engine-threads", "1"]}  # fmt: skip
+    commands = {
+        "pipe serve": [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "serve",
+            str(args.base),
+            "--model-name",
+            "base",
+            "--lora-modules",
+            *modules,
+            "--max-loras",
+            "2",
+            "--engine-threads",
+            "1",
+        ]
+    }
     if args.vllm_python:
-        commands["vllm"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                            "--model", str(args.base), "--served-model-name", "base",
-                            "--dtype", "float32", "--enable-lora", "--lora-modules", *modules,
-                            "--max-loras", "2", "--max-lora-rank", "16",
-                            "--max-model-len", "512"]  # fmt: skip
+        commands["vllm"] = [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(args.base),
+            "--served-model-name",
+            "base",
+            "--dtype",
+            "float32",
+            "--enable-lora",
+            "--lora-modules",
+            *modules,
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "16",
+            "--max-model-len",
+            "512",
+        ]
     for name, command in commands.items():
         print(f"$ {' '.join(command)}", flush=True)
         process, url = serve(command, args.work / f"{name.replace(' ', '_')}.log", env)
@@ -150,8 +209,10 @@ def main() -> None:
     reference = results["transformers+peft"]
     for name, texts in results.items():
         same = {m: texts[m] == reference[m] for m in models}
-        print(f"{name:>18}: " + ", ".join(f"{m} {'same' if s else 'DIFFERENT'}"
-                                         for m, s in same.items()))  # fmt: skip
+        print(
+            f"{name:>18}: "
+            + ", ".join(f"{m} {'same' if s else 'DIFFERENT'}" for m, s in same.items())
+        )
     print(json.dumps(results, indent=1))
 
 

@@ -57,15 +57,21 @@ def main() -> None:
     from tests.serve.test_tool_parsers import CASES
 
     texts = [[name, text] for name, text, _, _ in CASES]
-    done = subprocess.run([args.vllm_python, "-c", VLLM_SIDE, args.tokenizer],
-                          input=json.dumps(texts), capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [args.vllm_python, "-c", VLLM_SIDE, args.tokenizer],
+        input=json.dumps(texts),
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         sys.exit(f"vLLM's side failed: {done.stderr.strip().splitlines()[-1]}")
     differ = 0
     for (name, text), theirs in zip(texts, json.loads(done.stdout)):
         extracted = TOOL_PARSERS[name]().extract(text)
-        ours = {"calls": [[c.name, c.arguments] for c in extracted.calls],
-                "content": extracted.content}  # fmt: skip
+        ours = {
+            "calls": [[c.name, c.arguments] for c in extracted.calls],
+            "content": extracted.content,
+        }
         same = ours == theirs
         differ += not same
         print(f"{'SAME' if same else 'DIFF'} {name:12s} {text[:60]!r}")

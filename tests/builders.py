@@ -361,8 +361,13 @@ def run_python(code: str, *args: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 KILL_AFTER_SAVE = """
@@ -526,9 +531,12 @@ def _probe_gradients(trainer) -> float:
     layout = trainer.layout
     trainer.optimizer.zero_grad(set_to_none=True)
     loss_sum, tokens = forward_backward(
-        trainer.model, micro_batches, autocast=trainer.autocast,
-        dp_group=layout.batch_group, runner=trainer.step_runner,
-    )  # fmt: skip
+        trainer.model,
+        micro_batches,
+        autocast=trainer.autocast,
+        dp_group=layout.batch_group,
+        runner=trainer.step_runner,
+    )
     reduce_loss_sum(loss_sum, layout.batch_group, layout.pipeline_group)
     return float(loss_sum) / max(float(tokens), 1.0)
 
@@ -552,19 +560,35 @@ def export_family(name: str, **overrides) -> tuple[str, object]:
     from pipeline.core.model.config import ModelConfig, MoEConfig, RopeScaling
 
     common = dict(
-        vocab_size=FP8_VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
-        num_kv_heads=2, ffn_hidden_size=128, max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=FP8_VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=128,
+        max_position_embeddings=256,
+    )
     families = {
-        "llama3": ("LlamaForCausalLM", dict(rope_theta=5e5, rope_scaling=RopeScaling(
-            factor=8.0, original_max_position_embeddings=16))),
+        "llama3": (
+            "LlamaForCausalLM",
+            dict(
+                rope_theta=5e5,
+                rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16),
+            ),
+        ),
         "mistral": ("MistralForCausalLM", dict(head_dim=24, rope_theta=1e4)),
         "qwen2": ("Qwen2ForCausalLM", dict(qkv_bias=True, rope_theta=1e6)),
         "qwen3": ("Qwen3ForCausalLM", dict(qk_norm=True, head_dim=32, rope_theta=1e6)),
         "mixtral": ("MixtralForCausalLM", dict(moe=MoEConfig(num_experts=4, top_k=2))),
-        "qwen3_moe": ("Qwen3MoeForCausalLM", dict(qk_norm=True, head_dim=32, moe=MoEConfig(
-            num_experts=4, top_k=2, ffn_hidden_size=64, dense_layers=[0]))),
-    }  # fmt: skip
+        "qwen3_moe": (
+            "Qwen3MoeForCausalLM",
+            dict(
+                qk_norm=True,
+                head_dim=32,
+                moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=64, dense_layers=[0]),
+            ),
+        ),
+    }
     architecture, extra = families[name]
     return architecture, ModelConfig(**(common | extra | overrides))
 

@@ -96,6 +96,9 @@ class CheckpointManager:
         """Load the latest (or the given) checkpoint into `state`; returns its metadata."""
         self.wait()
         return load(
-            self.load_dir, iteration, state, process_group=self.process_group,
+            self.load_dir,
+            iteration,
+            state,
+            process_group=self.process_group,
             verify_checksums=self.verify_checksums,
-        )  # fmt: skip
+        )

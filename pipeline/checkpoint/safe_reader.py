@@ -155,8 +155,9 @@ def safe_file_system_reader(
                 for item in items:
                     info = self.storage_data[item.storage_index]
                     # Passed on, not kept: the item's bytes are freed as soon as they are parsed.
-                    _load_item(self, item, info, files.read(name, info.offset, info.length),
-                               planner, path)  # fmt: skip
+                    _load_item(
+                        self, item, info, files.read(name, info.offset, info.length), planner, path
+                    )
             if finish_files:
                 for name in sorted({info.relative_path for info in self.storage_data.values()}):
                     files.finish(name)

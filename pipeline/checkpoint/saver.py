@@ -370,9 +370,12 @@ def save(
     job = _SaveJob(root, iteration, temporary, record, keep_last, process_group)
     try:
         dcp.save(
-            tensors, storage_writer=writer, planner=planner, process_group=process_group,
+            tensors,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
             no_dist=not distributed,
-        )  # fmt: skip
+        )
     except CheckpointException as error:
         # DCP's exception derives from BaseException; turn it into an ordinary, named error
         # (a source's own CheckpointError, e.g. a damaged input shard, passes through as is).

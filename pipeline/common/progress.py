@@ -19,8 +19,9 @@ def terminal_bar(total: int | None, *, desc: str, stream: TextIO | None = None, 
 
     size = shutil.get_terminal_size((100, 24))
     # A pty that reports a 0x0 size would otherwise hide the bar entirely.
-    return tqdm(total=total, desc=desc, file=stream, ncols=size.columns, nrows=size.lines,
-                **options)  # fmt: skip
+    return tqdm(
+        total=total, desc=desc, file=stream, ncols=size.columns, nrows=size.lines, **options
+    )
 
 
 @contextmanager

@@ -133,12 +133,16 @@ def parse_verify(text: str) -> tuple[str, int | None]:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option(
-    "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
+    "--no-verify-checksums",
+    "verify_checksums",
+    is_flag=True,
+    default=True,
+    flag_value=False,
     help="pipe input: skip checking each file against its recorded SHA-256 while reading.",
-)  # fmt: skip
+)
 def convert(source: Path, output: Path, from_format: str, to_format: str, **options: Any) -> None:
     """Convert SOURCE (a pipe checkpoint, a Hugging Face directory, or a Megatron torch_dist
-    checkpoint) to a pipe checkpoint or a Hugging Face model directory."""  # fmt: skip
+    checkpoint) to a pipe checkpoint or a Hugging Face model directory."""
     mode, layers = parse_verify(options.pop("verify"))
     shard_bytes = parse_size(options.pop("shard_size"))
     if output.exists() and any(output.iterdir()) and not options["overwrite"]:
@@ -149,9 +153,15 @@ def convert(source: Path, output: Path, from_format: str, to_format: str, **opti
 
     try:
         summary = run_conversion(
-            source, output, from_format, to_format, shard_bytes=shard_bytes,
-            verify=mode, verify_layers=layers, **options,
-        )  # fmt: skip
+            source,
+            output,
+            from_format,
+            to_format,
+            shard_bytes=shard_bytes,
+            verify=mode,
+            verify_layers=layers,
+            **options,
+        )
     except ConversionError as e:
         raise click.ClickException(str(e)) from None
     click.echo(summary)

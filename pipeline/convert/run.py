@@ -62,7 +62,13 @@ def run_conversion(
         start = time.perf_counter()
         with byte_progress(total, quiet, "convert") as advance, quiet_dcp():
             written = _write(
-                source, output, to_format, (tp, pp, ep), shard_bytes, tokenizer_dir, advance,
+                source,
+                output,
+                to_format,
+                (tp, pp, ep),
+                shard_bytes,
+                tokenizer_dir,
+                advance,
                 overwrite,
             )
         seconds = time.perf_counter() - start

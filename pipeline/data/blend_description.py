@@ -56,13 +56,15 @@ def describe_blend(
         dataset = IndexedDataset(prefix)
         indices = split_sequence_indices([bounds], len(dataset))[0]
         tokens = int(dataset.sequence_lengths[indices].sum(dtype=np.int64)) if len(indices) else 0
-        rows.append({
-            "prefix": prefix,
-            "dtype": str(dataset.dtype),
-            "sequences": len(indices),
-            "tokens_per_epoch": tokens,
-            "samples_per_epoch": count_samples(1, tokens, sequence_length, True, add_extra),
-        })  # fmt: skip
+        rows.append(
+            {
+                "prefix": prefix,
+                "dtype": str(dataset.dtype),
+                "sequences": len(indices),
+                "tokens_per_epoch": tokens,
+                "samples_per_epoch": count_samples(1, tokens, sequence_length, True, add_extra),
+            }
+        )
     per_epoch = [row["samples_per_epoch"] for row in rows]
     weights, drawn, buffers, exact = _planned_draws(
         blend, per_epoch, num_samples, mid_level_dataset_surplus

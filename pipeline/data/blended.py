@@ -136,9 +136,12 @@ class BlendedDataset:
         if not self.config.path_to_cache:
             return self._build_indices()
         cache = IndexCache(
-            self.config.path_to_cache, self.unique_key, type(self).__name__, self.split,
+            self.config.path_to_cache,
+            self.unique_key,
+            type(self).__name__,
+            self.split,
             BLENDED_INDEX_NAMES,
-        )  # fmt: skip
+        )
         arrays = cache.get_or_build(self._build_indices, self.unique_description)
         if isinstance(arrays["dataset_index"].base, np.memmap):
             self._index_files = {name: cache.array_path(name) for name in BLENDED_INDEX_NAMES}

@@ -109,9 +109,15 @@ def _greedy_indices(
         lanes = max(1, -(-(length - _WARMUP) // block))
         end = start + _WARMUP + lanes * block
         counts = _greedy_segment(
-            w, limits, start, counts, block, lanes, dataset_index[start:end],
+            w,
+            limits,
+            start,
+            counts,
+            block,
+            lanes,
+            dataset_index[start:end],
             sample_index[start:end],
-        )  # fmt: skip
+        )
         start = end
     return dataset_index[:size], sample_index[:size]
 
@@ -121,8 +127,14 @@ def _greedy_sequential(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The schedule as a plain loop, for small sizes."""
     counts = [0] * len(w)
-    picks, numbers = _loop(w.tolist(), None if limits is None else limits.tolist(), counts,
-                           list(range(len(w))), 0, size)  # fmt: skip
+    picks, numbers = _loop(
+        w.tolist(),
+        None if limits is None else limits.tolist(),
+        counts,
+        list(range(len(w))),
+        0,
+        size,
+    )
     return np.array(picks, np.int16), np.array(numbers, np.int64)
 
 
@@ -173,8 +185,9 @@ def _greedy_segment(
             _run_ahead(w, limits, int(wrong[0]), steps_from + _WARMUP, begin, end, kept_d, kept_s)
             continue
         exact = end[:, wrong - 1].copy()
-        b, e = _run_kept(w, limits, steps_from[wrong] + _WARMUP, exact, wrong, False, kept_d,
-                         kept_s)  # fmt: skip
+        b, e = _run_kept(
+            w, limits, steps_from[wrong] + _WARMUP, exact, wrong, False, kept_d, kept_s
+        )
         begin[:, wrong], end[:, wrong] = b, e
     if rounds:
         logger.debug("blending indices: %d correction round(s) at step %d", rounds, start)

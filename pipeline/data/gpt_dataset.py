@@ -320,16 +320,24 @@ class GPTDataset:
             self.indices, plan.num_epochs, rng, plan.separate_final_epoch
         )
         sample_index = build_sample_index(
-            lengths, document_index, config.sequence_length, plan.num_epochs, tokens,
-            self.drop_last, self.add_extra,
-        )  # fmt: skip
+            lengths,
+            document_index,
+            config.sequence_length,
+            plan.num_epochs,
+            tokens,
+            self.drop_last,
+            self.add_extra,
+        )
         total = len(sample_index) - 1
         first = plan.samples_before_final_epoch if plan.separate_final_epoch else total
         shuffle_index = build_shuffle_index(first, total, rng)
         logger.info(
             "built %s %s indices: %d samples over %d epoch(s)",
-            self.dataset_path or type(self).__name__, self.split, total, plan.num_epochs,
-        )  # fmt: skip
+            self.dataset_path or type(self).__name__,
+            self.split,
+            total,
+            plan.num_epochs,
+        )
         return {
             "document_index": document_index,
             "sample_index": sample_index,
@@ -381,9 +389,13 @@ class GPTDataset:
         config = self.config
         if not self._cacheable_masks:
             return ltor_masks_and_position_ids(
-                tokens, config.eod_id, config.reset_position_ids, config.reset_attention_mask,
-                config.eod_mask_loss, config.create_attention_mask,
-            )  # fmt: skip
+                tokens,
+                config.eod_id,
+                config.reset_position_ids,
+                config.reset_attention_mask,
+                config.eod_mask_loss,
+                config.create_attention_mask,
+            )
         if self._mask_cache is None:
             self._mask_cache = ltor_masks_and_position_ids(
                 tokens, config.eod_id, False, False, False, config.create_attention_mask

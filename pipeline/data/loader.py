@@ -143,9 +143,13 @@ def build_data_loader(
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     sampler = PretrainingSampler(
-        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
-        data_parallel_size, drop_last,
-    )  # fmt: skip
+        len(dataset),
+        consumed_samples,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+        drop_last,
+    )
     return _loader_class()(
         dataset,
         batch_sampler=sampler,

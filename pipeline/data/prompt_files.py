@@ -155,10 +155,11 @@ def read_prompt_splits(
         ]
     names = [f"data.{name}_blend" for name in SPLIT_NAMES]
     return [
-        None if value is None else
-        read_prompts(_one_path(value, name), tokenizer, render, max_prompt_tokens)
+        None
+        if value is None
+        else read_prompts(_one_path(value, name), tokenizer, render, max_prompt_tokens)
         for value, name in zip(per_split, names)
-    ]  # fmt: skip
+    ]
 
 
 def _one_path(value: str, name: str) -> str:

@@ -115,8 +115,9 @@ class SFTDataset:
             directory, is_default = Path(self.dataset_path) / "cache" / "SFTDataset_indices", True
         else:
             return self._build_indices()
-        cache = IndexCache(directory, self.unique_key, type(self).__name__, self.split,
-                           SFT_INDEX_NAMES)  # fmt: skip
+        cache = IndexCache(
+            directory, self.unique_key, type(self).__name__, self.split, SFT_INDEX_NAMES
+        )
         try:
             arrays = cache.get_or_build(self._build_indices, self.unique_description)
         except CacheNotWritableError as err:
@@ -131,9 +132,11 @@ class SFTDataset:
     def _build_indices(self) -> dict[str, np.ndarray]:
         """The FFD packing of the split, and the order of its samples over the epochs."""
         packed = first_fit_decreasing(
-            self.dataset.sequence_lengths, self.config.sequence_length, self.indices,
+            self.dataset.sequence_lengths,
+            self.config.sequence_length,
+            self.indices,
             self.truncate,
-        )  # fmt: skip
+        )
         per_epoch, wanted = len(packed), self.num_samples
         if per_epoch == 0 and wanted:
             raise ValueError(self._empty_message(packed))
@@ -143,9 +146,13 @@ class SFTDataset:
         shuffle_index = np.concatenate(order).astype(np.int64) if order else np.empty(0, np.int64)
         logger.info(
             "packed %s %s: %d conversations into %d samples of %d tokens, %d epoch(s)",
-            self.dataset_path, self.split, len(packed.documents), per_epoch,
-            self.config.sequence_length, epochs,
-        )  # fmt: skip
+            self.dataset_path,
+            self.split,
+            len(packed.documents),
+            per_epoch,
+            self.config.sequence_length,
+            epochs,
+        )
         return {
             "offsets": packed.offsets,
             "documents": packed.documents,

@@ -77,10 +77,14 @@ def make_task(
         "heldout": out / "heldout_prompts.jsonl",
     }
     conversations = [
-        {"messages": [{"role": "user", "content": question(list(q))},
-                      {"role": "assistant", "content": answer(teacher(q, teacher_accuracy, rng))}]}
+        {
+            "messages": [
+                {"role": "user", "content": question(list(q))},
+                {"role": "assistant", "content": answer(teacher(q, teacher_accuracy, rng))},
+            ]
+        }
         for q in split["sft"]
-    ]  # fmt: skip
+    ]
     _write_jsonl(paths["sft"], conversations)
     for name in ("train", "heldout"):
         prompts = [{"prompt": question(list(q)), "answer": str(max(q))} for q in split[name]]

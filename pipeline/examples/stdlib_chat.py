@@ -90,9 +90,10 @@ def main() -> None:
     parser.add_argument("--corpus", required=True, help="stdlib_docs.jsonl (stdlib_corpus)")
     parser.add_argument("--output", required=True, help="the chat JSONL file to write")
     parser.add_argument(
-        "--preference", action="store_true",
+        "--preference",
+        action="store_true",
         help="write chosen/rejected pairs (pipe preprocess --preference) instead",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     count = 0
     records = preference_pairs if args.preference else conversations

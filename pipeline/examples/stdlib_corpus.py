@@ -114,8 +114,12 @@ def train_tokenizer(
         tokenizer.save(str(temporary))
     from pipeline.examples.stdlib_chat import CHAT_TEMPLATE
 
-    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
-              "chat_template": CHAT_TEMPLATE}  # fmt: skip
+    config = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+    }
     write_json(output_dir / "tokenizer_config.json", config)
     return output_dir
 

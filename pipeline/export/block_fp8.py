@@ -64,14 +64,18 @@ def check_block_options(options: ExportOptions) -> None:
     """ValueError for an FP8 option the block format has no place for."""
     format_ = "DeepSeek's block FP8 format"
     if options.fp8_kv_cache:
-        raise ValueError(f"--fp8-kv-cache: {format_} stores no KV-cache scales (choose an FP8 KV "
-                         "cache when serving, e.g. vllm serve --kv-cache-dtype fp8)")  # fmt: skip
+        raise ValueError(
+            f"--fp8-kv-cache: {format_} stores no KV-cache scales (choose an FP8 KV "
+            "cache when serving, e.g. vllm serve --kv-cache-dtype fp8)"
+        )
     if "lm_head" not in options.exclude_modules:
         raise ValueError(f"--fp8-lm-head: {format_} keeps lm_head unquantized")
     extra = [p for p in options.exclude_modules if p != "lm_head"]
     if extra:
-        raise ValueError(f"--fp8-exclude {extra[0]}: {format_} quantizes every projection "
-                         "(engines read no list of exceptions from it)")  # fmt: skip
+        raise ValueError(
+            f"--fp8-exclude {extra[0]}: {format_} quantizes every projection "
+            "(engines read no list of exceptions from it)"
+        )
 
 
 def is_block_quantized(hf_name: str) -> bool:
@@ -131,5 +135,6 @@ class DeepSeekBlockFP8:
     @staticmethod
     def _weight_piece(piece: HFPiece) -> HFPiece:
         fp8 = torch.float8_e4m3fn
-        return HFPiece(piece.hf_name, piece.source_name, piece.index, piece.shape, fp8,
-                       quantize_blocks)  # fmt: skip
+        return HFPiece(
+            piece.hf_name, piece.source_name, piece.index, piece.shape, fp8, quantize_blocks
+        )

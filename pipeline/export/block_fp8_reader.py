@@ -79,8 +79,10 @@ class BlockFP8Checkpoint:
             self._fail(f"{module}.weight is fp8 but {module}{_SCALE} is missing")
         grid = tuple(math.ceil(n / b) for n, b in zip(weight.shape, self.block, strict=True))
         if scale.dtype != torch.float32 or tuple(scale.shape) != grid:
-            self._fail(f"{module}{_SCALE} is {scale.dtype} {tuple(scale.shape)}, not float32 "
-                       f"{grid} for a {tuple(weight.shape)} weight")  # fmt: skip
+            self._fail(
+                f"{module}{_SCALE} is {scale.dtype} {tuple(scale.shape)}, not float32 "
+                f"{grid} for a {tuple(weight.shape)} weight"
+            )
         if not (torch.isfinite(scale).all() and bool((scale > 0).all())):
             self._fail(f"{module}{_SCALE} holds a value that is not a positive number")
         if torch.isnan(weight.float()).any():

@@ -27,14 +27,17 @@ DTYPES = ("bfloat16", "float16", "float32")
 @click.command()
 @click.argument("source", type=click.Path(exists=True, path_type=Path))
 @click.option(
-    "--peft", is_flag=True,
+    "--peft",
+    is_flag=True,
     help="A LoRA checkpoint's adapters as Hugging Face PEFT files (peft, vLLM's --lora-modules).",
-)  # fmt: skip
+)
 @click.option(
-    "--base-model", default=None, metavar="HF_DIR_OR_ID",
+    "--base-model",
+    default=None,
+    metavar="HF_DIR_OR_ID",
     help="--peft: the base peft loads the adapters onto (default: the Hugging Face directory "
     "the LoRA run's base came from).",
-)  # fmt: skip
+)
 @click.option("--trtllm", is_flag=True, help="For TensorRT-LLM (a Hugging Face checkpoint).")
 @click.option("--vllm", is_flag=True, help="For vLLM (the same Hugging Face checkpoint).")
 @click.option("--sglang", is_flag=True, help="For SGLang (the same Hugging Face checkpoint).")
@@ -114,9 +117,13 @@ DTYPES = ("bfloat16", "float16", "float32")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option(
-    "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
+    "--no-verify-checksums",
+    "verify_checksums",
+    is_flag=True,
+    default=True,
+    flag_value=False,
     help="pipe input: skip checking each file against its recorded SHA-256 while reading.",
-)  # fmt: skip
+)
 def export(source: Path, output: Path, **options: Any) -> None:
     """Export SOURCE (a pipe checkpoint, a Hugging Face directory or a Megatron torch_dist
     checkpoint) for TensorRT-LLM, vLLM or SGLang; a LoRA checkpoint is exported with its
@@ -130,9 +137,15 @@ def export(source: Path, output: Path, **options: Any) -> None:
         from pipeline.export.peft import PeftExportError, export_peft
 
         try:
-            click.echo(export_peft(source, output, options["iteration"],
-                                   verify_checksums=options["verify_checksums"],
-                                   base_model=base_model))  # fmt: skip
+            click.echo(
+                export_peft(
+                    source,
+                    output,
+                    options["iteration"],
+                    verify_checksums=options["verify_checksums"],
+                    base_model=base_model,
+                )
+            )
         except PeftExportError as e:
             raise click.ClickException(str(e)) from None
         return
@@ -150,12 +163,19 @@ def export(source: Path, output: Path, **options: Any) -> None:
     )
     try:
         summary = run_export(
-            source, output, export_options,
-            target=target, from_format=options["from_format"], calibration=calibration,
-            iteration=options["iteration"], allow_pickle=options["allow_pickle"],
-            verify=options["verify"], overwrite=options["overwrite"], quiet=options["quiet"],
+            source,
+            output,
+            export_options,
+            target=target,
+            from_format=options["from_format"],
+            calibration=calibration,
+            iteration=options["iteration"],
+            allow_pickle=options["allow_pickle"],
+            verify=options["verify"],
+            overwrite=options["overwrite"],
+            quiet=options["quiet"],
             verify_checksums=options["verify_checksums"],
-        )  # fmt: skip
+        )
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     click.echo(summary)
@@ -173,7 +193,7 @@ def _export_options(target: str, options: dict[str, Any]) -> ExportOptions:
         exclude_modules=(
             *(() if options["fp8_lm_head"] else ("lm_head",)),
             *options["fp8_exclude"],
-        ),  # fmt: skip
+        ),
     )
     if target != "legacy":
         return ExportOptions(**common)
@@ -202,8 +222,9 @@ def _target(options: dict[str, Any]) -> str:
     engines = [f"--{name}" for name in ("trtllm", "vllm", "sglang") if options[name]]
     if len(engines) != 1:
         found = f" (got {' and '.join(engines)})" if engines else ""
-        raise click.UsageError(f"say which engine to export for: one of --trtllm, --vllm, "
-                               f"--sglang{found}")  # fmt: skip
+        raise click.UsageError(
+            f"say which engine to export for: one of --trtllm, --vllm, --sglang{found}"
+        )
     if options["trtllm_format"] == "legacy":
         if not options["trtllm"]:
             raise click.UsageError(

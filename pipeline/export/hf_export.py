@@ -65,19 +65,32 @@ def write_hf_export(
     if uses_block_fp8(source):
         check_block_options(options)
         config = {"quantization_config": dict(QUANT_CONFIG)}
-        return write_hf(source, output_dir, dtype=dtype, rewrite=DeepSeekBlockFP8(),
-                        config_extra=config, **common)  # fmt: skip
+        return write_hf(
+            source,
+            output_dir,
+            dtype=dtype,
+            rewrite=DeepSeekBlockFP8(),
+            config_extra=config,
+            **common,
+        )
     if amax is None:
         raise ValueError("an FP8 export needs calibrated activation ranges (amax)")
     patterns = tuple(p for p in options.exclude_modules if p != "lm_head")
     quantizer = ModelOptFP8(
-        source, amax, kv_cache=options.fp8_kv_cache, exclude=patterns,
+        source,
+        amax,
+        kv_cache=options.fp8_kv_cache,
+        exclude=patterns,
         quantize_lm_head="lm_head" not in options.exclude_modules,
-    )  # fmt: skip
+    )
     groups = [group for shard in plan_hf_shards(source, dtype=dtype) for group in shard.groups]
     nested, flat = modelopt_configs(quantizer.ignored(groups), options.fp8_kv_cache, __version__)
     return write_hf(
-        source, output_dir, dtype=dtype, rewrite=quantizer,
-        config_extra={"quantization_config": flat}, extra_json={QUANT_CONFIG_FILE: nested},
+        source,
+        output_dir,
+        dtype=dtype,
+        rewrite=quantizer,
+        config_extra={"quantization_config": flat},
+        extra_json={QUANT_CONFIG_FILE: nested},
         **common,
-    )  # fmt: skip
+    )

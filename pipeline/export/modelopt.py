@@ -162,8 +162,16 @@ class ModelOptFP8:
             for piece, fused_key in zip(group, self._fused_keys(group, fused), strict=True):
                 scale = _scalar(scales_from_amax(weight_amax[fused_key]))
                 make = lambda t, s=scale: quantize(t, s)  # noqa: E731
-                pieces.append(HFPiece(piece.hf_name, piece.source_name, piece.index,
-                                      piece.shape, torch.float8_e4m3fn, make))  # fmt: skip
+                pieces.append(
+                    HFPiece(
+                        piece.hf_name,
+                        piece.source_name,
+                        piece.index,
+                        piece.shape,
+                        torch.float8_e4m3fn,
+                        make,
+                    )
+                )
                 scales = {"weight_scale": scale, "input_scale": self._input_scale(key)}
                 scales |= self._kv_scales(_module(piece), key.split(".")[0])
                 out += self._scale_pieces(_module(piece), scales)

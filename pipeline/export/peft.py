@@ -21,9 +21,13 @@ class PeftExportError(RuntimeError):
 
 
 def export_peft(
-    source: Path, output: Path, iteration: int | None = None, *, verify_checksums: bool = True,
+    source: Path,
+    output: Path,
+    iteration: int | None = None,
+    *,
+    verify_checksums: bool = True,
     base_model: str | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """Write the adapters of the LoRA checkpoint `source` into `output`, naming `base_model` (or
     the Hugging Face base found, module docstring) as their base; returns a summary."""
     from pipeline.checkpoint.layout import CheckpointError

@@ -107,14 +107,19 @@ def run_export(
         with quiet_dcp():
             fmt = detect_format(source_path) if from_format == "auto" else from_format
             source = open_source(
-                source_path, fmt, iteration=iteration, allow_pickle=allow_pickle,
+                source_path,
+                fmt,
+                iteration=iteration,
+                allow_pickle=allow_pickle,
                 verify_checksums=verify_checksums,
-            )  # fmt: skip
+            )
             options, dtype_note = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
             if target == "legacy" and source.model_config.mla is not None:
-                raise ExportError("the legacy TensorRT-LLM format has no latent attention "
-                                  "(DeepSeek-V3): export with --trtllm alone")  # fmt: skip
+                raise ExportError(
+                    "the legacy TensorRT-LLM format has no latent attention "
+                    "(DeepSeek-V3): export with --trtllm alone"
+                )
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
@@ -124,8 +129,9 @@ def run_export(
             total = sum(info.nbytes for info in source.tensors().values())
             start = time.perf_counter()
             with byte_progress(total, quiet, "export") as advance:
-                what = _write(source, source_path, output, options, target, amax, advance,
-                              overwrite)  # fmt: skip
+                what = _write(
+                    source, source_path, output, options, target, amax, advance, overwrite
+                )
             seconds = time.perf_counter() - start
             verdict = _verify(
                 source, output, options, verify, calibration.data, calibrated, model, target
@@ -170,8 +176,15 @@ def _write(
     from pipeline.export.hf_export import source_tokenizer_dir, write_hf_export
 
     tokenizer = source_tokenizer_dir(source_path, source)
-    write_hf_export(source, output, options, amax=amax, tokenizer_dir=tokenizer,
-                    progress=increments(advance), overwrite=overwrite)  # fmt: skip
+    write_hf_export(
+        source,
+        output,
+        options,
+        amax=amax,
+        tokenizer_dir=tokenizer,
+        progress=increments(advance),
+        overwrite=overwrite,
+    )
     kind = "Hugging Face checkpoint"
     if options.fp8:
         from pipeline.export.block_fp8 import uses_block_fp8

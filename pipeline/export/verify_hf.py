@@ -107,7 +107,7 @@ def block_fp8_oracle(checkpoint: BlockFP8Checkpoint) -> tuple[Callable, str]:
             if missing
             else f"transformers cannot dequantize {misread} (a partial block after whole ones)"
         )
-        return checkpoint.model().logits, f"pipe's dequantized model ({why})"  # fmt: skip
+        return checkpoint.model().logits, f"pipe's dequantized model ({why})"
     transformers = import_transformers()
     dequantize = transformers.FineGrainedFP8Config(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -138,8 +138,10 @@ def check_no_saturation(
             part = tensor if len(modules) == 1 else tensor[index]
             amax, limit = _amax_and_limit(checkpoint, module, part)
             if bool((amax > limit * (1 + 1e-6)).any()):
-                raise ValueError(f"{module}.weight saturates: |w| up to {float(amax.max())}"
-                                 " > 448 x its weight scale")  # fmt: skip
+                raise ValueError(
+                    f"{module}.weight saturates: |w| up to {float(amax.max())}"
+                    " > 448 x its weight scale"
+                )
 
 
 def _amax_and_limit(checkpoint, module: str, part: torch.Tensor) -> tuple:

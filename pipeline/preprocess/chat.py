@@ -160,7 +160,6 @@ def _prompt_completion(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
 
 
-
 # ------------------------------------------------------------------------------ the encoder
 
 

@@ -239,4 +239,3 @@ def _surrogate_key(record: dict, keys: tuple[str, ...]) -> str | None:
             if isinstance(s, str) and not s.isascii() and SURROGATE.search(s):
                 return key
     return None
-

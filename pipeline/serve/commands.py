@@ -78,9 +78,13 @@ def open_for_generation(
     mesh = tensor_parallel_mesh(device) if split else None
     try:
         return open_generator(
-            checkpoint, tokenizer=tokenizer, device=device, dtype=torch_dtype, tp_mesh=mesh,
+            checkpoint,
+            tokenizer=tokenizer,
+            device=device,
+            dtype=torch_dtype,
+            tp_mesh=mesh,
             lora_adapter=lora_adapter,
-        )  # fmt: skip
+        )
     except LoadError as error:
         raise click.ClickException(str(error)) from None
 
@@ -142,15 +146,19 @@ def cuda_graphs_choice(options: dict[str, Any]) -> bool | None:
 @click.option("--greedy", is_flag=True, help="Always take the most likely token.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable).")
 @click.option(
-    "--chat", is_flag=True,
+    "--chat",
+    is_flag=True,
     help="Each prompt is a user message, rendered with the tokenizer's chat template (as "
     "pipe serve's /v1/chat/completions renders it); only the reply is printed.",
-)  # fmt: skip
+)
 @click.option("--system", metavar="TEXT", help="With --chat: a system message first.")
 @click.option(
-    "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
     help="Split the model's heads over this many processes (tensor parallel, under torchrun).",
-)  # fmt: skip
+)
 @cuda_graph_options
 def generate(
     checkpoint: str,
@@ -175,9 +183,12 @@ def generate(
     if nproc_per_node > 1 and not launched_by_torchrun():
         relaunch_under_torchrun(nproc_per_node, "generate")
     gen = open_for_generation(
-        checkpoint, options["tokenizer"], options["device"], options["dtype"],
+        checkpoint,
+        options["tokenizer"],
+        options["device"],
+        options["dtype"],
         options["lora_adapter"],
-    )  # fmt: skip
+    )
     if gen.tokenizer is None:
         raise click.ClickException(
             f"{checkpoint}: no tokenizer recorded or found beside it; pass --tokenizer DIR"
@@ -224,10 +235,14 @@ def _sampling(options: dict[str, Any]):
 
     try:
         return SamplingParams(
-            max_new_tokens=options["max_new_tokens"], temperature=options["temperature"],
-            top_k=options["top_k"], top_p=options["top_p"], seed=options["seed"],
-            greedy=options["greedy"], stop=tuple(options["stop"]),
-        )  # fmt: skip
+            max_new_tokens=options["max_new_tokens"],
+            temperature=options["temperature"],
+            top_k=options["top_k"],
+            top_p=options["top_p"],
+            seed=options["seed"],
+            greedy=options["greedy"],
+            stop=tuple(options["stop"]),
+        )
     except BadSamplingValue as error:
         raise click.BadParameter(str(error)) from None
 
@@ -238,30 +253,43 @@ def engine_options(command):
     command = cuda_graph_options(command)
     options = [
         click.option(
-            "--max-batch", type=click.IntRange(min=0), default=0, show_default=True,
+            "--max-batch",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
             help="Requests at once; 0: as many as the KV cache holds (up to 256).",
         ),
         click.option(
-            "--kv-cache-mb", type=click.IntRange(min=1), default=256, show_default=True,
-            help="Memory for the KV cache, in MB (how many tokens all requests together may "
-            "hold).",
+            "--kv-cache-mb",
+            type=click.IntRange(min=1),
+            default=256,
+            show_default=True,
+            help="Memory for the KV cache, in MB (how many tokens all requests together may hold).",
         ),
         click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True),
         click.option(
-            "--prefill-chunk", type=click.IntRange(min=1), default=2048, show_default=True,
+            "--prefill-chunk",
+            type=click.IntRange(min=1),
+            default=2048,
+            show_default=True,
             help="Prompt tokens per engine step (longer prompts are split over steps).",
         ),
         click.option(
-            "--engine-threads", type=click.IntRange(min=0), default=0, show_default=True,
+            "--engine-threads",
+            type=click.IntRange(min=0),
+            default=0,
+            show_default=True,
             help="CPU threads of the engine process; 0: every core but one (that one left to "
             "the HTTP server, as vLLM's CPU build does).",
         ),
         click.option(
-            "--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+            "--prefix-cache/--no-prefix-cache",
+            default=True,
+            show_default=True,
             help="Keep full KV blocks after their request and reuse them for prompts that begin "
             "alike.",
         ),
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         command = option(command)
     return command
@@ -273,14 +301,19 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
 
     tokenizer, adapter = options.pop("tokenizer"), options.pop("lora_adapter")
     return EngineSpec(
-        checkpoint=checkpoint, tokenizer=None if tokenizer is None else str(tokenizer),
-        device=str(_device(options.pop("device"))), dtype=_DTYPE_NAMES[options.pop("dtype")],
-        kv_cache_bytes=options.pop("kv_cache_mb") * 2**20, block_size=options.pop("block_size"),
-        max_batch=options.pop("max_batch"), prefill_chunk=options.pop("prefill_chunk"),
-        threads=options.pop("engine_threads"), prefix_caching=options.pop("prefix_cache"),
+        checkpoint=checkpoint,
+        tokenizer=None if tokenizer is None else str(tokenizer),
+        device=str(_device(options.pop("device"))),
+        dtype=_DTYPE_NAMES[options.pop("dtype")],
+        kv_cache_bytes=options.pop("kv_cache_mb") * 2**20,
+        block_size=options.pop("block_size"),
+        max_batch=options.pop("max_batch"),
+        prefill_chunk=options.pop("prefill_chunk"),
+        threads=options.pop("engine_threads"),
+        prefix_caching=options.pop("prefix_cache"),
         lora_adapter=None if adapter is None else str(adapter),
         cuda_graphs=cuda_graphs_choice(options),
-    )  # fmt: skip
+    )
 
 
 @click.command()
@@ -289,28 +322,39 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
 @click.option("--port", type=int, default=8000, show_default=True)
 @engine_options
 @click.option(
-    "--max-waiting", type=click.IntRange(min=1), default=64, show_default=True,
+    "--max-waiting",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
     help="Requests in flight beyond the batch after which new ones get 503 + Retry-After.",
-)  # fmt: skip
+)
 @click.option(
-    "--model-name", "--served-model-name", "model_name", default=None,
+    "--model-name",
+    "--served-model-name",
+    "model_name",
+    default=None,
     help="The model's name in /v1/models and the answers (default: CHECKPOINT as given).",
-)  # fmt: skip
+)
 @lora_options
 @click.option(
-    "--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+    "--tool-call-parser",
+    type=click.Choice(TOOL_CALL_PARSERS),
+    default=None,
     help="How the model writes tool calls (vLLM's names): llama3_json (Llama 3.x JSON), hermes "
     "(Hermes/Qwen <tool_call> tags), pythonic ([f(x=1)]).",
-)  # fmt: skip
+)
 @click.option(
-    "--enable-auto-tool-choice", is_flag=True,
+    "--enable-auto-tool-choice",
+    is_flag=True,
     help='Serve tool_choice "auto" (the default when a request has tools): the reply is read '
     "for calls by --tool-call-parser.",
-)  # fmt: skip
+)
 @click.option(
-    "--access-log/--no-access-log", default=False, show_default=True,
+    "--access-log/--no-access-log",
+    default=False,
+    show_default=True,
     help="One line per HTTP request on stderr (client, method, path, status).",
-)  # fmt: skip
+)
 def serve(checkpoint: str, **options: Any) -> None:
     """Serve CHECKPOINT over an OpenAI-compatible HTTP API (FastAPI + uvicorn); the model runs
     in a process of its own."""
@@ -328,8 +372,9 @@ def serve(checkpoint: str, **options: Any) -> None:
     if hint is not None:
         raise click.ClickException(hint)
     try:
-        options["tools"] = ToolServing(options.pop("tool_call_parser"),
-                                       options.pop("enable_auto_tool_choice"))  # fmt: skip
+        options["tools"] = ToolServing(
+            options.pop("tool_call_parser"), options.pop("enable_auto_tool_choice")
+        )
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     adapters, runtime_lora = adapter_settings(options)

@@ -23,23 +23,47 @@ from pipeline.serve.commands import engine_options, engine_spec, model_options
 @click.command(name="eval")
 @model_options
 @click.option("--tasks", required=True, help="lm-eval task names, comma-separated.")
-@click.option("--num-fewshot", type=click.IntRange(min=0), default=None,
-              help="Examples in each prompt (default: each task's own).")  # fmt: skip
-@click.option("--limit", type=float, default=None,
-              help="Documents per task (below 1: that fraction of them).")  # fmt: skip
-@click.option("--include-path", type=click.Path(exists=True, file_okay=False),
-              help="A folder of task YAMLs beside lm-eval's own.")  # fmt: skip
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the harness's results (JSON) here.")  # fmt: skip
-@click.option("--log-samples", is_flag=True,
-              help="With --output: every request and answer too, per document.")  # fmt: skip
-@click.option("--chat", is_flag=True,
-              help="Prompts through the chat template (local-chat-completions; generation "
-              "tasks only).")  # fmt: skip
-@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Prompts per scoring request.")  # fmt: skip
-@click.option("--num-concurrent", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Requests in flight at once.")  # fmt: skip
+@click.option(
+    "--num-fewshot",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Examples in each prompt (default: each task's own).",
+)
+@click.option(
+    "--limit", type=float, default=None, help="Documents per task (below 1: that fraction of them)."
+)
+@click.option(
+    "--include-path",
+    type=click.Path(exists=True, file_okay=False),
+    help="A folder of task YAMLs beside lm-eval's own.",
+)
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the harness's results (JSON) here.",
+)
+@click.option(
+    "--log-samples", is_flag=True, help="With --output: every request and answer too, per document."
+)
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="Prompts through the chat template (local-chat-completions; generation tasks only).",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Prompts per scoring request.",
+)
+@click.option(
+    "--num-concurrent",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Requests in flight at once.",
+)
 @engine_options
 def evaluate(checkpoint: str, **options: Any) -> None:
     """Evaluate CHECKPOINT (a pipe checkpoint or a Hugging Face directory) on lm-eval tasks,
@@ -77,10 +101,16 @@ def _harness_run(options: dict[str, Any]):
     manager = task_manager(tasks, include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown or not tasks:
-        raise click.BadParameter(f"unknown task {unknown[0] if unknown else '(none given)'}",
-                                 param_hint="--tasks")  # fmt: skip
+        raise click.BadParameter(
+            f"unknown task {unknown[0] if unknown else '(none given)'}", param_hint="--tasks"
+        )
     return HarnessRun(
-        tasks=tasks, num_fewshot=options.pop("num_fewshot"), limit=options.pop("limit"),
-        task_manager=manager, chat=options.pop("chat"), batch_size=options.pop("batch_size"),
-        num_concurrent=options.pop("num_concurrent"), log_samples=options.pop("log_samples"),
-    )  # fmt: skip
+        tasks=tasks,
+        num_fewshot=options.pop("num_fewshot"),
+        limit=options.pop("limit"),
+        task_manager=manager,
+        chat=options.pop("chat"),
+        batch_size=options.pop("batch_size"),
+        num_concurrent=options.pop("num_concurrent"),
+        log_samples=options.pop("log_samples"),
+    )

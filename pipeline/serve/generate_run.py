@@ -32,9 +32,14 @@ def run_generation(
     block_size = 16
     blocks = sum(-(-(len(ids) + params.max_new_tokens) // block_size) for ids in encoded)
     engine = Engine(
-        gen.model, max_batch=len(prompts), cache_blocks=max(blocks, 1), block_size=block_size,
-        max_waiting=len(prompts), tp=gen.tp, cuda_graphs=cuda_graphs,
-    )  # fmt: skip
+        gen.model,
+        max_batch=len(prompts),
+        cache_blocks=max(blocks, 1),
+        block_size=block_size,
+        max_waiting=len(prompts),
+        tp=gen.tp,
+        cuda_graphs=cuda_graphs,
+    )
     texts = {engine.add(ids, params): RequestText(gen.decode, params, ids) for ids in encoded}
     streaming = len(prompts) == 1
     if streaming:

@@ -133,9 +133,12 @@ def set_objective(
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--recipe", metavar="NAME_OR_PATH", help="Shipped recipe name or a .toml file.")
 @click.option(
-    "--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
     help="Override any config field (repeatable), e.g. --set training.eval_interval=50.",
-)  # fmt: skip
+)
 @click.option("--data", metavar="BLEND", help='Data blend: "PREFIX" or "W1 PREFIX1 W2 PREFIX2".')
 @click.option("--iters", type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--seq-length", type=click.IntRange(min=1), help="Tokens per sample.")
@@ -145,47 +148,63 @@ def set_objective(
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), help="Where to train.")
 @click.option("--save", metavar="DIR", help="Checkpoint directory (default: RUN_DIR/checkpoints).")
 @click.option(
-    "--load", metavar="DIR",
+    "--load",
+    metavar="DIR",
     help="Resume from DIR's latest checkpoint (or an iter_ dir), or start from a Hugging Face "
     "model directory (its config.json and weights; iteration 0).",
-)  # fmt: skip
+)
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor (+ sequence) parallel.")
 @click.option("--pp", type=int, default=1, show_default=True, help="Pipeline parallel.")
 @click.option("--cp", type=int, default=1, show_default=True, help="Context parallel.")
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert parallel (MoE).")
 @click.option(
-    "--dp", type=int, default=-1, show_default=True,
+    "--dp",
+    type=int,
+    default=-1,
+    show_default=True,
     help="Data parallel (FSDP2) degree; -1: the world size.",
-)  # fmt: skip
+)
 @click.option(
-    "--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
     help="Processes on this node: N > 1 re-launches under torchrun.",
-)  # fmt: skip
+)
 @click.option(
-    "--fp8", type=click.Choice(list(FP8_BACKENDS + FP8_RECIPES)),
+    "--fp8",
+    type=click.Choice(list(FP8_BACKENDS + FP8_RECIPES)),
     help="FP8 training backend (torchao or te), optionally with its scaling (torchao:rowwise).",
-)  # fmt: skip
+)
 @click.option(
-    "--lora", is_flag=True, default=None,
+    "--lora",
+    is_flag=True,
+    default=None,
     help="Train LoRA adapters ([lora] section) on a frozen base; checkpoints hold adapters only.",
-)  # fmt: skip
+)
 @click.option(
-    "--lora-base", metavar="CKPT",
+    "--lora-base",
+    metavar="CKPT",
     help="With --lora: the pipe checkpoint holding the frozen base (else --load's full one or "
     "Hugging Face directory).",
-)  # fmt: skip
+)
 @click.option("--finetune", is_flag=True, help="With --load: take weights only, start at step 0.")
 @objective_options
 @click.option(
-    "--no-verify-checksums", "verify_checksums", is_flag=True, default=True, flag_value=False,
+    "--no-verify-checksums",
+    "verify_checksums",
+    is_flag=True,
+    default=True,
+    flag_value=False,
     help="With --load: skip checking each file against its recorded SHA-256 while reading.",
-)  # fmt: skip
+)
 @click.option("--run-dir", metavar="DIR", help="Run directory (default: runs/<recipe or 'run'>).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved run and its cost; build nothing.")
 @click.option(
-    "--gpu", metavar="NAME",
+    "--gpu",
+    metavar="NAME",
     help="With --dry-run: say whether the memory per device fits this GPU (e.g. h100, a100-40gb).",
-)  # fmt: skip
+)
 @click.pass_context
 def train(
     ctx: click.Context,
@@ -280,8 +299,9 @@ def _run(cfg: object) -> None:
         sys.exit(EXIT_SIGINT)
     if result.stop_reason not in ("finished", "evaluated"):
         resume = " (resume with --load)" if result.checkpoint else ""
-        click.echo(f"{result.stop_reason} at iteration {result.iteration}; {saved}{resume}",
-                   err=True)  # fmt: skip
+        click.echo(
+            f"{result.stop_reason} at iteration {result.iteration}; {saved}{resume}", err=True
+        )
 
 
 if __name__ == "__main__":  # `python -m pipeline.train.commands ...` (tests, debugging)

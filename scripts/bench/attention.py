@@ -95,9 +95,15 @@ def _flash_attn_varlen() -> Callable:
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         longest = int(lengths.max())
         out = flash_attn_varlen_func(
-            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-            cu, cu, longest, longest, causal=True,
-        )  # fmt: skip
+            q[0].transpose(0, 1),
+            k[0].transpose(0, 1),
+            v[0].transpose(0, 1),
+            cu,
+            cu,
+            longest,
+            longest,
+            causal=True,
+        )
         return out.transpose(0, 1)[None]
 
     return run
@@ -165,8 +171,9 @@ def _outputs(run: Callable, q, k, v, docs) -> list:
 
 
 def _max_rel_err(got: list, expected: list) -> float:
-    return max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in
-               zip(got, expected))  # fmt: skip
+    return max(
+        float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, expected)
+    )
 
 
 def measure(name: str, factory: Callable, inputs: tuple, repeat: int, reference: list | None):
@@ -194,18 +201,25 @@ def record(args: argparse.Namespace, results: dict, device, dtype) -> dict:
     from pipeline.core.kernels.attention_choice import AttentionShape, device_name, record_choice
 
     tolerance = 2e-2 if str(dtype) == "torch.bfloat16" else 1e-4
-    agrees = {name: name == "pipe:sdpa" or r.get("max_rel_err", math.inf) <= tolerance
-              for name, r in results.items()}  # fmt: skip
+    agrees = {
+        name: name == "pipe:sdpa" or r.get("max_rel_err", math.inf) <= tolerance
+        for name, r in results.items()
+    }
     timings = {
-        name.removeprefix("pipe:"): r["ms"] for name, r in results.items()
+        name.removeprefix("pipe:"): r["ms"]
+        for name, r in results.items()
         if name.startswith("pipe:") and "ms" in r and agrees[name]
-    }  # fmt: skip
+    }
     if not timings:
         return {"error": "none of pipe's backends ran: nothing recorded"}
     shape = AttentionShape(
-        args.seq, args.heads, args.kv_heads, args.head_dim, str(dtype).removeprefix("torch."),
+        args.seq,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+        str(dtype).removeprefix("torch."),
         document_masking=True,
-    )  # fmt: skip
+    )
     gpu = device_name(device)
     entry = record_choice(gpu, shape, timings, Path(args.record))
     return {"backend": entry["backend"], "key": shape.key(gpu), "file": str(args.record)}
@@ -277,10 +291,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--record", nargs="?", const="", default=None, type=str, metavar="FILE",
+        "--record",
+        nargs="?",
+        const="",
+        default=None,
+        type=str,
+        metavar="FILE",
         help="write the fastest of pipe's backends for this GPU and shape as auto's choice, into "
         "pipe's cache ($PIPE_CACHE_DIR or ~/.cache/pipe/attention_backends.json) or FILE",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     return parser.parse_args()
 

@@ -90,8 +90,13 @@ def run_child(what: str, arguments: list[str]) -> tuple[float, float]:
     """(seconds, peak RSS in GB) of `python -m pipeline ARGUMENTS` in a fresh process."""
     with tempfile.TemporaryFile("w+") as output:
         command = [sys.executable, "-m", "pipeline", *arguments]
-        launcher = subprocess.run([sys.executable, MEASURED_RUN, *command], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=output, text=True)  # fmt: skip
+        launcher = subprocess.run(
+            [sys.executable, MEASURED_RUN, *command],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=output,
+            text=True,
+        )
         output.seek(0)
         text = output.read().strip()
     if launcher.returncode != 0:

@@ -46,8 +46,16 @@ def load(port: int, concurrency: int, requests: int, new_tokens: int, seed: int)
 
     def one(prompt: list[int]) -> float:
         begin = time.perf_counter()
-        answer = post(port, {"model": None, "prompt": prompt, "max_tokens": new_tokens,
-                             "temperature": 0, "ignore_eos": True})  # fmt: skip
+        answer = post(
+            port,
+            {
+                "model": None,
+                "prompt": prompt,
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert answer["usage"]["completion_tokens"] == new_tokens, answer
         return time.perf_counter() - begin
 
@@ -55,9 +63,12 @@ def load(port: int, concurrency: int, requests: int, new_tokens: int, seed: int)
     with ThreadPoolExecutor(concurrency) as pool:
         latencies = sorted(pool.map(one, prompts))
     wall = time.perf_counter() - begin
-    return {"req_s": requests / wall, "tok_s": requests * new_tokens / wall,
-            "p50": statistics.median(latencies),
-            "p90": latencies[int(0.9 * (len(latencies) - 1))]}  # fmt: skip
+    return {
+        "req_s": requests / wall,
+        "tok_s": requests * new_tokens / wall,
+        "p50": statistics.median(latencies),
+        "p90": latencies[int(0.9 * (len(latencies) - 1))],
+    }
 
 
 def main() -> None:
@@ -81,15 +92,19 @@ def main() -> None:
             for threads in values:
                 # serve.py's start: its log to a file, never a pipe nobody drains
                 log = Path(tempfile.gettempdir()) / f"engine_threads_{threads}.log"
-                server = start_pipe(args.model_dir, args.port, log,
-                                    ["--engine-threads", str(threads)])  # fmt: skip
+                server = start_pipe(
+                    args.model_dir, args.port, log, ["--engine-threads", str(threads)]
+                )
                 try:
                     post(args.port, {"prompt": [5] * 8, "max_tokens": 2})  # warm up
                     for concurrency in map(int, args.concurrency.split(",")):
                         f = load(args.port, concurrency, args.requests, args.new_tokens, round_)
-                        print(f"round {round_ + 1} --engine-threads {threads} c={concurrency}: "
-                              f"{f['req_s']:.2f} req/s {f['tok_s']:7.1f} tok/s latency p50 "
-                              f"{f['p50']:.2f} s p90 {f['p90']:.2f} s", flush=True)  # fmt: skip
+                        print(
+                            f"round {round_ + 1} --engine-threads {threads} c={concurrency}: "
+                            f"{f['req_s']:.2f} req/s {f['tok_s']:7.1f} tok/s latency p50 "
+                            f"{f['p50']:.2f} s p90 {f['p90']:.2f} s",
+                            flush=True,
+                        )
                 finally:
                     server.terminate()
                     server.wait(60)

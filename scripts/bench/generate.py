@@ -35,10 +35,16 @@ def build_hf(directory: Path, args: argparse.Namespace) -> None:
 
     transformers = import_transformers()
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-        max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
@@ -61,11 +67,18 @@ def hf_generate(model, prompts: list[list[int]], new: int):
 
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                        device=model.device)  # fmt: skip
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+    )
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return out[:, width:].tolist()
 
 
@@ -74,8 +87,14 @@ def pipe_generate(model, prompts: list[list[int]], new: int):
     from pipeline.serve.engine.sampling import SamplingParams
 
     blocks = len(prompts) * (-(-(max(map(len, prompts)) + new) // 16))
-    engine = Engine(model, max_batch=len(prompts), cache_blocks=blocks, block_size=16,
-                    max_waiting=len(prompts), prefill_chunk=4096)  # fmt: skip
+    engine = Engine(
+        model,
+        max_batch=len(prompts),
+        cache_blocks=blocks,
+        block_size=16,
+        max_waiting=len(prompts),
+        prefill_chunk=4096,
+    )
     requests = engine.generate(prompts, SamplingParams(max_new_tokens=new, greedy=True))
     return [r.output for r in requests]
 
@@ -110,8 +129,10 @@ def main() -> None:
     ]
     prompts = [torch.randint(0, 32000, (n,), generator=generator).tolist() for n in lengths]
     params = sum(p.numel() for p in ours.parameters()) / 1e6
-    print(f"device {device} ({dtype}), {params:.0f}M params, {args.new_tokens} new tokens, "
-          f"torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"device {device} ({dtype}), {params:.0f}M params, {args.new_tokens} new tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     figures = []
     for label, batch in (("batch 1", prompts[:1]), (f"batch {args.batch}", prompts)):
         tokens = len(batch) * args.new_tokens
@@ -120,15 +141,26 @@ def main() -> None:
         same = "same tokens" if pipe_out == hf_out else "tokens differ"
         if len(batch) > 1:
             same = f"{sum(a == b for a, b in zip(pipe_out, hf_out))}/{len(batch)} rows equal"
-        print(f"{label:>9}: transformers {tokens / hf_s:8.1f} tok/s | pipe {tokens / pipe_s:8.1f}"
-              f" tok/s | pipe / transformers {hf_s / pipe_s:5.2f}x | {same}")  # fmt: skip
+        print(
+            f"{label:>9}: transformers {tokens / hf_s:8.1f} tok/s | pipe {tokens / pipe_s:8.1f}"
+            f" tok/s | pipe / transformers {hf_s / pipe_s:5.2f}x | {same}"
+        )
         figures.append(
-            {"batch": len(batch), "transformers_tok_s": tokens / hf_s,
-             "pipe_tok_s": tokens / pipe_s, "ratio": hf_s / pipe_s, "same": same}
-        )  # fmt: skip
+            {
+                "batch": len(batch),
+                "transformers_tok_s": tokens / hf_s,
+                "pipe_tok_s": tokens / pipe_s,
+                "ratio": hf_s / pipe_s,
+                "same": same,
+            }
+        )
         if args.json:  # after every batch size: a run stopped part-way keeps what it timed
-            record = {"device": str(device), "dtype": str(dtype), "params_m": params,
-                      "runs": figures}  # fmt: skip
+            record = {
+                "device": str(device),
+                "dtype": str(dtype),
+                "params_m": params,
+                "runs": figures,
+            }
             args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -48,10 +48,13 @@ SCHEMA = {
     "additionalProperties": False,
 }
 INSTANCE = {
-    "id": 4312, "name": "Kernel", "kind": "directory", "score": 3.25,
+    "id": 4312,
+    "name": "Kernel",
+    "kind": "directory",
+    "score": 3.25,
     "tags": ["linux docs", "memory manager", "scheduler"],
     "owner": {"uid": 1000, "login": "torvalds"},
-}  # fmt: skip
+}
 
 
 def tiny_tokenizer(directory: Path) -> Path:
@@ -93,15 +96,20 @@ def bench_xgrammar(path: Path, vocab: int, eos: int, tokens: list[int], repeat: 
         encoded = [tok.id_to_token(i) or "" for i in range(vocab)]
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(text)
         return xgr.TokenizerInfo(
-            encoded, meta["vocab_type"], vocab_size=vocab, stop_token_ids=[eos],
+            encoded,
+            meta["vocab_type"],
+            vocab_size=vocab,
+            stop_token_ids=[eos],
             add_prefix_space=meta["add_prefix_space"],
-        )  # fmt: skip
+        )
 
     info, prep = timed(prepare)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     schema = json.dumps(SCHEMA)
-    compiles = [timed(lambda: compiler.compile_json_schema(schema, any_whitespace=False))[1]
-                for _ in range(repeat)]  # fmt: skip
+    compiles = [
+        timed(lambda: compiler.compile_json_schema(schema, any_whitespace=False))[1]
+        for _ in range(repeat)
+    ]
     grammar = compiler.compile_json_schema(schema, any_whitespace=False)
 
     def fresh():
@@ -236,10 +244,16 @@ def engine_cost(tokenizer: Path, args: argparse.Namespace) -> None:
         vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
         vocab_size = len(vocab) + 256
         config = transformers.LlamaConfig(
-            vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-            num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-            max_position_embeddings=1024, eos_token_id=None, bos_token_id=None,
-        )  # fmt: skip
+            vocab_size=vocab_size,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 3,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=1024,
+            eos_token_id=None,
+            bos_token_id=None,
+        )
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(directory)
         shutil.copy(tokenizer, Path(directory) / "tokenizer.json")
@@ -255,8 +269,12 @@ def engine_cost(tokenizer: Path, args: argparse.Namespace) -> None:
             engine = Engine(gen.model, max_batch=batch, cache_blocks=4096, grammars=grammars)
             for row in range(batch):  # no stop token: every row runs all the steps
                 structured = schema if row < constrained else None
-                engine.add(prompt, SamplingParams(max_new_tokens=steps + 1, seed=row,
-                                                  structured_output=structured))  # fmt: skip
+                engine.add(
+                    prompt,
+                    SamplingParams(
+                        max_new_tokens=steps + 1, seed=row, structured_output=structured
+                    ),
+                )
             engine.step()  # the prefill, and each matcher's first mask
             start = time.perf_counter()
             for _ in range(steps):
@@ -278,8 +296,11 @@ def engine_cost(tokenizer: Path, args: argparse.Namespace) -> None:
     )
 
 
-ENGINES = {"xgrammar": bench_xgrammar, "llguidance": bench_llguidance,
-           "outlines-core": bench_outlines}  # fmt: skip
+ENGINES = {
+    "xgrammar": bench_xgrammar,
+    "llguidance": bench_llguidance,
+    "outlines-core": bench_outlines,
+}
 
 
 def main() -> None:
@@ -312,8 +333,10 @@ def main() -> None:
             tokens = tok.encode(instance, add_special_tokens=False).ids + [eos]
             for name in args.engines.split(","):
                 row = ENGINES[name](path, vocab, eos, tokens, args.repeat)
-                print(f"{label:16} {name:14} {row['prepare']:10.2f} {row['compile'] * 1e3:11.1f} "
-                      f"{row['token'] * 1e6:9.1f}")  # fmt: skip
+                print(
+                    f"{label:16} {name:14} {row['prepare']:10.2f} {row['compile'] * 1e3:11.1f} "
+                    f"{row['token'] * 1e6:9.1f}"
+                )
             apply = masked_cost(vocab, 1, args.repeat)
             print(f"{label:16} {'apply (pipe)':14} {'':10} {'':11} {apply * 1e6:9.1f}")
         engine_cost(paths[list(paths)[-1]], args)

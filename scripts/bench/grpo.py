@@ -102,18 +102,39 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
     iters = args.warmup + args.steps
     cpu = args.device == "cpu"
     sets = [
-        *(["training.dtype=fp32", "model.num_layers=4", "model.hidden_size=256",
-           "model.num_attention_heads=4", "model.num_kv_heads=2", "model.ffn_hidden_size=768",
-           "model.vocab_size=512", "data.seq_length=128", "grpo.max_completion_length=64",
-           "training.global_batch_size=8", "training.micro_batch_size=4"] if cpu else []),
+        *(
+            [
+                "training.dtype=fp32",
+                "model.num_layers=4",
+                "model.hidden_size=256",
+                "model.num_attention_heads=4",
+                "model.num_kv_heads=2",
+                "model.ffn_hidden_size=768",
+                "model.vocab_size=512",
+                "data.seq_length=128",
+                "grpo.max_completion_length=64",
+                "training.global_batch_size=8",
+                "training.micro_batch_size=4",
+            ]
+            if cpu
+            else []
+        ),
         *args.sets,
-        "data.mock=false", "data.kind=grpo", f"data.blend={prompts}",
+        "data.mock=false",
+        "data.kind=grpo",
+        f"data.blend={prompts}",
         f"data.tokenizer={tokenizer}",
-        "data.split=100,0,0", "data.num_workers=0", "training.eval_interval=0",
-        f"training.iters={iters}", "scheduler.warmup_iters=0", f"scheduler.decay_iters={iters}",
-        f"training.device={args.device}", f"logging.run_dir={work / 'run'}",
-        "checkpoint.save_interval=1000", 'grpo.reward_funcs=["accuracy", "format"]',
-    ]  # fmt: skip
+        "data.split=100,0,0",
+        "data.num_workers=0",
+        "training.eval_interval=0",
+        f"training.iters={iters}",
+        "scheduler.warmup_iters=0",
+        f"scheduler.decay_iters={iters}",
+        f"training.device={args.device}",
+        f"logging.run_dir={work / 'run'}",
+        "checkpoint.save_interval=1000",
+        'grpo.reward_funcs=["accuracy", "format"]',
+    ]
     trainer = Trainer(resolve_config(args.recipe, sets), console=False)
     objective, timer = trainer.objective, PartTimer(trainer.device)
     captured: list[dict] = []
@@ -165,10 +186,16 @@ def _capture_generation(cls, captured: list[dict]) -> None:
         engine = self.engine
         outs = original(self, prompts, params)
         captured.append(
-            dict(prompts=prompts, params=params, rows=outs.completions, weights=weights,
-                 tokens=outs.generated_tokens, seconds=outs.seconds,
-                 new_engine=self.engine is not engine)
-        )  # fmt: skip
+            dict(
+                prompts=prompts,
+                params=params,
+                rows=outs.completions,
+                weights=weights,
+                tokens=outs.generated_tokens,
+                seconds=outs.seconds,
+                new_engine=self.engine is not engine,
+            )
+        )
         return outs
 
     cls.generate = generate
@@ -187,11 +214,18 @@ def _engine_alone(
 
     everything = warm + timed
     rows = max(sum(len(group) for group in c["params"]) for c in everything)
-    longest = max(max(len(p) for p in c["prompts"]) + c["params"][0][0].max_new_tokens
-                  for c in everything)  # fmt: skip
+    longest = max(
+        max(len(p) for p in c["prompts"]) + c["params"][0][0].max_new_tokens for c in everything
+    )
     blocks = rows * -(-longest // ROLLOUT_BLOCK)
-    engine = engine_class(module, max_batch=rows, cache_blocks=blocks, block_size=ROLLOUT_BLOCK,
-                          prefill_chunk=4096, max_waiting=rows)  # fmt: skip
+    engine = engine_class(
+        module,
+        max_batch=rows,
+        cache_blocks=blocks,
+        block_size=ROLLOUT_BLOCK,
+        prefill_chunk=4096,
+        max_waiting=rows,
+    )
     module.eval()
     tokens, seconds = 0, []
     with torch.no_grad():
@@ -222,8 +256,10 @@ def main() -> None:
         contextlib.redirect_stdout(sys.stderr),  # the trainer's own lines stay off stdout
     ):
         result = _measure(args, Path(work))
-    print(f"device {result['device']}: {result['step_s'] * 1e3:.0f} ms per GRPO step, "
-          f"{result['completions_per_step']} completions")  # fmt: skip
+    print(
+        f"device {result['device']}: {result['step_s'] * 1e3:.0f} ms per GRPO step, "
+        f"{result['completions_per_step']} completions"
+    )
     for part, share in result["shares"].items():
         print(f"  {part:26s} {100 * share:5.1f}%")
     print(

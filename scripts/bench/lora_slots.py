@@ -42,11 +42,15 @@ def case(width: tuple[int, int], rows: int, adapters: int, rank: int, tokens: in
     x = torch.randn(rows, tokens, inp, generator=generator)
     chosen = [adapters if i % 4 == 3 else i % adapters for i in range(rows)]
     index = torch.tensor(chosen)
-    groups = {s: torch.tensor([i for i, c in enumerate(chosen) if c == s])
-              for s in sorted(set(chosen) - {adapters})}  # fmt: skip
+    groups = {
+        s: torch.tensor([i for i, c in enumerate(chosen) if c == s])
+        for s in sorted(set(chosen) - {adapters})
+    }
     repeats = 200 if inp < 2048 else 30
-    return (timed(lambda: gathered_lora(x, a, b, index), repeats),
-            timed(lambda: grouped_lora(x, a, b, groups), repeats))  # fmt: skip
+    return (
+        timed(lambda: gathered_lora(x, a, b, index), repeats),
+        timed(lambda: grouped_lora(x, a, b, groups), repeats),
+    )
 
 
 def main() -> None:
@@ -64,8 +68,10 @@ def main() -> None:
                 if adapters > rows:
                     continue
                 gather, grouped = case(width, rows, adapters, args.rank, args.tokens)
-                print(f"{width[0]:>5}->{width[1]:<6} {rows:>5} {adapters:>5} {gather:>10.1f} "
-                      f"{grouped:>11.1f} {grouped / gather:5.2f}")  # fmt: skip
+                print(
+                    f"{width[0]:>5}->{width[1]:<6} {rows:>5} {adapters:>5} {gather:>10.1f} "
+                    f"{grouped:>11.1f} {grouped / gather:5.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ def measure(args: argparse.Namespace) -> dict:
     weight = torch.randn(args.vocab, args.hidden, device=device, dtype=dtype) * 0.02
     weight.requires_grad_()
     labels = torch.randint(0, args.vocab, (args.tokens,), device=device)
-    scorers = {"eager": cross_entropy.CompiledScorer(devices=()),
-               "compiled": cross_entropy.CompiledScorer(devices=(device,))}  # fmt: skip
+    scorers = {
+        "eager": cross_entropy.CompiledScorer(devices=()),
+        "compiled": cross_entropy.CompiledScorer(devices=(device,)),
+    }
     name = device_name(torch.device(device))
     shape = [args.tokens, args.hidden, args.vocab]
     record: dict = {"device": name, "dtype": str(dtype), "shape": shape}
@@ -89,12 +91,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     record = measure(args)
-    print(f"output layer + loss fwd+bwd on {record['device']} ({record['dtype']}), tokens x hidden "
-          f"x vocab = {' x '.join(map(str, record['shape']))}")  # fmt: skip
+    print(
+        f"output layer + loss fwd+bwd on {record['device']} ({record['dtype']}), tokens x hidden "
+        f"x vocab = {' x '.join(map(str, record['shape']))}"
+    )
     print(f"  eager chunk scoring     {record['eager_ms']:9.2f} ms")
-    print(f"  compiled chunk scoring  {record['compiled_ms']:9.2f} ms   "
-          f"{record['compiled_over_eager']:.2f}x eager's time, "
-          f"{record['saved_us_per_token']:.3f} us saved per token")  # fmt: skip
+    print(
+        f"  compiled chunk scoring  {record['compiled_ms']:9.2f} ms   "
+        f"{record['compiled_over_eager']:.2f}x eager's time, "
+        f"{record['saved_us_per_token']:.3f} us saved per token"
+    )
     if record.get("compile_failed"):
         print("  (compiling failed: the compiled row ran eager)")
     if args.json:

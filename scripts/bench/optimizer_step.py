@@ -40,10 +40,16 @@ def measure(name: str, model, args: argparse.Namespace) -> dict:
     from pipeline.train.optimizers import build_optimizer, state_bytes_per_param
 
     optimizer_name, _, dtype = name.partition(":")
-    cfg = resolve_config(args.recipe, [
-        *args.sets, f"optimizer.name={optimizer_name}",
-        f"optimizer.state_dtype={dtype or 'fp32'}", f"training.device={args.device}",
-    ], world_size=1)  # fmt: skip
+    cfg = resolve_config(
+        args.recipe,
+        [
+            *args.sets,
+            f"optimizer.name={optimizer_name}",
+            f"optimizer.state_dtype={dtype or 'fp32'}",
+            f"training.device={args.device}",
+        ],
+        world_size=1,
+    )
     optimizer = build_optimizer(model, cfg)
     for _ in range(args.warmup):
         optimizer.step()
@@ -54,9 +60,11 @@ def measure(name: str, model, args: argparse.Namespace) -> dict:
     _sync(args.device)
     seconds = (time.perf_counter() - start) / args.steps
     state = sum(
-        t.nbytes for s in optimizer.state.values() for k, t in s.items()
+        t.nbytes
+        for s in optimizer.state.values()
+        for k, t in s.items()
         if isinstance(t, torch.Tensor) and k != "step"
-    )  # fmt: skip
+    )
     params = sum(p.numel() for p in model.parameters())
     estimate = params * state_bytes_per_param(cfg, cfg.model_config(), resident=False)
     del optimizer
@@ -94,16 +102,20 @@ def main() -> None:
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
     record = {"recipe": args.recipe, "device": args.device, "parameters": params, "runs": {}}
-    print(f"{args.recipe} ({params / 1e9:.3g} B parameters) on {args.device}: "
-          f"{args.warmup} + {args.steps} steps each")  # fmt: skip
+    print(
+        f"{args.recipe} ({params / 1e9:.3g} B parameters) on {args.device}: "
+        f"{args.warmup} + {args.steps} steps each"
+    )
     first = None
     for name in args.optimizers.split(","):
         figures = record["runs"][name] = measure(name, model, args)
         first = first or figures["step_s"]
         figures["over_first"] = figures["step_s"] / first
-        print(f"{name:12s} step {1e3 * figures['step_s']:9.2f} ms ({figures['over_first']:.2f}x)"
-              f"  state {figures['state_gib']:.3f} GiB (estimate {figures['estimate_gib']:.3f})",
-              flush=True)  # fmt: skip
+        print(
+            f"{name:12s} step {1e3 * figures['step_s']:9.2f} ms ({figures['over_first']:.2f}x)"
+            f"  state {figures['state_gib']:.3f} GiB (estimate {figures['estimate_gib']:.3f})",
+            flush=True,
+        )
         if args.json:  # after every optimizer: a run cut short keeps what it measured
             args.json.write_text(json.dumps(record, indent=1))
 

@@ -39,10 +39,24 @@ def build_corpus(work: Path) -> str:
     subprocess.run(corpus, check=True, capture_output=True)
     prefix = data / "stdlib"
     subprocess.run(
-        [sys.executable, "-m", "pipeline", "preprocess", "--input", str(data / "stdlib_docs.jsonl"),
-         "--tokenizer", str(data / "tokenizer"), "--output-prefix", str(prefix), "--append-eod",
-         "--workers", "2"], check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "preprocess",
+            "--input",
+            str(data / "stdlib_docs.jsonl"),
+            "--tokenizer",
+            str(data / "tokenizer"),
+            "--output-prefix",
+            str(prefix),
+            "--append-eod",
+            "--workers",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return f"{prefix}_text_document"
 
 
@@ -54,13 +68,25 @@ def train(name: str, lr: float, prefix: str, steps: int, work: Path, sets: list[
     from pipeline.train.loop.trainer import Trainer
 
     run_dir = work / f"{name}_{lr:g}"
-    config = resolve_config("tiny", [
-        f"data.blend={prefix}", "data.mock=false", "data.num_workers=0", f"training.iters={steps}",
-        "training.device=cpu", "training.eval_interval=0", "training.log_interval=1",
-        f"optimizer.name={name}", f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}",
-        f"scheduler.warmup_iters={max(steps // 10, 1)}", "checkpoint.save_interval=100000",
-        f"logging.run_dir={run_dir}", *sets,
-    ])  # fmt: skip
+    config = resolve_config(
+        "tiny",
+        [
+            f"data.blend={prefix}",
+            "data.mock=false",
+            "data.num_workers=0",
+            f"training.iters={steps}",
+            "training.device=cpu",
+            "training.eval_interval=0",
+            "training.log_interval=1",
+            f"optimizer.name={name}",
+            f"optimizer.lr={lr}",
+            f"optimizer.min_lr={lr / 10}",
+            f"scheduler.warmup_iters={max(steps // 10, 1)}",
+            "checkpoint.save_interval=100000",
+            f"logging.run_dir={run_dir}",
+            *sets,
+        ],
+    )
     trainer = Trainer(config, console=False)
     timed = {"optimizer": 0.0}
     original = train_step.step_unless_nonfinite
@@ -100,16 +126,21 @@ def report(runs: list[dict], every: int) -> dict[str, dict]:
     """Print the sweep's table and the tuned runs' curves; returns the tuned run per optimizer."""
     print(f"{'optimizer':10s} {'lr':>8s} {'final loss':>11s} {'step':>8s} {'optimizer step':>15s}")
     for run in runs:
-        print(f"{run['optimizer']:10s} {run['lr']:8.0e} {_final(run):11.4f} "
-              f"{run['step_seconds']:7.3f}s {100 * run['optimizer_share']:14.1f}%")  # fmt: skip
+        print(
+            f"{run['optimizer']:10s} {run['lr']:8.0e} {_final(run):11.4f} "
+            f"{run['step_seconds']:7.3f}s {100 * run['optimizer_share']:14.1f}%"
+        )
     tuned: dict[str, dict] = {}
     for run in runs:
         best = tuned.get(run["optimizer"])
         if best is None or _final(run) < _final(best):
             tuned[run["optimizer"]] = run
     names = list(tuned)
-    print("\nloss against tokens (tuned learning rates: "
-          + ", ".join(f"{n} {tuned[n]['lr']:g}" for n in names) + ")")  # fmt: skip
+    print(
+        "\nloss against tokens (tuned learning rates: "
+        + ", ".join(f"{n} {tuned[n]['lr']:g}" for n in names)
+        + ")"
+    )
     print(f"{'tokens':>10s} " + " ".join(f"{n:>10s}" for n in names))
     steps = sorted(tuned[names[0]]["losses"])
     for step in steps[every - 1 :: every]:
@@ -130,8 +161,11 @@ def plot(tuned: dict[str, dict], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(6, 4))
     for name, run in tuned.items():
         steps = sorted(run["losses"])
-        axes.plot([s * run["tokens_per_step"] for s in steps], [run["losses"][s] for s in steps],
-                  label=f"{name} (lr {run['lr']:g})")  # fmt: skip
+        axes.plot(
+            [s * run["tokens_per_step"] for s in steps],
+            [run["losses"][s] for s in steps],
+            label=f"{name} (lr {run['lr']:g})",
+        )
     axes.set_xlabel("tokens")
     axes.set_ylabel("training loss")
     axes.legend()

@@ -51,8 +51,14 @@ def measure(model, prompt: list[int], repeats: int, caching: bool) -> dict:
     from pipeline.serve.engine.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=4, greedy=True)
-    engine = Engine(model, max_batch=1, cache_blocks=len(prompt) // 16 + 8, block_size=16,
-                    prefill_chunk=4096, prefix_caching=caching)  # fmt: skip
+    engine = Engine(
+        model,
+        max_batch=1,
+        cache_blocks=len(prompt) // 16 + 8,
+        block_size=16,
+        prefill_chunk=4096,
+        prefix_caching=caching,
+    )
     first_token_seconds(engine, prompt[::-1], params)  # warm the kernels on another prompt
     cold, first = first_token_seconds(engine, prompt, params)
     warm, outputs = [], []
@@ -61,8 +67,11 @@ def measure(model, prompt: list[int], repeats: int, caching: bool) -> dict:
         warm.append(seconds)
         outputs.append(request.output)
     assert all(out == first.output for out in outputs), "warm tokens differ from cold ones"
-    return {"cold_s": cold, "warm_s": statistics.median(warm),
-            "cached_tokens": request.cached_tokens}  # fmt: skip
+    return {
+        "cold_s": cold,
+        "warm_s": statistics.median(warm),
+        "cached_tokens": request.cached_tokens,
+    }
 
 
 def main() -> None:
@@ -86,15 +95,21 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(3, 32000) for _ in range(args.prompt_len)]
     with torch.inference_mode():
-        figures = {"cached": measure(model, prompt, args.repeats, True),
-                   "uncached": measure(model, prompt, args.repeats, False)}  # fmt: skip
+        figures = {
+            "cached": measure(model, prompt, args.repeats, True),
+            "uncached": measure(model, prompt, args.repeats, False),
+        }
     on, off = figures["cached"], figures["uncached"]
     figures["speedup"] = on["cold_s"] / on["warm_s"]
     print(f"{args.prompt_len}-token prompt on {args.device}, time to first token:")
-    print(f"  cache cold {on['cold_s'] * 1e3:8.1f} ms   warm {on['warm_s'] * 1e3:8.1f} ms "
-          f"({on['cached_tokens']} tokens cached)   speedup {figures['speedup']:.1f}x")  # fmt: skip
-    print(f"  no prefix cache: first {off['cold_s'] * 1e3:8.1f} ms   repeated "
-          f"{off['warm_s'] * 1e3:8.1f} ms")  # fmt: skip
+    print(
+        f"  cache cold {on['cold_s'] * 1e3:8.1f} ms   warm {on['warm_s'] * 1e3:8.1f} ms "
+        f"({on['cached_tokens']} tokens cached)   speedup {figures['speedup']:.1f}x"
+    )
+    print(
+        f"  no prefix cache: first {off['cold_s'] * 1e3:8.1f} ms   repeated "
+        f"{off['warm_s'] * 1e3:8.1f} ms"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

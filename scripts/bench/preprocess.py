@@ -192,8 +192,9 @@ def startup(name: str, tmp: Path, workers: int, env: dict) -> None:
     cold_env = dict(env, XDG_CACHE_HOME=str(tmp / f"cold-cache-{name}"))
     run_pipe(one, tokenizer_dir, tmp / "one", workers, env)  # compiles modules, proves the engine
     cold, _, _ = run_pipe(one, tokenizer_dir, tmp / "one", workers, cold_env)
-    warm = statistics.median(run_pipe(one, tokenizer_dir, tmp / "one", workers, env)[0]
-                             for _ in range(3))  # fmt: skip
+    warm = statistics.median(
+        run_pipe(one, tokenizer_dir, tmp / "one", workers, env)[0] for _ in range(3)
+    )
     load = statistics.median(load_seconds(tokenizer_dir, env) for _ in range(3))
     extra = warm - load
     print(
@@ -221,8 +222,10 @@ def bench(name: str, plain: Path, texts: list[str], mb: float, args, tmp: Path, 
     g, p, z = (statistics.median(x) for x in (giga, plain_s, zst_s))
     ratio, zratio = p / g, z / p
     ok = ratio <= TARGET_VS_GIGATOKEN and zratio <= TARGET_ZST_VS_PLAIN
-    print(f"{name}: {'tokenizers encode_batch, in memory (first 10 MB)':42s} "
-          f"{'':8s} {lib_rate:7.1f} MB/s")  # fmt: skip
+    print(
+        f"{name}: {'tokenizers encode_batch, in memory (first 10 MB)':42s} "
+        f"{'':8s} {lib_rate:7.1f} MB/s"
+    )
     rows = [
         ("gigatoken load + encode_files", g),
         (f"pipe preprocess, plain .jsonl ({engine})", p),

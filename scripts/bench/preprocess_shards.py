@@ -35,9 +35,18 @@ def pipe(*args: str) -> list[str]:
 
 def preprocess_args(src: Path, tokenizer: Path, out: Path, workers: int) -> list[str]:
     return pipe(
-        "preprocess", "--input", str(src), "--tokenizer", str(tokenizer),
-        "--output-prefix", str(out), "--append-eod", "--workers", str(workers), "--quiet",
-    )  # fmt: skip
+        "preprocess",
+        "--input",
+        str(src),
+        "--tokenizer",
+        str(tokenizer),
+        "--output-prefix",
+        str(out),
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--quiet",
+    )
 
 
 def check(proc: subprocess.CompletedProcess | subprocess.Popen, output: str) -> None:

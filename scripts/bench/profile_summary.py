@@ -20,9 +20,12 @@ CATEGORIES = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|c10d"),
     ("optimizer", r"adam|multi_tensor|foreach|muon|newton|_fused_sgd|lerp"),
     ("loss", r"cross_entropy|log_softmax|nll_loss|logsumexp"),
-    ("gemm", r"gemm|xmma|nvjet|cutlass|cublas|matmul|aten::mm|aten::addmm|aten::bmm|linear|"
-             r"scaled_mm|_mm_"),
-)  # fmt: skip
+    (
+        "gemm",
+        r"gemm|xmma|nvjet|cutlass|cublas|matmul|aten::mm|aten::addmm|aten::bmm|linear|"
+        r"scaled_mm|_mm_",
+    ),
+)
 """(category, regular expression on the lower-cased kernel name), first match wins: attention
 before GEMM (flash kernels hold GEMMs), the loss before GEMM (a fused loss holds its matmul)."""
 
@@ -61,8 +64,9 @@ def busy_us(kernels: Iterable[Kernel]) -> float:
     return total
 
 
-def summarise(kernels: list[Kernel], host_events: list[str], wall_us: float, steps: int,
-              top: int = 12) -> dict:  # fmt: skip
+def summarise(
+    kernels: list[Kernel], host_events: list[str], wall_us: float, steps: int, top: int = 12
+) -> dict:
     """The profile's figures (module docstring): shares of the wall time by category and idle,
     the `top` kernels by time, host synchronisations per step."""
     by_category: dict[str, float] = defaultdict(float)
@@ -72,8 +76,10 @@ def summarise(kernels: list[Kernel], host_events: list[str], wall_us: float, ste
         by_name[k.name][0] += k.end - k.start
         by_name[k.name][1] += 1
     busy = busy_us(kernels)
-    shares = {label: by_category.get(label, 0.0) / wall_us
-              for label in [c for c, _ in CATEGORIES] + ["other"]}  # fmt: skip
+    shares = {
+        label: by_category.get(label, 0.0) / wall_us
+        for label in [c for c, _ in CATEGORIES] + ["other"]
+    }
     shares["idle"] = max(wall_us - busy, 0.0) / wall_us
     ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     syncs = sum(1 for name in host_events if SYNC_NAMES.search(name))
@@ -82,10 +88,14 @@ def summarise(kernels: list[Kernel], host_events: list[str], wall_us: float, ste
         "wall_ms_per_step": wall_us / steps / 1e3,
         "shares": shares,
         "top_kernels": [
-            {"name": name[:120], "ms_per_step": us / steps / 1e3, "calls_per_step": n / steps,
-             "category": category(name)}
+            {
+                "name": name[:120],
+                "ms_per_step": us / steps / 1e3,
+                "calls_per_step": n / steps,
+                "category": category(name),
+            }
             for name, (us, n) in ranked
-        ],  # fmt: skip
+        ],
         "host_syncs_per_step": syncs / steps,
     }
 
@@ -130,6 +140,8 @@ def format_summary(summary: dict) -> list[str]:
         f"{shares}; host syncs {summary['host_syncs_per_step']:.1f}/step",
     ]
     for k in summary["top_kernels"]:
-        lines.append(f"  {k['ms_per_step']:9.2f} ms/step  x{k['calls_per_step']:<6.0f} "
-                     f"{k['category']:13s} {k['name']}")  # fmt: skip
+        lines.append(
+            f"  {k['ms_per_step']:9.2f} ms/step  x{k['calls_per_step']:<6.0f} "
+            f"{k['category']:13s} {k['name']}"
+        )
     return lines

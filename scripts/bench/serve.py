@@ -60,10 +60,17 @@ def build_model(directory: Path, args: argparse.Namespace) -> None:
     if not tokenizer_dir.is_dir():
         raise SystemExit(f"{tokenizer_dir}: not found; set PIPE_BENCH_DATA to the data folder")
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():  # a random model whose greedy text is not one token repeated,
@@ -105,8 +112,13 @@ def transformers_greedy(directory: Path, prompts: list[list[int]], new: int) -> 
     texts = []
     for prompt in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                                 min_new_tokens=new, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=new,
+                do_sample=False,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
         # the continuation's text: what the new tokens add after the prompt (a leading space)
         texts.append(tokenizer.decode(out[0].tolist())[len(tokenizer.decode(prompt)) :])
     return texts
@@ -114,8 +126,15 @@ def transformers_greedy(directory: Path, prompts: list[list[int]], new: int) -> 
 
 async def one_request(client, url: str, model: str, prompt: list[int], new: int) -> dict:
     """One streamed completion: its first-token and total times, tokens and text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": new,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     first, text, usage = None, [], None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -133,12 +152,17 @@ async def one_request(client, url: str, model: str, prompt: list[int], new: int)
                     text.append(choice["text"])
     end = time.perf_counter()
     tokens = usage["completion_tokens"] if usage else new
-    return {"ttft": (first or end) - start, "latency": end - start, "tokens": tokens,
-            "text": "".join(text)}  # fmt: skip
+    return {
+        "ttft": (first or end) - start,
+        "latency": end - start,
+        "tokens": tokens,
+        "text": "".join(text),
+    }
 
 
-async def load(url: str, model: str, prompts: list[list[int]], concurrency: int, new: int,
-               rounds: int) -> dict:  # fmt: skip
+async def load(
+    url: str, model: str, prompts: list[list[int]], concurrency: int, new: int, rounds: int
+) -> dict:
     """`concurrency` clients, each sending `rounds` requests one after another."""
     httpx = import_httpx()
 
@@ -147,8 +171,10 @@ async def load(url: str, model: str, prompts: list[list[int]], concurrency: int,
         queue = [prompts[i % len(prompts)] for i in range(concurrency * rounds)]
 
         async def worker(index: int) -> list[dict]:
-            return [await one_request(client, url, model, queue[j], new)
-                    for j in range(index, len(queue), concurrency)]  # fmt: skip
+            return [
+                await one_request(client, url, model, queue[j], new)
+                for j in range(index, len(queue), concurrency)
+            ]
 
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*map(worker, range(concurrency))) for r in rs]
@@ -158,16 +184,20 @@ async def load(url: str, model: str, prompts: list[list[int]], concurrency: int,
 
 def summarise(results: list[dict], wall: float) -> dict:
     def pct(values: list[float], q: int) -> float:
-        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 \
-            else values[0]  # fmt: skip
+        return (
+            statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+            if len(values) > 1
+            else values[0]
+        )
 
     ttft = [r["ttft"] for r in results]
     latency = [r["latency"] for r in results]
     return {
-        "requests": len(results), "tok_s": sum(r["tokens"] for r in results) / wall,
+        "requests": len(results),
+        "tok_s": sum(r["tokens"] for r in results) / wall,
         **{f"ttft_p{q}": pct(ttft, q) for q in (50, 90, 99)},
         **{f"latency_p{q}": pct(latency, q) for q in (50, 90, 99)},
-    }  # fmt: skip
+    }
 
 
 async def greedy_texts(url: str, model: str, prompts: list[list[int]], new: int) -> list[str]:
@@ -252,18 +282,26 @@ def structured_cost(args: argparse.Namespace) -> None:
     from grammar_engines import engine_cost
 
     tokenizer = DATA / "tokenizers" / "llama3" / "tokenizer.json"
-    sizes = argparse.Namespace(hidden=args.hidden, layers=args.layers, batch=16, steps=32,
-                               repeat=3)  # fmt: skip
+    sizes = argparse.Namespace(hidden=args.hidden, layers=args.layers, batch=16, steps=32, repeat=3)
     engine_cost(tokenizer, sizes)
 
 
 def prefix_options(parser: argparse.ArgumentParser) -> None:
     """The shared-prefix workloads' sizes (`serve_prefix.py`)."""
-    for name, default in (("rl-prompts", 16), ("rl-n", 8), ("rl-prompt-len", 300),
-                          ("rl-system-len", 200), ("rl-new-tokens", 64), ("eval-questions", 125),
-                          ("eval-choices", 4), ("eval-prefix-len", 320),
-                          ("eval-question-len", 32), ("eval-choice-len", 8),
-                          ("eval-concurrency", 8), ("eval-max-tokens", 1)):  # fmt: skip
+    for name, default in (
+        ("rl-prompts", 16),
+        ("rl-n", 8),
+        ("rl-prompt-len", 300),
+        ("rl-system-len", 200),
+        ("rl-new-tokens", 64),
+        ("eval-questions", 125),
+        ("eval-choices", 4),
+        ("eval-prefix-len", 320),
+        ("eval-question-len", 32),
+        ("eval-choice-len", 8),
+        ("eval-concurrency", 8),
+        ("eval-max-tokens", 1),
+    ):
         parser.add_argument(f"--{name}", type=int, default=default)
 
 
@@ -281,8 +319,11 @@ def run_workloads(servers: dict, args: argparse.Namespace) -> dict:
     if shared:
         names = {label: model_name(url) for label, url in servers.items()}
         count = max(2 * args.rl_prompts, args.eval_questions) + 1
-        length = max(args.rl_prompt_len, args.eval_prefix_len,
-                     args.eval_question_len + args.eval_choices * args.eval_choice_len)  # fmt: skip
+        length = max(
+            args.rl_prompt_len,
+            args.eval_prefix_len,
+            args.eval_question_len + args.eval_choices * args.eval_choice_len,
+        )
         material = corpus_prompts(count, length)
         report["shared_prefix"] = run_prefix_workloads(servers, names, material, args, shared)
     return report
@@ -307,8 +348,9 @@ def run(servers: dict, prompts: list[list[int]], concurrencies: list[int], args)
         row = {"concurrency": concurrency}
         for label, url in servers.items():
             asyncio.run(load(url, names[label], prompts, concurrency, args.new_tokens, 1))  # warm
-            row[label] = asyncio.run(load(url, names[label], prompts, concurrency,
-                                          args.new_tokens, args.rounds))  # fmt: skip
+            row[label] = asyncio.run(
+                load(url, names[label], prompts, concurrency, args.new_tokens, args.rounds)
+            )
         report["runs"].append(row)
         print_row(row)
     return report
@@ -318,10 +360,12 @@ def print_row(row: dict) -> None:
     for label in ("pipe", "other"):
         if label in row:
             f = row[label]
-            print(f"c={row['concurrency']:>3} {label:>5}: {f['tok_s']:8.1f} tok/s | TTFT p50 "
-                  f"{f['ttft_p50'] * 1000:7.1f} ms p90 {f['ttft_p90'] * 1000:7.1f} p99 "
-                  f"{f['ttft_p99'] * 1000:7.1f} | latency p50 {f['latency_p50']:6.2f} s p90 "
-                  f"{f['latency_p90']:6.2f} p99 {f['latency_p99']:6.2f}")  # fmt: skip
+            print(
+                f"c={row['concurrency']:>3} {label:>5}: {f['tok_s']:8.1f} tok/s | TTFT p50 "
+                f"{f['ttft_p50'] * 1000:7.1f} ms p90 {f['ttft_p90'] * 1000:7.1f} p99 "
+                f"{f['ttft_p99'] * 1000:7.1f} | latency p50 {f['latency_p50']:6.2f} s p90 "
+                f"{f['latency_p90']:6.2f} p99 {f['latency_p99']:6.2f}"
+            )
     if "other" in row:
         pipe, other = row["pipe"], row["other"]
         speed, ttft = pipe["tok_s"] / other["tok_s"], pipe["ttft_p50"] / other["ttft_p50"]

@@ -30,8 +30,9 @@ def import_httpx():
         return importlib.import_module("httpx2")
 
 
-def rl_prompts(material: list[list[int]], count: int, system_len: int,
-               prompt_len: int) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+def rl_prompts(
+    material: list[list[int]], count: int, system_len: int, prompt_len: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """A warm-up and a measured set of `count` prompts each: `system_len` tokens shared by all,
     then `prompt_len - system_len` of their own. `material`: 2 * count + 1 token lists."""
     system = material[0][:system_len]
@@ -39,8 +40,14 @@ def rl_prompts(material: list[list[int]], count: int, system_len: int,
     return own[:count], own[count:]
 
 
-def eval_prompts(material: list[list[int]], questions: int, choices: int, prefix_len: int,
-                 question_len: int, choice_len: int) -> list[list[int]]:  # fmt: skip
+def eval_prompts(
+    material: list[list[int]],
+    questions: int,
+    choices: int,
+    prefix_len: int,
+    question_len: int,
+    choice_len: int,
+) -> list[list[int]]:
     """`questions` x `choices` scoring prompts: a few-shot prefix of `prefix_len` tokens shared
     by all, then each question's `question_len` tokens, then one of its choices' `choice_len`.
     `material`: questions + 1 token lists of at least prefix_len and question_len +
@@ -68,21 +75,33 @@ async def rl_load(url: str, model: str, prompts: list[list[int]], n: int, new: i
     # no seed: vLLM's CPU build fails a seeded sampled request ("CPU Generator does not use
     # offset", 0.32.0)
     def body(prompt: list[int]) -> dict:
-        return {"model": model, "prompt": prompt, "n": n, "max_tokens": new, "temperature": 1.0,
-                "ignore_eos": True}  # fmt: skip
+        return {
+            "model": model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": new,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
 
     async with httpx.AsyncClient(timeout=1800) as client:
         start = time.perf_counter()
-        answers = await asyncio.gather(*(_post(client, url, body(p)) for p in prompts))  # fmt: skip
+        answers = await asyncio.gather(*(_post(client, url, body(p)) for p in prompts))
         wall = time.perf_counter() - start
     generated = sum(a["usage"]["completion_tokens"] for a in answers)
     cached = sum(_cached(a) for a in answers)
-    return {"requests": len(prompts), "wall_s": wall, "tok_s": generated / wall,
-            "generated_tokens": generated, "cached_prompt_tokens": cached}  # fmt: skip
+    return {
+        "requests": len(prompts),
+        "wall_s": wall,
+        "tok_s": generated / wall,
+        "generated_tokens": generated,
+        "cached_prompt_tokens": cached,
+    }
 
 
-async def eval_load(url: str, model: str, prompts: list[list[int]], concurrency: int,
-                    max_tokens: int) -> dict:  # fmt: skip
+async def eval_load(
+    url: str, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> dict:
     """lm-eval's loglikelihood requests by `concurrency` clients: scored prompt tokens/s and
     each prompt's echoed log-probabilities."""
     httpx = import_httpx()
@@ -91,8 +110,14 @@ async def eval_load(url: str, model: str, prompts: list[list[int]], concurrency:
 
     async def worker(first: int, client) -> None:
         for i in range(first, len(prompts), concurrency):
-            body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens,
-                    "temperature": 0, "logprobs": 1, "echo": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": prompts[i],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": 1,
+                "echo": True,
+            }
             answer = await _post(client, url, body)
             logprobs[i] = answer["choices"][0]["logprobs"]["token_logprobs"][: len(prompts[i])]
 
@@ -102,8 +127,13 @@ async def eval_load(url: str, model: str, prompts: list[list[int]], concurrency:
         await asyncio.gather(*(worker(k, client) for k in range(concurrency)))
         wall = time.perf_counter() - start
     scored = sum(map(len, prompts))
-    return {"requests": len(prompts), "wall_s": wall, "tok_s": scored / wall,
-            "prompt_tokens": scored, "logprobs": logprobs}  # fmt: skip
+    return {
+        "requests": len(prompts),
+        "wall_s": wall,
+        "tok_s": scored / wall,
+        "prompt_tokens": scored,
+        "logprobs": logprobs,
+    }
 
 
 def _cached(answer: dict) -> int:
@@ -113,28 +143,43 @@ def _cached(answer: dict) -> int:
 
 def largest_difference(a: list[list[float | None]], b: list[list[float | None]]) -> float:
     """The largest |a - b| over the prompt positions both servers scored."""
-    return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)
-                if x is not None and y is not None), default=float("nan"))  # fmt: skip
+    return max(
+        (
+            abs(x - y)
+            for xs, ys in zip(a, b)
+            for x, y in zip(xs, ys)
+            if x is not None and y is not None
+        ),
+        default=float("nan"),
+    )
 
 
-def run_prefix_workloads(servers: dict, names: dict, material: list[list[int]], args,
-                         workloads: list[str]) -> list[dict]:  # fmt: skip
+def run_prefix_workloads(
+    servers: dict, names: dict, material: list[list[int]], args, workloads: list[str]
+) -> list[dict]:
     """Each of `workloads` (rl, eval) on each server, one server at a time; a row per workload
     with each server's figures and, with two servers, the ratio printed."""
     rows = []
     if "rl" in workloads:
-        warm, measured = rl_prompts(material, args.rl_prompts, args.rl_system_len,
-                                    args.rl_prompt_len)  # fmt: skip
+        warm, measured = rl_prompts(
+            material, args.rl_prompts, args.rl_system_len, args.rl_prompt_len
+        )
         row = {"workload": "rl"}
         for label, url in servers.items():
             asyncio.run(rl_load(url, names[label], warm, args.rl_n, args.rl_new_tokens))
-            row[label] = asyncio.run(rl_load(url, names[label], measured, args.rl_n,
-                                             args.rl_new_tokens))  # fmt: skip
+            row[label] = asyncio.run(
+                rl_load(url, names[label], measured, args.rl_n, args.rl_new_tokens)
+            )
         rows.append(_report(row, "generated"))
     if "eval" in workloads:
-        prompts = eval_prompts(material, args.eval_questions, args.eval_choices,
-                               args.eval_prefix_len, args.eval_question_len,
-                               args.eval_choice_len)  # fmt: skip
+        prompts = eval_prompts(
+            material,
+            args.eval_questions,
+            args.eval_choices,
+            args.eval_prefix_len,
+            args.eval_question_len,
+            args.eval_choice_len,
+        )
         row = {"workload": "eval"}
         for label, url in servers.items():
             load = (url, names[label], prompts, args.eval_concurrency, args.eval_max_tokens)
@@ -154,12 +199,15 @@ def _report(row: dict, what: str) -> dict:
     for label in ("pipe", "other"):
         if label in row:
             f = row[label]
-            print(f"{row['workload']:>4} {label:>5}: {f['tok_s']:8.1f} {what} tok/s "
-                  f"({f['requests']} requests in {f['wall_s']:.1f} s)")  # fmt: skip
+            print(
+                f"{row['workload']:>4} {label:>5}: {f['tok_s']:8.1f} {what} tok/s "
+                f"({f['requests']} requests in {f['wall_s']:.1f} s)"
+            )
     if "other" in row:
         row["ratio"] = row["pipe"]["tok_s"] / row["other"]["tok_s"]
         print(f"{row['workload']:>4} pipe / other: tokens/s {row['ratio']:.2f}x")
     if "largest_logprob_difference" in row:
-        print(f"eval: echoed logprobs, largest |pipe - other| "
-              f"{row['largest_logprob_difference']:.2e}")  # fmt: skip
+        print(
+            f"eval: echoed logprobs, largest |pipe - other| {row['largest_logprob_difference']:.2e}"
+        )
     return row

@@ -100,15 +100,17 @@ def _measure(args: argparse.Namespace, emit) -> None:
     tokens = cfg.training.global_batch_size * cfg.data.seq_length * args.steps
     tflops = flops_per_token(trainer.model_config, cfg.data.seq_length) * tokens / seconds / 1e12
     peak = peak_tflops(device)
-    emit({
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "fp8": trainer.fp8.describe() if trainer.fp8 is not None else "off",
-        "tokens_per_s": tokens / seconds,
-        "tflops": tflops,
-        "mfu": tflops / peak if peak else None,
-        "peak_gib": memory_gib(device),
-        "step_s": seconds / args.steps,
-    })  # fmt: skip
+    emit(
+        {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "fp8": trainer.fp8.describe() if trainer.fp8 is not None else "off",
+            "tokens_per_s": tokens / seconds,
+            "tflops": tflops,
+            "mfu": tflops / peak if peak else None,
+            "peak_gib": memory_gib(device),
+            "step_s": seconds / args.steps,
+        }
+    )
     if args.profile:
         from profile_summary import profile_steps
 
@@ -124,8 +126,10 @@ def _run_child(argv: list[str], fp8: str | None, keep) -> dict:
         if fp8:
             command += ["--child-fp8", fp8]
         log = Path(run_dir) / "stderr.txt"
-        with log.open("w") as sink, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink,
-                                                     text=True) as child:  # fmt: skip
+        with (
+            log.open("w") as sink,
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink, text=True) as child,
+        ):
             for line in child.stdout:
                 if line.startswith("{"):
                     record.update(json.loads(line))
@@ -181,9 +185,12 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     parser.add_argument(
-        "--profile", type=int, default=0, metavar="N",
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
         help="then profile N more steps of each run (where the time goes)",
-    )  # fmt: skip
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-fp8", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)

@@ -99,9 +99,14 @@ class Run:
         budget = max(1.0, min(self.step_deadline, self.deadline) - time.monotonic())
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         child = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             stdout, stderr = child.communicate(timeout=budget)
             code, output = child.returncode, stdout + stderr
@@ -171,8 +176,12 @@ def step_environment(run: Run) -> dict:
     if not run.on_gpu:
         note = "CPU dry run: no GPU, driver, NCCL"
     facts["wheel_install_s"] = run.install_s
-    return {"status": _status(code), "figures": facts, "note": note or _last_line(output),
-            "extra_s": run.install_s}  # fmt: skip
+    return {
+        "status": _status(code),
+        "figures": facts,
+        "note": note or _last_line(output),
+        "extra_s": run.install_s,
+    }
 
 
 def step_gpu_tests(run: Run) -> dict:
@@ -184,8 +193,18 @@ def step_gpu_tests(run: Run) -> dict:
         if "mark.gpu" in path.read_text()
     )
     # -v: a line per test as it ends, so a call cut short still tells which passed.
-    argv = [PY, "-m", "pytest", "-m", "gpu", "-v", "--durations=5", "-p", "no:cacheprovider",
-            *files]  # fmt: skip
+    argv = [
+        PY,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-v",
+        "--durations=5",
+        "-p",
+        "no:cacheprovider",
+        *files,
+    ]
     code, output = run.command("gpu_tests", argv)
     results = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", output, re.MULTILINE)
     counts: dict[str, object] = dict(Counter(result.lower() for _, result in results))
@@ -193,10 +212,13 @@ def step_gpu_tests(run: Run) -> dict:
         counts["not passed"] = failed
     deselected = re.search(r"(\d+) deselected", output)
     if not run.on_gpu:
-        return {"status": "not on a CPU", "figures": counts,
-                "note": f"collected; every gpu test skips without CUDA "
-                f"({counts.get('skipped', 0)} skipped, {deselected[1] if deselected else 0} "
-                "other tests deselected)"}  # fmt: skip
+        return {
+            "status": "not on a CPU",
+            "figures": counts,
+            "note": f"collected; every gpu test skips without CUDA "
+            f"({counts.get('skipped', 0)} skipped, {deselected[1] if deselected else 0} "
+            "other tests deselected)",
+        }
     # pytest exits 5 when nothing ran, 1 when something failed.
     status = "ok" if code == 0 and not counts.get("skipped") else _status(code)
     if code == 0 and counts.get("skipped"):
@@ -239,22 +261,64 @@ DOCUMENTS = ["--set", "data.reset_attention_mask=true", "--set", "data.reset_pos
 def _train_argv(run: Run) -> list[str]:
     if run.on_gpu:
         return [
-            "--recipe", "llama3_2_1b", "--device", "cuda", "--iters", "10", "--tp", "1",
-            "--seq-length", "8192", "--global-batch-size", "4", "--micro-batch-size", "1",
-            "--set", "model.num_layers=2", "--set", "training.compile=true", *DOCUMENTS,
-        ]  # fmt: skip
+            "--recipe",
+            "llama3_2_1b",
+            "--device",
+            "cuda",
+            "--iters",
+            "10",
+            "--tp",
+            "1",
+            "--seq-length",
+            "8192",
+            "--global-batch-size",
+            "4",
+            "--micro-batch-size",
+            "1",
+            "--set",
+            "model.num_layers=2",
+            "--set",
+            "training.compile=true",
+            *DOCUMENTS,
+        ]
     return [
-        "--recipe", "tiny", "--device", "cpu", "--iters", "10", "--global-batch-size", "4",
-        "--set", "training.compile=false", *DOCUMENTS,
-    ]  # fmt: skip
+        "--recipe",
+        "tiny",
+        "--device",
+        "cpu",
+        "--iters",
+        "10",
+        "--global-batch-size",
+        "4",
+        "--set",
+        "training.compile=false",
+        *DOCUMENTS,
+    ]
 
 
 def step_smoke_train(run: Run) -> dict:
     run_dir = run.work / "smoke_train"
-    argv = [PY, "-m", "pipeline", "train", *_train_argv(run), "--run-dir", str(run_dir),
-            "--set", "training.eval_interval=0", "--set", "checkpoint.enable=false",
-            "--set", "logging.tensorboard=false", "--set", "training.log_interval=1",
-            "--set", "scheduler.warmup_iters=2", "--set", "scheduler.decay_iters=10"]  # fmt: skip
+    argv = [
+        PY,
+        "-m",
+        "pipeline",
+        "train",
+        *_train_argv(run),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "training.eval_interval=0",
+        "--set",
+        "checkpoint.enable=false",
+        "--set",
+        "logging.tensorboard=false",
+        "--set",
+        "training.log_interval=1",
+        "--set",
+        "scheduler.warmup_iters=2",
+        "--set",
+        "scheduler.decay_iters=10",
+    ]
     code, output = run.command("smoke_train", argv)
     losses = []
     metrics = run_dir / "metrics.jsonl"
@@ -281,9 +345,23 @@ def step_attention(run: Run) -> dict:
     sizes = {
         FULL: ["--seq", "8192", "--repeat", "5"],
         QUICK: ["--seq", "8192", "--repeat", "3"],
-        DRY: ["--device", "cpu", "--seq", "256", "--heads", "4", "--kv-heads", "2",
-              "--head-dim", "32", "--doc-len", "64", "--repeat", "2"],
-    }[run.mode]  # fmt: skip
+        DRY: [
+            "--device",
+            "cpu",
+            "--seq",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--doc-len",
+            "64",
+            "--repeat",
+            "2",
+        ],
+    }[run.mode]
     # --record: the fastest of pipe's backends becomes `auto`'s choice for this GPU and shape
     # (pipe's cache on a GPU; the dry run's goes to its work folder, not the user's cache).
     choices = [] if run.on_gpu else [str(run.work / "attention_backends.json")]
@@ -302,32 +380,61 @@ def step_attention(run: Run) -> dict:
 BENCH_1B = {
     FULL: ["--set", "parallel.tp=1", "--set", "training.global_batch_size=4"],
     QUICK: ["--set", "parallel.tp=1", "--set", "training.global_batch_size=2"],
-    DRY: ["--set", "parallel.tp=1", "--set", "training.global_batch_size=4",
-          "--set", "model.num_layers=2", "--set", "data.seq_length=256"],
-}  # fmt: skip
+    DRY: [
+        "--set",
+        "parallel.tp=1",
+        "--set",
+        "training.global_batch_size=4",
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "data.seq_length=256",
+    ],
+}
 BENCH_8B = {
     FULL: ["--set", "model.num_layers=8", "--set", "training.global_batch_size=2"],
     QUICK: ["--set", "model.num_layers=8", "--set", "training.global_batch_size=1"],
     # fp32: torchao follows CUDA autocast only, so on a CPU under bf16 autocast its
     # high-precision weight-gradient GEMM would mix bf16 and fp32.
-    DRY: ["--set", "model.num_layers=1", "--set", "training.global_batch_size=4",
-          "--set", "training.dtype=fp32"],
-}  # fmt: skip
+    DRY: [
+        "--set",
+        "model.num_layers=1",
+        "--set",
+        "training.global_batch_size=4",
+        "--set",
+        "training.dtype=fp32",
+    ],
+}
 
 
-def _bench_train(run: Run, name: str, recipe: str, fp8: str, sets: list[str],
-                 profile: bool = False) -> dict:  # fmt: skip
+def _bench_train(
+    run: Run, name: str, recipe: str, fp8: str, sets: list[str], profile: bool = False
+) -> dict:
     result = run.work / f"{name}.json"
     # Two warm-up steps: compile's first step and any recompile of the second stay untimed.
-    steps = {FULL: ["--warmup", "2", "--steps", "4"], QUICK: ["--warmup", "2", "--steps", "2"],
-             DRY: ["--warmup", "1", "--steps", "2"]}[run.mode]  # fmt: skip
+    steps = {
+        FULL: ["--warmup", "2", "--steps", "4"],
+        QUICK: ["--warmup", "2", "--steps", "2"],
+        DRY: ["--warmup", "1", "--steps", "2"],
+    }[run.mode]
     # Where the time goes (the MFU target was missed on the first GPU run): 2 more steps under
     # the profiler, after the figures are saved, not in a quick run.
     if profile and run.mode != QUICK:
         steps += ["--profile", "2"]
     device = ["--device", "cuda" if run.on_gpu else "cpu"]
-    argv = [PY, "scripts/bench/train.py", "--recipe", recipe, "--fp8", fp8, *steps, *device,
-            *sets, "--json", str(result)]  # fmt: skip
+    argv = [
+        PY,
+        "scripts/bench/train.py",
+        "--recipe",
+        recipe,
+        "--fp8",
+        fp8,
+        *steps,
+        *device,
+        *sets,
+        "--json",
+        str(result),
+    ]
     code, output = run.command(name, argv)
     record = _read_json(result) or {}  # written after every run: what finished survives
     figures = {"bf16": record.get("bf16"), **(record.get("fp8") or {})}
@@ -348,12 +455,29 @@ def step_train_1b(run: Run) -> dict:
 def step_loss(run: Run) -> dict:
     """The output layer and its loss at the 1B shape: chunk scoring compiled against eager."""
     result = run.work / "loss.json"
-    sizes = [] if run.on_gpu else ["--device", "cpu", "--tokens", "512", "--hidden", "64",
-                                   "--vocab", "4000", "--repeat", "2"]  # fmt: skip
+    sizes = (
+        []
+        if run.on_gpu
+        else [
+            "--device",
+            "cpu",
+            "--tokens",
+            "512",
+            "--hidden",
+            "64",
+            "--vocab",
+            "4000",
+            "--repeat",
+            "2",
+        ]
+    )
     code, output = run.command("loss", [PY, "scripts/bench/loss.py", *sizes, "--json", str(result)])
     note = "8192 tokens x hidden 2048 x vocab 128256, bf16" if run.on_gpu else "CPU, fp32, tiny"
-    return {"status": _status(code), "figures": _read_json(result) or {},
-            "note": note if code == 0 else f"{note}; {_last_line(output)}"}  # fmt: skip
+    return {
+        "status": _status(code),
+        "figures": _read_json(result) or {},
+        "note": note if code == 0 else f"{note}; {_last_line(output)}",
+    }
 
 
 def step_train_8b_fp8(run: Run) -> dict:
@@ -375,9 +499,19 @@ def step_memory(run: Run) -> dict:
     for name, recipe, sets in cases:
         recipe = recipe if run.on_gpu else "tiny"
         measured = (_read_json(run.work / f"{name}.json") or {}).get("bf16") or {}
-        argv = [PY, "-m", "pipeline", "train", "--recipe", recipe, "--dry-run",
-                "--set", "training.dtype=bf16", *sets[run.mode],
-                *(["--gpu", gpu] if gpu else [])]  # fmt: skip
+        argv = [
+            PY,
+            "-m",
+            "pipeline",
+            "train",
+            "--recipe",
+            recipe,
+            "--dry-run",
+            "--set",
+            "training.dtype=bf16",
+            *sets[run.mode],
+            *(["--gpu", gpu] if gpu else []),
+        ]
         code, output = run.command(f"memory {name}", argv)
         found = ESTIMATE.search(output)
         if code != 0 or not found:
@@ -402,9 +536,21 @@ def step_generate(run: Run) -> dict:
     sizes = {
         FULL: ["--device", "cuda", "--batch", "8", "--new-tokens", "32"],
         QUICK: ["--device", "cuda", "--batch", "4", "--new-tokens", "16"],
-        DRY: ["--device", "cpu", "--hidden", "128", "--layers", "2", "--batch", "4",
-              "--new-tokens", "8", "--prompt-len", "16"],
-    }[run.mode]  # fmt: skip
+        DRY: [
+            "--device",
+            "cpu",
+            "--hidden",
+            "128",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--new-tokens",
+            "8",
+            "--prompt-len",
+            "16",
+        ],
+    }[run.mode]
     argv = [PY, "scripts/bench/generate.py", *sizes, "--json", str(result)]
     code, output = run.command("generate", argv)
     record = _read_json(result) or {}
@@ -452,14 +598,31 @@ def step_grpo(run: Run) -> dict:
     """One GRPO step on the 1B shape: its parts' shares and rollouts against the engine alone."""
     result = run.work / "grpo.json"
     sizes = {
-        FULL: ["--recipe", "llama3_2_1b", "--device", "cuda", "--steps", "2", "--warmup", "1",
-               "--set", "parallel.tp=1", "--set", "data.seq_length=1024",
-               "--set", "grpo.max_completion_length=128",
-               "--set", "training.global_batch_size=8", "--set", "training.micro_batch_size=1",
-               "--set", "training.compile=false"],
+        FULL: [
+            "--recipe",
+            "llama3_2_1b",
+            "--device",
+            "cuda",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--set",
+            "parallel.tp=1",
+            "--set",
+            "data.seq_length=1024",
+            "--set",
+            "grpo.max_completion_length=128",
+            "--set",
+            "training.global_batch_size=8",
+            "--set",
+            "training.micro_batch_size=1",
+            "--set",
+            "training.compile=false",
+        ],
         QUICK: [],
         DRY: ["--steps", "1", "--warmup", "1"],
-    }[run.mode]  # fmt: skip
+    }[run.mode]
     argv = [PY, "scripts/bench/grpo.py", *sizes, "--json", str(result)]
     code, output = run.command("grpo", argv)
     record = _read_json(result) or {}
@@ -467,30 +630,51 @@ def step_grpo(run: Run) -> dict:
         "status": _status(code),
         "figures": record,
         "note": "8 prompts x 8 completions of <= 128 tokens, seq 1024, eager"
-        if run.on_gpu else "CPU, fp32, a 4-layer model",
-    }  # fmt: skip
+        if run.on_gpu
+        else "CPU, fp32, a 4-layer model",
+    }
 
 
 def step_muon(run: Run) -> dict:
     """Muon's optimizer step against AdamW's on the 1B shape (fp32 weights, random gradients)."""
     result = run.work / "optimizer_step.json"
     sizes = {
-        FULL: ["--recipe", "llama3_2_1b", "--device", "cuda", "--set", "parallel.tp=1",
-               "--warmup", "1", "--steps", "3"],
+        FULL: [
+            "--recipe",
+            "llama3_2_1b",
+            "--device",
+            "cuda",
+            "--set",
+            "parallel.tp=1",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+        ],
         QUICK: [],
         DRY: ["--recipe", "tiny", "--device", "cpu", "--warmup", "1", "--steps", "2"],
-    }[run.mode]  # fmt: skip
-    argv = [PY, "scripts/bench/optimizer_step.py", "--optimizers", "adamw,muon", *sizes,
-            "--json", str(result)]  # fmt: skip
+    }[run.mode]
+    argv = [
+        PY,
+        "scripts/bench/optimizer_step.py",
+        "--optimizers",
+        "adamw,muon",
+        *sizes,
+        "--json",
+        str(result),
+    ]
     code, output = run.command("muon", argv)
     record = _read_json(result) or {}
     return {
         "status": _status(code),
         "figures": record.get("runs", {}),
-        "note": ("Llama 3.2 1B, 1 + 3 eager steps each" if run.on_gpu
-                 else "CPU, the tiny recipe: checks the path, not speed")
+        "note": (
+            "Llama 3.2 1B, 1 + 3 eager steps each"
+            if run.on_gpu
+            else "CPU, the tiny recipe: checks the path, not speed"
+        )
         + ("" if code == 0 else f"; {_last_line(output)}"),
-    }  # fmt: skip
+    }
 
 
 # In order of value: what a call cut short loses is what matters least. A full run's budgets
@@ -562,28 +746,40 @@ def _names(value: str) -> list[str]:
 def write_report(run: Run) -> None:
     """Rewrite gpu_report.json and gpu_report.md from the steps so far (atomically): each step's
     status, wall time against its budget (this mode's, and a full and a quick run's), figures."""
-    record = {"mode": run.mode, "total_s": TOTAL_S[run.mode],
-              "budget_full_s": budget_total(FULL), "budget_quick_s": budget_total(QUICK),
-              "steps": run.steps}  # fmt: skip
+    record = {
+        "mode": run.mode,
+        "total_s": TOTAL_S[run.mode],
+        "budget_full_s": budget_total(FULL),
+        "budget_quick_s": budget_total(QUICK),
+        "steps": run.steps,
+    }
     _atomic_write(run.out / "gpu_report.json", json.dumps(record, indent=1) + "\n")
-    lines = [f"# pipe on the GPU machine ({run.mode} run)", "",
-             f"Budgets: a full run's steps {budget_total(FULL)} s of its {TOTAL_S[FULL]} s, a "
-             f"quick run's {budget_total(QUICK)} s of {TOTAL_S[QUICK]} s (wheel install "
-             "included in the environment's). Allowed: the seconds a step had when it started, "
-             "its budget plus what the steps before it left unspent (scaled up when `--only` "
-             "chose fewer steps than fill the call).", "",
-             "| step | status | seconds | budget | full / quick budget | allowed | note |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"# pipe on the GPU machine ({run.mode} run)",
+        "",
+        f"Budgets: a full run's steps {budget_total(FULL)} s of its {TOTAL_S[FULL]} s, a "
+        f"quick run's {budget_total(QUICK)} s of {TOTAL_S[QUICK]} s (wheel install "
+        "included in the environment's). Allowed: the seconds a step had when it started, "
+        "its budget plus what the steps before it left unspent (scaled up when `--only` "
+        "chose fewer steps than fill the call).",
+        "",
+        "| step | status | seconds | budget | full / quick budget | allowed | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for step in run.steps:
         note = str(step.get("note", "")).replace("|", "/")
         allowed = f"{step['allowed_s']:.0f}" if "allowed_s" in step else ""
-        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
-                     f"{step['budget_s']} | {step['budget_full_s']} / {step['budget_quick_s']} "
-                     f"| {allowed} | {note} |")  # fmt: skip
+        lines.append(
+            f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
+            f"{step['budget_s']} | {step['budget_full_s']} / {step['budget_quick_s']} "
+            f"| {allowed} | {note} |"
+        )
     spent = sum(step["seconds"] for step in run.steps)
     budgets = sum(s["budget_s"] for s in run.steps)
-    lines.append(f"| total | | {spent:.0f} | {budgets} | {budget_total(FULL)} / "
-                 f"{budget_total(QUICK)} | {TOTAL_S[run.mode]} | |")  # fmt: skip
+    lines.append(
+        f"| total | | {spent:.0f} | {budgets} | {budget_total(FULL)} / "
+        f"{budget_total(QUICK)} | {TOTAL_S[run.mode]} | |"
+    )
     for step in (step for step in run.steps if step["figures"]):
         lines += ["", f"## {step['name']}", ""]
         lines += [f"- {key}: {_short(value)}" for key, value in step["figures"].items()]
@@ -610,8 +806,13 @@ def _atomic_write(path: Path, text: str) -> None:
 def run_step(run: Run, step: Step, chosen: bool) -> None:
     """Run one step under its budget (or record why it did not run) and rewrite the report
     before and after it: a call cut off mid-step still shows where it stopped."""
-    entry = {"name": step.name, "seconds": 0.0, "budget_s": step.budget[run.mode],
-             "budget_full_s": step.budget[FULL], "budget_quick_s": step.budget[QUICK]}  # fmt: skip
+    entry = {
+        "name": step.name,
+        "seconds": 0.0,
+        "budget_s": step.budget[run.mode],
+        "budget_full_s": step.budget[FULL],
+        "budget_quick_s": step.budget[QUICK],
+    }
     started = time.monotonic()
     if not chosen:
         result = {"status": "skipped (--only/--skip)", "figures": {}}
@@ -656,8 +857,14 @@ def main() -> None:
     (args.out / "gpu_run.log").write_text("")
     start = time.monotonic() - args.install_s
     with tempfile.TemporaryDirectory(prefix="pipe_gpu_") as work:
-        run = Run(mode, args.out, start + TOTAL_S[mode], Path(work), install_s=args.install_s,
-                  step_deadlines=plan_deadlines(mode, chosen, start))  # fmt: skip
+        run = Run(
+            mode,
+            args.out,
+            start + TOTAL_S[mode],
+            Path(work),
+            install_s=args.install_s,
+            step_deadlines=plan_deadlines(mode, chosen, start),
+        )
         for step in STEPS:
             run_step(run, step, step.name in chosen)
     print(f"[gpu] report: {args.out / 'gpu_report.md'}")

@@ -119,8 +119,9 @@ def test_truncated_shard_named_with_and_without_checksums(trained, tmp_path) -> 
     assert_refused(_invoke("convert", save_dir, "--to", "hf", "-o", out, "-q"), shard, "records")
     result = _invoke("convert", save_dir, "--to", "hf", "-o", out, "-q", "--no-verify-checksums")
     assert_refused(result, shard, "truncated")
-    result = _invoke("train", *_train_args(tmp_path / "run"), "--load", save_dir,
-                     "--no-verify-checksums")  # fmt: skip
+    result = _invoke(
+        "train", *_train_args(tmp_path / "run"), "--load", save_dir, "--no-verify-checksums"
+    )
     assert_refused(result, shard, "truncated")
     assert not out.exists()
 
@@ -131,8 +132,9 @@ def test_damaged_item_without_checksums_names_the_file(trained, tmp_path) -> Non
     data = bytearray(shard.read_bytes())
     data[:64] = b"\xff" * 64  # the first item's zip header
     shard.write_bytes(bytes(data))
-    result = _invoke("convert", save_dir, "--to", "hf", "-o", tmp_path / "hf", "-q",
-                     "--no-verify-checksums")  # fmt: skip
+    result = _invoke(
+        "convert", save_dir, "--to", "hf", "-o", tmp_path / "hf", "-q", "--no-verify-checksums"
+    )
     assert_refused(result, shard, "cannot read model.")
 
 
@@ -192,9 +194,9 @@ def hf_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json", "shard"])
 def test_damaged_hf_files_named(hf_dir, name, tmp_path) -> None:
     directory = shutil.copytree(hf_dir, tmp_path / "hf")
-    target = sorted(directory.glob("model-*.safetensors"))[1] if name == "shard" else (
-        directory / name
-    )  # fmt: skip
+    target = (
+        sorted(directory.glob("model-*.safetensors"))[1] if name == "shard" else (directory / name)
+    )
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2] + b"\xff")
     out = tmp_path / "ckpt"
     result = _invoke("convert", directory, "--from", "hf", "-o", out, "-q")
@@ -211,8 +213,18 @@ def dataset(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     root = tmp_path_factory.mktemp("data")
     records = [{"text": text * 5} for text in SAMPLE_TEXTS * 10]
     write_jsonl(root / "in.jsonl", records)
-    result = _invoke("preprocess", "-i", root / "in.jsonl", "-o", root / "c", "--append-eod",
-                     "--tokenizer", tiny_tokenizer_dir, "--workers", "1")  # fmt: skip
+    result = _invoke(
+        "preprocess",
+        "-i",
+        root / "in.jsonl",
+        "-o",
+        root / "c",
+        "--append-eod",
+        "--tokenizer",
+        tiny_tokenizer_dir,
+        "--workers",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     return root / "c_text_document"
 
@@ -274,7 +286,16 @@ def test_damaged_tokenizer_files_named(tiny_tokenizer_dir, kind, name, damage, t
         or original[: len(original) // 2 - 1].rstrip(b"\n")  # cut inside a line
     )
     write_jsonl(tmp_path / "in.jsonl", [{"text": "hello world"}])
-    result = _invoke("preprocess", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "c",
-                     "--tokenizer", directory, "--workers", "1")  # fmt: skip
+    result = _invoke(
+        "preprocess",
+        "-i",
+        tmp_path / "in.jsonl",
+        "-o",
+        tmp_path / "c",
+        "--tokenizer",
+        directory,
+        "--workers",
+        "1",
+    )
     assert_refused(result, target)
     assert not list(tmp_path.glob("c_*"))

@@ -77,8 +77,18 @@ def test_fp8_training_with_torchao_is_quiet(tmp_path) -> None:
     }
     sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     output = run_pipe(
-        "train", "--recipe", "tiny", "--iters", "1", "--device", "cpu", "--fp8", "torchao",
-        "--run-dir", str(tmp_path / "run"), *sets,
-    )  # fmt: skip
+        "train",
+        "--recipe",
+        "tiny",
+        "--iters",
+        "1",
+        "--device",
+        "cpu",
+        "--fp8",
+        "torchao",
+        "--run-dir",
+        str(tmp_path / "run"),
+        *sets,
+    )
     assert "linears in fp8" in output
     assert_quiet(output)

@@ -50,8 +50,15 @@ def _run(*args: str) -> str:
 
 def test_relayout_round_trip_is_bit_exact_and_trains(tmp_path: Path) -> None:
     original = PipeCheckpointSource(_train(tmp_path / "run"))
-    out = _run(str(tmp_path / "run" / "checkpoints"), "--tp", "4", "--pp", "2",
-               "-o", str(tmp_path / "tp4pp2"))  # fmt: skip
+    out = _run(
+        str(tmp_path / "run" / "checkpoints"),
+        "--tp",
+        "4",
+        "--pp",
+        "2",
+        "-o",
+        str(tmp_path / "tp4pp2"),
+    )
     assert "bit-identical" in out
     laid_out = PipeCheckpointSource(tmp_path / "tp4pp2")
     # Column-parallel rows, row-parallel columns, the vocabulary: four chunks; norms whole.
@@ -105,8 +112,9 @@ def test_trained_checkpoint_goes_to_hf_in_bf16_by_default(tmp_path: Path) -> Non
     assert "in bfloat16, the default for a trained checkpoint (--dtype to change)" in out
     config = (tmp_path / "hf" / "config.json").read_text()
     assert '"torch_dtype": "bfloat16"' in config
-    out = _run(str(ckpt), "--to", "hf", "-o", str(tmp_path / "hf32"), "--dtype", "fp32",
-               "--verify", "off")  # fmt: skip
+    out = _run(
+        str(ckpt), "--to", "hf", "-o", str(tmp_path / "hf32"), "--dtype", "fp32", "--verify", "off"
+    )
     assert "in float32, as --dtype asked;" in out
 
 
@@ -114,11 +122,15 @@ def test_tensor_chunks_follow_torch_chunk_sizes() -> None:
     layout = TargetLayout(tp=4, ep=2)
     # Uneven vocabulary: ceil(10 / 4) = 3 rows per rank, the last rank 1.
     assert [s for _, s in tensor_chunks("output.weight", (10, 8), layout)] == [
-        (3, 8), (3, 8), (3, 8), (1, 8),
-    ]  # fmt: skip
+        (3, 8),
+        (3, 8),
+        (3, 8),
+        (1, 8),
+    ]
     assert tensor_chunks("layers.0.moe.experts.w2", (4, 8, 16), layout) == [
-        ((0, 0, 0), (2, 8, 16)), ((2, 0, 0), (2, 8, 16)),
-    ]  # fmt: skip
+        ((0, 0, 0), (2, 8, 16)),
+        ((2, 0, 0), (2, 8, 16)),
+    ]
     assert tensor_chunks("layers.0.moe.router.weight", (4, 8), layout) == [((0, 0), (4, 8))]
 
 
@@ -128,8 +140,9 @@ def test_cli_refuses_bad_requests(tmp_path: Path) -> None:
     (tmp_path / "full" / "x").write_text("keep me")
     result = CliRunner().invoke(convert, [str(ckpt), "-o", str(tmp_path / "full")])
     assert result.exit_code == 2 and "--overwrite" in result.output
-    result = CliRunner().invoke(convert, [str(ckpt), "-o", str(tmp_path / "h"), "--to", "hf",
-                                          "--tp", "2"])  # fmt: skip
+    result = CliRunner().invoke(
+        convert, [str(ckpt), "-o", str(tmp_path / "h"), "--to", "hf", "--tp", "2"]
+    )
     assert result.exit_code == 2 and "no layout" in result.output
     result = CliRunner().invoke(convert, [str(tmp_path / "full"), "-o", str(tmp_path / "o")])
     assert result.exit_code == 1 and "full" in result.output  # not a checkpoint: named

@@ -521,20 +521,35 @@ QWEN3_HEAD_DIM = 24  # not HIDDEN / HEADS = 16: Megatron's --kv-channels
 
 def _qwen3_config() -> ModelConfig:
     return ModelConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HEADS,
-        num_kv_heads=KV_HEADS, head_dim=QWEN3_HEAD_DIM, ffn_hidden_size=FFN, norm_eps=1e-6,
-        rope_theta=1e6, max_position_embeddings=128, qk_norm=True,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=QWEN3_HEAD_DIM,
+        ffn_hidden_size=FFN,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=128,
+        qk_norm=True,
+    )
 
 
 def _hf_qwen3():
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=QWEN3_HEAD_DIM,
-        max_position_embeddings=128, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=QWEN3_HEAD_DIM,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(config).eval()
@@ -584,18 +599,29 @@ def _save_qwen3_gpt_model(rank: int, world_size: int, tmp, runtime: dict) -> Non
     _stub_cuda()
     parallel_state.initialize_model_parallel(1, 1)
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_query_groups=KV_HEADS, kv_channels=QWEN3_HEAD_DIM, ffn_hidden_size=FFN,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True,
-        add_bias_linear=False, use_cpu_initialization=True,
-    )  # fmt: skip
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=KV_HEADS,
+        kv_channels=QWEN3_HEAD_DIM,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        qk_layernorm=True,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+    )
     model = GPTModel(
         config,
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True),
-        vocab_size=PADDED, max_sequence_length=128, share_embeddings_and_output_weights=False,
-        position_embedding_type="rope", rotary_base=1000000,
-    )  # fmt: skip
+        vocab_size=PADDED,
+        max_sequence_length=128,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=1000000,
+    )
     missing, unexpected = model.load_state_dict(runtime, strict=False)
     assert not unexpected, unexpected
     assert all(k.endswith("_extra_state") for k in missing), missing

@@ -47,9 +47,13 @@ def _case(name: str) -> tuple[object, ModelConfig]:
     q_lora = None if name.endswith("no_q_lora") else 48
     interleave = name != "q_lora_not_interleaved"
     mla = MLAConfig(
-        kv_lora_rank=32, q_lora_rank=q_lora, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=12, rope_interleave=interleave,
-    )  # fmt: skip
+        kv_lora_rank=32,
+        q_lora_rank=q_lora,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_interleave=interleave,
+    )
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     scaling = None
     if name.endswith("q_lora_yarn"):
@@ -57,32 +61,71 @@ def _case(name: str) -> tuple[object, ModelConfig]:
             factor=4.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7
         )
         rope |= {
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
-            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.7,
-        }  # fmt: skip
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.7,
+        }
     is_moe = name.startswith("moe")
     layers, dense = (3, 1) if is_moe else (2, 2)
     hf = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, kv_lora_rank=32,
-        q_lora_rank=q_lora, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-        first_k_dense_replace=dense, max_position_embeddings=128, rms_norm_eps=1e-6,
-        rope_parameters=rope, rope_interleave=interleave, tie_word_embeddings=False,
-        num_nextn_predict_layers=0, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-        topk_group=2, n_shared_experts=2, moe_intermediate_size=MOE_FFN,
-        routed_scaling_factor=2.5, norm_topk_prob=True,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        kv_lora_rank=32,
+        q_lora_rank=q_lora,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=dense,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters=rope,
+        rope_interleave=interleave,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=0,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        moe_intermediate_size=MOE_FFN,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     moe = MoEConfig(
-        num_experts=8, top_k=2, ffn_hidden_size=MOE_FFN, aux_loss_coeff=0.0,
-        dense_layers=list(range(dense)), score_function="sigmoid", num_groups=4, topk_groups=2,
-        routed_scaling_factor=2.5, num_shared_experts=2, expert_bias=True,
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=MOE_FFN,
+        aux_loss_coeff=0.0,
+        dense_layers=list(range(dense)),
+        score_function="sigmoid",
+        num_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        num_shared_experts=2,
+        expert_bias=True,
         aux_loss_type="sequence",  # DeepSeek's seq_aux, true unless a config says otherwise
-    )  # fmt: skip
+    )
     ours = ModelConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=layers,
-        num_attention_heads=HEADS, max_position_embeddings=128, norm_eps=1e-6,
-        rope_theta=10000.0, rope_scaling=scaling, mla=mla, moe=moe if is_moe else None,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_layers=layers,
+        num_attention_heads=HEADS,
+        max_position_embeddings=128,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=scaling,
+        mla=mla,
+        moe=moe if is_moe else None,
+    )
     return hf, ours
 
 
@@ -172,22 +215,54 @@ def test_yarn_corrections_matter() -> None:
 
 # deepseek-ai/DeepSeek-V3's config.json (the model's keys; quantization_config left out).
 DEEPSEEK_V3_JSON = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False,
-    aux_loss_alpha=0.001, ep_size=1, first_k_dense_replace=3, hidden_act="silu",
-    hidden_size=7168, initializer_range=0.02, intermediate_size=18432, kv_lora_rank=512,
-    max_position_embeddings=163840, moe_intermediate_size=2048, moe_layer_freq=1, n_group=8,
-    n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128,
-    num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128,
-    num_nextn_predict_layers=1, pretraining_tp=1, q_lora_rank=1536, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, rms_norm_eps=1e-06,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    attention_bias=False,
+    aux_loss_alpha=0.001,
+    ep_size=1,
+    first_k_dense_replace=3,
+    hidden_act="silu",
+    hidden_size=7168,
+    initializer_range=0.02,
+    intermediate_size=18432,
+    kv_lora_rank=512,
+    max_position_embeddings=163840,
+    moe_intermediate_size=2048,
+    moe_layer_freq=1,
+    n_group=8,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    num_attention_heads=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=61,
+    num_key_value_heads=128,
+    num_nextn_predict_layers=1,
+    pretraining_tp=1,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    rms_norm_eps=1e-06,
     rope_scaling={
-        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096, "type": "yarn",
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
     },
-    rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", seq_aux=True,
-    tie_word_embeddings=False, topk_group=4, topk_method="noaux_tc", torch_dtype="bfloat16",
-    v_head_dim=128, vocab_size=129280,
-)  # fmt: skip
+    rope_theta=10000,
+    routed_scaling_factor=2.5,
+    scoring_func="sigmoid",
+    seq_aux=True,
+    tie_word_embeddings=False,
+    topk_group=4,
+    topk_method="noaux_tc",
+    torch_dtype="bfloat16",
+    v_head_dim=128,
+    vocab_size=129280,
+)
 
 
 def _hf_parameters(hf: dict) -> int:
@@ -361,8 +436,13 @@ def test_multi_token_prediction_layers_convert_both_ways_bit_exactly(tmp_path) -
     source = HFSource(path)
     assert source.model_config.mtp_num_layers == 1
     names = source.tensors()
-    for name in ("mtp.3.eh_proj.weight", "mtp.3.head_norm.weight", "mtp.3.moe.expert_bias",
-                 "mtp.3.moe.experts.w1", "mtp.3.attention.wkv_b.weight"):  # fmt: skip
+    for name in (
+        "mtp.3.eh_proj.weight",
+        "mtp.3.head_norm.weight",
+        "mtp.3.moe.expert_bias",
+        "mtp.3.moe.experts.w1",
+        "mtp.3.attention.wkv_b.weight",
+    ):
         assert name in names, name
     assert not any(name.startswith("layers.3.") for name in names)
     model = load_from_source(source)  # every name is a parameter or buffer of our MTP model

@@ -45,17 +45,32 @@ def _case(name: str) -> tuple[type, object, ModelConfig]:
     weights (`norm_topk_prob` false)."""
     layers = 4 if name == "qwen3_moe_sparse_step" else 3
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
-        max_position_embeddings=128, rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=name == "qwen3_tied",
-    )  # fmt: skip
+    )
     ours = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_layers=layers,
-        num_attention_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, max_position_embeddings=128,
-        norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=name == "qwen3_tied", qk_norm=True,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_layers=layers,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=128,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=name == "qwen3_tied",
+        qk_norm=True,
+    )
     if not name.startswith("qwen3_moe"):
         hf = transformers.Qwen3Config(**common)
         return transformers.Qwen3ForCausalLM, hf, ModelConfig(**ours)
@@ -63,14 +78,24 @@ def _case(name: str) -> tuple[type, object, ModelConfig]:
     dense = [] if step == 2 else [0]
     normalised = step == 1
     hf = transformers.Qwen3MoeConfig(
-        **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=MOE_FFN,
-        decoder_sparse_step=step, mlp_only_layers=dense, norm_topk_prob=normalised,
+        **common,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=MOE_FFN,
+        decoder_sparse_step=step,
+        mlp_only_layers=dense,
+        norm_topk_prob=normalised,
         router_aux_loss_coef=0.001,
-    )  # fmt: skip
+    )
     moe = MoEConfig(
-        num_experts=8, top_k=2, ffn_hidden_size=MOE_FFN, aux_loss_coeff=0.001,
-        norm_topk_prob=normalised, layer_step=step, dense_layers=dense,
-    )  # fmt: skip
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=MOE_FFN,
+        aux_loss_coeff=0.001,
+        norm_topk_prob=normalised,
+        layer_step=step,
+        dense_layers=dense,
+    )
     return transformers.Qwen3MoeForCausalLM, hf, ModelConfig(**ours, moe=moe)
 
 
@@ -152,19 +177,39 @@ def test_published_configs_give_the_flavors_and_their_sizes() -> None:
     from pipeline.train.report.estimates import parameter_counts
 
     dense = dict(
-        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
-        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-        rope_theta=1000000, tie_word_embeddings=False, attention_bias=False,
-        use_sliding_window=False, sliding_window=None, max_window_layers=36,
-        initializer_range=0.02, hidden_act="silu",
-    )  # fmt: skip
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=36,
+        initializer_range=0.02,
+        hidden_act="silu",
+    )
     moe = dense | dict(
-        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
-        num_hidden_layers=48, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], router_aux_loss_coef=0.001,
-    )  # fmt: skip
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+    )
     for hf, flavor, published in ((dense, "qwen3_8b", 8.2e9), (moe, "qwen3_30b_a3b", 30.5e9)):
         ours = get_flavor(flavor)
         assert config_from_hf(hf) == ours, flavor

@@ -179,14 +179,22 @@ def test_a_run_resolves_auto_for_its_shape_per_rank(cache: Path) -> None:
     from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.config.schema import ConfigError
 
-    sets = ["data.mock=true", "data.reset_attention_mask=true", "data.seq_length=64",
-            "training.dtype=fp32"]  # fmt: skip
+    sets = [
+        "data.mock=true",
+        "data.reset_attention_mask=true",
+        "data.seq_length=64",
+        "training.dtype=fp32",
+    ]
     cfg = resolve_config(None, sets)
     config = cfg.model_config()
     shape = AttentionShape(
-        64, config.num_attention_heads // 2, config.num_kv_heads // 2, config.head_dim,
-        "float32", document_masking=True,
-    )  # fmt: skip
+        64,
+        config.num_attention_heads // 2,
+        config.num_kv_heads // 2,
+        config.head_dim,
+        "float32",
+        document_masking=True,
+    )
     record_choice(H200, shape, {"sdpa": 1.0, "flex": 2.0})
     assert run_choice(cfg, ParallelDims(tp=2, world_size=2), CUDA).backend == "sdpa"
     assert run_choice(cfg, ParallelDims(), CUDA).backend == "flex"

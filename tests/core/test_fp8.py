@@ -222,8 +222,10 @@ def test_tensor_parallel_picks_float8_styles_for_tensorwise_only(recipe):
     colwise, rowwise, prepare = _styles(block, "attention.wq", "attention.wk", "attention.wv")
     if recipe.endswith("tensorwise"):
         assert (colwise.__name__, rowwise.__name__, prepare.__name__) == (
-            "Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput",
-        )  # fmt: skip
+            "Float8ColwiseParallel",
+            "Float8RowwiseParallel",
+            "PrepareFloat8ModuleInput",
+        )
     else:
         assert colwise is ColwiseParallel
     with torch.device("meta"):
@@ -297,13 +299,25 @@ def test_pipe_train_fp8_flag_trains_on_cpu_emulation(tmp_path):
     from pipeline.train.commands import train
 
     sets = [
-        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2",
-        "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.vocab_size=128",
-        "data.mock=true", "data.seq_length=32", "data.num_workers=0", "training.dtype=fp32",
-        "training.global_batch_size=4", "training.micro_batch_size=4", "training.eval_interval=0",
-        "training.log_interval=1", "scheduler.warmup_iters=0", "checkpoint.save_interval=0",
-        "fp8.linear_filter=all", "fp8.emulate=true",
-    ]  # fmt: skip
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.num_attention_heads=2",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.vocab_size=128",
+        "data.mock=true",
+        "data.seq_length=32",
+        "data.num_workers=0",
+        "training.dtype=fp32",
+        "training.global_batch_size=4",
+        "training.micro_batch_size=4",
+        "training.eval_interval=0",
+        "training.log_interval=1",
+        "scheduler.warmup_iters=0",
+        "checkpoint.save_interval=0",
+        "fp8.linear_filter=all",
+        "fp8.emulate=true",
+    ]
     args = ["--fp8", "torchao:rowwise", "--iters", "3", "--device", "cpu"]
     args += ["--run-dir", str(tmp_path / "run")]
     for assignment in sets:

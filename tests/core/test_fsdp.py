@@ -104,9 +104,14 @@ def _dp_step(model, optimizer, scheduler, micro_batches, dp_group):
     from pipeline.train.loop.train_step import train_step
 
     step = train_step(
-        model, optimizer, scheduler, micro_batches, clip_grad=1.0, dp_group=dp_group,
+        model,
+        optimizer,
+        scheduler,
+        micro_batches,
+        clip_grad=1.0,
+        dp_group=dp_group,
         runner=lm_runner(model),
-    )  # fmt: skip
+    )
     return step.loss, step.grad_norm
 
 
@@ -183,9 +188,7 @@ def _trained_single(tied: bool) -> tuple[Transformer, torch.optim.Optimizer]:
 
     model = _reference_model(tied)
     optimizer, scheduler = _optimizer(model)
-    train_step(
-        model, optimizer, scheduler, _global_batch(), clip_grad=1.0, runner=lm_runner(model)
-    )
+    train_step(model, optimizer, scheduler, _global_batch(), clip_grad=1.0, runner=lm_runner(model))
     return model, optimizer
 
 

@@ -100,9 +100,14 @@ def test_expert_adapters_match_per_expert_linears() -> None:
     from pipeline.core.model.config import ModelConfig, MoEConfig
 
     config = ModelConfig(
-        vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2,
-        ffn_hidden_size=48, moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.0),
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=48,
+        moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coeff=0.0),
+    )
     model = build_model(config)
     apply_lora(model, LoRASpec(rank=2, alpha=4, targets=("expert_gate", "expert_down")))
     init_adapters(model, seed=0)
@@ -132,8 +137,10 @@ def test_bad_targets_and_expert_adapters_in_peft_files(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="unknown LoRA target"):
         LoRASpec(targets=("q", "query"))
-    ours = {"layers.1.moe.experts.lora.w1_A": torch.randn(4, 2, 8),
-            "layers.1.moe.experts.lora.w1_B": torch.randn(4, 6, 2)}  # fmt: skip
+    ours = {
+        "layers.1.moe.experts.lora.w1_A": torch.randn(4, 2, 8),
+        "layers.1.moe.experts.lora.w1_B": torch.randn(4, 6, 2),
+    }
     files = peft_tensors(ours, 4, "MixtralForCausalLM")
     prefix = "base_model.model.model.layers.1.block_sparse_moe.experts"
     assert torch.equal(

@@ -28,9 +28,13 @@ SEQ = 12
 def _model() -> Transformer:
     config = tiny_deepseek_v3()
     config = dataclasses.replace(
-        config, vocab_size=96, hidden_size=32, num_layers=2, mtp_num_layers=DEPTH,
+        config,
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=2,
+        mtp_num_layers=DEPTH,
         mtp_loss_scaling_factor=0.3,
-    )  # fmt: skip
+    )
     config.moe.aux_loss_coeff = 0.0
     torch.manual_seed(0)
     model = Transformer(config)
@@ -42,9 +46,11 @@ def _batch() -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, 96, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(SEQ).expand(2, -1)
     return {
-        "tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, SEQ),
+        "tokens": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "loss_mask": torch.ones(2, SEQ),
         "position_ids": positions,
-    }  # fmt: skip
+    }
 
 
 def _reference(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -125,9 +131,12 @@ def test_a_run_trains_the_mtp_module_and_moves_its_balancing_bias(tmp_path) -> N
     from tests.builders import layout_sets
 
     sets = layout_sets(
-        "tiny_deepseek_v3", tmp_path, "model.mtp_num_layers=1", "training.iters=2",
+        "tiny_deepseek_v3",
+        tmp_path,
+        "model.mtp_num_layers=1",
+        "training.iters=2",
         "checkpoint.save_interval=2",
-    )  # fmt: skip
+    )
     trainer = Trainer(resolve_config("tiny_deepseek_v3", sets), console=False)
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -35,16 +35,25 @@ def _config(variant: str):
     moe = MoEConfig(num_experts=4, top_k=2) if variant == "moe" else None
     if variant == "mla_moe":
         moe = MoEConfig(
-            num_experts=4, top_k=2, score_function="sigmoid", num_groups=2, topk_groups=1,
-            num_shared_experts=1, expert_bias=True, routed_scaling_factor=2.0,
-        )  # fmt: skip
+            num_experts=4,
+            top_k=2,
+            score_function="sigmoid",
+            num_groups=2,
+            topk_groups=1,
+            num_shared_experts=1,
+            expert_bias=True,
+            routed_scaling_factor=2.0,
+        )
     mla = None
     if variant.startswith("mla"):
         q_lora = None if variant == "mla_no_q_lora" else 24
         mla = MLAConfig(
-            kv_lora_rank=16, q_lora_rank=q_lora, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            kv_lora_rank=16,
+            q_lora_rank=q_lora,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
             v_head_dim=6,
-        )  # fmt: skip
+        )
     return micro_model_config(
         vocab_size=127 if variant == "uneven_vocab" else 128,
         init_method_std=0.2,

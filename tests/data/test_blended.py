@@ -233,10 +233,13 @@ def test_sizes_per_dataset(megatron):
         sizes = [int(rng.integers(0, 10**7)) for _ in range(3)]
         surplus = float(rng.choice([0.0, 0.005, 0.05, 1.0]))
         get = megatron.builder._get_size_per_split_per_dataset
-        assert [[samples_per_dataset(weights, s, surplus)[1][d] for s in sizes]
-                for d in range(len(weights))] == get(weights, sizes, surplus)  # fmt: skip
-        assert [[samples_per_dataset(weights, s)[0][d] for s in sizes]
-                for d in range(len(weights))] == get(weights, sizes)  # fmt: skip
+        assert [
+            [samples_per_dataset(weights, s, surplus)[1][d] for s in sizes]
+            for d in range(len(weights))
+        ] == get(weights, sizes, surplus)
+        assert [
+            [samples_per_dataset(weights, s)[0][d] for s in sizes] for d in range(len(weights))
+        ] == get(weights, sizes)
     assert normalize_weights([1, 3]) == megatron.utils.normalize([1, 3]) == [0.25, 0.75]
 
 
@@ -388,7 +391,7 @@ ONE_BLEND_CASES = {
         seq=17,
         seed=99,
         extra=False,
-    ),  # fmt: skip
+    ),
     "unweighted-with-sizes": dict(n=3, weights=None, sizes=[500, 50, 10], split="90,8,2"),
     "unweighted-exhaustive": dict(n=3, weights=None, sizes=[None] * 3, split="70,20,10", seq=48),
     "single-unweighted": dict(n=1, weights=None, sizes=[200, 20, 5], split="90,8,2"),
@@ -453,8 +456,9 @@ def process_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_cached_blend_equals_megatron_and_reloads(megatron, prefixes, tmp_path, process_group,
-                                                  monkeypatch):  # fmt: skip
+def test_cached_blend_equals_megatron_and_reloads(
+    megatron, prefixes, tmp_path, process_group, monkeypatch
+):
     blend, sizes, split = (prefixes, [0.5, 0.25, 0.25]), [300, 30, 10], "80,10,10"
     theirs = megatron_build(megatron, sizes, blend=blend, split=split, cache=str(tmp_path / "m"))
     ours = build_datasets(Blend(*blend), our_config(split, cache=tmp_path / "o"), sizes)
@@ -484,9 +488,14 @@ def test_mock_data(megatron):
 
     sizes = [50, 10, 5]
     config = megatron.gpt.GPTDatasetConfig(
-        random_seed=1234, sequence_length=32, tokenizer=StubTokenizer(), split="1,1,1",
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-    )  # fmt: skip
+        random_seed=1234,
+        sequence_length=32,
+        tokenizer=StubTokenizer(),
+        split="1,1,1",
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     builder = megatron.builder.BlendedMegatronDatasetBuilder(
         MockGPTDataset, sizes, lambda: True, config
     )
@@ -526,8 +535,11 @@ def test_blended_dataset_access_and_oversampling():
         assert sample["dataset_id"] == d and sample["tokens"][0] == j
     with pytest.raises(IndexError, match="out of range"):
         blend[100]
-    with pytest.raises(IndexError, match=r"draws 30 samples from dataset 0 \(x, train split\).*"
-                       r"has only 29; increase mid_level_dataset_surplus"):  # fmt: skip
+    with pytest.raises(
+        IndexError,
+        match=r"draws 30 samples from dataset 0 \(x, train split\).*"
+        r"has only 29; increase mid_level_dataset_surplus",
+    ):
         BlendedDataset(
             [FakeDataset(29, name="x"), datasets[1]], [3, 7], 100, our_config("1"), "train"
         )
@@ -554,8 +566,9 @@ def test_builder_refusals(prefixes, tmp_path):
     a, b, _ = prefixes
     with pytest.raises(FileNotFoundError, match=r"nope\.bin, .*nope\.idx"):
         build_datasets(Blend([a, str(tmp_path / "nope")], [1, 1]), our_config("1"), [10, 0, 0])
-    with pytest.raises(ValueError, match="needs a number of samples for every split; none given "
-                       "for valid"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="needs a number of samples for every split; none given for valid"
+    ):
         build_datasets(Blend([a, b], [1, 1]), our_config("90,10,0"), [10, None, None])
     with pytest.raises(ValueError, match="weighted valid blend needs"):
         build_datasets(

@@ -18,9 +18,15 @@ from pipeline.export.calibration import calibrate
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_kv_range_covers_the_keys_the_cache_stores(qk_norm: bool) -> None:
     config = ModelConfig(
-        vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, num_kv_heads=2,
-        head_dim=16, ffn_hidden_size=64, qk_norm=qk_norm,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        ffn_hidden_size=64,
+        qk_norm=qk_norm,
+    )
     torch.manual_seed(0)
     model = Transformer(config)
     model.init_weights()

@@ -49,24 +49,51 @@ BIAS = "mlp.gate.e_score_correction_bias"
 
 def _config(hidden: int, mla: MLAConfig, ffn: int, vocab: int = FP8_VOCAB) -> ModelConfig:
     moe = MoEConfig(
-        num_experts=4, top_k=2, ffn_hidden_size=64, aux_loss_coeff=0.0, dense_layers=[0],
-        score_function="sigmoid", num_groups=2, topk_groups=1, routed_scaling_factor=2.5,
-        num_shared_experts=1, expert_bias=True,
-    )  # fmt: skip
+        num_experts=4,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=0.0,
+        dense_layers=[0],
+        score_function="sigmoid",
+        num_groups=2,
+        topk_groups=1,
+        routed_scaling_factor=2.5,
+        num_shared_experts=1,
+        expert_bias=True,
+    )
     return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=2,
-        num_attention_heads=4, num_kv_heads=4, max_position_embeddings=256, norm_eps=1e-6,
-        rope_theta=1e4, mla=mla, moe=moe,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        max_position_embeddings=256,
+        norm_eps=1e-6,
+        rope_theta=1e4,
+        mla=mla,
+        moe=moe,
+    )
 
 
 # q_b 4 x (48 + 16) = 256 and kv_b 4 x (48 + 16) = 256 rows: two whole blocks; hidden and the
 # dense ffn 128: one whole block; kv_a 64 + 16 = 80, q_a 96, o_proj 64 inputs: one partial block.
-TRAINED = _config(128, MLAConfig(kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=48,
-                                 qk_rope_head_dim=16, v_head_dim=16), ffn=128)  # fmt: skip
+TRAINED = _config(
+    128,
+    MLAConfig(
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=16
+    ),
+    ffn=128,
+)
 # hidden 160 and q_b 4 x (32 + 16) = 192: a whole block, then a partial one.
-EDGES = _config(160, MLAConfig(kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32,
-                               qk_rope_head_dim=16, v_head_dim=32), ffn=200, vocab=250)  # fmt: skip
+EDGES = _config(
+    160,
+    MLAConfig(
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
+    ),
+    ffn=200,
+    vocab=250,
+)
 
 
 def _with_bias(state: dict) -> dict:
@@ -126,8 +153,9 @@ def test_bf16_export_loads_in_transformers_with_the_source_logits(trained, corpu
     assert float((actual - expected).abs().max()) <= 1e-4 * max(1.0, float(expected.abs().max()))
 
 
-def test_block_fp8_export_loads_in_transformers_with_the_top1_bar(fp8_export, trained,
-                                                                  corpus_prefix):  # fmt: skip
+def test_block_fp8_export_loads_in_transformers_with_the_top1_bar(
+    fp8_export, trained, corpus_prefix
+):
     pytest.importorskip("accelerate", reason="transformers' FP8 loader needs accelerate")
     out, summary = fp8_export
     assert "DeepSeek block FP8" in summary and "format checks passed" in summary, summary
@@ -171,13 +199,23 @@ def test_block_fp8_files_hold_what_the_format_says(fp8_export, trained):
     out, _ = fp8_export
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == QUANT_CONFIG
-    assert QUANT_CONFIG == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]}  # fmt: skip
+    assert QUANT_CONFIG == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     files, source = load_file(out / "model.safetensors"), load_file(trained / "model.safetensors")
     p = "model.layers.1"
-    for module in ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
-                   "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.experts.3.down_proj",
-                   "mlp.shared_experts.gate_proj"):  # fmt: skip
+    for module in (
+        "self_attn.q_a_proj",
+        "self_attn.q_b_proj",
+        "self_attn.kv_a_proj_with_mqa",
+        "self_attn.kv_b_proj",
+        "self_attn.o_proj",
+        "mlp.experts.3.down_proj",
+        "mlp.shared_experts.gate_proj",
+    ):
         _check_quantized(files, source, f"{p}.{module}")
     _check_quantized(files, source, "model.layers.0.mlp.up_proj")
     assert files[f"{p}.self_attn.q_b_proj.weight_scale_inv"].shape == (2, 1)
@@ -191,7 +229,7 @@ def test_block_fp8_files_hold_what_the_format_says(fp8_export, trained):
         f"{p}.self_attn.kv_a_layernorm",
         f"{p}.mlp.gate",
     ]
-    for name in kept:  # fmt: skip
+    for name in kept:
         assert files[f"{name}.weight"].dtype == torch.bfloat16, name
         assert f"{name}.weight_scale_inv" not in files
     assert files[f"{p}.{BIAS}"].dtype == torch.float32
@@ -216,9 +254,11 @@ def test_partial_blocks_after_whole_ones_read_back_block_by_block(edges):
     and each scale is its block's |max| / 448, edge blocks included."""
     source, out = edges
     files, checkpoint = load_file(out / "model.safetensors"), BlockFP8Checkpoint(out)
-    ours = {"layers.0.attention.wq_b.weight": "model.layers.0.self_attn.q_b_proj",
-            "layers.1.attention.wo.weight": "model.layers.1.self_attn.o_proj",
-            "layers.0.feed_forward.w3.weight": "model.layers.0.mlp.up_proj"}  # fmt: skip
+    ours = {
+        "layers.0.attention.wq_b.weight": "model.layers.0.self_attn.q_b_proj",
+        "layers.1.attention.wo.weight": "model.layers.1.self_attn.o_proj",
+        "layers.0.feed_forward.w3.weight": "model.layers.0.mlp.up_proj",
+    }
     hf_source = {f"{m}.weight": source.read(n) for n, m in ours.items()}
     for module in ours.values():
         _check_quantized(files, hf_source, module)
@@ -282,7 +322,7 @@ def _static(quant: dict) -> None:
             None,
             r"q_b_proj.weight_scale_inv is torch.float32 \(1, 1\), not float32 "
             r"\(2, 1\) for a \(192, 96\) weight",
-        ),  # fmt: skip
+        ),
         (_zero_scale, None, "experts.2.up_proj.weight_scale_inv holds a value that is not a pos"),
         (_fp8_router, None, "mlp.gate.weight is fp8; DeepSeek-V3 keeps it in high precision"),
         (_bf16_projection, None, "o_proj.weight is torch.bfloat16; the block format quantizes"),

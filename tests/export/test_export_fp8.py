@@ -71,9 +71,14 @@ def test_fp8_files_are_quantized_as_documented(trained_hf, corpus_prefix, tmp_pa
     options = LegacyExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
     calibration = CalibrationSettings(corpus_prefix, 8, CALIB_LEN)
     run_export(
-        trained_hf, out, options, calibration=calibration, verify="off", quiet=True,
+        trained_hf,
+        out,
+        options,
+        calibration=calibration,
+        verify="off",
+        quiet=True,
         target="legacy",
-    )  # fmt: skip
+    )
     (rank,) = read_rank_files(out, 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(trained_hf).state_dict()
     p, t = "model.layers.1", "transformer.layers.1"

@@ -66,9 +66,14 @@ def _listing(directory: Path, title: str) -> list[str]:
 
 def _exports(tmp_path: Path) -> list[str]:
     dense = ModelConfig(
-        vocab_size=250, hidden_size=64, num_layers=3, num_attention_heads=4, num_kv_heads=2,
-        ffn_hidden_size=96, qkv_bias=True,
-    )  # fmt: skip
+        vocab_size=250,
+        hidden_size=64,
+        num_layers=3,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=96,
+        qkv_bias=True,
+    )
     out = write_trtllm(
         _source(dense),
         tmp_path / "dense",
@@ -78,9 +83,15 @@ def _exports(tmp_path: Path) -> list[str]:
         out, "Qwen2-style (qkv bias), 3 layers, 4 q / 2 kv heads, vocab 250, bf16, tp2 pp2"
     )
     moe = ModelConfig(
-        vocab_size=250, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=1,
-        ffn_hidden_size=96, tie_word_embeddings=True, moe=MoEConfig(num_experts=4, top_k=2),
-    )  # fmt: skip
+        vocab_size=250,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=1,
+        ffn_hidden_size=96,
+        tie_word_embeddings=True,
+        moe=MoEConfig(num_experts=4, top_k=2),
+    )
     amax = {f"{i}.{k}": 1.0 for i in range(2) for k in ("qkv", "dense", "fc", "proj", "kv")}
     options = LegacyExportOptions(
         dtype="bfloat16",
@@ -107,10 +118,16 @@ def test_rank_file_listing_matches_golden(tmp_path) -> None:
 
 def test_modelopt_fp8_listing_matches_golden(tmp_path) -> None:
     config = ModelConfig(
-        vocab_size=250, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-        head_dim=32, ffn_hidden_size=96, qk_norm=True,
+        vocab_size=250,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        ffn_hidden_size=96,
+        qk_norm=True,
         moe=MoEConfig(num_experts=3, top_k=2, ffn_hidden_size=48, dense_layers=[0]),
-    )  # fmt: skip
+    )
     amax = {f"{i}.{k}": 1.0 for i in range(2) for k in ("qkv", "dense", "fc", "proj", "kv")}
     options = ExportOptions(dtype="bfloat16", fp8=True, fp8_kv_cache=True)
     out = write_hf_export(_source(config), tmp_path / "fp8", options, amax=amax)
@@ -134,17 +151,30 @@ def test_deepseek_block_fp8_listing_matches_golden(tmp_path) -> None:
         kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
     )
     moe = MoEConfig(
-        num_experts=3, top_k=2, ffn_hidden_size=64, dense_layers=[0], score_function="sigmoid",
-        num_shared_experts=1, expert_bias=True,
-    )  # fmt: skip
+        num_experts=3,
+        top_k=2,
+        ffn_hidden_size=64,
+        dense_layers=[0],
+        score_function="sigmoid",
+        num_shared_experts=1,
+        expert_bias=True,
+    )
     config = ModelConfig(
-        vocab_size=250, hidden_size=160, num_layers=2, num_attention_heads=4, num_kv_heads=4,
-        ffn_hidden_size=200, mla=mla, moe=moe,
-    )  # fmt: skip
+        vocab_size=250,
+        hidden_size=160,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=4,
+        ffn_hidden_size=200,
+        mla=mla,
+        moe=moe,
+    )
     options = ExportOptions(dtype="bfloat16", fp8=True)
     out = write_hf_export(_source(config), tmp_path / "fp8", options)
-    lines = ["# DeepSeek-V3-style, hidden 160, q_b 192 rows, 2 layers (0 dense), 3 experts + 1 "
-             "shared, block FP8, bf16"]  # fmt: skip
+    lines = [
+        "# DeepSeek-V3-style, hidden 160, q_b 192 rows, 2 layers (0 dense), 3 experts + 1 "
+        "shared, block FP8, bf16"
+    ]
     lines += _hf_listing(out)
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     lines += ["# quantization_config", json.dumps(quant, sort_keys=True)]

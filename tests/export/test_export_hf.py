@@ -226,8 +226,13 @@ def test_exclude_patterns_and_an_unlisted_router(corpus_prefix, tmp_path):
     ignore list omits a router (engines crash on it) is refused."""
     out = tmp_path / "fp8"
     hf_dir = _random_hf("mixtral", tmp_path / "hf")
-    _fp8_export(hf_dir, corpus_prefix, out, fp8_kv_cache=False, exclude_modules=(
-        "lm_head", "model.layers.0.*"))  # fmt: skip
+    _fp8_export(
+        hf_dir,
+        corpus_prefix,
+        out,
+        fp8_kv_cache=False,
+        exclude_modules=("lm_head", "model.layers.0.*"),
+    )
     checkpoint = ModelOptCheckpoint(out)
     assert "model.layers.0.self_attn.q_proj" in checkpoint.config["quantization_config"]["ignore"]
     assert not any(n.startswith("model.layers.0.") for n in checkpoint.quantized)

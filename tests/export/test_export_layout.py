@@ -135,8 +135,12 @@ def test_rank_numbering_and_mapping_checks() -> None:
     # Consecutive tp ranks take consecutive expert ranges (TRT-LLM's moe_ep_rank = tp % ep).
     assert [mapping.moe_ranks(t) for t in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert mapping.to_dict(moe=True) == {
-        "world_size": 8, "tp_size": 4, "pp_size": 2, "moe_tp_size": 2, "moe_ep_size": 2,
-    }  # fmt: skip
+        "world_size": 8,
+        "tp_size": 4,
+        "pp_size": 2,
+        "moe_tp_size": 2,
+        "moe_ep_size": 2,
+    }
     assert mapping.to_dict(moe=False) == {"world_size": 8, "tp_size": 4, "pp_size": 2}
     with pytest.raises(ValueError, match="moe_ep 3 does not divide tp 4"):
         TrtllmMapping(tp=4, moe_ep=3)

@@ -83,8 +83,10 @@ def test_mixtral_expert_parallel_layouts(tmp_path) -> None:
         )
         with safe_open(str(out / "rank0.safetensors"), framework="pt") as f:
             assert f.get_slice("transformer.layers.0.mlp.fc.weight").get_shape() == [
-                4 // ep, 2 * 96 // (4 // ep), 64,
-            ]  # fmt: skip
+                4 // ep,
+                2 * 96 // (4 // ep),
+                64,
+            ]
             assert f.get_slice("transformer.layers.0.mlp.router.weight").get_dtype() == "F32"
         assert _max_rel_diff(ReferenceModel(out).logits(TOKENS), expected) < TOLERANCE
 
@@ -196,8 +198,14 @@ def test_parallel_embedding(dim, tmp_path) -> None:
     model = hf_model("llama3")
     model.save_pretrained(tmp_path / "hf")
     mapping = TrtllmMapping(tp=4)
-    out = _export(tmp_path / "hf", tmp_path / "trt", dtype="float32", mapping=mapping,
-                  use_parallel_embedding=True, embedding_sharding_dim=dim)  # fmt: skip
+    out = _export(
+        tmp_path / "hf",
+        tmp_path / "trt",
+        dtype="float32",
+        mapping=mapping,
+        use_parallel_embedding=True,
+        embedding_sharding_dim=dim,
+    )
     shape = read_rank_files(out, 4)[0]["transformer.vocab_embedding.weight"].shape
     assert tuple(shape) == ((63, 64) if dim == 0 else (250, 16))
     assert _max_rel_diff(ReferenceModel(out).logits(TOKENS), _hf_logits(model)) < TOLERANCE
@@ -315,15 +323,22 @@ def test_config_of_qwen2_mixtral_and_fp8(tmp_path) -> None:
     mixtral = HFSource(_saved("mixtral", tmp_path / "mixtral")).model_config
     q = trtllm_config(qwen, LegacyExportOptions(architecture="Qwen2ForCausalLM"))
     assert (q["architecture"], q["qwen_type"], q["attn_bias"], q["rotary_scaling"]) == (
-        "Qwen2ForCausalLM", "qwen2", True, None,
-    )  # fmt: skip
+        "Qwen2ForCausalLM",
+        "qwen2",
+        True,
+        None,
+    )
     fp8 = LegacyExportOptions(mapping=TrtllmMapping(tp=2, moe_ep=2), fp8=True, fp8_kv_cache=True)
     m = trtllm_config(mixtral, fp8)
     assert m["architecture"] == "MixtralForCausalLM" and m["hidden_act"] == "swiglu"
     assert m["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
     assert m["mapping"] == {
-        "world_size": 2, "tp_size": 2, "pp_size": 1, "moe_tp_size": 1, "moe_ep_size": 2,
-    }  # fmt: skip
+        "world_size": 2,
+        "tp_size": 2,
+        "pp_size": 1,
+        "moe_tp_size": 1,
+        "moe_ep_size": 2,
+    }
     assert m["quantization"] == {
         "quant_algo": "FP8",
         "kv_cache_quant_algo": "FP8",

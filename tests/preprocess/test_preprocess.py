@@ -353,10 +353,28 @@ def test_interrupted_run_leaves_no_final_named_file(tmp_path, tiny_tokenizer_dir
     os.mkfifo(src)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    command = [sys.executable, "-m", "pipeline", "preprocess", "-i", str(src), "-q", "--workers",
-               "2", "--tokenizer", str(tiny_tokenizer_dir), "-o", str(out_dir / "c")]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_default_sigint, start_new_session=True)  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "preprocess",
+        "-i",
+        str(src),
+        "-q",
+        "--workers",
+        "2",
+        "--tokenizer",
+        str(tiny_tokenizer_dir),
+        "-o",
+        str(out_dir / "c"),
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_default_sigint,
+        start_new_session=True,
+    )
     with os.fdopen(_open_fifo_for_writing(src, proc), "w") as feed:
         line = json.dumps({"text": " ".join(SAMPLE_TEXTS) * 40}) + "\n"
         feed.write(line * 200)
@@ -459,8 +477,13 @@ def test_manifest_found_from_relative_and_absolute_paths(tmp_path, tiny_tokenize
 def test_inspect_blend_reports_what_a_run_reads(tmp_path, tiny_tokenizer_dir):
     for name, n in (("a", 40), ("b", 10)):
         docs = [{"text": f"{name} document {i} " * 20} for i in range(n)]
-        preprocess(write_jsonl(tmp_path / f"{name}.jsonl", docs), tiny_tokenizer_dir,
-                   tmp_path / name, "--append-eod", "-q")  # fmt: skip
+        preprocess(
+            write_jsonl(tmp_path / f"{name}.jsonl", docs),
+            tiny_tokenizer_dir,
+            tmp_path / name,
+            "--append-eod",
+            "-q",
+        )
     blend = f"0.75 {tmp_path / 'a_text_document'} 0.25 {tmp_path / 'b_text_document'}"
     args = [
         "inspect",
@@ -482,8 +505,15 @@ def test_inspect_blend_reports_what_a_run_reads(tmp_path, tiny_tokenizer_dir):
     # An int32 dataset cannot join a uint16 blend: inspect warns before a run would refuse it.
     encode = hf_encoder(tiny_tokenizer_dir)
     wide = megatron_preprocess(["x y z " * 50] * 20, encode, 1, np.int32, tmp_path / "wide")
-    result = run_pipe("inspect", "--data", f"{tmp_path / 'a_text_document'} {wide}",
-                      "--seq-length", "32", "--samples", "10")  # fmt: skip
+    result = run_pipe(
+        "inspect",
+        "--data",
+        f"{tmp_path / 'a_text_document'} {wide}",
+        "--seq-length",
+        "32",
+        "--samples",
+        "10",
+    )
     assert "training would refuse this blend: the blend mixes token dtypes" in result.output
     bad = run_pipe("inspect", "--data", "0.5 x -1 y", "--seq-length", "8", expect_ok=False)
     assert bad.exit_code == 1 and "weight '-1'" in bad.output

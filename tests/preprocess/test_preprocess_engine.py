@@ -62,8 +62,9 @@ def test_engine_that_disagrees_is_refused_and_the_reference_runs(tmp_path, tiny_
         load_tokenizer(tokdir, engine="gigatoken")
     docs = SAMPLE_TEXTS + ["version 12345 of 678"]
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
-    result = run_pipe("preprocess", "-i", src, "--tokenizer", tokdir, "-o", tmp_path / "out",
-                      "--append-eod")  # fmt: skip
+    result = run_pipe(
+        "preprocess", "-i", src, "--tokenizer", tokdir, "-o", tmp_path / "out", "--append-eod"
+    )
     notice = [line for line in result.output.splitlines() if "engine tokenizers" in line]
     assert len(notice) == 1 and "gigatoken not used" in notice[0]
     from tokenizers import Tokenizer
@@ -121,15 +122,30 @@ def test_sentencepiece_byte_fallback_model_runs_on_gigatoken(tmp_path):
     text = tmp_path / "train.txt"
     text.write_text("\n".join(SAMPLE_TEXTS[:6] * 50 + [f"sentence number {i}" for i in range(300)]))
     spm.SentencePieceTrainer.train(  # Llama 2's settings
-        input=str(text), model_prefix=str(tmp_path / "sp"), vocab_size=600, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        split_digits=True, minloglevel=2,
-    )  # fmt: skip
+        input=str(text),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=600,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
     docs = SAMPLE_TEXTS + ["unseen: ÆØÅ ж 漢字 🚀 \x07", "  two  spaces  ", "<s> and </s> as text"]
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in docs])
-    run_pipe("preprocess", "-i", src, "--tokenizer", tmp_path / "sp.model", "-o",
-             tmp_path / "out", "--append-eod", "-q")  # fmt: skip
+    run_pipe(
+        "preprocess",
+        "-i",
+        src,
+        "--tokenizer",
+        tmp_path / "sp.model",
+        "-o",
+        tmp_path / "out",
+        "--append-eod",
+        "-q",
+    )
     assert json.loads((tmp_path / "out.json").read_text())["tokenizer"]["engine"] == "gigatoken"
     expected = megatron_preprocess(docs, sp.encode, sp.eos_id(), np.uint16, tmp_path / "meg")
     assert file_bytes(tmp_path / "out_text_document") == file_bytes(expected)
@@ -222,11 +238,22 @@ def test_record_sources_traces_documents_to_their_lines(tmp_path, tiny_tokenizer
     (tmp_path / "a.jsonl").write_bytes(
         b'{"text": "first"}\n\n{"text": 5}\n{"text": "fourth"}\n   \n{"text": "sixth"}\n'
     )
-    pq.write_table(pa.Table.from_pylist([{"text": "row one"}, {"text": "row two"}]),
-                   tmp_path / "b.parquet")  # fmt: skip
-    run_pipe("preprocess", "-i", tmp_path / "a.jsonl", tmp_path / "b.parquet", "--tokenizer",
-             tiny_tokenizer_dir, "-o", tmp_path / "c", "--record-sources", "--skip-bad-lines",
-             "-q")  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist([{"text": "row one"}, {"text": "row two"}]), tmp_path / "b.parquet"
+    )
+    run_pipe(
+        "preprocess",
+        "-i",
+        tmp_path / "a.jsonl",
+        tmp_path / "b.parquet",
+        "--tokenizer",
+        tiny_tokenizer_dir,
+        "-o",
+        tmp_path / "c",
+        "--record-sources",
+        "--skip-bad-lines",
+        "-q",
+    )
     rows = read_sources(tmp_path / "c_text_document")
     assert rows.tolist() == [(0, 1), (0, 4), (0, 6), (1, 1), (1, 2)]
     shown = run_pipe("inspect", tmp_path / "c_text_document", "--show", "5").output
@@ -242,8 +269,18 @@ def test_record_sources_of_merged_shards_equal_the_unsharded_run(tmp_path, tiny_
     common = ["--tokenizer", tiny_tokenizer_dir, "--record-sources", "--workers", "1", "-q"]
     run_pipe("preprocess", "-i", big, "-o", tmp_path / "one", *common)
     for index in range(3):
-        run_pipe("preprocess", "-i", big, "-o", tmp_path / "sh", *common, "--num-shards", "3",
-                 "--shard-index", index)  # fmt: skip
+        run_pipe(
+            "preprocess",
+            "-i",
+            big,
+            "-o",
+            tmp_path / "sh",
+            *common,
+            "--num-shards",
+            "3",
+            "--shard-index",
+            index,
+        )
     run_pipe("merge", "--shards", tmp_path / "sh")
     one = read_sources(tmp_path / "one_text_document")
     assert one["line"][-1] == 401  # the blank line 201 is not a document
@@ -328,8 +365,16 @@ def test_manifest_hashes_jsonl_files_as_they_are_read(tmp_path, tiny_tokenizer_d
 
     monkeypatch.setattr(manifest_io, "hash_inputs", spy)
     names = ["a.jsonl", "b.jsonl.zst", "c.jsonl.gz", "d.parquet"]
-    run_pipe("preprocess", "-i", *[tmp_path / n for n in names], "--tokenizer",
-             tiny_tokenizer_dir, "-o", tmp_path / "out", "-q")  # fmt: skip
+    run_pipe(
+        "preprocess",
+        "-i",
+        *[tmp_path / n for n in names],
+        "--tokenizer",
+        tiny_tokenizer_dir,
+        "-o",
+        tmp_path / "out",
+        "-q",
+    )
     assert hashed_apart == ["d.parquet"]
     recorded = [i["sha256"] for i in json.loads((tmp_path / "out.json").read_text())["inputs"]]
     assert recorded == [hashlib.sha256((tmp_path / n).read_bytes()).hexdigest() for n in names]

@@ -63,9 +63,15 @@ def records(n: int = 400) -> list[dict]:
 def run(tmp_path: Path, tok, src: Path, name: str, workers: int, **options) -> str:
     prefix = tmp_path / name
     config = PreprocessConfig(
-        [str(src)], str(prefix), json_keys=("text", "title"), append_eod=True, workers=workers,
-        batch_bytes=2048, show_progress=False, **options,
-    )  # fmt: skip
+        [str(src)],
+        str(prefix),
+        json_keys=("text", "title"),
+        append_eod=True,
+        workers=workers,
+        batch_bytes=2048,
+        show_progress=False,
+        **options,
+    )
     preprocess(config, tok)
     return str(prefix)
 

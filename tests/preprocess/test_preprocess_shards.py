@@ -21,9 +21,13 @@ from pipeline.preprocess.shards import ShardError, plan_shards, resolve_shard
 from tests.builders import ROOT, SAMPLE_TEXTS, file_bytes, free_port, run_pipe
 
 LAUNCH_ENV = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_COUNT",
     "SLURM_ARRAY_TASK_MIN",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(autouse=True)
@@ -76,9 +80,17 @@ def corpora(tmp_path_factory) -> dict[str, list[str]]:
     return {
         "large": [str(root / "large.jsonl")],
         "many": [str(root / "small*.jsonl")],
-        "mix": [str(root / n) for n in ("mix_a.jsonl", "mix_b.jsonl.zst", "mix_c.jsonl",
-                                        "mix_d.jsonl.gz", "mix_e.jsonl")],
-    }  # fmt: skip
+        "mix": [
+            str(root / n)
+            for n in (
+                "mix_a.jsonl",
+                "mix_b.jsonl.zst",
+                "mix_c.jsonl",
+                "mix_d.jsonl.gz",
+                "mix_e.jsonl",
+            )
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +114,15 @@ def test_merged_shards_equal_unsharded_run(
 ):
     inputs = corpora[corpus]
     for index in range(count):
-        preprocess(inputs, tiny_tokenizer_dir, tmp_path / "c", "--num-shards", count,
-                   "--shard-index", index)  # fmt: skip
+        preprocess(
+            inputs,
+            tiny_tokenizer_dir,
+            tmp_path / "c",
+            "--num-shards",
+            count,
+            "--shard-index",
+            index,
+        )
     out = run_pipe("merge", "--shards", tmp_path / "c").output
     assert f"merged {count} shards" in out
     assert file_bytes(tmp_path / "c_text_document") == unsharded[corpus]
@@ -225,26 +244,60 @@ def test_shard_from_flags_then_torchrun_then_slurm():
 
 def test_slurm_array_env_picks_the_shard(tmp_path, corpora, unsharded, tiny_tokenizer_dir):
     for task in (10, 11, 12):
-        env = {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": "10",
-               "SLURM_ARRAY_TASK_COUNT": "3"}  # fmt: skip
-        result = run_pipe("preprocess", "-i", *corpora["mix"], "--tokenizer",
-                          tiny_tokenizer_dir, "-o", tmp_path / "c", "--append-eod", "--workers",
-                          "1", env=env)  # fmt: skip
+        env = {
+            "SLURM_ARRAY_TASK_ID": str(task),
+            "SLURM_ARRAY_TASK_MIN": "10",
+            "SLURM_ARRAY_TASK_COUNT": "3",
+        }
+        result = run_pipe(
+            "preprocess",
+            "-i",
+            *corpora["mix"],
+            "--tokenizer",
+            tiny_tokenizer_dir,
+            "-o",
+            tmp_path / "c",
+            "--append-eod",
+            "--workers",
+            "1",
+            env=env,
+        )
         assert (
             f"shard {task - 10} of 3 (from Slurm array SLURM_ARRAY_TASK_ID={task}" in result.output
         )
-    run_pipe("merge", "--shards", tmp_path / "c.shard-00000-of-00003_text_document.bin",
-             tmp_path / "c.shard-0000[12]-of-00003.json")  # fmt: skip
+    run_pipe(
+        "merge",
+        "--shards",
+        tmp_path / "c.shard-00000-of-00003_text_document.bin",
+        tmp_path / "c.shard-0000[12]-of-00003.json",
+    )
     assert file_bytes(tmp_path / "c_text_document") == unsharded["mix"]
 
 
 def test_torchrun_processes_pick_their_shard(tmp_path, corpora, unsharded, tiny_tokenizer_dir):
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "pipeline", "preprocess", "-i", *corpora["large"], "--tokenizer",
-        str(tiny_tokenizer_dir), "-o", str(tmp_path / "c"), "--append-eod", "--workers", "1",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "pipeline",
+        "preprocess",
+        "-i",
+        *corpora["large"],
+        "--tokenizer",
+        str(tiny_tokenizer_dir),
+        "-o",
+        str(tmp_path / "c"),
+        "--append-eod",
+        "--workers",
+        "1",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -260,8 +313,15 @@ def test_torchrun_processes_pick_their_shard(tmp_path, corpora, unsharded, tiny_
 
 def test_missing_and_failed_shards_are_named(tmp_path, corpora, tiny_tokenizer_dir):
     for index in (0, 2):
-        preprocess(corpora["many"], tiny_tokenizer_dir, tmp_path / "c", "--num-shards", 4,
-                   "--shard-index", index)  # fmt: skip
+        preprocess(
+            corpora["many"],
+            tiny_tokenizer_dir,
+            tmp_path / "c",
+            "--num-shards",
+            4,
+            "--shard-index",
+            index,
+        )
     result = run_pipe("merge", "--shards", tmp_path / "c", expect_ok=False)
     assert result.exit_code == 1
     assert "shard 1 of 4 is missing" in result.output
@@ -297,8 +357,20 @@ def test_rerunning_a_finished_shard_changes_nothing(tmp_path, corpora, tiny_toke
     assert sorted(tmp_path.iterdir()) == files
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == before
     # A finished shard made with other flags is refused, unless --overwrite.
-    other = ["preprocess", "-i", *args[0], "--tokenizer", tiny_tokenizer_dir, "-o", tmp_path / "c",
-             "--num-shards", 2, "--shard-index", 1, "-q"]  # fmt: skip
+    other = [
+        "preprocess",
+        "-i",
+        *args[0],
+        "--tokenizer",
+        tiny_tokenizer_dir,
+        "-o",
+        tmp_path / "c",
+        "--num-shards",
+        2,
+        "--shard-index",
+        1,
+        "-q",
+    ]
     result = run_pipe(*other, expect_ok=False)
     assert result.exit_code == 1 and "different flags" in result.output
     run_pipe(*other, "--overwrite")
@@ -318,13 +390,28 @@ def test_slurm_script_runs_the_array_then_the_merge(
     env["PATH"] = f"{fake}:{Path(sys.executable).parent}:{env['PATH']}"
     script = ROOT / "scripts" / "preprocess_slurm.sh"
     for task in (0, 1):
-        env |= {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": "0",
-                "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_JOB_ID": "77"}  # fmt: skip
+        env |= {
+            "SLURM_ARRAY_TASK_ID": str(task),
+            "SLURM_ARRAY_TASK_MIN": "0",
+            "SLURM_ARRAY_TASK_COUNT": "2",
+            "SLURM_ARRAY_JOB_ID": "77",
+        }
         proc = subprocess.run(
-            ["bash", str(script), *corpora["large"], str(tiny_tokenizer_dir), str(tmp_path / "c"),
-             "--append-eod", "-q"],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                "bash",
+                str(script),
+                *corpora["large"],
+                str(tiny_tokenizer_dir),
+                str(tmp_path / "c"),
+                "--append-eod",
+                "-q",
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
     submitted = (tmp_path / "sbatch.args").read_text().splitlines()
     assert "--dependency=afterok:77" in submitted

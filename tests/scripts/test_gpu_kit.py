@@ -18,8 +18,21 @@ import pytest
 from tests.builders import ROOT
 
 MEASURE = ROOT / "scripts" / "gpu" / "measure.py"
-ORDER = ["environment", "gpu_tests", "decode", "smoke_train", "train_1b", "loss", "train_8b_fp8",
-         "attention", "memory", "grpo", "generate", "lora_8b", "muon"]  # fmt: skip
+ORDER = [
+    "environment",
+    "gpu_tests",
+    "decode",
+    "smoke_train",
+    "train_1b",
+    "loss",
+    "train_8b_fp8",
+    "attention",
+    "memory",
+    "grpo",
+    "generate",
+    "lora_8b",
+    "muon",
+]
 
 
 def _load():
@@ -90,8 +103,13 @@ def test_a_quick_step_leaves_its_time_to_the_next(tmp_path: Path) -> None:
     start = time.monotonic()
     budgets = {"full": 30, "quick": 30, "dry": 30}
     steps = [measure.Step("first", quick, budgets), measure.Step("second", sees, budgets)]
-    run = measure.Run(measure.FULL, tmp_path, start + 300, tmp_path,
-                      step_deadlines={"first": start + 30, "second": start + 60})  # fmt: skip
+    run = measure.Run(
+        measure.FULL,
+        tmp_path,
+        start + 300,
+        tmp_path,
+        step_deadlines={"first": start + 30, "second": start + 60},
+    )
     for step in steps:
         measure.run_step(run, step, True)
     assert allowed[0] > 55  # its 30 s and most of the first step's
@@ -121,8 +139,9 @@ def test_gpu_tests_are_reported_one_by_one(tmp_path: Path, monkeypatch) -> None:
 def test_an_unknown_step_is_refused_in_one_line(flag: str, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(MEASURE), "--dry", "--out", str(tmp_path), flag, "train_1b,trian"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == (
         f"measure.py: unknown step 'trian'; the steps: {', '.join(ORDER)}"
@@ -162,8 +181,12 @@ def test_the_dry_report_lists_wall_time_and_budget_per_step(tmp_path: Path) -> N
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", "scripts/gpu/run.sh", "--dry", "--only", "environment", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads((tmp_path / "gpu_report.json").read_text())
     assert record["budget_full_s"] == measure.budget_total(measure.FULL)

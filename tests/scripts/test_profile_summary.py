@@ -44,8 +44,10 @@ def test_shares_idle_and_syncs() -> None:
     assert shares["other"] == pytest.approx(0.1) and shares["idle"] == pytest.approx(0.4)
     assert summary["host_syncs_per_step"] == 1.0
     assert [k["name"] for k in summary["top_kernels"]] == [
-        "sm90_xmma_gemm", "flash_fwd_kernel", "triton_poi_fused_add_0"
-    ]  # fmt: skip
+        "sm90_xmma_gemm",
+        "flash_fwd_kernel",
+        "triton_poi_fused_add_0",
+    ]
 
 
 def test_a_cpu_training_step_is_profiled() -> None:

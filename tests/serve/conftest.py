@@ -26,10 +26,16 @@ def tiny_hf_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     directory = tmp_path_factory.mktemp("tiny_hf")
     vocab = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
     config = transformers.LlamaConfig(
-        vocab_size=len(vocab) + 2, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=None, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(vocab) + 2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = perturbed(transformers.LlamaForCausalLM(config).eval())
     model.save_pretrained(directory)

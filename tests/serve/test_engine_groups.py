@@ -222,9 +222,14 @@ def _rounded(request: Request) -> list:
 def test_block_references() -> None:
     """A shared block returns to the free list after its last release, not its first."""
     config = ModelConfig(
-        vocab_size=32, hidden_size=16, num_layers=1, num_attention_heads=2, num_kv_heads=1,
-        ffn_hidden_size=32, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        ffn_hidden_size=32,
+        max_position_embeddings=64,
+    )
     cache = BlockKVCache(config, num_blocks=4, block_size=2)
     first = cache.allocate(4)
     shared = first[:1]
@@ -253,8 +258,9 @@ def test_a_groups_decode_rows_are_packed_and_read_the_prompt_once(llama) -> None
     while not all(len(r.output) >= 2 for r in [*group, alone]):
         engine.step()
     rows = list(engine.scheduler.running)
-    batch, where_row, where_col = packed_decode_batch(rows, BLOCK, engine.cache.scratch_slot,
-                                                      torch.device("cpu"))  # fmt: skip
+    batch, where_row, where_col = packed_decode_batch(
+        rows, BLOCK, engine.cache.scratch_slot, torch.device("cpu")
+    )
     shared = (len(LONG) - 1) // BLOCK * BLOCK
     own = [r.computed + 1 - shared for r in group]
     assert batch.read_slots.shape == (2, shared + sum(own))  # the group's row, the other's

@@ -27,9 +27,16 @@ NEW = 24
 
 def _spec(directory, **changes) -> EngineSpec:
     spec = EngineSpec(
-        checkpoint=str(directory), tokenizer=None, device="cpu", dtype=None,
-        kv_cache_bytes=2**20, block_size=8, max_batch=2, prefill_chunk=64, threads=1,
-    )  # fmt: skip
+        checkpoint=str(directory),
+        tokenizer=None,
+        device="cpu",
+        dtype=None,
+        kv_cache_bytes=2**20,
+        block_size=8,
+        max_batch=2,
+        prefill_chunk=64,
+        threads=1,
+    )
     return dataclasses.replace(spec, **changes)
 
 

@@ -21,8 +21,13 @@ def _transformers_text(directory, new: int) -> str:
     tokenizer = load_tokenizer(directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     ids = torch.tensor([tokenizer.encode_batch([PROMPT])[0]])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return tokenizer.decode(out[0, ids.shape[1] :].tolist())
 
 
@@ -41,12 +46,17 @@ def test_several_prompts_and_a_prompt_file(tiny_hf_dir, tmp_path) -> None:
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text("Hello, world!", encoding="utf-8")
     args = ["--max-new-tokens", 4, "--temperature", 0.9, "--top-k", 50, "--seed", 3]
-    result = run_pipe("generate", tiny_hf_dir, "--prompt", PROMPT, "--prompt-file", prompt_file,
-                      *args)  # fmt: skip
+    result = run_pipe(
+        "generate", tiny_hf_dir, "--prompt", PROMPT, "--prompt-file", prompt_file, *args
+    )
     assert result.output.startswith(f"--- 0 ---\n{PROMPT}")
     assert "--- 1 ---\nHello, world!" in result.output
-    assert run_pipe("generate", tiny_hf_dir, "--prompt", PROMPT, "--prompt-file", prompt_file,
-                    *args).output == result.output  # fmt: skip
+    assert (
+        run_pipe(
+            "generate", tiny_hf_dir, "--prompt", PROMPT, "--prompt-file", prompt_file, *args
+        ).output
+        == result.output
+    )
 
 
 @pytest.mark.parametrize(
@@ -106,8 +116,14 @@ def test_chat_answers_as_transformers_chat_template_and_generate(tiny_hf_dir, tm
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
 
     def greedy(new: int, **kwargs) -> list[int]:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             do_sample=False, pad_token_id=0, **kwargs)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
         return out[0, ids.shape[1] :].tolist()
 
     free = greedy(12, eos_token_id=None)

@@ -52,9 +52,13 @@ def family(request, tmp_path_factory):
 def _hf_greedy(hf, prompt: list[int], eos: frozenset[int]) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-        eos_token_id=sorted(eos) or None, pad_token_id=0,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=sorted(eos) or None,
+        pad_token_id=0,
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -112,9 +116,12 @@ def test_generation_config_end_of_turn_ids_stop_as_in_transformers(tmp_path) -> 
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = theirs.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW,
+            do_sample=False,
             pad_token_id=0,
-        )  # fmt: skip
+        )
     assert ours == out[0, len(prompt) :].tolist() == free_run[: free_run.index(end_of_turn) + 1]
 
 

@@ -70,10 +70,13 @@ def offline():
 def evaluate(model: str, args: dict, task_dir) -> dict:
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model=model, model_args=args, tasks=TASKS,
-                                   task_manager=TaskManager(include_path=str(task_dir),
-                                                            include_defaults=False),
-                                   log_samples=True)  # fmt: skip
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=args,
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+        log_samples=True,
+    )
 
 
 def figures(results: dict) -> dict:
@@ -82,8 +85,10 @@ def figures(results: dict) -> dict:
     out = {}
     for task in TASKS:
         samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
-        answers = [[r[0] if isinstance(r, list | tuple) else r for r in s["filtered_resps"]]
-                   for s in samples]  # fmt: skip
+        answers = [
+            [r[0] if isinstance(r, list | tuple) else r for r in s["filtered_resps"]]
+            for s in samples
+        ]
         metric = "acc,none" if task.endswith("mc") else "exact_match,none"
         out[task] = (answers, results["results"][task][metric])
     return out
@@ -105,14 +110,16 @@ def hf_figures(tiny_hf_dir, task_dir):
     return figures(evaluate("hf", args, task_dir))
 
 
-def test_local_completions_with_defaults_match_hf(tiny_hf_dir, task_dir, hf_figures,
-                                                  tmp_path) -> None:  # fmt: skip
+def test_local_completions_with_defaults_match_hf(
+    tiny_hf_dir, task_dir, hf_figures, tmp_path
+) -> None:
     server = Server(tiny_hf_dir, tmp_path / "stderr.txt")
     try:
         assert server.get("/v1/models")[1]["data"][0]["id"] == str(tiny_hf_dir)
         url = f"http://127.0.0.1:{server.port}/v1/completions"
-        found = figures(evaluate("local-completions", {"model": str(tiny_hf_dir), "base_url": url},
-                                 task_dir))  # fmt: skip
+        found = figures(
+            evaluate("local-completions", {"model": str(tiny_hf_dir), "base_url": url}, task_dir)
+        )
     finally:
         server.stop()
     assert_same(found, hf_figures)
@@ -124,8 +131,16 @@ def test_pipe_eval_gives_the_same_figures(tiny_hf_dir, task_dir, hf_figures, tmp
     from pipeline.serve.eval_command import evaluate
 
     output = tmp_path / "results.json"
-    args = [str(tiny_hf_dir), "--tasks", ",".join(TASKS), "--include-path", str(task_dir),
-            "--output", str(output), "--log-samples"]  # fmt: skip
+    args = [
+        str(tiny_hf_dir),
+        "--tasks",
+        ",".join(TASKS),
+        "--include-path",
+        str(task_dir),
+        "--output",
+        str(output),
+        "--log-samples",
+    ]
     done = CliRunner().invoke(evaluate, args)
     assert done.exit_code == 0, done.output[-3000:]
     assert "pipe_tiny_mc" in done.output  # the harness's table

@@ -28,11 +28,21 @@ def test_generate_with_peft_adapters_equals_transformers_and_peft(tiny_hf_dir, t
     tokenizer = load_tokenizer(tiny_hf_dir)
     ids = torch.tensor([tokenizer.encode_batch([PROMPT])[0]])
     with torch.no_grad():
-        out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                    max_new_tokens=10, do_sample=False, pad_token_id=0)  # fmt: skip
+        out = model.eval().generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+        )
         with model.disable_adapter():
-            plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                   max_new_tokens=10, do_sample=False, pad_token_id=0)  # fmt: skip
+            plain = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=10,
+                do_sample=False,
+                pad_token_id=0,
+            )
     expected = PROMPT + tokenizer.decode(out[0, ids.shape[1] :].tolist()) + "\n"
     assert not torch.equal(out, plain)  # the adapters matter
 
@@ -49,10 +59,17 @@ def test_serve_engine_takes_the_adapter_and_refuses_a_wrong_one_in_one_line(tiny
     from pipeline.serve.http.engine_client import EngineClient
 
     spec = EngineSpec(
-        checkpoint=str(tiny_hf_dir), tokenizer=None, device="cpu", dtype=None,
-        kv_cache_bytes=2**20, block_size=8, max_batch=2, prefill_chunk=64, threads=1,
+        checkpoint=str(tiny_hf_dir),
+        tokenizer=None,
+        device="cpu",
+        dtype=None,
+        kv_cache_bytes=2**20,
+        block_size=8,
+        max_batch=2,
+        prefill_chunk=64,
+        threads=1,
         lora_adapter=str(tiny_hf_dir),
-    )  # fmt: skip
+    )
     client = EngineClient(spec, max_waiting=1)
     with pytest.raises(LoadError, match=str(tiny_hf_dir)):
         client.start()

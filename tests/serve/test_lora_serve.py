@@ -40,14 +40,27 @@ def train_adapters(base: Path, run_dir: Path, seed: int, targets: str) -> Path:
     """Two LoRA steps on mock tokens at a high learning rate (so the adapters change the
     text); returns the adapter checkpoints."""
     sets = [
-        "data.mock=true", "data.seq_length=16", "data.num_workers=0", "training.iters=2",
-        "training.micro_batch_size=2", "training.global_batch_size=2",
-        "training.eval_interval=0", "training.log_interval=1", "training.dtype=fp32",
-        "training.device=cpu", "optimizer.lr=0.3", "scheduler.warmup_iters=0",
-        f"training.seed={seed}", f"checkpoint.load={base}", "lora.enabled=true", "lora.rank=4",
-        "lora.alpha=8", f"lora.targets={targets}", f"logging.run_dir={run_dir}",
+        "data.mock=true",
+        "data.seq_length=16",
+        "data.num_workers=0",
+        "training.iters=2",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=2",
+        "training.eval_interval=0",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "optimizer.lr=0.3",
+        "scheduler.warmup_iters=0",
+        f"training.seed={seed}",
+        f"checkpoint.load={base}",
+        "lora.enabled=true",
+        "lora.rank=4",
+        "lora.alpha=8",
+        f"lora.targets={targets}",
+        f"logging.run_dir={run_dir}",
         "checkpoint.save_interval=2",
-    ]  # fmt: skip
+    ]
     Trainer(resolve_config(None, sets, {}), console=False).train()
     return run_dir / "checkpoints"
 
@@ -77,9 +90,13 @@ def peft_greedy(hf_dir: Path, adapter: Path | None, prompt: str) -> str:
         model = peft.PeftModel.from_pretrained(model, adapter)
     ids = torch.tensor([tokenizer.encode_batch([prompt])[0]])
     with torch.no_grad():
-        out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    pad_token_id=0)  # fmt: skip
+        out = model.eval().generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return tokenizer.decode(out[0, ids.shape[1] :].tolist())
 
 
@@ -101,18 +118,36 @@ def test_auto_peft_loads_the_export_with_pipes_logits(tiny_hf_dir, exported, tmp
     run = adapters["a"].parent / "run_a" / "checkpoints"
     result = run_pipe("export", run, "--peft", "--base-model", "org/tiny", "-o", tmp_path / "x")
     assert "base org/tiny" in result.output
-    assert json.loads((tmp_path / "x" / "adapter_config.json").read_text())[
-        "base_model_name_or_path"] == "org/tiny"  # fmt: skip
+    assert (
+        json.loads((tmp_path / "x" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == "org/tiny"
+    )
 
 
 @pytest.fixture(scope="module")
 def server(exported, tmp_path_factory):
     adapters, base = exported
     log = tmp_path_factory.mktemp("lora_server") / "stderr.txt"
-    server = Server(base, log, "--max-batch", "8", "--block-size", "8", "--kv-cache-mb", "4",
-                    "--engine-threads", "1", "--model-name", "base",
-                    "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
-                    "--max-loras", "2", "--allow-runtime-lora-updating")  # fmt: skip
+    server = Server(
+        base,
+        log,
+        "--max-batch",
+        "8",
+        "--block-size",
+        "8",
+        "--kv-cache-mb",
+        "4",
+        "--engine-threads",
+        "1",
+        "--model-name",
+        "base",
+        "--lora-modules",
+        f"a={adapters['a']}",
+        f"b={adapters['b']}",
+        "--max-loras",
+        "2",
+        "--allow-runtime-lora-updating",
+    )
     yield server
     server.stop()
 
@@ -131,8 +166,9 @@ def error(server, path: str, body: dict) -> tuple[int, str]:
 
 
 def completion(client, model: str, prompt: str) -> str:
-    answer = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
-                                       temperature=0)  # fmt: skip
+    answer = client.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+    )
     assert answer.model == model
     return answer.choices[0].text
 
@@ -146,8 +182,10 @@ def test_adapters_by_name_in_one_mixed_batch(tiny_hf_dir, exported, server) -> N
     jobs = [(model, prompt) for prompt in PROMPTS for model in ("a", "base", "b")]
     with ThreadPoolExecutor(len(jobs)) as pool:  # all in flight together: one batch
         texts = list(pool.map(lambda job: completion(client, *job), jobs))
-    expected = [peft_greedy(tiny_hf_dir, None if model == "base" else adapters[model], prompt)
-                for model, prompt in jobs]  # fmt: skip
+    expected = [
+        peft_greedy(tiny_hf_dir, None if model == "base" else adapters[model], prompt)
+        for model, prompt in jobs
+    ]
     assert texts == expected
     assert len(set(texts[:3])) == 3  # a, the base and b differ
     with pytest.raises(openai.NotFoundError, match="`c` does not exist"):
@@ -163,12 +201,14 @@ def test_load_and_unload_while_requests_run(exported, server) -> None:
     alone = client.completions.create(**long).choices[0].text
     streams = [client.completions.create(**long, stream=True) for _ in range(6)]
     firsts = [next(iter(stream)).choices[0].text for stream in streams]  # all admitted
-    loaded = post(server, "/v1/load_lora_adapter",
-                  {"lora_name": "c", "lora_path": str(adapters["a"])})  # fmt: skip
+    loaded = post(
+        server, "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(adapters["a"])}
+    )
     unloaded = post(server, "/v1/unload_lora_adapter", {"lora_name": "a"})
     assert server.get("/health")[1]["running"] > 0  # a's requests were still running
-    texts = [first + "".join(c.choices[0].text for c in stream)
-             for first, stream in zip(firsts, streams)]  # fmt: skip
+    texts = [
+        first + "".join(c.choices[0].text for c in stream) for first, stream in zip(firsts, streams)
+    ]
     assert texts == [alone] * 6  # none lost, none changed
     assert loaded == (200, "Success: LoRA adapter 'c' added successfully.")
     assert unloaded == (200, "Success: LoRA adapter 'a' removed successfully.")
@@ -177,11 +217,17 @@ def test_load_and_unload_while_requests_run(exported, server) -> None:
         completion(client, "a", PROMPTS[0])
     unload, load = "/v1/unload_lora_adapter", "/v1/load_lora_adapter"
     assert error(server, unload, {"lora_name": "a"}) == (
-        404, "The lora adapter 'a' cannot be found.")  # fmt: skip
+        404,
+        "The lora adapter 'a' cannot be found.",
+    )
     assert error(server, load, {"lora_name": "c", "lora_path": "x"}) == (
-        400, "The lora adapter 'c' has already been loaded.")  # fmt: skip
+        400,
+        "The lora adapter 'c' has already been loaded.",
+    )
     assert error(server, load, {"lora_name": "d"}) == (
-        400, "Both 'lora_name' and 'lora_path' must be provided.")  # fmt: skip
+        400,
+        "Both 'lora_name' and 'lora_path' must be provided.",
+    )
     status, message = error(
         server, load, {"lora_name": "d", "lora_path": str(adapters["a"].parent)}
     )

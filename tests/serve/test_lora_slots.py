@@ -42,9 +42,13 @@ def peft_adapter(hf_dir: Path, output: Path, seed: int, targets: list[str], rank
 def hf_greedy(model, ids: list[int]) -> list[int]:
     tensor = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor),
-                             max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            input_ids=tensor,
+            attention_mask=torch.ones_like(tensor),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -161,17 +165,28 @@ def test_lora_modules_take_vllms_forms() -> None:
         click.echo(repr((checkpoint, fields["lora_modules"], fields["max_loras"], runtime)))
 
     json_form = '{"name": "c", "path": "/z", "base_model_name": "m"}'
-    args = ["base", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--lora-modules",
-            json_form]  # fmt: skip
+    args = [
+        "base",
+        "--lora-modules",
+        "a=/x",
+        "b=/y",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        json_form,
+    ]
     result = CliRunner().invoke(command, args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
-    assert result.output.strip() == repr(("base", (("a", "/x"), ("b", "/y"), ("c", "/z")), 2,
-                                          False))  # fmt: skip
+    assert result.output.strip() == repr(
+        ("base", (("a", "/x"), ("b", "/y"), ("c", "/z")), 2, False)
+    )
     assert "('base', (), 0, False)" in CliRunner().invoke(command, ["base"]).output
     enabled = CliRunner().invoke(command, ["base", "--allow-runtime-lora-updating"])
     assert "('base', (), 1, True)" in enabled.output
-    for bad, message in ((["a"], "'a': use name=path or JSON"),
-                         (["a=/x", "a=/y"], "names 'a' twice"),
-                         (['{"name": "a"}'], 'JSON needs "name" and "path"')):  # fmt: skip
+    for bad, message in (
+        (["a"], "'a': use name=path or JSON"),
+        (["a=/x", "a=/y"], "names 'a' twice"),
+        (['{"name": "a"}'], 'JSON needs "name" and "path"'),
+    ):
         result = CliRunner().invoke(command, ["base", "--lora-modules", *bad])
         assert result.exit_code == 2 and message in result.output, result.output
 

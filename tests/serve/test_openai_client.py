@@ -22,16 +22,26 @@ NO_EOS = {"ignore_eos": True}  # vLLM's extra: exactly max_tokens, whatever is s
 @pytest.fixture(scope="module")
 def server(tiny_hf_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("openai_server") / "stderr.txt"
-    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--block-size", "8",
-                    "--served-model-name", "tiny_hf0", "--access-log")  # fmt: skip
+    server = Server(
+        tiny_hf_dir,
+        log,
+        "--max-batch",
+        "8",
+        "--block-size",
+        "8",
+        "--served-model-name",
+        "tiny_hf0",
+        "--access-log",
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                         max_retries=0, timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +126,18 @@ def test_bad_completion_values_name_their_field(client, fields, param) -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
         (
-            {"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
             "messages",
         ),
     ],
-)  # fmt: skip
+)
 def test_bad_chat_values_name_their_field(client, fields, param) -> None:
     fields = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -144,18 +160,32 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(server) -> None:
 
 def test_null_fields_mean_their_defaults(client) -> None:
     answer = client.completions.create(
-        model=None, prompt=PROMPT, max_tokens=3, temperature=None, top_p=None, seed=None,
-        stop=None, n=None, presence_penalty=None, logprobs=None, echo=None, user="someone",
-    )  # fmt: skip
+        model=None,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=None,
+        top_p=None,
+        seed=None,
+        stop=None,
+        n=None,
+        presence_penalty=None,
+        logprobs=None,
+        echo=None,
+        user="someone",
+    )
     assert answer.usage.completion_tokens == 3 and len(answer.choices) == 1
 
 
 def test_null_max_tokens_runs_to_a_stop(client) -> None:
     """max_tokens null: up to the context, here ended by a stop token the bias makes certain."""
     answer = client.completions.create(
-        model="tiny_hf0", prompt=PROMPT, max_tokens=None, temperature=0,
-        logit_bias={"7": 100}, extra_body={"stop_token_ids": [7]},
-    )  # fmt: skip
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=None,
+        temperature=0,
+        logit_bias={"7": 100},
+        extra_body={"stop_token_ids": [7]},
+    )
     assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == 1
 
 
@@ -164,19 +194,30 @@ def test_logit_bias_and_penalties(client, tokenizer) -> None:
         model="tiny_hf0", prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={"42": 100}
     )
     assert biased.choices[0].text == tokenizer.decode([42] * 4)
-    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=12,
-                                      temperature=0)  # fmt: skip
+    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=12, temperature=0)
     penalised = client.completions.create(
-        model="tiny_hf0", prompt=PROMPT, max_tokens=12, temperature=0, presence_penalty=2,
-        frequency_penalty=2, extra_body={"repetition_penalty": 1.5, "top_k": 5},
-    )  # fmt: skip
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=2,
+        frequency_penalty=2,
+        extra_body={"repetition_penalty": 1.5, "top_k": 5},
+    )
     assert penalised.usage.completion_tokens == 12
     assert penalised.choices[0].text != plain.choices[0].text
 
 
 def test_n_choices_with_a_seed_differ_and_repeat(client) -> None:
-    fields = {"model": "tiny_hf0", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
-              "seed": 3, "n": 3, "extra_body": NO_EOS}  # fmt: skip
+    fields = {
+        "model": "tiny_hf0",
+        "prompt": PROMPT,
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 3,
+        "extra_body": NO_EOS,
+    }
     first = client.completions.create(**fields)
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert len({c.text for c in first.choices}) > 1
@@ -187,26 +228,27 @@ def test_n_choices_with_a_seed_differ_and_repeat(client) -> None:
 
 
 def test_completion_logprobs_in_the_legacy_shape(client) -> None:
-    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=4,
-                                       temperature=0, logprobs=2)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2
+    )
     logprobs = answer.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 4
     assert "".join(logprobs.tokens) == answer.choices[0].text
     assert logprobs.text_offset == [0] + [sum(map(len, logprobs.tokens[: i + 1])) for i in range(3)]
-    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
-                                   logprobs.top_logprobs):  # fmt: skip
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
         assert logprob == pytest.approx(max(top.values()))  # greedy took the best
 
 
 def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
-    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
-                                      temperature=0)  # fmt: skip
-    echoed = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
-                                       temperature=0, echo=True)  # fmt: skip
+    plain = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0)
+    echoed = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0, echo=True
+    )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    scored = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=2,
-                                       temperature=0, echo=True, logprobs=1)  # fmt: skip
+    scored = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
     logprobs = scored.choices[0].logprobs
     prompt_ids = encode(tokenizer, PROMPT)
     assert len(logprobs.tokens) == len(prompt_ids) + 2
@@ -214,8 +256,9 @@ def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
     assert scored.usage.prompt_tokens == len(prompt_ids)
     # max_tokens 0: the prompt scored alone, its logprobs those of the longer answer
-    alone = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=0,
-                                      echo=True, logprobs=20)  # fmt: skip
+    alone = client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=0, echo=True, logprobs=20
+    )
     choice = alone.choices[0]
     assert choice.text == PROMPT and alone.usage.completion_tokens == 0
     assert choice.logprobs.token_logprobs == logprobs.token_logprobs[: len(prompt_ids)]
@@ -223,30 +266,49 @@ def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
     tops = choice.logprobs.top_logprobs[1:]
     assert 5 < max(map(len, tops)) <= 21
     assert all(set(few) <= set(many) for few, many in zip(logprobs.top_logprobs[1:], tops))
-    chunks = list(client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=0,
-                                            echo=True, stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="tiny_hf0", prompt=PROMPT, max_tokens=0, echo=True, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == PROMPT
 
 
 def test_best_of_keeps_the_most_likely(client) -> None:
-    answer = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=6,
-                                       temperature=1.0, seed=1, n=2, best_of=4,
-                                       logprobs=0, extra_body=NO_EOS)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        n=2,
+        best_of=4,
+        logprobs=0,
+        extra_body=NO_EOS,
+    )
     assert [c.index for c in answer.choices] == [0, 1]
     totals = [sum(c.logprobs.token_logprobs) for c in answer.choices]
     assert totals == sorted(totals, reverse=True)
     assert answer.usage.completion_tokens == 4 * 6  # every generated token counts
-    alone = client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=6,
-                                      temperature=1.0, seed=1, n=4, logprobs=0,
-                                      extra_body=NO_EOS)  # fmt: skip
+    alone = client.completions.create(
+        model="tiny_hf0",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=1.0,
+        seed=1,
+        n=4,
+        logprobs=0,
+        extra_body=NO_EOS,
+    )
     best = max(sum(c.logprobs.token_logprobs) for c in alone.choices)
     assert totals[0] == pytest.approx(best)  # the same four, seeded alike
 
 
 def test_prompt_lists_and_token_ids(client, tokenizer) -> None:
     prompts = [PROMPT, "line 9: value"]
-    answer = client.completions.create(model="tiny_hf0", prompt=prompts, max_tokens=3,
-                                       temperature=0, n=2)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=prompts, max_tokens=3, temperature=0, n=2
+    )
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]
     texts = [c.text for c in answer.choices]
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy
@@ -256,17 +318,25 @@ def test_prompt_lists_and_token_ids(client, tokenizer) -> None:
     assert [c.text for c in by_ids.choices] == [texts[0], texts[2]]
     one = client.completions.create(model="tiny_hf0", prompt=ids[1], max_tokens=3, temperature=0)
     assert one.choices[0].text == texts[2]
-    echoed = client.completions.create(model="tiny_hf0", prompt=ids[0], max_tokens=1,
-                                       temperature=0, echo=True)  # fmt: skip
+    echoed = client.completions.create(
+        model="tiny_hf0", prompt=ids[0], max_tokens=1, temperature=0, echo=True
+    )
     assert echoed.choices[0].text.startswith(PROMPT)
 
 
 def test_streamed_completions_match_whole_ones(client) -> None:
-    fields = {"model": "tiny_hf0", "prompt": [PROMPT, "x"], "max_tokens": 5, "temperature": 0,
-              "n": 2, "logprobs": 1}  # fmt: skip
+    fields = {
+        "model": "tiny_hf0",
+        "prompt": [PROMPT, "x"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": 1,
+    }
     whole = client.completions.create(**fields)
-    chunks = list(client.completions.create(**fields, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(**fields, stream=True, stream_options={"include_usage": True})
+    )
     texts, tokens, finish = {}, {}, {}
     for chunk in chunks[:-1]:
         (choice,) = chunk.choices
@@ -290,33 +360,52 @@ def test_chat_accepts_what_clients_send(client, tokenizer) -> None:
 
     messages = [
         {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
-                                                                        "text": "there"}],
-         "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "clock", "arguments": "{}"}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            "name": "ann",
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "clock", "arguments": "{}"},
+                }
+            ],
+        },
         {"role": "tool", "content": "noon", "tool_call_id": "call_1"},
-    ]  # fmt: skip
-    answer = client.chat.completions.create(model="tiny_hf0", messages=messages,
-                                            max_completion_tokens=3, temperature=0,
-                                            user="ann")  # fmt: skip
+    ]
+    answer = client.chat.completions.create(
+        model="tiny_hf0", messages=messages, max_completion_tokens=3, temperature=0, user="ann"
+    )
     assert answer.choices[0].message.role == "assistant"
     assert answer.usage.completion_tokens == 3
     # developer is system for a template that does not name it; parts are joined
     prompt = chat_prompt(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-         {"role": "assistant", "content": ""}, {"role": "tool", "content": "noon"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": ""},
+            {"role": "tool", "content": "noon"},
+        ],
         CHAT_TEMPLATE,
-    )  # fmt: skip
+    )
     assert answer.usage.prompt_tokens == len(encode(tokenizer, prompt))
 
 
 def test_chat_n_and_logprobs(client) -> None:
     answer = client.chat.completions.create(
-        model="tiny_hf0", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-        temperature=0, n=2, logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model="tiny_hf0",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert [c.index for c in answer.choices] == [0, 1]
     content = answer.choices[0].logprobs.content
     assert len(content) == 3
@@ -325,15 +414,27 @@ def test_chat_n_and_logprobs(client) -> None:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.bytes == list(entry.token.encode())
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
-    assert client.chat.completions.create(
-        model="tiny_hf0", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-        logprobs=False,
-    ).choices[0].logprobs is None  # fmt: skip
+    assert (
+        client.chat.completions.create(
+            model="tiny_hf0",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            logprobs=False,
+        )
+        .choices[0]
+        .logprobs
+        is None
+    )
 
 
 def test_streamed_chat_deltas(client) -> None:
-    fields = {"model": "tiny_hf0", "messages": [{"role": "user", "content": "Hi"}],
-              "max_tokens": 4, "temperature": 0, "n": 2}  # fmt: skip
+    fields = {
+        "model": "tiny_hf0",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "n": 2,
+    }
     whole = client.chat.completions.create(**fields)
     usage = {"include_usage": True}
     chunks = list(client.chat.completions.create(**fields, stream=True, stream_options=usage))
@@ -362,8 +463,12 @@ def test_tokenize_detokenize_and_version(server, tokenizer) -> None:
 
     status, body = raw(server, "POST", "/tokenize", {"model": "tiny_hf0", "prompt": PROMPT})
     ids = encode(tokenizer, PROMPT)
-    assert status == 200 and body == {"count": len(ids), "max_model_len": 2048, "tokens": ids,
-                                      "token_strs": None}  # fmt: skip
+    assert status == 200 and body == {
+        "count": len(ids),
+        "max_model_len": 2048,
+        "tokens": ids,
+        "token_strs": None,
+    }
     # lm-eval's remote tokenizer: no special tokens, the EOS token's text as its one id
     request = {"prompt": "<|end_of_text|>", "add_special_tokens": False, "return_token_strs": True}
     status, body = raw(server, "POST", "/tokenize", request)
@@ -444,11 +549,16 @@ def test_usage_reports_cached_prompt_tokens(client, tokenizer) -> None:
     again = client.completions.create(**fields)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == (size - 1) // 8 * 8
-    streamed = list(client.completions.create(**fields, stream=True,
-                                              stream_options={"include_usage": True}))  # fmt: skip
+    streamed = list(
+        client.completions.create(**fields, stream=True, stream_options={"include_usage": True})
+    )
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (size - 1) // 8 * 8
-    chat = {"model": "tiny_hf0", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 2, "temperature": 0}  # fmt: skip
+    chat = {
+        "model": "tiny_hf0",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
     client.chat.completions.create(**chat)
     answer = client.chat.completions.create(**chat)
     cached = answer.usage.prompt_tokens_details.cached_tokens
@@ -465,8 +575,9 @@ def test_n_completions_prefill_their_prompt_once(server, client, tokenizer) -> N
     prompt = "line 97: a prompt never sent before, " * 3
     size = len(encode(tokenizer, prompt))
     before = metrics(server)
-    answer = client.completions.create(model="tiny_hf0", prompt=prompt, max_tokens=2, n=8,
-                                       temperature=1.0, seed=3)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny_hf0", prompt=prompt, max_tokens=2, n=8, temperature=1.0, seed=3
+    )
     after = metrics(server)
 
     def moved(name: str) -> float:
@@ -526,9 +637,15 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked(server, hf_tokeniz
     the text is what transformers decodes from the same ids."""
     special = hf_tokenizer.all_special_ids
     words = hf_tokenizer.encode("line value", add_special_tokens=False)
-    fields = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 5,
-              "ignore_eos": True, "return_token_ids": True,
-              "allowed_token_ids": sorted(set(special + words))}  # fmt: skip
+    fields = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "allowed_token_ids": sorted(set(special + words)),
+    }
     for skip in (None, True, False):
         asked = fields if skip is None else {**fields, "skip_special_tokens": skip}
         status, body = raw(server, "POST", "/v1/completions", asked)
@@ -539,8 +656,12 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked(server, hf_tokeniz
         assert body["choices"][0]["text"] == expected
         streamed = raw_stream(server, "/v1/completions", {**asked, "return_token_ids": False})
         assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == expected
-    only = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-            "allowed_token_ids": special[:1], "ignore_eos": True}  # fmt: skip
+    only = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "allowed_token_ids": special[:1],
+        "ignore_eos": True,
+    }
     bos = hf_tokenizer.convert_ids_to_tokens(special[0])
     for skip, expected in ((None, ""), (False, bos * 3)):
         asked = only if skip is None else {**only, "skip_special_tokens": skip}
@@ -549,26 +670,38 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked(server, hf_tokeniz
         streamed = raw_stream(server, "/v1/chat/completions", asked)
         deltas = [c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]]
         assert "".join(deltas) == expected
-    status, body = raw(server, "POST", "/v1/completions", {
-        **fields, "skip_special_tokens": False, "spaces_between_special_tokens": False})
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {**fields, "skip_special_tokens": False, "spaces_between_special_tokens": False},
+    )
     assert status == 400 and body["error"]["param"] == "spaces_between_special_tokens"
-    status, _ = raw(server, "POST", "/v1/completions",
-                    {**fields, "spaces_between_special_tokens": False})  # fmt: skip
+    status, _ = raw(
+        server, "POST", "/v1/completions", {**fields, "spaces_between_special_tokens": False}
+    )
     assert status == 200  # special tokens skipped: nothing to space
 
 
 def raw_stream(server, path: str, body: dict) -> list[dict]:
     """The chunks of a streamed answer, as JSON."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", path, json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json"})  # fmt: skip
+    conn.request(
+        "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
     lines = conn.getresponse().read().decode().splitlines()
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
 def test_min_tokens_masks_the_stop_tokens_until_that_count(server) -> None:
-    fields = {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logit_bias": {"7": 100},
-              "stop_token_ids": [7], "return_token_ids": True}  # fmt: skip
+    fields = {
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logit_bias": {"7": 100},
+        "stop_token_ids": [7],
+        "return_token_ids": True,
+    }
     status, body = raw(server, "POST", "/v1/completions", {**fields, "min_tokens": 5})
     ids = body["choices"][0]["token_ids"]
     assert status == 200 and 7 not in ids[:5] and ids[5:] == [7]
@@ -585,8 +718,13 @@ def _contains(ids: list[int], part: list[int]) -> bool:
 def test_bad_words_never_appear(server, hf_tokenizer) -> None:
     """A word the greedy answer writes, banned: none of the token sequences it is written as
     (alone, and after a space) appears any more."""
-    fields = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-              "return_token_ids": True}  # fmt: skip
+    fields = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     plain = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]
     word = hf_tokenizer.decode(plain["token_ids"][2:4]).strip()
     assert word and word in plain["text"]
@@ -609,9 +747,9 @@ def test_include_stop_str_in_output(server) -> None:
     kept = {**stopped, "include_stop_str_in_output": True}
     assert _text(raw(server, "POST", "/v1/completions", kept)[1]) == text[: at + len(stop)]
     streamed = raw_stream(server, "/v1/completions", kept)
-    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == text[
-        : at + len(stop)
-    ]
+    assert (
+        "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == text[: at + len(stop)]
+    )
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer) -> None:
@@ -625,29 +763,48 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer) -> None
         direct = raw(server, "POST", "/v1/completions", {**fields, "prompt": kept})[1]
         assert cut["choices"][0]["prompt_token_ids"] == kept and cut["usage"]["prompt_tokens"] == 3
         assert cut["choices"][0]["text"] == direct["choices"][0]["text"]
-    whole = raw(server, "POST", "/v1/completions",
-                {**fields, "prompt": PROMPT, "truncate_prompt_tokens": -1})[1]  # fmt: skip
+    whole = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {**fields, "prompt": PROMPT, "truncate_prompt_tokens": -1},
+    )[1]
     assert whole["choices"][0]["prompt_token_ids"] == ids
-    status, body = raw(server, "POST", "/v1/completions",
-                       {**fields, "prompt": PROMPT, "truncate_prompt_tokens": 10**6})
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {**fields, "prompt": PROMPT, "truncate_prompt_tokens": 10**6},
+    )
     assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_chat_template_fields_reach_the_template(server) -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "line 3"}]
-    for extra in ({"add_generation_prompt": False},
-                  {"add_generation_prompt": False, "continue_final_message": True}):  # fmt: skip
+    for extra in (
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+    ):
         count = raw(server, "POST", "/tokenize", {"messages": messages, **extra})[1]["count"]
-        status, body = raw(server, "POST", "/v1/chat/completions",
-                           {"messages": messages, "max_tokens": 1, **extra})  # fmt: skip
+        status, body = raw(
+            server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra}
+        )
         assert status == 200 and body["usage"]["prompt_tokens"] == count
     plain = raw(server, "POST", "/tokenize", {"messages": messages})[1]["count"]
     assert count != plain
-    status, body = raw(server, "POST", "/v1/chat/completions",
-                       {"messages": messages, "continue_final_message": True})  # fmt: skip
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": messages, "continue_final_message": True},
+    )
     assert status == 400 and body["error"]["param"] == "continue_final_message"
-    status, body = raw(server, "POST", "/v1/chat/completions",
-                       {"messages": messages, "chat_template_kwargs": {"chat_template": "x"}})
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": messages, "chat_template_kwargs": {"chat_template": "x"}},
+    )
     assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
 
 
@@ -663,8 +820,7 @@ def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
     `return_tokens_as_token_ids`, whole and streamed."""
     messages = [{"role": "user", "content": "Hi"}]
     fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    status, body = raw(server, "POST", "/v1/chat/completions",
-                       {**fields, "return_token_ids": True})  # fmt: skip
+    status, body = raw(server, "POST", "/v1/chat/completions", {**fields, "return_token_ids": True})
     choice = body["choices"][0]
     assert status == 200 and len(choice["token_ids"]) == 4
     assert hf_tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
@@ -676,8 +832,10 @@ def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
     assert raw_stream(server, "/v1/chat/completions", with_text)[0]["prompt_text"] == rendered
     chunks = raw_stream(server, "/v1/chat/completions", {**fields, "return_token_ids": True})
     assert chunks[0]["prompt_token_ids"] == tokenized
-    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),
-               []) == choice["token_ids"]  # fmt: skip
+    assert (
+        sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]), [])
+        == choice["token_ids"]
+    )
     open_turn = {**fields, "add_generation_prompt": False}
     reply = _text(raw(server, "POST", "/v1/chat/completions", open_turn)[1])
     last_user = {**open_turn, "echo": True}
@@ -693,15 +851,28 @@ def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
     assert answer["message"]["content"] == "line" + _text(
         raw(server, "POST", "/v1/chat/completions", prefill)[1]
     )
-    named = raw(server, "POST", "/v1/chat/completions",
-                {**fields, "logprobs": True, "return_tokens_as_token_ids": True,
-                 "return_token_ids": True})[1]["choices"][0]  # fmt: skip
+    named = raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {**fields, "logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True},
+    )[1]["choices"][0]
     assert [e["token"] for e in named["logprobs"]["content"]] == [
         f"token_id:{t}" for t in named["token_ids"]
     ]
-    completion = raw(server, "POST", "/v1/completions",
-                     {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
-                      "return_tokens_as_token_ids": True, "return_token_ids": True})[1]
+    completion = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        },
+    )[1]
     choice = completion["choices"][0]
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
 

@@ -28,9 +28,14 @@ def _engine(model, **kwargs) -> Engine:
 
 def _cache(num_blocks: int = 4) -> BlockKVCache:
     config = ModelConfig(
-        vocab_size=32, hidden_size=16, num_layers=1, num_attention_heads=2, num_kv_heads=1,
-        ffn_hidden_size=32, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        ffn_hidden_size=32,
+        max_position_embeddings=64,
+    )
     return BlockKVCache(config, num_blocks=num_blocks, block_size=2)
 
 
@@ -69,8 +74,10 @@ def test_eviction_is_least_recently_released_and_never_of_a_held_block() -> None
 def _workload(seed: int = 0, prompts: int = 50) -> list[list[int]]:
     """Prompts sharing a few system prompts, each with its own question."""
     rng = random.Random(seed)
-    return [rng.choice(SYSTEMS) + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 7))]
-            for _ in range(prompts)]  # fmt: skip
+    return [
+        rng.choice(SYSTEMS) + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 7))]
+        for _ in range(prompts)
+    ]
 
 
 def _run(engine: Engine, prompts: list[list[int]], completions: int, new: int = 3) -> list:
@@ -186,8 +193,7 @@ def test_ten_thousand_requests_on_random_prefixes_leak_no_block(llama) -> None:
     """More distinct prefixes than the cache holds, so blocks are evicted all along."""
     rng = random.Random(1)
     prefixes = [[rng.randrange(1, 90) for _ in range(rng.randrange(4, 13))] for _ in range(400)]
-    engine = _engine(llama, max_batch=128, cache_blocks=320, max_waiting=20_000,
-                     prefill_chunk=2048)  # fmt: skip
+    engine = _engine(llama, max_batch=128, cache_blocks=320, max_waiting=20_000, prefill_chunk=2048)
     start = engine.cache.free_blocks
     params = SamplingParams(max_new_tokens=1, greedy=True)
     prompts = [rng.choice(prefixes) + [rng.randrange(1, 90)] for _ in range(10_000)]

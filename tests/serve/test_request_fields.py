@@ -99,8 +99,7 @@ def test_the_lenient_body_refuses_and_ignores_by_the_inventory(kind, caplog) -> 
 
 def test_the_docs_list_the_inventory() -> None:
     page = (Path(__file__).parents[2] / "docs" / "serve.md").read_text()
-    found = re.search(r"<!-- request-fields[^\n]*-->\n(.*?)\n<!-- /request-fields -->", page,
-                      re.S)  # fmt: skip
+    found = re.search(r"<!-- request-fields[^\n]*-->\n(.*?)\n<!-- /request-fields -->", page, re.S)
     assert found and found.group(1) == vllm_fields.markdown_table()
 
 
@@ -108,13 +107,18 @@ def test_the_docs_list_the_inventory() -> None:
 
 
 def _row(params: SamplingParams, output=(), prompt=(1, 2)) -> SimpleNamespace:
-    return SimpleNamespace(params=params, prompt=list(prompt), output=list(output),
-                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    return SimpleNamespace(
+        params=params,
+        prompt=list(prompt),
+        output=list(output),
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def test_min_tokens_masks_the_stop_tokens_until_that_count() -> None:
-    params = SamplingParams(max_new_tokens=8, greedy=True, stop_token_ids=frozenset({3, 5}),
-                            min_tokens=2)  # fmt: skip
+    params = SamplingParams(
+        max_new_tokens=8, greedy=True, stop_token_ids=frozenset({3, 5}), min_tokens=2
+    )
     logits = torch.zeros(3, 8)
     logits[:, 3] = 10
     rows = [_row(params), _row(params, [4]), _row(params, [4, 4])]
@@ -207,20 +211,33 @@ def test_chat_template_kwargs_and_documents_reach_the_template() -> None:
     from pipeline.serve.http.codec import Codec
     from pipeline.tokenizer.chat_template import ChatTemplate
 
-    template = ChatTemplate({"default": "{{ messages[0]['content'] }}|{{ enable_thinking }}|"
-                                        "{{ documents[0]['title'] }}"})  # fmt: skip
-    body = ChatBody.model_validate({
-        "messages": [{"role": "user", "content": "hi"}],
-        "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"title": "T"}],
-    })  # fmt: skip
+    template = ChatTemplate(
+        {
+            "default": "{{ messages[0]['content'] }}|{{ enable_thinking }}|"
+            "{{ documents[0]['title'] }}"
+        }
+    )
+    body = ChatBody.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "documents": [{"title": "T"}],
+        }
+    )
     codec = Codec(None, template, 10)
     assert codec.chat(body.messages, extra=body.template_kwargs()) == "hi|False|T"
-    effort = ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}],
-                                      "reasoning_effort": "low", "documents": [{"title": "D"}]})
+    effort = ChatBody.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "reasoning_effort": "low",
+            "documents": [{"title": "D"}],
+        }
+    )
     assert codec.chat(effort.messages, extra=effort.template_kwargs()) == "hi|True|D"
     template = ChatTemplate({"default": "{{ reasoning_effort }}|{{ enable_thinking }}"})
-    none = ChatBody.model_validate({"messages": [{"role": "user", "content": "hi"}],
-                                    "reasoning_effort": "none"})  # fmt: skip
+    none = ChatBody.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "none"}
+    )
     assert Codec(None, template, 10).chat(none.messages, extra=none.template_kwargs()) == (
         "none|False"
     )

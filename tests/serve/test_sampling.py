@@ -139,9 +139,13 @@ def test_logprobs_are_the_models_raw_log_softmax(llama, greedy) -> None:
     before temperature and penalties (vLLM's default)."""
     model, hf = llama
     params = SamplingParams(
-        max_new_tokens=6, greedy=greedy, temperature=1.7, seed=3, logprobs=5,
+        max_new_tokens=6,
+        greedy=greedy,
+        temperature=1.7,
+        seed=3,
+        logprobs=5,
         presence_penalty=0.5,
-    )  # fmt: skip
+    )
     events = _events(Engine(model), PROMPT, params)
     output = [event.token for event in events]
     oracle = _hf_logprobs(hf, PROMPT + output)[len(PROMPT) - 1 : -1]
@@ -191,9 +195,16 @@ def test_prompt_logprobs_over_a_chunked_prefill(llama, chunk) -> None:
 def test_a_request_with_extras_and_plain_requests_do_not_affect_each_other(llama) -> None:
     model, _ = llama
     special = SamplingParams(
-        max_new_tokens=10, temperature=0.9, seed=5, frequency_penalty=0.7, presence_penalty=0.3,
-        repetition_penalty=1.2, logit_bias={7: 3.0, 50: -5.0}, logprobs=4, prompt_logprobs=2,
-    )  # fmt: skip
+        max_new_tokens=10,
+        temperature=0.9,
+        seed=5,
+        frequency_penalty=0.7,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+        logit_bias={7: 3.0, 50: -5.0},
+        logprobs=4,
+        prompt_logprobs=2,
+    )
     plain = [
         SamplingParams(max_new_tokens=12, greedy=True),
         SamplingParams(max_new_tokens=8, temperature=1.1, top_p=0.8, seed=9),

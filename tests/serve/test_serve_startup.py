@@ -12,8 +12,13 @@ from tests.builders import ROOT
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", "serve", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "serve", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_port_in_use_is_found_before_the_model_loads(tmp_path) -> None:
@@ -42,4 +47,5 @@ def test_an_adapter_directory_gets_a_hint(tmp_path) -> None:
 def test_auto_tool_choice_needs_a_parser(tmp_path) -> None:
     result = serve(str(tmp_path), "--enable-auto-tool-choice")
     assert result.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in (
-        result.stderr)  # fmt: skip
+        result.stderr
+    )

@@ -30,8 +30,16 @@ class Server:
     def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
         self.port = free_port()
         self.log = log
-        args = [sys.executable, "-m", "pipeline", "serve", str(model_dir), "--port",
-                str(self.port), *extra]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         # stderr to a file: a pipe nobody reads would block the server once full
         with open(log, "w") as sink:
@@ -68,8 +76,9 @@ class Server:
     def stream(self, path: str, body: dict) -> tuple[int, list]:
         """Status and the parsed server-sent events (the last one "[DONE]")."""
         conn = self.connection()
-        conn.request("POST", path, json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        )
         response = conn.getresponse()
         if response.status != 200:
             headers = {k.lower(): v for k, v in response.getheaders()}
@@ -162,8 +171,12 @@ def test_load_every_request_answered_or_refused(server) -> None:
 
     def one(index: int) -> tuple[int, str | None, int]:
         rng = random.Random(index)
-        body = {"prompt": f"line {index}: value", "max_tokens": rng.randint(1, 24),
-                "temperature": 0.8, "seed": index}  # fmt: skip
+        body = {
+            "prompt": f"line {index}: value",
+            "max_tokens": rng.randint(1, 24),
+            "temperature": 0.8,
+            "seed": index,
+        }
         status, events = server.stream("/v1/completions", body)
         if status == 503:
             assert events[1]["retry-after"] == "1" and "waiting" in events[0]["error"]["message"]
@@ -229,8 +242,9 @@ def test_sigterm_drains_then_exits(tiny_hf_dir, tmp_path) -> None:
         whole = server.post("/v1/completions", body)[2]["choices"][0]["text"]
         conn = server.connection()
         body["stream"] = True
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})  # fmt: skip
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
         response = conn.getresponse()
         first = response.readline()
         assert first.startswith(b"data: ")

@@ -21,8 +21,13 @@ jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMAS = 200
 MAX_TOKENS = 320
-PATTERNS = ("^[a-z]{1,6}$", "^[A-Z][0-9]{2}$", "^(ab|cd){1,3}$", "^[0-9]{3}-[0-9]{2}$",
-            "^v[0-9]\\.[0-9]$")  # fmt: skip
+PATTERNS = (
+    "^[a-z]{1,6}$",
+    "^[A-Z][0-9]{2}$",
+    "^(ab|cd){1,3}$",
+    "^[0-9]{3}-[0-9]{2}$",
+    "^v[0-9]\\.[0-9]$",
+)
 WORDS = ("red", "green", "blue", "line", "value", "x y")
 
 
@@ -36,8 +41,12 @@ def random_schema(rng: random.Random, depth: int) -> dict:
         return {"type": "integer", "minimum": rng.randint(-50, 0), "maximum": rng.randint(1, 999)}
     if kind == "number":
         # multipleOf bounds the fraction's digits, which a random model would never end
-        return {"type": "number", "minimum": -5, "maximum": rng.choice([1, 5, 100]),
-                "multipleOf": rng.choice([0.5, 0.25])}  # fmt: skip
+        return {
+            "type": "number",
+            "minimum": -5,
+            "maximum": rng.choice([1, 5, 100]),
+            "multipleOf": rng.choice([0.5, 0.25]),
+        }
     if kind == "string":
         return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
     if kind == "pattern":
@@ -48,18 +57,27 @@ def random_schema(rng: random.Random, depth: int) -> dict:
         return {"type": "boolean"}
     if kind == "array":
         items = random_schema(rng, depth - 1)
-        return {"type": "array", "items": items, "minItems": rng.randint(0, 1),
-                "maxItems": rng.randint(1, 3)}  # fmt: skip
+        return {
+            "type": "array",
+            "items": items,
+            "minItems": rng.randint(0, 1),
+            "maxItems": rng.randint(1, 3),
+        }
     return random_object(rng, depth - 1)
 
 
 def random_object(rng: random.Random, depth: int) -> dict:
-    names = rng.sample(["id", "name", "kind", "score", "tags", "owner", "when", "ok"],
-                       rng.randint(1, 3))  # fmt: skip
+    names = rng.sample(
+        ["id", "name", "kind", "score", "tags", "owner", "when", "ok"], rng.randint(1, 3)
+    )
     properties = {name: random_schema(rng, depth) for name in names}
     required = [name for name in names if rng.random() < 0.7]
-    return {"type": "object", "properties": properties, "required": required,
-            "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +86,27 @@ def gen(tiny_hf_dir):
 
 
 def _engine(gen, max_batch: int) -> Engine:
-    grammars = GrammarBackend.from_path(gen.tokenizer_path, gen.model.config.vocab_size,
-                                        gen.eos_ids)  # fmt: skip
-    return Engine(gen.model, max_batch=max_batch, cache_blocks=8192, block_size=16, max_waiting=512,
-                  grammars=grammars)  # fmt: skip
+    grammars = GrammarBackend.from_path(
+        gen.tokenizer_path, gen.model.config.vocab_size, gen.eos_ids
+    )
+    return Engine(
+        gen.model,
+        max_batch=max_batch,
+        cache_blocks=8192,
+        block_size=16,
+        max_waiting=512,
+        grammars=grammars,
+    )
 
 
 def _plain_rows(gen) -> list[tuple[list[int], SamplingParams]]:
     """Unconstrained requests: sampled with seeds, and greedy."""
     prompts = gen.tokenizer.encode_batch(["line 3: value", "abc abc", "value=14 line"])
     eos = frozenset(gen.eos_ids)
-    return [(prompt, SamplingParams(max_new_tokens=24, seed=seed, greedy=seed == 0,
-                                    stop_token_ids=eos))  # fmt: skip
-            for seed, prompt in enumerate(prompts * 2)]  # fmt: skip
+    return [
+        (prompt, SamplingParams(max_new_tokens=24, seed=seed, greedy=seed == 0, stop_token_ids=eos))
+        for seed, prompt in enumerate(prompts * 2)
+    ]
 
 
 def test_random_schemas_validate_and_plain_rows_are_untouched(gen) -> None:
@@ -97,8 +123,9 @@ def test_random_schemas_validate_and_plain_rows_are_untouched(gen) -> None:
     constrained, mixed = [], []
     for i, (schema, prompt) in enumerate(zip(schemas, prompts)):
         output = StructuredOutput.json_schema(schema)
-        params = SamplingParams(max_new_tokens=MAX_TOKENS, seed=i, stop_token_ids=eos,
-                                structured_output=output)  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=MAX_TOKENS, seed=i, stop_token_ids=eos, structured_output=output
+        )
         constrained.append(engine.add(prompt, params))
         if i % 40 == 0:  # the plain rows spread through the batch
             mixed.append(engine.add(*plain[len(mixed)]))
@@ -137,8 +164,15 @@ def _parses(text: str) -> bool:
 )
 def test_regex_choice_and_grammars(gen, output, matches) -> None:
     engine = _engine(gen, 8)
-    params = [SamplingParams(max_new_tokens=40, seed=seed, stop_token_ids=frozenset(gen.eos_ids),
-                             structured_output=output) for seed in range(6)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_new_tokens=40,
+            seed=seed,
+            stop_token_ids=frozenset(gen.eos_ids),
+            structured_output=output,
+        )
+        for seed in range(6)
+    ]
     prompt = gen.tokenizer.encode_batch(["line 3: value"])[0]
     requests = engine.add_group(prompt, params)
     list(engine.run())
@@ -179,10 +213,12 @@ def client(tiny_hf_dir, tmp_path_factory):
     from tests.serve.test_server import Server
 
     log = tmp_path_factory.mktemp("structured_server") / "stderr.txt"
-    server = Server(tiny_hf_dir, log, "--max-batch", "8", "--served-model-name", "tiny",
-                    "--engine-threads", "1")  # fmt: skip
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
-                        max_retries=0, timeout=120)  # fmt: skip
+    server = Server(
+        tiny_hf_dir, log, "--max-batch", "8", "--served-model-name", "tiny", "--engine-threads", "1"
+    )
+    yield openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=120
+    )
     server.stop()
 
 
@@ -190,9 +226,13 @@ def test_response_format_json_schema_through_the_client(client) -> None:
     schema = {"name": "person", "schema": PERSON, "strict": True}
     response_format = {"type": "json_schema", "json_schema": schema}
     answer = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=80, seed=5, n=4,
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=80,
+        seed=5,
+        n=4,
         response_format=response_format,
-    )  # fmt: skip
+    )
     for choice in answer.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), PERSON)
@@ -221,8 +261,9 @@ def test_response_format_text_changes_nothing(client) -> None:
 def test_vllm_fields_on_completions(client, extra, matches) -> None:
     extra = {"max_tokens": 40, **extra}
     max_tokens = extra.pop("max_tokens")
-    answer = client.completions.create(model="tiny", prompt="line 3: value", seed=1, n=3,
-                                       max_tokens=max_tokens, extra_body=extra)  # fmt: skip
+    answer = client.completions.create(
+        model="tiny", prompt="line 3: value", seed=1, n=3, max_tokens=max_tokens, extra_body=extra
+    )
     for choice in answer.choices:
         if matches is None:  # unbounded keys: a random model may run out of tokens first
             assert choice.text.startswith("{") and (
@@ -247,7 +288,7 @@ def test_vllm_fields_on_completions(client, extra, matches) -> None:
                 }
             },
             "response_format",
-        ),  # fmt: skip
+        ),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
@@ -258,8 +299,9 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param) -> None
     import openai
 
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
-                                       extra_body=extra)  # fmt: skip
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra
+        )
     assert caught.value.body["param"] == param
     assert "\n" not in caught.value.body["message"]
 
@@ -286,11 +328,15 @@ def test_a_named_tool_choice_is_held_to_its_arguments(client) -> None:
     vLLM does with structured output), which come back as that function's call."""
     choice = {"type": "function", "function": {"name": "weather"}}
     answer = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=60, seed=3, n=3, tools=[WEATHER],
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=60,
+        seed=3,
+        n=3,
+        tools=[WEATHER],
         tool_choice=choice,
-    )  # fmt: skip
+    )
     for reply in answer.choices:
         (call,) = reply.message.tool_calls
         assert call.function.name == "weather"
-        jsonschema.validate(json.loads(call.function.arguments),
-                            WEATHER["function"]["parameters"])  # fmt: skip
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -39,10 +39,15 @@ class ScriptedStream:
     def __init__(self, reply: str, prompt_tokens: int) -> None:
         pieces = [reply[i : i + 3] for i in range(0, len(reply), 3)] or [""]
         self._deltas = [
-            Delta([7], piece, finish_reason="stop" if n == len(pieces) - 1 else None,
-                  prompt_tokens=prompt_tokens, completion_tokens=n + 1)
+            Delta(
+                [7],
+                piece,
+                finish_reason="stop" if n == len(pieces) - 1 else None,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=n + 1,
+            )
             for n, piece in enumerate(pieces)
-        ]  # fmt: skip
+        ]
 
     def __aiter__(self):
         return self
@@ -174,8 +179,11 @@ def test_a_call_sent_back_with_its_result(auto_server) -> None:
     message = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS).choices[0]
     call = message.message.tool_calls[0]
     engine.reply = "It is 3 degrees."
-    history = [*ASK, message.message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'}]  # fmt: skip
+    history = [
+        *ASK,
+        message.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'},
+    ]
     answer = client.chat.completions.create(model="m", messages=history, tools=TOOLS)
     assert answer.choices[0].message.content == "It is 3 degrees."
     assert '<|tool|>{"temp": 3}' in engine.prompts[-1]
@@ -184,16 +192,18 @@ def test_a_call_sent_back_with_its_result(auto_server) -> None:
 def test_parallel_tool_calls_false(auto_server) -> None:
     parser, client, engine = auto_server
     engine.reply = next(r for n, r, c, _ in CASES if n == parser and len(c) == 2)
-    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
-                                            parallel_tool_calls=False)  # fmt: skip
+    answer = client.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, parallel_tool_calls=False
+    )
     assert len(answer.choices[0].message.tool_calls) == 1
 
 
 def test_none_needs_no_flag_and_is_not_parsed(plain_server) -> None:
     client, engine = plain_server
     engine.reply = CASES[0][1]
-    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
-                                            tool_choice="none")  # fmt: skip
+    answer = client.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, tool_choice="none"
+    )
     assert answer.choices[0].message.content == CASES[0][1]
     assert not answer.choices[0].message.tool_calls
     assert answer.choices[0].finish_reason == "stop"
@@ -213,12 +223,14 @@ def test_auto_without_the_flag_is_refused_as_vllm(plain_server, choice) -> None:
     ("fields", "words"),
     [
         ({"tool_choice": "required"}, "`tools` must be set"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "does not match"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "does not match",
+        ),
         ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "Invalid value for `function`"),
         ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_fields_name_the_field(plain_server, fields, words) -> None:
     client, _ = plain_server
     with pytest.raises(openai.BadRequestError) as caught:
@@ -231,16 +243,17 @@ def test_named_and_required_choices_read_json(plain_server) -> None:
     client, engine = plain_server
     named = {"type": "function", "function": {"name": "get_weather"}}
     engine.reply = json.dumps(WEATHER)
-    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
-                                            tool_choice=named)  # fmt: skip
+    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=named)
     assert as_calls(answer.choices[0].message.tool_calls) == [("get_weather", WEATHER)]
     assert answer.choices[0].finish_reason == "stop"  # vLLM's, for a named function
     _, calls, _, _ = streamed(client, messages=ASK, tools=TOOLS, tool_choice=named)
     assert calls == [("get_weather", WEATHER)]
-    engine.reply = json.dumps([{"name": "now", "parameters": {}},
-                               {"name": "get_weather", "parameters": WEATHER}])  # fmt: skip
-    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS,
-                                            tool_choice="required")  # fmt: skip
+    engine.reply = json.dumps(
+        [{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": WEATHER}]
+    )
+    answer = client.chat.completions.create(
+        model="m", messages=ASK, tools=TOOLS, tool_choice="required"
+    )
     assert as_calls(answer.choices[0].message.tool_calls) == [("now", {}), ("get_weather", WEATHER)]
     assert answer.choices[0].finish_reason == "tool_calls"
     _, calls, finish, _ = streamed(client, messages=ASK, tools=TOOLS, tool_choice="required")
@@ -256,9 +269,10 @@ def test_unknown_fields_are_ignored_and_logged_once(plain_server, caplog) -> Non
     caplog.set_level(logging.WARNING, logger="pipeline.serve.http.lenient")
     for _ in range(2):
         answer = client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "x", "weight": 1}],
+            model="m",
+            messages=[{"role": "user", "content": "x", "weight": 1}],
             extra_body={"temprature": 0.5, "chat_template_kwargs_x": {}},
-        )  # fmt: skip
+        )
         assert answer.choices[0].message.content == "fine"
     logged = [r.getMessage() for r in caplog.records]
     for name in ("temprature", "chat_template_kwargs_x", "weight"):
@@ -268,15 +282,17 @@ def test_unknown_fields_are_ignored_and_logged_once(plain_server, caplog) -> Non
 def test_response_format_text_is_accepted_others_are_not_ignored(plain_server) -> None:
     client, engine = plain_server
     engine.reply = "fine"
-    answer = client.chat.completions.create(model="m", messages=ASK,
-                                            response_format={"type": "text"})  # fmt: skip
+    answer = client.chat.completions.create(
+        model="m", messages=ASK, response_format={"type": "text"}
+    )
     assert answer.choices[0].message.content == "fine"
     from pipeline.serve.http.openai_api import ChatBody
 
     if "response_format" not in ChatBody.model_fields:  # until structured output serves it
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="m", messages=ASK,
-                                           response_format={"type": "json_object"})  # fmt: skip
+            client.chat.completions.create(
+                model="m", messages=ASK, response_format={"type": "json_object"}
+            )
         assert caught.value.body["param"] == "response_format"
 
 
@@ -284,14 +300,18 @@ def test_continuous_usage_stats(plain_server) -> None:
     client, engine = plain_server
     engine.reply = "abcdefgh"  # three deltas
     options = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = list(client.chat.completions.create(model="m", messages=ASK, stream=True,
-                                                 stream_options=options))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(model="m", messages=ASK, stream=True, stream_options=options)
+    )
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == [0, 1, 2, 3, 3]  # the role chunk, each delta, the closing usage chunk
     assert len({c.usage.prompt_tokens for c in chunks}) == 1
     usage_last = {"include_usage": True}
-    plain = list(client.chat.completions.create(model="m", messages=ASK, stream=True,
-                                                stream_options=usage_last))  # fmt: skip
+    plain = list(
+        client.chat.completions.create(
+            model="m", messages=ASK, stream=True, stream_options=usage_last
+        )
+    )
     assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
@@ -318,7 +338,11 @@ def test_the_json_schema_of_required_and_named_choices() -> None:
     good = [{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": ARGUMENTS}]
     jsonschema.validate(good, required)
     assert [c.name for c in required_calls(json.dumps(good))] == ["now", "get_weather"]
-    for bad in ([], [{"name": "nope", "parameters": {}}], [{"name": "get_weather"}],
-                [{"name": "get_weather", "parameters": {"days": 2}}]):  # fmt: skip
+    for bad in (
+        [],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_weather"}],
+        [{"name": "get_weather", "parameters": {"days": 2}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, required)

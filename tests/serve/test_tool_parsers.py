@@ -21,28 +21,54 @@ WEATHER = {"city": "Zürich", "days": [1, 2], "units": {"temp": "C"}}
 
 # (parser, model text, expected [(name, arguments object)], expected content)
 CASES = [
-    ("hermes",
-     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
-     + json.dumps(WEATHER) + '}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n'
-     "</tool_call>",
-     [("get_weather", WEATHER), ("now", {})], "Let me check.\n"),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        + json.dumps(WEATHER)
+        + '}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n'
+        "</tool_call>",
+        [("get_weather", WEATHER), ("now", {})],
+        "Let me check.\n",
+    ),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', [("f", {"a": 1})], None),
     ("hermes", "No call: a <tool> is not one.", [], "No call: a <tool> is not one."),
-    ("hermes", '<tool_call>{"name": "f", "argu</tool_call>', [],
-     '<tool_call>{"name": "f", "argu</tool_call>'),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": '
-     + json.dumps(WEATHER, ensure_ascii=False) + "}", [("get_weather", WEATHER)], None),
-    ("llama3_json", '{"name": "f", "arguments": {"a": "x"}} ; {"name": "g", "parameters": {}}',
-     [("f", {"a": "x"}), ("g", {})], None),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "argu</tool_call>',
+        [],
+        '<tool_call>{"name": "f", "argu</tool_call>',
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": '
+        + json.dumps(WEATHER, ensure_ascii=False)
+        + "}",
+        [("get_weather", WEATHER)],
+        None,
+    ),
+    (
+        "llama3_json",
+        '{"name": "f", "arguments": {"a": "x"}} ; {"name": "g", "parameters": {}}',
+        [("f", {"a": "x"}), ("g", {})],
+        None,
+    ),
     ("llama3_json", "The answer is 4.", [], "The answer is 4."),
     ("llama3_json", '{"a": 1}', [], '{"a": 1}'),
-    ("pythonic", '[get_weather(city="Paris", days=3), now()]',
-     [("get_weather", {"city": "Paris", "days": 3}), ("now", {})], None),
-    ("pythonic", '[f(opts={"k": [1, "two"]}, flag=True, none=None)]',
-     [("f", {"opts": {"k": [1, "two"]}, "flag": True, "none": None})], None),
+    (
+        "pythonic",
+        '[get_weather(city="Paris", days=3), now()]',
+        [("get_weather", {"city": "Paris", "days": 3}), ("now", {})],
+        None,
+    ),
+    (
+        "pythonic",
+        '[f(opts={"k": [1, "two"]}, flag=True, none=None)]',
+        [("f", {"opts": {"k": [1, "two"]}, "flag": True, "none": None})],
+        None,
+    ),
     ("pythonic", "Sure: [f(a=1)]", [], "Sure: [f(a=1)]"),
     ("pythonic", "[1, 2]", [], "[1, 2]"),
-]  # fmt: skip
+]
 
 
 def calls_of(entries) -> list[tuple[str, dict]]:

@@ -37,8 +37,11 @@ ARGUMENTS = {"city": "Zürich", "days": 2}
 
 def conversation(arguments) -> list[dict]:
     """A user turn, the assistant's call (`arguments` as given), the tool's answer."""
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": arguments},
+    }
     return [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Zürich?"},

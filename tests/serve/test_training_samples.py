@@ -18,10 +18,15 @@ def test_samples_are_logged_and_equal_pipe_generate(tmp_path) -> None:
     prefix = tokenized_corpus(TEXTS, tmp_path)
     run_dir = tmp_path / "run"
     sets = micro_sets(
-        run_dir, "data.mock=false", f"data.blend={prefix}", f"data.tokenizer={tmp_path / 'tok'}",
-        "model.vocab_size=512", f"training.sample_prompts={PROMPTS!r}".replace("'", '"'),
-        "training.sample_interval=4", "training.sample_tokens=6",
-    )  # fmt: skip
+        run_dir,
+        "data.mock=false",
+        f"data.blend={prefix}",
+        f"data.tokenizer={tmp_path / 'tok'}",
+        "model.vocab_size=512",
+        f"training.sample_prompts={PROMPTS!r}".replace("'", '"'),
+        "training.sample_interval=4",
+        "training.sample_tokens=6",
+    )
     Trainer(resolve_config(None, sets), console=False).train()
     samples = records(run_dir, "sample")
     assert sorted(samples) == [4, 8]

@@ -121,8 +121,7 @@ def test_a_push_serves_the_pushing_model_in_the_same_process(server, client, sec
     assert _answer(server, [5, 6])[2]["system_fingerprint"] != fingerprint
 
 
-def test_a_bad_push_is_refused_in_one_line_and_the_old_weights_serve(server, client,
-                                                                     tiny_hf_dir):  # fmt: skip
+def test_a_bad_push_is_refused_in_one_line_and_the_old_weights_serve(server, client, tiny_hf_dir):
     from pipeline.serve.http.weight_client import WeightPushError
 
     ids = _prompt_ids(tiny_hf_dir)[0]
@@ -144,8 +143,7 @@ def test_a_bad_push_is_refused_in_one_line_and_the_old_weights_serve(server, cli
     assert server.get("/weight_info")[1] == version
 
 
-def test_load_from_disk_and_pause_abort_refuse_resume(server, client, tiny_hf_dir,
-                                                      second_hf_dir):  # fmt: skip
+def test_load_from_disk_and_pause_abort_refuse_resume(server, client, tiny_hf_dir, second_hf_dir):
     ids = _prompt_ids(tiny_hf_dir)[1]
     assert client.load(str(second_hf_dir), weight_version="step-7") == "step-7"
     expected = _hf_logprobs(second_hf_dir, ids)
@@ -226,8 +224,13 @@ def _hf_greedy_logprobs(hf_dir: Path, prompt: list[int], count: int) -> list[flo
 
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=count, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=count,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     chosen = out.sequences[0, len(prompt) :]
     return [score[0].log_softmax(-1)[token].item() for score, token in zip(out.scores, chosen)]
 
@@ -242,8 +245,9 @@ def _generate(server, ids: list[int]) -> tuple[list[float], int]:
     return answer["choices"][0]["logprobs"]["token_logprobs"], cached
 
 
-def test_a_prompt_cached_before_a_push_is_recomputed_after_it(server, client, tiny_hf_dir,
-                                                              second_hf_dir):  # fmt: skip
+def test_a_prompt_cached_before_a_push_is_recomputed_after_it(
+    server, client, tiny_hf_dir, second_hf_dir
+):
     ids = [token for probe in _prompt_ids(tiny_hf_dir) for token in probe] * 4  # several blocks
     _generate(server, ids)
     old, cached = _generate(server, ids)

@@ -80,11 +80,14 @@ FEATURES = {
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_feature_renders_as_transformers(feature, tiny_tokenizer_dir, tmp_path) -> None:
     directory = with_template(
-        tiny_tokenizer_dir, tmp_path, FEATURES[feature],
-        bos_token="<s>", pad_token="<pad>",
+        tiny_tokenizer_dir,
+        tmp_path,
+        FEATURES[feature],
+        bos_token="<s>",
+        pad_token="<pad>",
         eos_token={"__type": "AddedToken", "content": "</s>", "special": True},
         extra_special_tokens={"image_token": "<image>"},
-    )  # fmt: skip
+    )
     messages = [*CONVERSATION, {"role": "assistant", "content": "ok", "name": None}]
     messages[2] = {**messages[2], "name": "bot", "reasoning": "thought about it"}
     tools = [{"type": "function", "function": {"name": "f", "description": "ünïcode"}}]
@@ -95,16 +98,21 @@ def test_feature_renders_as_transformers(feature, tiny_tokenizer_dir, tmp_path) 
 
 def test_special_tokens_accept_added_token_dicts(tmp_path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({
-            "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>",
-            "additional_special_tokens": ["<a>", {"content": "<b>"}],
-        })
-    )  # fmt: skip
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>", "lstrip": False},
+                "eos_token": "</s>",
+                "additional_special_tokens": ["<a>", {"content": "<b>"}],
+            }
+        )
+    )
     (tmp_path / "special_tokens_map.json").write_text(json.dumps({"unk_token": "<unk>"}))
     assert special_tokens(tmp_path) == {
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
         "additional_special_tokens": ["<a>", "<b>"],
-    }  # fmt: skip
+    }
 
 
 def test_raise_exception_is_one_error(tiny_tokenizer_dir, tmp_path) -> None:

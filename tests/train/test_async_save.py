@@ -111,9 +111,12 @@ def test_steps_during_a_background_save_keep_their_pace(tmp_path: Path) -> None:
     periods = [b[0] - a[0] for a, b in zip(steps, steps[1:])]
     warm = 2  # the first steps allocate the optimizer state
     baseline = [
-        p for i, (p, s) in enumerate(zip(periods, steps)) if i >= warm and not (s[2] or s[3])
+        p
+        for i, (p, s) in enumerate(zip(periods, steps))
+        if i >= warm
+        and not (s[2] or s[3])
         and i != SAVE_AT - 1  # the step whose iteration ends with the save call
-    ]  # fmt: skip
+    ]
     during = [p for p, s in zip(periods, steps) if s[2] or s[3]]  # overlapping the write
     saved = tmp_path / "checkpoints" / f"iter_{SAVE_AT:07d}"
     save_seconds = _save_seconds(saved)
@@ -174,10 +177,11 @@ def test_sigkill_during_background_write_keeps_the_previous_checkpoint(tmp_path:
     assert [d.name for d in save_dir.glob("iter_*") if ".tmp-" not in d.name] == [previous.name]
     assert verify(previous).ok
     resumed = Trainer(
-        resolve_config(None, large_sets(tmp_path / "resumed", f"checkpoint.load={save_dir}",
-                                        iters=SAVE_AT)),
+        resolve_config(
+            None, large_sets(tmp_path / "resumed", f"checkpoint.load={save_dir}", iters=SAVE_AT)
+        ),
         console=False,
-    )  # fmt: skip
+    )
     assert resumed.iteration == SAVE_AT and resumed.consumed["train"] == SAVE_AT
 
 

@@ -44,10 +44,16 @@ OPTIMIZERS = {
 
 def _losses(run_dir: Path, *extra: str) -> dict[int, float]:
     sets = layout_sets(
-        "tiny", run_dir, "optimizer.state_dtype=bf16", "model.num_layers=2",
-        f"training.iters={ITERS}", f"scheduler.decay_iters={ITERS}",
-        f"checkpoint.save_interval={SAVED}", f"training.eval_interval={ITERS}", *extra,
-    )  # fmt: skip
+        "tiny",
+        run_dir,
+        "optimizer.state_dtype=bf16",
+        "model.num_layers=2",
+        f"training.iters={ITERS}",
+        f"scheduler.decay_iters={ITERS}",
+        f"checkpoint.save_interval={SAVED}",
+        f"training.eval_interval={ITERS}",
+        *extra,
+    )
     return Trainer(resolve_config("tiny", sets), console=False).train().losses
 
 
@@ -57,8 +63,9 @@ def _dp2_worker(rank: int, world_size: int, tmp: Path) -> dict:
     for name, extra in OPTIMIZERS.items():
         whole = _losses(tmp / name, "parallel.dp=2", *extra)
         checkpoint = tmp / name / "checkpoints" / f"iter_{SAVED:07d}"
-        resumed = _losses(tmp / f"{name}_resumed", "parallel.dp=2", f"checkpoint.load={checkpoint}",
-                          *extra)  # fmt: skip
+        resumed = _losses(
+            tmp / f"{name}_resumed", "parallel.dp=2", f"checkpoint.load={checkpoint}", *extra
+        )
         out[name] = (whole, resumed)
     return out
 

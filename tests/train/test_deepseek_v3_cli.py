@@ -33,13 +33,30 @@ SEQ = 64
 
 def _tiny_deepseek_v3(vocab_size: int):
     config = transformers.DeepseekV3Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
-        topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        max_position_embeddings=SEQ, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=SEQ,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.DeepseekV3ForCausalLM(config).eval()
 
@@ -55,9 +72,18 @@ def _corpus(directory: Path, tokenizer: Path) -> str:
     docs = write_jsonl(directory / "docs.jsonl", [{"text": p["text"]} for p in pages])
     prefix = directory / "corpus"
     run_pipe(
-        "preprocess", "-i", docs, "--tokenizer", tokenizer, "-o", prefix, "--append-eod",
-        "--workers", "1", "--quiet",
-    )  # fmt: skip
+        "preprocess",
+        "-i",
+        docs,
+        "--tokenizer",
+        tokenizer,
+        "-o",
+        prefix,
+        "--append-eod",
+        "--workers",
+        "1",
+        "--quiet",
+    )
     return f"{prefix}_text_document"
 
 
@@ -71,15 +97,51 @@ def test_hf_deepseek_v3_fine_tunes_under_ep2_tp2_and_converts_back(tmp_path: Pat
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "train", "--nproc-per-node", "4", "--ep", "2",
-         "--tp", "2", "--load", str(tmp_path / "imported"), "--finetune", "--data", corpus,
-         "--iters", "20", "--seq-length", str(SEQ), "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--lr", "3e-3", "--device", "cpu",
-         "--run-dir", str(run_dir), "--set", "training.log_interval=1",
-         "--set", "training.eval_interval=0", "--set", "scheduler.warmup_iters=2",
-         "--set", "data.split=90,10,0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=500,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "train",
+            "--nproc-per-node",
+            "4",
+            "--ep",
+            "2",
+            "--tp",
+            "2",
+            "--load",
+            str(tmp_path / "imported"),
+            "--finetune",
+            "--data",
+            corpus,
+            "--iters",
+            "20",
+            "--seq-length",
+            str(SEQ),
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--device",
+            "cpu",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "training.log_interval=1",
+            "--set",
+            "training.eval_interval=0",
+            "--set",
+            "scheduler.warmup_iters=2",
+            "--set",
+            "data.split=90,10,0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     losses = _train_losses(run_dir)

@@ -91,9 +91,15 @@ def test_samples_hold_whole_pairs(tmp_path: Path) -> None:
 
     prefix = write_pairs(tmp_path / "pairs", 20, 100, long=2)
     config = GPTDatasetConfig(
-        sequence_length=32, eod_id=EOD, tokenizer_id="t", random_seed=1, split="80,20,0",
-        create_attention_mask=False, pad_id=None, path_to_cache=str(tmp_path / "cache"),
-    )  # fmt: skip
+        sequence_length=32,
+        eod_id=EOD,
+        tokenizer_id="t",
+        random_seed=1,
+        split="80,20,0",
+        create_attention_mask=False,
+        pad_id=None,
+        path_to_cache=str(tmp_path / "cache"),
+    )
     train, valid, _ = build_datasets(
         parse_blend(prefix), config, (32, 4, 0), dataset_class=PreferenceDataset
     )
@@ -204,6 +210,7 @@ def test_dpo_layouts_equal_one_process(tmp_path: Path) -> None:
 
 # ---- resume --------------------------------------------------------------------------------
 
+
 def _train(sets: list[str]):
     from pipeline.train.loop.trainer import Trainer
 
@@ -227,8 +234,12 @@ def test_dpo_resumes_exactly_after_sigkill(tmp_path: Path, start: str) -> None:
     continues as the uninterrupted run (losses, valid margin bit for bit): the checkpoint records
     its reference and the resumed run rebuilds it. A changed reference is refused in one line."""
     prefix = write_pairs(tmp_path / "pairs", 40, 128)
-    extra = ["training.iters=4", "checkpoint.save_interval=2", "training.eval_interval=2",
-             *_start_sets(tmp_path, prefix, start)]  # fmt: skip
+    extra = [
+        "training.iters=4",
+        "checkpoint.save_interval=2",
+        "training.eval_interval=2",
+        *_start_sets(tmp_path, prefix, start),
+    ]
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     _train(_dpo_sets(run_a, prefix, *extra))
     proc = kill_after_save(2, "tiny_dpo", _dpo_sets(run_b, prefix, *extra))
@@ -241,8 +252,9 @@ def test_dpo_resumes_exactly_after_sigkill(tmp_path: Path, start: str) -> None:
     assert [a[s]["loss"] for s in (3, 4)] == [b[s]["loss"] for s in (3, 4)]
     assert a[4]["grad_norm"] == b[4]["grad_norm"]
     assert records(run_a, "valid")[4]["margin"] == records(run_b, "valid")[4]["margin"]
-    metadata = json.loads((run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json")
-                          .read_text())["metadata"]  # fmt: skip
+    metadata = json.loads(
+        (run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json").read_text()
+    )["metadata"]
     recorded = metadata["dpo_reference"]
     if start == "seeded":
         assert recorded["load"] is None
@@ -276,20 +288,45 @@ def test_resuming_a_language_model_checkpoint_as_dpo_is_refused(tmp_path: Path) 
 # ---- pipe train --dpo ------------------------------------------------------------------------
 
 
-SMALL_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-               "model.num_kv_heads=2", "model.ffn_hidden_size=128"]  # fmt: skip
+SMALL_MODEL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128",
+]
 
 
 def test_pipe_train_dpo_margin_grows(tmp_path: Path) -> None:
     prefix = write_pairs(tmp_path / "pairs", 200, 256, seed=4)
     run_dir = tmp_path / "run"
     run_pipe(
-        "train", "--recipe", "tiny_dpo", "--dpo", "--data", prefix, "--device", "cpu",
-        "--iters", 30, "--seq-length", 32, "--run-dir", run_dir,
-        "--set", "model.vocab_size=256", "--set", "training.eval_interval=10",
-        "--set", "training.eval_iters=5", "--set", "dpo.beta=0.5", "--lr", "2e-3",
+        "train",
+        "--recipe",
+        "tiny_dpo",
+        "--dpo",
+        "--data",
+        prefix,
+        "--device",
+        "cpu",
+        "--iters",
+        30,
+        "--seq-length",
+        32,
+        "--run-dir",
+        run_dir,
+        "--set",
+        "model.vocab_size=256",
+        "--set",
+        "training.eval_interval=10",
+        "--set",
+        "training.eval_iters=5",
+        "--set",
+        "dpo.beta=0.5",
+        "--lr",
+        "2e-3",
         *(arg for s in SMALL_MODEL for arg in ("--set", s)),
-    )  # fmt: skip
+    )
     train = records(run_dir)
     assert {"rewards_chosen", "rewards_rejected", "margin", "accuracy"} <= train[5].keys()
     valid = records(run_dir, "valid")
@@ -310,9 +347,19 @@ def test_dpo_config_refused(tmp_path: Path) -> None:
         (["--sft"], "--sft and --dpo"),
     ]:
         result = run_pipe(
-            "train", "--recipe", "tiny_dpo", "--dpo", "--data", prefix, "--device", "cpu",
-            "--run-dir", tmp_path / "run", *extra, expect_ok=False,
-        )  # fmt: skip
+            "train",
+            "--recipe",
+            "tiny_dpo",
+            "--dpo",
+            "--data",
+            prefix,
+            "--device",
+            "cpu",
+            "--run-dir",
+            tmp_path / "run",
+            *extra,
+            expect_ok=False,
+        )
         assert result.exit_code == 2 and problem in result.output, result.output
     with pytest.raises(ConfigError, match="mock data has none"):
         resolve_config("tiny_dpo", ["data.mock=true"])

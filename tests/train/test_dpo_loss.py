@@ -86,13 +86,23 @@ def trl_loss(hf_policy, hf_ref, inputs, loss_type: str, beta: float, smoothing: 
     )
     trainer = DPOTrainer.__new__(DPOTrainer)
     trainer.__dict__.update(
-        accelerator=accelerator, model=hf_policy, ref_model=hf_ref,
+        accelerator=accelerator,
+        model=hf_policy,
+        ref_model=hf_ref,
         args=SimpleNamespace(gradient_checkpointing_kwargs=None),
-        precompute_ref_logps=False, aux_loss_enabled=False, ld_alpha=None,
-        f_divergence_type="reverse_kl", loss_types=[loss_type], loss_weights=[1.0], beta=beta,
-        label_smoothing=smoothing, use_weighting=False, _total_train_tokens=0, _tp_size=1,
+        precompute_ref_logps=False,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=smoothing,
+        use_weighting=False,
+        _total_train_tokens=0,
+        _tp_size=1,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-    )  # fmt: skip
+    )
     loss = trainer._compute_loss(hf_policy, inputs, return_outputs=False)
     return loss, gathered[0], gathered[1]
 

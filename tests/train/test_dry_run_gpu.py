@@ -48,9 +48,15 @@ def test_full_checkpointing_uses_the_full_total() -> None:
     """With activation_checkpointing=full the comparison uses the full-checkpointing total and
     stops suggesting it."""
     output = _dry_run(
-        "--recipe", "llama3_8b", "--nproc-per-node", "8", "--gpu", "A100-40GB",
-        "--set", "training.activation_checkpointing=full",
-    )  # fmt: skip
+        "--recipe",
+        "llama3_8b",
+        "--nproc-per-node",
+        "8",
+        "--gpu",
+        "A100-40GB",
+        "--set",
+        "training.activation_checkpointing=full",
+    )
     none, full = _totals(output)
     assert full < 0.9 * 39.4 < none
     assert f"fits on a100-40gb: {full:.2f} GiB of 39.40 GiB" in output

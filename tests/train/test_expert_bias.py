@@ -16,13 +16,22 @@ def _favouring_moe(rate: float = 0.02) -> tuple[ModelConfig, MoE, torch.Tensor]:
     """A one-layer config, its sigmoid-routed MoE whose router sends every token of the
     returned input to expert 0 (feature 0 is constant 1 and only expert 0 reads it)."""
     moe_config = MoEConfig(
-        num_experts=EXPERTS, top_k=2, ffn_hidden_size=8, aux_loss_coeff=0.0,
-        score_function="sigmoid", expert_bias=True, expert_bias_update_rate=rate,
-    )  # fmt: skip
+        num_experts=EXPERTS,
+        top_k=2,
+        ffn_hidden_size=8,
+        aux_loss_coeff=0.0,
+        score_function="sigmoid",
+        expert_bias=True,
+        expert_bias_update_rate=rate,
+    )
     config = ModelConfig(
-        vocab_size=32, hidden_size=HIDDEN, num_layers=1, num_attention_heads=2,
-        ffn_hidden_size=32, moe=moe_config,
-    )  # fmt: skip
+        vocab_size=32,
+        hidden_size=HIDDEN,
+        num_layers=1,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        moe=moe_config,
+    )
     torch.manual_seed(0)
     moe = MoE(HIDDEN, 8, moe_config)
     moe.init_weights(0.5, 0.02)  # varied scores: tokens differ in their other choices
@@ -74,13 +83,25 @@ def test_evaluation_forwards_do_not_count() -> None:
 
 
 MICRO_DEEPSEEK = [
-    "model.num_layers=3", "model.hidden_size=32", "model.num_attention_heads=4",
-    "model.ffn_hidden_size=64", "model.vocab_size=128", "model.max_position_embeddings=32",
-    "data.mock=true", "data.seq_length=32", "data.num_workers=0", "training.micro_batch_size=2",
-    "training.global_batch_size=4", "training.log_interval=1", "training.eval_interval=100",
-    "training.dtype=fp32", "training.device=cpu", "scheduler.warmup_iters=1",
-    "scheduler.decay_iters=10", "checkpoint.save_interval=3",
-]  # fmt: skip
+    "model.num_layers=3",
+    "model.hidden_size=32",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=64",
+    "model.vocab_size=128",
+    "model.max_position_embeddings=32",
+    "data.mock=true",
+    "data.seq_length=32",
+    "data.num_workers=0",
+    "training.micro_batch_size=2",
+    "training.global_batch_size=4",
+    "training.log_interval=1",
+    "training.eval_interval=100",
+    "training.dtype=fp32",
+    "training.device=cpu",
+    "scheduler.warmup_iters=1",
+    "scheduler.decay_iters=10",
+    "checkpoint.save_interval=3",
+]
 
 
 def _biases(trainer) -> dict[str, torch.Tensor]:

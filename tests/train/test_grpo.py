@@ -23,13 +23,13 @@ from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-REWARDS = '''
+REWARDS = """
 def digits(prompts, completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 def broken(prompts, completions, **kwargs):
     return [None if i else "many" for i, _ in enumerate(completions)]
-'''
+"""
 
 
 @pytest.fixture
@@ -47,19 +47,37 @@ def task(tmp_path: Path, tiny_tokenizer_dir: Path) -> dict:
 def grpo_sets(run_dir: Path, task: dict, *extra: str) -> list[str]:
     """A micro GRPO run: 4 prompts x 4 completions of at most 8 tokens a step, fp32, CPU."""
     return [
-        "model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4",
-        "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.vocab_size=640",
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.vocab_size=640",
         "model.max_position_embeddings=64",
-        "data.kind=grpo", f"data.blend={task['prompts']}", f"data.tokenizer={task['tokenizer']}",
-        "data.split=90,10,0", "data.seq_length=48", "data.num_workers=0",
-        "training.iters=3", "training.micro_batch_size=2", "training.global_batch_size=4",
-        "training.eval_interval=3", "training.eval_iters=1", "training.log_interval=1",
-        "training.dtype=fp32", "training.device=cpu", "scheduler.warmup_iters=1",
-        "scheduler.decay_iters=5", "checkpoint.save_interval=3", f"logging.run_dir={run_dir}",
-        "grpo.num_generations=4", "grpo.max_completion_length=8",
-        f'grpo.reward_funcs=["accuracy", "{task["reward"]}"]', "grpo.temperature=1.5",
+        "data.kind=grpo",
+        f"data.blend={task['prompts']}",
+        f"data.tokenizer={task['tokenizer']}",
+        "data.split=90,10,0",
+        "data.seq_length=48",
+        "data.num_workers=0",
+        "training.iters=3",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        "training.eval_interval=3",
+        "training.eval_iters=1",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "scheduler.warmup_iters=1",
+        "scheduler.decay_iters=5",
+        "checkpoint.save_interval=3",
+        f"logging.run_dir={run_dir}",
+        "grpo.num_generations=4",
+        "grpo.max_completion_length=8",
+        f'grpo.reward_funcs=["accuracy", "{task["reward"]}"]',
+        "grpo.temperature=1.5",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def _train(sets: list[str]):
@@ -193,8 +211,10 @@ def test_dry_run_estimate_holds_the_rollout_engine(tmp_path: Path, task: dict, d
     rollout = RolloutModel(policy, cfg, torch.device("cpu"))
     g = cfg.grpo
     prompt = [3] * (cfg.data.seq_length - g.max_completion_length)  # the longest a prompt may be
-    params = [[SamplingParams(g.max_completion_length, seed=i)] * g.num_generations
-              for i in range(cfg.training.global_batch_size)]  # fmt: skip
+    params = [
+        [SamplingParams(g.max_completion_length, seed=i)] * g.num_generations
+        for i in range(cfg.training.global_batch_size)
+    ]
     rollout.refresh()
     rollout.generate([prompt] * len(params), params)
     pools = rollout.engine.cache.pools
@@ -259,8 +279,15 @@ def _recorded_run(sets: list[str]) -> dict:
     seen, into_rows = [], grpo.rollout_rows
 
     def recording(outs, *args):
-        seen.append((outs.prompts, outs.completions, outs.truncated,
-                     outs.prompt_tokens_computed, outs.prompt_tokens_cached))  # fmt: skip
+        seen.append(
+            (
+                outs.prompts,
+                outs.completions,
+                outs.truncated,
+                outs.prompt_tokens_computed,
+                outs.prompt_tokens_cached,
+            )
+        )
         return into_rows(outs, *args)
 
     grpo.rollout_rows = recording
@@ -304,10 +331,12 @@ class _Echo:
         self.asked += prompts
         rows = [(p, [p[-1], each]) for p, group in zip(prompts, params) for each in group]
         return Rollouts(
-            prompts=[p for p, _ in rows], completions=[c for _, c in rows],
-            truncated=[c[1] % 2 == 1 for _, c in rows], prompt_tokens_computed=len(prompts),
+            prompts=[p for p, _ in rows],
+            completions=[c for _, c in rows],
+            truncated=[c[1] % 2 == 1 for _, c in rows],
+            prompt_tokens_computed=len(prompts),
             prompt_tokens_cached=len(rows),
-        )  # fmt: skip
+        )
 
 
 UNEVEN = [
@@ -367,8 +396,9 @@ def test_grpo_resumes_exactly_after_sigkill(tmp_path: Path, task: dict, extra: l
             assert a[step].get(key) == b[step].get(key), (step, key)
     assert "reward/mean" in b[3]
     if extra[2:]:
-        metadata = json.loads((run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json")
-                              .read_text())["metadata"]  # fmt: skip
+        metadata = json.loads(
+            (run_b / "checkpoints" / "iter_0000004" / "pipe_metadata.json").read_text()
+        )["metadata"]
         assert metadata["grpo_reference"]["load"] is None  # the seeded start
         assert a[1]["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy is its start at step 1
         assert a[3]["kl"] > 0  # (the first step, in warmup, has a learning rate of 0)

@@ -15,9 +15,17 @@ from tests.train.test_grpo import task  # noqa: F401
 
 def test_grpo_dry_run_does_not_import_torch(task: dict) -> None:  # noqa: F811
     args = [
-        "--recipe", "tiny", "--grpo", "--dry-run", "--data", str(task["prompts"]),
-        "--set", f"data.tokenizer={task['tokenizer']}", "--set", "grpo.max_completion_length=64",
-    ]  # fmt: skip
+        "--recipe",
+        "tiny",
+        "--grpo",
+        "--dry-run",
+        "--data",
+        str(task["prompts"]),
+        "--set",
+        f"data.tokenizer={task['tokenizer']}",
+        "--set",
+        "grpo.max_completion_length=64",
+    ]
     code = (
         "import sys\n"
         "from click.testing import CliRunner\n"

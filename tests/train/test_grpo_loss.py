@@ -37,7 +37,11 @@ ROWS, LENGTH, MAX_LENGTH = 4, 6, 8
 TOL = dict(rtol=1e-6, atol=1e-6)
 BETAS = [(0.0, True), (0.04, True), (0.04, False)]
 COPIED = (  # the options TRL's trainer holds as its own attributes
-    "loss_type", "beta", "epsilon_low", "epsilon_high", "importance_sampling_level",
+    "loss_type",
+    "beta",
+    "epsilon_low",
+    "epsilon_high",
+    "importance_sampling_level",
     "max_completion_length",
 )
 
@@ -114,7 +118,6 @@ def leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone().requires_grad_(True)
 
 
-
 @pytest.mark.parametrize("delta", [None, 1.25])
 @pytest.mark.parametrize("old_given", [True, False])
 @pytest.mark.parametrize("beta,bias_correction", BETAS)
@@ -124,8 +127,13 @@ def test_loss_gradient_and_stats_equal_trl(
     loss_type, level, beta, bias_correction, old_given, delta
 ):
     options = GRPOLossOptions(
-        loss_type=loss_type, importance_sampling_level=level, epsilon_low=0.2, epsilon_high=0.28,
-        delta=delta, beta=beta, use_bias_correction_kl=bias_correction,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        delta=delta,
+        beta=beta,
+        use_bias_correction_kl=bias_correction,
         max_completion_length=MAX_LENGTH,
     )
     logps, old, ref, advantages, mask = rollouts(seed=len(loss_type) + 7 * (delta is None))
@@ -151,7 +159,10 @@ def test_loss_gradient_and_stats_equal_trl(
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_two_micro_batches_equal_trl_accumulation(loss_type, level):
     options = GRPOLossOptions(
-        loss_type=loss_type, importance_sampling_level=level, epsilon_high=0.28, beta=0.04,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_high=0.28,
+        beta=0.04,
         max_completion_length=MAX_LENGTH,
     )
     batches = [rollouts(seed=1), rollouts(seed=2)]
@@ -187,12 +198,18 @@ def trl_advantages(per_func, weights, num_generations, scale_rewards):
     ends = [i for i, line in enumerate(lines) if last in line]
     assert len(starts) == 1 and len(ends) == 1, "TRL's advantage code moved: update the markers"
     stub = SimpleNamespace(
-        multi_objective_aggregation="sum_then_normalize", scale_rewards=scale_rewards,
-        reward_weights=weights, reward_funcs=[None] * len(weights),
+        multi_objective_aggregation="sum_then_normalize",
+        scale_rewards=scale_rewards,
+        reward_weights=weights,
+        reward_funcs=[None] * len(weights),
     )
     scope = {
-        "torch": torch, "nanstd": nanstd, "self": stub, "rewards_per_func": per_func,
-        "num_generations": num_generations, "device": per_func.device,
+        "torch": torch,
+        "nanstd": nanstd,
+        "self": stub,
+        "rewards_per_func": per_func,
+        "num_generations": num_generations,
+        "device": per_func.device,
     }
     exec(textwrap.dedent("\n".join(lines[starts[0] : ends[0] + 1])), scope)
     return scope["advantages"], scope["is_std_zero"]

@@ -89,11 +89,13 @@ def test_answer_matches():
 def test_builtin_rewards():
     rewards = build_rewards(
         section(
-            reward_funcs=["accuracy", "format", "length"], reward_weights=[1, 0.5, 2],
-            max_completion_length=10, length_target=4,
+            reward_funcs=["accuracy", "format", "length"],
+            reward_weights=[1, 0.5, 2],
+            max_completion_length=10,
+            length_target=4,
         ),
         has_answers=True,
-    )  # fmt: skip
+    )
     assert rewards.names == ["accuracy", "format", "length"]
     assert rewards.weights == [1.0, 0.5, 2.0]
     records = [record(1, answer="12"), record(2, answer=7), record(3, answer="x")]

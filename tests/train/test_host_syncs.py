@@ -45,9 +45,12 @@ def _reads_per_iteration(monkeypatch, trainer: Trainer) -> list[int]:
 
 def test_no_host_sync_between_log_steps(tmp_path: Path, monkeypatch) -> None:
     sets = micro_sets(
-        tmp_path, "training.log_interval=4", "training.eval_interval=0",
-        "checkpoint.save_interval=0", iters=8,
-    )  # fmt: skip
+        tmp_path,
+        "training.log_interval=4",
+        "training.eval_interval=0",
+        "checkpoint.save_interval=0",
+        iters=8,
+    )
     trainer = Trainer(resolve_config(None, sets), console=False)
     reads = _reads_per_iteration(monkeypatch, trainer)  # iterations 1..7
     log_step = reads[3]  # iteration 4: one read of the window's losses, norms and skip flags
@@ -63,9 +66,13 @@ def test_skipped_step_holds_the_learning_rate_back(tmp_path: Path, log_interval)
     from tests.builders import nan_loss as _nan_loss
 
     sets = micro_sets(
-        tmp_path / str(log_interval), "training.eval_interval=0", "checkpoint.save_interval=0",
-        f"training.log_interval={log_interval}", iters=3, mbs=8,
-    )  # fmt: skip
+        tmp_path / str(log_interval),
+        "training.eval_interval=0",
+        "checkpoint.save_interval=0",
+        f"training.log_interval={log_interval}",
+        iters=3,
+        mbs=8,
+    )
     clean = Trainer(resolve_config(None, sets), console=False)
     clean.train_one_step(iter(clean.train_loader))  # the one step the other run applies
     with pytest.MonkeyPatch.context() as mp:

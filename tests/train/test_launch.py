@@ -74,9 +74,18 @@ def test_failing_rank_ends_the_job_with_its_message(tmp_path: Path) -> None:
     args = [f"--set={s}" for s in micro_sets(run_dir, "training.eval_interval=0", iters=50)]
     args += ["--dp", "2", "--device", "cpu", "--run-dir", str(run_dir)]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *args,
+    ]
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -85,9 +94,14 @@ def test_failing_rank_ends_the_job_with_its_message(tmp_path: Path) -> None:
     }
     start = time.monotonic()
     proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -211,9 +211,14 @@ def _assert_tp2_pp2_exports_the_single_device_model(tmp_path: Path, reference: d
 
     hf_dir = tmp_path / "tiny_tp2_pp2_hf"
     summary = run_conversion(
-        tmp_path / "tiny_tp2_pp2" / "checkpoints", hf_dir, "pipe", "hf", dtype="fp32",
-        verify="on", quiet=True,
-    )  # fmt: skip
+        tmp_path / "tiny_tp2_pp2" / "checkpoints",
+        hf_dir,
+        "pipe",
+        "hf",
+        dtype="fp32",
+        verify="on",
+        quiet=True,
+    )
     assert "logits match transformers" in summary
     single = PipeCheckpointSource(reference["tiny"]["checkpoints"])
     assert compare_hf_logits(single, hf_dir) < 1e-4

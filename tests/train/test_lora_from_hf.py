@@ -37,14 +37,26 @@ def _sets(run_dir: Path, *extra: str, iters: int) -> list[str]:
     """A few fp32 CPU LoRA steps on mock tokens; the lr schedule spans 4 iterations whatever
     `iters` is, so a run stopped early and continued follows the uninterrupted one."""
     return [
-        "data.mock=true", "data.seq_length=16", "data.num_workers=0",
-        f"training.iters={iters}", "training.micro_batch_size=2",
-        "training.global_batch_size=4", "training.eval_interval=0", "training.log_interval=1",
-        "training.dtype=fp32", "training.device=cpu", "optimizer.lr=0.02",
-        "scheduler.warmup_iters=0", "scheduler.decay_iters=4", "checkpoint.save_interval=2",
-        "lora.rank=4", "lora.alpha=8", f"lora.targets={ATTENTION_AND_MLP}",
-        f"logging.run_dir={run_dir}", *extra,
-    ]  # fmt: skip
+        "data.mock=true",
+        "data.seq_length=16",
+        "data.num_workers=0",
+        f"training.iters={iters}",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        "training.eval_interval=0",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "optimizer.lr=0.02",
+        "scheduler.warmup_iters=0",
+        "scheduler.decay_iters=4",
+        "checkpoint.save_interval=2",
+        "lora.rank=4",
+        "lora.alpha=8",
+        f"lora.targets={ATTENTION_AND_MLP}",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def _trainer(hf_dir: Path, run_dir: Path, *extra: str, iters: int) -> Trainer:

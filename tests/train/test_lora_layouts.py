@@ -38,8 +38,9 @@ def _train_and_probe(run: Path, *extra: str, recipe: str = "tiny_moe") -> dict:
     from pipeline.train.loop.trainer import Trainer
     from tests.builders import _probe_gradients
 
-    trainer = Trainer(resolve_config(recipe, layout_sets(recipe, run, *LORA, *extra)),
-                      console=False)  # fmt: skip
+    trainer = Trainer(
+        resolve_config(recipe, layout_sets(recipe, run, *LORA, *extra)), console=False
+    )
     losses = trainer.train().losses
     _probe_gradients(trainer)
     grads = {}
@@ -75,5 +76,6 @@ def test_lora_layouts_equal_one_device(tmp_path: Path) -> None:
             grads.update(result["grads"])
         assert grads.keys() == ref["grads"].keys(), name
         for param, grad in ref["grads"].items():
-            torch.testing.assert_close(grads[param], grad, atol=1e-6, rtol=1e-4,
-                                       msg=f"{name} {param}")  # fmt: skip
+            torch.testing.assert_close(
+                grads[param], grad, atol=1e-6, rtol=1e-4, msg=f"{name} {param}"
+            )

@@ -53,13 +53,25 @@ def _base(config, directory: Path, architecture: str | None = None) -> tuple[Pat
 
 def _lora_sets(run: Path, base: Path, *extra: str, iters: int = 3) -> list[str]:
     return [
-        "data.mock=true", "data.seq_length=32", "data.num_workers=0",
-        f"training.iters={iters}", "training.micro_batch_size=2", "training.global_batch_size=4",
-        "training.eval_interval=0", "training.log_interval=1", "training.dtype=fp32",
-        "training.device=cpu", "optimizer.lr=0.02", "scheduler.warmup_iters=0",
-        f"checkpoint.load={base}", "lora.enabled=true", "lora.rank=4", "lora.alpha=8",
-        f"logging.run_dir={run}", *extra,
-    ]  # fmt: skip
+        "data.mock=true",
+        "data.seq_length=32",
+        "data.num_workers=0",
+        f"training.iters={iters}",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        "training.eval_interval=0",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "optimizer.lr=0.02",
+        "scheduler.warmup_iters=0",
+        f"checkpoint.load={base}",
+        "lora.enabled=true",
+        "lora.rank=4",
+        "lora.alpha=8",
+        f"logging.run_dir={run}",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "mixtral"])
@@ -146,8 +158,9 @@ def test_exact_resume_after_sigkill_and_adapter_checkpoint_size(tmp_path: Path) 
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, output
     resumed = [s for s in _lora_sets(run_b, base, *extra, iters=4) if "checkpoint.load" not in s]
-    Trainer(resolve_config(None, [*resumed, f"checkpoint.load={run_b / 'checkpoints'}"]),
-            console=False).train()  # fmt: skip
+    Trainer(
+        resolve_config(None, [*resumed, f"checkpoint.load={run_b / 'checkpoints'}"]), console=False
+    ).train()
     a, b = records(run_a), records(run_b)
     assert [a[s]["loss"] for s in (3, 4)] == [b[s]["loss"] for s in (3, 4)]
     assert a[4]["grad_norm"] == b[4]["grad_norm"]
@@ -165,14 +178,22 @@ def _checkpoint_bytes(run: Path) -> int:
 def test_adapter_checkpoint_of_tiny_is_under_a_tenth_of_a_full_one(tmp_path: Path) -> None:
     """`tiny` (the tiny_lora recipe's rank 8 on every projection): one step of full training and
     one of LoRA; the adapter checkpoint (adapters + their Adam state) is < 10% of the full one."""
-    sets = ["data.seq_length=32", "training.iters=1", "training.global_batch_size=4",
-            "training.micro_batch_size=4", "training.eval_interval=0", "training.device=cpu",
-            "scheduler.warmup_iters=0"]  # fmt: skip
+    sets = [
+        "data.seq_length=32",
+        "training.iters=1",
+        "training.global_batch_size=4",
+        "training.micro_batch_size=4",
+        "training.eval_interval=0",
+        "training.device=cpu",
+        "scheduler.warmup_iters=0",
+    ]
     full, lora = tmp_path / "full", tmp_path / "lora"
     Trainer(resolve_config("tiny", [*sets, f"logging.run_dir={full}"]), console=False).train()
     Trainer(resolve_config("tiny_lora", [*sets, f"logging.run_dir={lora}"]), console=False).train()
     assert _checkpoint_bytes(lora) < 0.1 * _checkpoint_bytes(full), (
-        _checkpoint_bytes(lora), _checkpoint_bytes(full))  # fmt: skip
+        _checkpoint_bytes(lora),
+        _checkpoint_bytes(full),
+    )
 
 
 def test_base_and_adapters_given_apart_and_a_wrong_base_refused(tmp_path: Path) -> None:
@@ -189,8 +210,11 @@ def test_base_and_adapters_given_apart_and_a_wrong_base_refused(tmp_path: Path) 
     assert trainer.model.layers["0"].attention.wq.weight.dtype == torch.bfloat16
     assert trainer.model.layers["0"].attention.wq.lora_A.dtype == torch.float32
     trainer.train()
-    again = [s for s in _lora_sets(run, base, "lora.base_dtype=bf16", iters=3)
-             if "checkpoint.load" not in s]  # fmt: skip
+    again = [
+        s
+        for s in _lora_sets(run, base, "lora.base_dtype=bf16", iters=3)
+        if "checkpoint.load" not in s
+    ]
     resumed = [*again, f"lora.base={base}", f"checkpoint.load={run / 'checkpoints'}"]
     assert Trainer(resolve_config(None, resumed), console=False).iteration == 2
 

@@ -55,9 +55,15 @@ BF16_REL = 1e-4
 
 def _sets(recipe: str, run_dir: Path, *extra: str, iters: int = ITERS) -> list[str]:
     return layout_sets(
-        recipe, run_dir, *MUON, f"training.iters={iters}", f"scheduler.decay_iters={RESUMED}",
-        "checkpoint.save_interval=5", f"training.eval_interval={RESUMED}", *extra,
-    )  # fmt: skip
+        recipe,
+        run_dir,
+        *MUON,
+        f"training.iters={iters}",
+        f"scheduler.decay_iters={RESUMED}",
+        "checkpoint.save_interval=5",
+        f"training.eval_interval={RESUMED}",
+        *extra,
+    )
 
 
 def _default_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
@@ -92,13 +98,21 @@ class _ByHand(torch.optim.Optimizer):
             else:
                 (decay if p.ndim >= 2 else no_decay).append(p)
         self.muon = torch.optim.Muon(
-            hidden, lr=o.lr, weight_decay=o.weight_decay, momentum=o.muon_momentum,
-            nesterov=True, adjust_lr_fn="match_rms_adamw",
-        )  # fmt: skip
+            hidden,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            momentum=o.muon_momentum,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        )
         self.adamw = torch.optim.AdamW(
-            [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=o.lr,
-            betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, fused=True,
-        )  # fmt: skip
+            [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=True,
+        )
         super().__init__(self.muon.param_groups + self.adamw.param_groups, {})
 
     def step(self, closure=None):
@@ -109,10 +123,14 @@ class _ByHand(torch.optim.Optimizer):
 def test_hidden_matrices_are_muons_and_the_rest_adamws() -> None:
     """Attention, MLP and expert weights go to Muon; embedding, output, router, norms to AdamW."""
     shapes = {
-        "tok_embeddings.weight": (8, 4), "output.weight": (8, 4), "norm.weight": (4,),
-        "layers.0.attention.wq.weight": (4, 4), "layers.0.moe.router.weight": (2, 4),
-        "layers.0.moe.experts.w1": (2, 6, 4), "layers.0.feed_forward.w2.bias": (4,),
-    }  # fmt: skip
+        "tok_embeddings.weight": (8, 4),
+        "output.weight": (8, 4),
+        "norm.weight": (4,),
+        "layers.0.attention.wq.weight": (4, 4),
+        "layers.0.moe.router.weight": (2, 4),
+        "layers.0.moe.experts.w1": (2, 6, 4),
+        "layers.0.feed_forward.w2.bias": (4,),
+    }
     muon = {n for n, s in shapes.items() if is_hidden_matrix(n, torch.empty(s, device="meta"))}
     assert muon == {"layers.0.attention.wq.weight", "layers.0.moe.experts.w1"}
 

@@ -38,9 +38,24 @@ def test_the_first_bf16_step_is_torch_adamw_over_the_same_groups() -> None:
     twin.load_state_dict(model.state_dict())
     ours, torchs = build_optimizer(model, cfg), build_optimizer(twin, reference)
     assert type(ours) is AdamWBF16
-    strip = [{k: v for k, v in g.items() if k not in ("params", "fused", "foreach",
-             "capturable", "differentiable", "maximize", "amsgrad", "decoupled_weight_decay")}
-             for g in torchs.param_groups]  # fmt: skip
+    strip = [
+        {
+            k: v
+            for k, v in g.items()
+            if k
+            not in (
+                "params",
+                "fused",
+                "foreach",
+                "capturable",
+                "differentiable",
+                "maximize",
+                "amsgrad",
+                "decoupled_weight_decay",
+            )
+        }
+        for g in torchs.param_groups
+    ]
     assert [{k: v for k, v in g.items() if k != "params"} for g in ours.param_groups] == strip
     _step(model, ours, 0)
     _step(twin, torchs, 0)
@@ -109,8 +124,9 @@ def test_bf16_states_halve_the_measured_and_the_estimated_bytes(recipe: str, big
         assert measured[dtype] == pytest.approx(estimated, rel=1e-12)
     assert measured["fp32"] == _expected_state_bytes(cfg.optimizer.name, model)
     assert measured["bf16"] * 2 == measured["fp32"]
-    fp32, bf16 = (resolve_config(big, [f"optimizer.state_dtype={d}"], world_size=8)
-                  for d in ("fp32", "bf16"))  # fmt: skip
+    fp32, bf16 = (
+        resolve_config(big, [f"optimizer.state_dtype={d}"], world_size=8) for d in ("fp32", "bf16")
+    )
     model = fp32.model_config()
     before, after = estimate_memory(fp32, model, 8), estimate_memory(bf16, model, 8)
     saved = before.params_per_device * state_bytes_per_param(fp32, model) / 2
@@ -197,12 +213,18 @@ def test_cpu_offload_is_refused_where_it_cannot_run() -> None:
         resolve_config("tiny", ["optimizer.cpu_offload=true", "training.device=cpu"])
     assert "optimizer.cpu_offload needs a GPU" in str(error.value)
     with pytest.raises(ConfigError) as error:
-        resolve_config("tiny", ["optimizer.cpu_offload=true", "training.device=cuda",
-                                "parallel.dp=2"], world_size=2)  # fmt: skip
-    assert "optimizer.cpu_offload is for one-GPU runs; this layout has tp 1 pp 1 cp 1 ep 1 " \
-        "dp 2" in str(error.value)  # fmt: skip
-    cfg = resolve_config("tiny", [*MICRO_MODEL, "optimizer.cpu_offload=true",
-                                  "training.device=cuda"])  # fmt: skip
+        resolve_config(
+            "tiny",
+            ["optimizer.cpu_offload=true", "training.device=cuda", "parallel.dp=2"],
+            world_size=2,
+        )
+    assert (
+        "optimizer.cpu_offload is for one-GPU runs; this layout has tp 1 pp 1 cp 1 ep 1 "
+        "dp 2" in str(error.value)
+    )
+    cfg = resolve_config(
+        "tiny", [*MICRO_MODEL, "optimizer.cpu_offload=true", "training.device=cuda"]
+    )
     with pytest.raises(ConfigError, match="needs the model on a GPU; its parameters are on cpu"):
         build_optimizer(build_model(micro_model_config()), cfg)
 
@@ -236,10 +258,15 @@ def _offload_run(device: str, dtype: str, offload: bool, steps: int, model=None,
     given): the losses, the model and its optimizer."""
     from pipeline.train.optimizers.lr_scheduler import build_scheduler
 
-    cfg = resolve_config("tiny", [
-        *MICRO_MODEL, "training.device=cuda", f"optimizer.state_dtype={dtype}",
-        f"optimizer.cpu_offload={str(offload).lower()}",
-    ])  # fmt: skip
+    cfg = resolve_config(
+        "tiny",
+        [
+            *MICRO_MODEL,
+            "training.device=cuda",
+            f"optimizer.state_dtype={dtype}",
+            f"optimizer.cpu_offload={str(offload).lower()}",
+        ],
+    )
     if model is None:
         torch.manual_seed(0)
         model = build_model(micro_model_config()).to(device)
@@ -325,8 +352,9 @@ def test_cpu_offload_wrapper_steps_as_without_it(fake_device_split, dtype: str) 
 def test_cpu_offload_copies_no_gradient_during_the_backward(fake_device_split) -> None:
     """torchao's per-parameter backward hooks are removed: two micro-batch backwards queue
     no copy and leave the host gradients untouched; only `step()` copies them (once)."""
-    cfg = resolve_config("tiny", [*MICRO_MODEL, "training.device=cuda",
-                                  "optimizer.cpu_offload=true"])  # fmt: skip
+    cfg = resolve_config(
+        "tiny", [*MICRO_MODEL, "training.device=cuda", "optimizer.cpu_offload=true"]
+    )
     torch.manual_seed(0)
     model = build_model(micro_model_config())
     optimizer = build_optimizer(model, cfg)

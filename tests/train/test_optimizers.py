@@ -41,9 +41,13 @@ def test_adamw_chosen_by_name_is_the_adamw_of_before() -> None:
     twin = Toy()
     o = cfg.optimizer
     by_hand = torch.optim.AdamW(
-        param_groups(twin, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-        weight_decay=o.weight_decay, fused=True,
-    )  # fmt: skip
+        param_groups(twin, o.weight_decay),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=True,
+    )
     assert type(built) is torch.optim.AdamW
     assert built.defaults == by_hand.defaults
     assert built.state_dict()["param_groups"] == by_hand.state_dict()["param_groups"]
@@ -113,9 +117,12 @@ def test_the_memory_estimate_takes_the_state_bytes_from_the_registry(monkeypatch
     )
 
     fake = OptimizerSpec(
-        name="fake", builder="unused:unused", state_bytes_per_param=2, state="one bf16 moment",
+        name="fake",
+        builder="unused:unused",
+        state_bytes_per_param=2,
+        state="one bf16 moment",
         skips_on_device=False,
-    )  # fmt: skip
+    )
     monkeypatch.setitem(OPTIMIZERS, "fake", fake)
     for recipe, world in (("llama3_8b", 8), ("tiny_lora", 1)):
         adamw = resolve_config(recipe, world_size=world)

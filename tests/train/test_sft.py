@@ -129,8 +129,9 @@ def test_packed_samples_hold_whole_conversations_once(tmp_path: Path, monkeypatc
     conversations = hand_made(lengths, 100)
     prefix = write_chat(tmp_path / "chat_messages_document", conversations, 100)
     config = SFTDatasetConfig(sequence_length=32, eod_id=EOD, tokenizer_id="t", split="80,20,0")
-    train, valid, test = build_datasets(parse_blend(prefix), config, [None, None, 0],
-                                        dataset_class=SFTDataset)  # fmt: skip
+    train, valid, test = build_datasets(
+        parse_blend(prefix), config, [None, None, 0], dataset_class=SFTDataset
+    )
     assert test is None and isinstance(train, SFTDataset)
     train_ids = range(48)  # round(0.8 * 60)
     long = [i for i in train_ids if lengths[i] > 32]
@@ -143,8 +144,11 @@ def test_packed_samples_hold_whole_conversations_once(tmp_path: Path, monkeypatc
             at = np.flatnonzero(docs == d)
             assert (np.diff(at) == 1).all()  # contiguous
             assert (sample["position_ids"][at] == np.arange(len(at))).all()
-            match = [i for i in train_ids if lengths[i] == len(at)
-                     and (conversations[i][0] == sample["tokens"][at]).all()]  # fmt: skip
+            match = [
+                i
+                for i in train_ids
+                if lengths[i] == len(at) and (conversations[i][0] == sample["tokens"][at]).all()
+            ]
             if not match:  # padding: its own document, no loss
                 assert d == docs.max() and sample["loss_mask"][at].sum() == 0
                 continue
@@ -175,16 +179,18 @@ def test_sft_blends_and_per_split_blends(tmp_path: Path) -> None:
     a = write_chat(tmp_path / "a_messages_document", hand_made([5, 9, 12, 20] * 5, 50), 50)
     b = write_chat(tmp_path / "b_messages_document", hand_made([7, 30, 3] * 5, 50, 1), 50)
     config = SFTDatasetConfig(sequence_length=32, eod_id=EOD, tokenizer_id="t", split="80,20,0")
-    train, valid, _ = build_datasets(parse_blend(f"0.7 {a} 0.3 {b}"), config, [40, 10, 0],
-                                     dataset_class=SFTDataset)  # fmt: skip
+    train, valid, _ = build_datasets(
+        parse_blend(f"0.7 {a} 0.3 {b}"), config, [40, 10, 0], dataset_class=SFTDataset
+    )
     assert len(train) == 40 and len(valid) == 10
     assert all(isinstance(d, SFTDataset) for d in train.datasets)
     drawn = np.bincount(train.dataset_index)
     assert drawn.tolist() == [28, 12]
     assert {"document_ids", "loss_mask"} <= train[5].keys()
     per_split = parse_per_split_blend(train=f"{a} {b}", valid=b)
-    train, valid, test = build_datasets(per_split, config, [None, None, None],
-                                        dataset_class=SFTDataset)  # fmt: skip
+    train, valid, test = build_datasets(
+        per_split, config, [None, None, None], dataset_class=SFTDataset
+    )
     assert test is None and valid.dataset_path == b and valid.split == "valid"
     assert len(train) == sum(len(d) for d in train.datasets)
 
@@ -195,8 +201,11 @@ def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
         masks.add_document(np.ones(5, np.uint8))
         masks.add_document(np.ones(7, np.uint8))
         masks.finalize()
-    with pytest.raises(IndexFormatError, match=r"a_messages_loss_mask_document.idx: conversation 1 "
-                       r"has 7 mask values but 6 tokens"):  # fmt: skip
+    with pytest.raises(
+        IndexFormatError,
+        match=r"a_messages_loss_mask_document.idx: conversation 1 "
+        r"has 7 mask values but 6 tokens",
+    ):
         ChatIndexedDataset(prefix)
     assert loss_mask_prefix("out/x_messages_document") == "out/x_messages_loss_mask_document"
     with pytest.raises(ConfigError, match="data.kind = sft .* mock data has none"):
@@ -205,8 +214,18 @@ def test_mask_file_must_match_the_tokens(tmp_path: Path) -> None:
     plain = write_chat(tmp_path / "b_messages_document", hand_made([5, 6], 50), 50)
     for path in Path(loss_mask_prefix(plain)).parent.glob("b_messages_loss_mask_document.*"):
         path.unlink()
-    result = run_pipe("train", "--recipe", "tiny_sft", "--data", plain, "--device", "cpu",
-                      "--run-dir", tmp_path / "run", expect_ok=False)  # fmt: skip
+    result = run_pipe(
+        "train",
+        "--recipe",
+        "tiny_sft",
+        "--data",
+        plain,
+        "--device",
+        "cpu",
+        "--run-dir",
+        tmp_path / "run",
+        expect_ok=False,
+    )
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "b_messages_loss_mask_document.idx: no such file" in result.output
     assert "SFT data needs the loss mask beside the tokens" in result.output
@@ -229,8 +248,9 @@ def test_packed_loss_equals_transformers_per_conversation(tmp_path: Path) -> Non
     conversations = hand_made(lengths, VOCAB)
     prefix = write_chat(tmp_path / "chat_messages_document", conversations, VOCAB)
     config = SFTDatasetConfig(sequence_length=32, eod_id=EOD, tokenizer_id="t", split="1")
-    (train, _, _) = build_datasets(parse_blend(prefix), config, [None, 0, 0],
-                                   dataset_class=SFTDataset)  # fmt: skip
+    (train, _, _) = build_datasets(
+        parse_blend(prefix), config, [None, 0, 0], dataset_class=SFTDataset
+    )
     samples = [train[k] for k in range(len(train))]
     assert max(s["document_ids"].max() for s in samples) >= 2  # several conversations a sample
     micro_batches = [
@@ -326,9 +346,12 @@ def _rendered_chat(tokenizer_dir: Path, prefix: Path, long: int) -> str:
             {"role": "assistant", "content": f"{WORDS[a]} plus {WORDS[b]} is {WORDS[a + b]}."},
         ]
         out = tokenizer.apply_chat_template(
-            messages, chat_template=TEMPLATE, tokenize=True, return_dict=True,
+            messages,
+            chat_template=TEMPLATE,
+            tokenize=True,
+            return_dict=True,
             return_assistant_tokens_mask=True,
-        )  # fmt: skip
+        )
         conversations.append((out["input_ids"], out["assistant_masks"]))
     assert all(0 < sum(m) < len(t) for t, m in conversations)
     assert all(len(t) > 128 for t, _ in conversations[:long])
@@ -351,13 +374,33 @@ def test_pipe_train_sft_tiny(tmp_path: Path, tiny_tokenizer_dir: Path, caplog) -
     prompt = "what is two plus two?"
     with caplog.at_level(logging.WARNING, logger="pipeline.train"):
         run_pipe(
-            "train", "--recipe", "tiny_sft", "--sft", "--data", prefix, "--device", "cpu",
-            "--iters", 20, "--seq-length", 128, "--run-dir", run_dir,
-            "--set", "training.eval_interval=10", "--set", "model.vocab_size=640",
-            "--set", f"data.tokenizer={tokenizer}",
-            "--set", f'training.sample_prompts=["{prompt}"]',
-            "--set", "training.sample_interval=20", "--set", "training.sample_tokens=8",
-        )  # fmt: skip
+            "train",
+            "--recipe",
+            "tiny_sft",
+            "--sft",
+            "--data",
+            prefix,
+            "--device",
+            "cpu",
+            "--iters",
+            20,
+            "--seq-length",
+            128,
+            "--run-dir",
+            run_dir,
+            "--set",
+            "training.eval_interval=10",
+            "--set",
+            "model.vocab_size=640",
+            "--set",
+            f"data.tokenizer={tokenizer}",
+            "--set",
+            f'training.sample_prompts=["{prompt}"]',
+            "--set",
+            "training.sample_interval=20",
+            "--set",
+            "training.sample_tokens=8",
+        )
     assert "dropped conversations longer than 128 tokens: 3 in train;" in caplog.text
     losses = [r["loss"] for r in records(run_dir).values()]
     assert losses[-1] < 0.7 * losses[0], losses

@@ -63,9 +63,21 @@ def corpus(tmp_path_factory, tiny_tokenizer_dir: Path) -> str:
     docs = [{"text": f"line {i}: value={i * 7} {'abc' * (i % 5)} the end."} for i in range(3000)]
     src = write_jsonl(directory / "docs.jsonl", docs)
     result = CliRunner().invoke(
-        cli, ["preprocess", "-i", str(src), "--tokenizer", str(tiny_tokenizer_dir),
-              "-o", str(directory / "corpus"), "--append-eod", "--workers", "1", "--quiet"],
-    )  # fmt: skip
+        cli,
+        [
+            "preprocess",
+            "-i",
+            str(src),
+            "--tokenizer",
+            str(tiny_tokenizer_dir),
+            "-o",
+            str(directory / "corpus"),
+            "--append-eod",
+            "--workers",
+            "1",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return str(directory / "corpus_text_document")
 
@@ -75,8 +87,12 @@ def _pipe_train(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "pipeline", "train", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_finetune_an_imported_model_with_no_sizes_given(imported, corpus, tmp_path) -> None:

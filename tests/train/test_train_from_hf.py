@@ -31,9 +31,14 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 HF_SIZES = dict(
-    hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-)  # fmt: skip
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -67,20 +72,40 @@ def corpus(tmp_path_factory, tiny_tokenizer_dir: Path) -> str:
     directory = tmp_path_factory.mktemp("corpus")
     docs = [{"text": f"line {i}: value={i * 7} {'abc' * (i % 5)} the end."} for i in range(400)]
     src = write_jsonl(directory / "docs.jsonl", docs)
-    run_pipe("preprocess", "-i", src, "--tokenizer", tiny_tokenizer_dir,
-             "-o", directory / "corpus", "--append-eod", "--workers", "1", "--quiet")  # fmt: skip
+    run_pipe(
+        "preprocess",
+        "-i",
+        src,
+        "--tokenizer",
+        tiny_tokenizer_dir,
+        "-o",
+        directory / "corpus",
+        "--append-eod",
+        "--workers",
+        "1",
+        "--quiet",
+    )
     return str(directory / "corpus_text_document")
 
 
 def _sets(run_dir: Path, *extra: str, iters: int = 3) -> list[str]:
     """A few fp32 CPU steps on the corpus, seq 32, gbs 4 in micro-batches of 2."""
     return [
-        "data.seq_length=32", "data.num_workers=0", f"training.iters={iters}",
-        "training.micro_batch_size=2", "training.global_batch_size=4",
-        "training.eval_interval=0", "training.log_interval=1", "training.dtype=fp32",
-        "training.device=cpu", "scheduler.warmup_iters=1", "optimizer.lr=1e-3",
-        f"checkpoint.save_interval={iters}", f"logging.run_dir={run_dir}", *extra,
-    ]  # fmt: skip
+        "data.seq_length=32",
+        "data.num_workers=0",
+        f"training.iters={iters}",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        "training.eval_interval=0",
+        "training.log_interval=1",
+        "training.dtype=fp32",
+        "training.device=cpu",
+        "scheduler.warmup_iters=1",
+        "optimizer.lr=1e-3",
+        f"checkpoint.save_interval={iters}",
+        f"logging.run_dir={run_dir}",
+        *extra,
+    ]
 
 
 def _hf_logits(directory: Path) -> torch.Tensor:
@@ -133,8 +158,10 @@ def test_each_architecture_starts_from_hf_and_saves_it_back(architecture, tmp_pa
     logits, and the same tensors wherever it names them as transformers did."""
     hf_dir, hf_model = save_hf(architecture, tmp_path / "hf")
     sets = [s for s in _sets(tmp_path / "run") if not s.startswith("data.")] + [
-        "data.mock=true", "data.seq_length=16", "data.num_workers=0",
-    ]  # fmt: skip
+        "data.mock=true",
+        "data.seq_length=16",
+        "data.num_workers=0",
+    ]
     trainer = Trainer(resolve_config(None, sets, {"load": str(hf_dir)}), console=False)
     written = trainer.save_hf()
     config = json.loads((written / "config.json").read_text())
@@ -170,8 +197,9 @@ def test_fine_tune_from_hf_and_save_hf_every(hf_dir, corpus, tmp_path):
     assert meta["tokenizer"]["source"] == f"tokenizer:{hf_dir.resolve()}"
     # `pipe generate --chat` on the checkpoint finds the model's tokenizer and chat template
     # and answers as transformers does from the Hugging Face directory saved beside it.
-    result = run_pipe("generate", save, "--chat", "--prompt", "line 3:", "--max-new-tokens", "6",
-                      "--greedy")  # fmt: skip
+    result = run_pipe(
+        "generate", save, "--chat", "--prompt", "line 3:", "--max-new-tokens", "6", "--greedy"
+    )
     assert result.output == _transformers_chat(save / "hf" / "iter_0000004", "line 3:", 6) + "\n"
 
 
@@ -181,8 +209,13 @@ def _transformers_chat(directory: Path, text: str, new: int) -> str:
     messages = [{"role": "user", "content": text}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
-    out = model.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                do_sample=False, pad_token_id=0)  # fmt: skip
+    out = model.eval().generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
     reply = out[0, ids.shape[1] :].tolist()
     stops = {2, 7}  # generation_config.json's end ids: pipe prints the text before them
     reply = reply[: next((i for i, t in enumerate(reply) if t in stops), len(reply))]
@@ -251,15 +284,23 @@ def test_bad_hf_directories_are_refused_in_one_line(hf_dir, corpus, tmp_path):
         with pytest.raises(ConfigError, match="^checkpoint.load .*") as caught:
             resolve_config(None, _sets(tmp_path / "r"), {"load": str(directory), "data": corpus})
         assert message in str(caught.value) and "\n" not in str(caught.value)
-    result = run_pipe("train", "--load", no_weights, "--data", corpus,
-                      *[f"--set={s}" for s in _sets(tmp_path / "r")], expect_ok=False)  # fmt: skip
+    result = run_pipe(
+        "train",
+        "--load",
+        no_weights,
+        "--data",
+        corpus,
+        *[f"--set={s}" for s in _sets(tmp_path / "r")],
+        expect_ok=False,
+    )
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) <= 3
 
 
 def test_a_recipe_model_of_other_shapes_is_refused_in_one_line(hf_dir, corpus, tmp_path):
-    cfg = resolve_config("tiny", _sets(tmp_path / "r"), {"load": str(hf_dir), "data": corpus},
-                         validate=False)  # fmt: skip
+    cfg = resolve_config(
+        "tiny", _sets(tmp_path / "r"), {"load": str(hf_dir), "data": corpus}, validate=False
+    )
     with pytest.raises(ConfigError) as caught:
         Trainer(cfg, console=False)
     message = str(caught.value)

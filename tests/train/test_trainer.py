@@ -210,9 +210,21 @@ def test_short_real_data_run_learns(tmp_path: Path, tiny_tokenizer_dir: Path) ->
     src = write_jsonl(tmp_path / "docs.jsonl", docs)
     prefix = tmp_path / "data" / "corpus"
     result = CliRunner().invoke(
-        cli, ["preprocess", "-i", str(src), "--tokenizer", str(tiny_tokenizer_dir),
-              "-o", str(prefix), "--append-eod", "--workers", "1", "--quiet"],
-    )  # fmt: skip
+        cli,
+        [
+            "preprocess",
+            "-i",
+            str(src),
+            "--tokenizer",
+            str(tiny_tokenizer_dir),
+            "-o",
+            str(prefix),
+            "--append-eod",
+            "--workers",
+            "1",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "run"
     sets = [

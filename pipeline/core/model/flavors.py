@@ -106,9 +106,13 @@ def _deepseek_moe(**fields) -> MoEConfig:
     expert; the sequence-wise balance loss at the weight of DeepSeek-V3's config.json
     (`aux_loss_alpha`, `seq_aux`)."""
     values = dict(
-        score_function="sigmoid", norm_topk_prob=True, expert_bias=True, num_shared_experts=1,
-        aux_loss_coeff=1e-3, aux_loss_type="sequence",
-    )  # fmt: skip
+        score_function="sigmoid",
+        norm_topk_prob=True,
+        expert_bias=True,
+        num_shared_experts=1,
+        aux_loss_coeff=1e-3,
+        aux_loss_type="sequence",
+    )
     return MoEConfig(**(values | fields))
 
 
@@ -117,22 +121,39 @@ def deepseek_v3() -> ModelConfig:
     module: 671B parameters, 37B active; 61 layers, the first 3 dense; 256 routed experts in 8
     groups (top-8 from the best 4 groups) plus one shared; latent attention with YaRN x40."""
     return ModelConfig(
-        vocab_size=129280, hidden_size=7168, num_layers=61, num_attention_heads=128,
-        ffn_hidden_size=18432, norm_eps=1e-6, rope_theta=10000.0,
+        vocab_size=129280,
+        hidden_size=7168,
+        num_layers=61,
+        num_attention_heads=128,
+        ffn_hidden_size=18432,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
         rope_scaling=YarnScaling(
-            factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-            mscale=1.0, mscale_all_dim=1.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
         ),
         max_position_embeddings=163840,
         mla=MLAConfig(
-            kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
             v_head_dim=128,
         ),
         moe=_deepseek_moe(
-            num_experts=256, top_k=8, ffn_hidden_size=2048, num_groups=8, topk_groups=4,
-            routed_scaling_factor=2.5, dense_layers=[0, 1, 2],
+            num_experts=256,
+            top_k=8,
+            ffn_hidden_size=2048,
+            num_groups=8,
+            topk_groups=4,
+            routed_scaling_factor=2.5,
+            dense_layers=[0, 1, 2],
         ),
-    )  # fmt: skip
+    )
 
 
 def moonlight_16b_a3b() -> ModelConfig:
@@ -140,17 +161,30 @@ def moonlight_16b_a3b() -> ModelConfig:
     27 layers, the first dense; 64 routed experts top-6 plus 2 shared; latent attention without
     the q low-rank projection (as DeepSeek-V2-Lite), no RoPE scaling."""
     return ModelConfig(
-        vocab_size=163840, hidden_size=2048, num_layers=27, num_attention_heads=16,
-        ffn_hidden_size=11264, norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=8192,
+        vocab_size=163840,
+        hidden_size=2048,
+        num_layers=27,
+        num_attention_heads=16,
+        ffn_hidden_size=11264,
+        norm_eps=1e-5,
+        rope_theta=50000.0,
+        max_position_embeddings=8192,
         mla=MLAConfig(
-            kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
             v_head_dim=128,
         ),
         moe=_deepseek_moe(
-            num_experts=64, top_k=6, ffn_hidden_size=1408, num_shared_experts=2,
-            routed_scaling_factor=2.446, dense_layers=[0],
+            num_experts=64,
+            top_k=6,
+            ffn_hidden_size=1408,
+            num_shared_experts=2,
+            routed_scaling_factor=2.446,
+            dense_layers=[0],
         ),
-    )  # fmt: skip
+    )
 
 
 def tiny() -> ModelConfig:
@@ -204,9 +238,14 @@ def tiny_deepseek_v3() -> ModelConfig:
         kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32
     )
     config.moe = _deepseek_moe(
-        num_experts=8, top_k=2, ffn_hidden_size=64, num_groups=4, topk_groups=2,
-        routed_scaling_factor=2.5, dense_layers=[0],
-    )  # fmt: skip
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        num_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        dense_layers=[0],
+    )
     return config
 
 

@@ -88,8 +88,9 @@ class LoRASpec:
                 f"unknown LoRA target(s) {', '.join(unknown)}; choose from {', '.join(ALL_TARGETS)}"
             )
         if self.rank <= 0 or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA needs rank > 0 and 0 <= dropout < 1, got {self.rank}, "
-                             f"{self.dropout}")  # fmt: skip
+            raise ValueError(
+                f"LoRA needs rank > 0 and 0 <= dropout < 1, got {self.rank}, {self.dropout}"
+            )
 
     @property
     def scaling(self) -> float:
@@ -185,8 +186,9 @@ class ExpertAdapters(nn.Module):
 
         if getattr(self, "adapters_off", False):  # `adapters_off`: the base alone
             return {}
-        return {w: (plain(getattr(self, f"{w}_A")), plain(getattr(self, f"{w}_B")))
-                for w in self.stacks}  # fmt: skip
+        return {
+            w: (plain(getattr(self, f"{w}_A")), plain(getattr(self, f"{w}_B"))) for w in self.stacks
+        }
 
     def extra_repr(self) -> str:
         return f"stacks={self.stacks}, scaling={self.scaling}"

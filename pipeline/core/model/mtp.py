@@ -88,8 +88,10 @@ def mtp_loss_sum(
         embedded = model.tok_embeddings(shift_left(tokens, k))
         hidden = layer.predict(hidden, embedded, rope, batch.get("document_ids"))
         loss, _ = loss_fn(
-            layer.head_norm(hidden), model.output.weight, shift_left(labels, k),
+            layer.head_norm(hidden),
+            model.output.weight,
+            shift_left(labels, k),
             shift_left(mask, k, fill=0),
-        )  # fmt: skip
+        )
         total = total + loss.float()
     return total * (c.mtp_loss_scaling_factor / c.mtp_num_layers)

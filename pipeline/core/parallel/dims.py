@@ -127,10 +127,15 @@ class ParallelDims:
         """Raise one ValueError naming every reason the model or sequence cannot be split so
         (see `model_problems`)."""
         problems = model_problems(
-            tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, model=model_config,
-            seq_length=seq_length, sequence_parallel=sequence_parallel,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            model=model_config,
+            seq_length=seq_length,
+            sequence_parallel=sequence_parallel,
             stages_per_rank=stages_per_rank,
-        )  # fmt: skip
+        )
         if problems:
             raise ValueError("parallel layout does not fit the model: " + "; ".join(problems))
 

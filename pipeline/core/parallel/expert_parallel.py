@@ -101,9 +101,12 @@ class ExpertParallelMoE(MoE):
         num_experts, ffn, hidden = moe.experts.w1.shape
         with torch.device("meta"):  # the router and experts below replace these
             super().__init__(
-                hidden, ffn, moe.config,
-                aux_loss_scale=moe.aux_loss_scale, micro_batch_group=moe.micro_batch_group,
-            )  # fmt: skip
+                hidden,
+                ffn,
+                moe.config,
+                aux_loss_scale=moe.aux_loss_scale,
+                micro_batch_group=moe.micro_batch_group,
+            )
         self.ep_group = mesh.get_group()
         self.ep_rank, self.ep_size = mesh.get_local_rank(), mesh.size()
         if num_experts % self.ep_size:
@@ -220,9 +223,13 @@ class ShardedGroupedExperts(GroupedExperts):
             for name, full in list(self.lora.named_parameters(recurse=False)):
                 local = full.detach()[start:stop].clone()
                 dtensor = DTensor.from_local(
-                    local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                    local,
+                    mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=full.shape,
                     stride=full.stride(),
-                )  # fmt: skip
+                )
                 setattr(self.lora, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
 
     def gate_up_down(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -68,9 +68,16 @@ def strip_nproc(args: Sequence[str], command: str) -> list[str]:
 def torchrun_command(nproc_per_node: int, command: str, args: Sequence[str]) -> list[str]:
     """The command line that runs `pipe COMMAND ARGS` on `nproc_per_node` local processes."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node),
-        "-m", "pipeline", command, *strip_nproc(args, command),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "-m",
+        "pipeline",
+        command,
+        *strip_nproc(args, command),
+    ]
 
 
 def relaunch_under_torchrun(nproc_per_node: int, command: str) -> NoReturn:

@@ -121,13 +121,19 @@ def _place_adapters(model: nn.Module) -> None:
             continue
         mesh = module.weight.device_mesh
         column = module.weight.placements == (Shard(0),)
-        layouts = {"lora_A": Replicate(), "lora_B": Shard(0)} if column else {
-            "lora_A": Shard(1), "lora_B": Replicate()}  # fmt: skip
+        layouts = (
+            {"lora_A": Replicate(), "lora_B": Shard(0)}
+            if column
+            else {"lora_A": Shard(1), "lora_B": Replicate()}
+        )
         for name, placement in layouts.items():
             param = getattr(module, name)
             if isinstance(param, DTensor):
-                full = torch.empty(param.shape, device="meta") if param.is_meta else (
-                    param.full_tensor())  # fmt: skip
+                full = (
+                    torch.empty(param.shape, device="meta")
+                    if param.is_meta
+                    else (param.full_tensor())
+                )
             else:
                 full = param.detach()
             placed = distribute_tensor(full, mesh, [placement])

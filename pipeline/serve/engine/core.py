@@ -120,16 +120,18 @@ class Engine:
 
     # ---- requests in and out ----------------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams,
-            lora_name: str | None = None) -> Request:  # fmt: skip
+    def add(
+        self, prompt: list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> Request:
         """Queue a request (run with the adapter `lora_name` of `adapters`, when given);
         `QueueFull` over the bound, `PromptTooLong` if it can never fit, `BadSamplingValue`
         for a logit bias on a token outside the vocabulary, `LoRASlotError` for an unknown
         adapter."""
         return self.add_group(prompt, [params], lora_name)[0]
 
-    def add_group(self, prompt: list[int], params: Sequence[SamplingParams],
-                  lora_name: str | None = None) -> list[Request]:  # fmt: skip
+    def add_group(
+        self, prompt: list[int], params: Sequence[SamplingParams], lora_name: str | None = None
+    ) -> list[Request]:
         """Queue one request per `params` entry (each with its own settings and generator), all
         on `prompt`, prefilled once: the first (the leader) computes the prompt and the others
         read its cache (module docstring). Errors as `add`'s, for the whole group (then nothing

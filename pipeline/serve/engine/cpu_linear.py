@@ -33,8 +33,7 @@ class PrepackedLinear(nn.Module):
 
     def repack(self) -> None:
         """Pack the plain weight again: after it was overwritten in place (new weights)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                              PACKED_FOR_ROWS)  # fmt: skip
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACKED_FOR_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1]:  # one row: the matrix-vector path

@@ -158,8 +158,10 @@ class LoRASlots:
         for key, tensor in tensors.items():
             module, _, ab = key.rpartition(".lora_")
             if ".experts.lora." in key:
-                raise LoRASlotError(f"{path}: expert adapters ({key}) are served merged only "
-                                    "(pipe export merges them)")  # fmt: skip
+                raise LoRASlotError(
+                    f"{path}: expert adapters ({key}) are served merged only "
+                    "(pipe export merges them)"
+                )
             if module not in self.stacks:
                 raise LoRASlotError(f"{path}: {key} adapts no linear of the served model")
             pairs.setdefault(module, {})[ab] = tensor
@@ -239,9 +241,13 @@ class LoRASlots:
 
     def _extract(self, index: int) -> Tensors:
         slot = self._slots[index]
-        return {path: (self.stacks[path][0][index, : slot.rank].clone(),
-                       self.stacks[path][1][index, :, : slot.rank].clone())
-                for path in slot.paths}  # fmt: skip
+        return {
+            path: (
+                self.stacks[path][0][index, : slot.rank].clone(),
+                self.stacks[path][1][index, :, : slot.rank].clone(),
+            )
+            for path in slot.paths
+        }
 
     @property
     def resident(self) -> list[str]:

@@ -80,13 +80,7 @@ class UnloadLoRA:
 
 
 ToEngine = (
-    AddGroup
-    | AbortRequest
-    | StopEngine
-    | UpdateWeights
-    | ResetPrefixCache
-    | LoadLoRA
-    | UnloadLoRA
+    AddGroup | AbortRequest | StopEngine | UpdateWeights | ResetPrefixCache | LoadLoRA | UnloadLoRA
 )
 
 

@@ -48,8 +48,9 @@ def common_prefix(histories: Sequence[torch.Tensor], block_size: int) -> int:
 Packed = tuple[CachedBatch, torch.Tensor, torch.Tensor]
 
 
-def packed_decode_batch(rows: Sequence[DecodeRow], block_size: int, scratch: int,
-                        device: torch.device) -> Packed | None:  # fmt: skip
+def packed_decode_batch(
+    rows: Sequence[DecodeRow], block_size: int, scratch: int, device: torch.device
+) -> Packed | None:
     """The batch of decode `rows` (one new token each) with each group sharing a prefix packed
     in one row (module docstring), and each row's (batch row, column) of its token; None when no
     group packs (the plain batch is then as good)."""
@@ -66,8 +67,9 @@ def packed_decode_batch(rows: Sequence[DecodeRow], block_size: int, scratch: int
     if len(packs) == len(rows):
         return None
     width = max(len(members) for members, _ in packs)
-    length = max(shared + sum(len(histories[i]) - shared for i in members)
-                 for members, shared in packs)  # fmt: skip
+    length = max(
+        shared + sum(len(histories[i]) - shared for i in members) for members, shared in packs
+    )
     tokens = torch.zeros(len(packs), width, dtype=torch.long)
     positions = torch.zeros(len(packs), width, dtype=torch.long)
     write = torch.full((len(packs), width), scratch, dtype=torch.long)
@@ -89,13 +91,15 @@ def packed_decode_batch(rows: Sequence[DecodeRow], block_size: int, scratch: int
             write[p, column] = own[-1]
             where_row[i], where_col[i] = p, column
             start += len(own)
-    batch = CachedBatch(tokens.to(device), positions.to(device), write.to(device),
-                        read.to(device), mask.to(device))  # fmt: skip
+    batch = CachedBatch(
+        tokens.to(device), positions.to(device), write.to(device), read.to(device), mask.to(device)
+    )
     return batch, where_row.to(device), where_col.to(device)
 
 
-def batch_row_slots(slots: Sequence[int | None], where_row: torch.Tensor,
-                    rows: int) -> list[int | None]:  # fmt: skip
+def batch_row_slots(
+    slots: Sequence[int | None], where_row: torch.Tensor, rows: int
+) -> list[int | None]:
     """Per batch row, the adapter slot of the requests in it, given each request's slot and
     batch row (`where_row`): requests packed into one row are one group, which runs with one
     adapter."""

@@ -41,8 +41,9 @@ if TYPE_CHECKING:
     from pipeline.serve.engine.lora_slots import LoRASlots
 
 
-def chain_root(lora_name: str | None, adapters: LoRASlots | None,
-               cache_salt: str | None = None) -> bytes:  # fmt: skip
+def chain_root(
+    lora_name: str | None, adapters: LoRASlots | None, cache_salt: str | None = None
+) -> bytes:
     """What a request's chain of block hashes starts from: the base model's empty root, or its
     adapter's name and files (as `adapters` has it registered now); a `cache_salt` (vLLM's)
     mixed in, so only requests with the same salt share blocks."""
@@ -118,8 +119,15 @@ class PrefixCacheManager:
             self.cache.register(request.blocks[index], request.block_hashes[index])
             if top is not None:
                 hashed = request.block_hashes[index]
-                keep_block_logprobs(self.cache, hashed, request.prompt, request.prompt_logprobs,
-                                    index, top, request.params.logprob_ranks)  # fmt: skip
+                keep_block_logprobs(
+                    self.cache,
+                    hashed,
+                    request.prompt,
+                    request.prompt_logprobs,
+                    index,
+                    top,
+                    request.params.logprob_ranks,
+                )
         request.registered = full
 
     def reset(self, requests: Iterable[Request]) -> None:

@@ -85,8 +85,7 @@ def engine_threads() -> int:
     return max(1, (cores or 1) - 1)
 
 
-def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0,
-                 **limits):  # fmt: skip
+def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 0, **limits):
     """An engine for `gen` (a loaded `Generator`) whose KV cache fits `kv_cache_bytes`;
     `max_batch` 0 sizes the batch from the cache (`batch_for_cache`). The engine makes no text:
     the server process does, off the engine's path."""
@@ -94,12 +93,19 @@ def build_engine(gen, *, kv_cache_bytes: int, block_size: int, max_batch: int = 
     from pipeline.serve.engine.kv_cache import BlockKVCache
 
     param = next(gen.model.parameters())
-    blocks = BlockKVCache.blocks_for_budget(gen.model.config, kv_cache_bytes, block_size,
-                                            param.dtype, gen.tp)  # fmt: skip
+    blocks = BlockKVCache.blocks_for_budget(
+        gen.model.config, kv_cache_bytes, block_size, param.dtype, gen.tp
+    )
     if blocks < 1:
         raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds not one block")
-    return Engine(gen.model, cache_blocks=blocks, block_size=block_size, tp=gen.tp,
-                  max_batch=max_batch or batch_for_cache(blocks), **limits)  # fmt: skip
+    return Engine(
+        gen.model,
+        cache_blocks=blocks,
+        block_size=block_size,
+        tp=gen.tp,
+        max_batch=max_batch or batch_for_cache(blocks),
+        **limits,
+    )
 
 
 def run_engine(spec: EngineSpec, pipe: Connection) -> None:
@@ -127,15 +133,25 @@ def _load(spec: EngineSpec):
 
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
     try:
-        gen = open_generator(spec.checkpoint, tokenizer=spec.tokenizer, device=spec.device,
-                             dtype=dtype, lora_adapter=spec.lora_adapter)  # fmt: skip
+        gen = open_generator(
+            spec.checkpoint,
+            tokenizer=spec.tokenizer,
+            device=spec.device,
+            dtype=dtype,
+            lora_adapter=spec.lora_adapter,
+        )
         prepack_linears(gen.model)
         engine = build_engine(
-            gen, kv_cache_bytes=spec.kv_cache_bytes, block_size=spec.block_size,
-            max_batch=spec.max_batch, prefill_chunk=spec.prefill_chunk, max_waiting=2**31,
+            gen,
+            kv_cache_bytes=spec.kv_cache_bytes,
+            block_size=spec.block_size,
+            max_batch=spec.max_batch,
+            prefill_chunk=spec.prefill_chunk,
+            max_waiting=2**31,
             grammars=_grammars(gen),
-            prefix_caching=spec.prefix_caching, cuda_graphs=spec.cuda_graphs,
-        )  # fmt: skip
+            prefix_caching=spec.prefix_caching,
+            cuda_graphs=spec.cuda_graphs,
+        )
         if spec.max_loras:
             from pipeline.serve.engine.lora_slots import install_named_adapters
 
@@ -143,11 +159,15 @@ def _load(spec: EngineSpec):
     except (LoadError, ValueError) as error:
         return None, Failed(str(error))
     ready = Ready(
-        name=gen.name, tokenizer_path=gen.tokenizer_path and str(gen.tokenizer_path),
-        eos_ids=gen.eos_ids, max_context=engine.max_context, cache_blocks=engine.cache.num_blocks,
-        block_size=engine.cache.block_size, max_batch=engine.scheduler.max_batch,
+        name=gen.name,
+        tokenizer_path=gen.tokenizer_path and str(gen.tokenizer_path),
+        eos_ids=gen.eos_ids,
+        max_context=engine.max_context,
+        cache_blocks=engine.cache.num_blocks,
+        block_size=engine.cache.block_size,
+        max_batch=engine.scheduler.max_batch,
         vocab_size=gen.model.config.vocab_size,
-    )  # fmt: skip
+    )
     return engine, ready
 
 
@@ -157,8 +177,7 @@ def _grammars(gen):
 
     if gen.tokenizer_path is None:
         return None
-    return GrammarBackend.from_path(gen.tokenizer_path, gen.model.config.vocab_size,
-                                    gen.eos_ids)  # fmt: skip
+    return GrammarBackend.from_path(gen.tokenizer_path, gen.model.config.vocab_size, gen.eos_ids)
 
 
 def _serve(engine, pipe: Connection) -> None:
@@ -244,8 +263,11 @@ def _output(request_id: int, event) -> TokenOutput:
     request = event.request
     first = len(request.output) == 1 and request.admitted is not None
     return TokenOutput(
-        request_id, event.token, request.finish_reason if event.finished else None,
-        event.logprobs, event.prompt_logprobs,
+        request_id,
+        event.token,
+        request.finish_reason if event.finished else None,
+        event.logprobs,
+        event.prompt_logprobs,
         request.admitted - request.arrived if first else None,
         request.cached_tokens if first else None,
-    )  # fmt: skip
+    )

@@ -31,9 +31,15 @@ class BlockLogprobs:
     ranks: bool = False  # the entries carry their tokens' ranks
 
 
-def keep_block_logprobs(cache: BlockKVCache, block_hash: bytes, prompt: Sequence[int],
-                        prompt_logprobs: Sequence[TokenLogprobs | None], index: int,
-                        top: int, ranks: bool = False) -> None:  # fmt: skip
+def keep_block_logprobs(
+    cache: BlockKVCache,
+    block_hash: bytes,
+    prompt: Sequence[int],
+    prompt_logprobs: Sequence[TokenLogprobs | None],
+    index: int,
+    top: int,
+    ranks: bool = False,
+) -> None:
     """Keep the entries of block `index` of a request's prompt with the cached block named
     `block_hash` (the request's, or an equal one computed before), once each of its positions
     predicts a prompt token, unless that block keeps as many tops (and ranks, when the entries
@@ -52,15 +58,20 @@ def keep_block_logprobs(cache: BlockKVCache, block_hash: bytes, prompt: Sequence
     cache.attach(block, kept)
 
 
-def usable_prefix(cache: BlockKVCache, blocks: list[int], prompt: Sequence[int],
-                  top: int, ranks: bool = False) -> list[int]:  # fmt: skip
+def usable_prefix(
+    cache: BlockKVCache, blocks: list[int], prompt: Sequence[int], top: int, ranks: bool = False
+) -> list[int]:
     """The leading run of `blocks` (cached blocks that begin `prompt`) whose kept entries serve
     a request asking `top` most likely tokens (and the tokens' ranks)."""
     size = cache.block_size
     for i, block in enumerate(blocks):
         kept = cache.payload(block)
-        if (not isinstance(kept, BlockLogprobs) or kept.top < top or (ranks and not kept.ranks)
-                or kept.next_token != prompt[(i + 1) * size]):  # fmt: skip
+        if (
+            not isinstance(kept, BlockLogprobs)
+            or kept.top < top
+            or (ranks and not kept.ranks)
+            or kept.next_token != prompt[(i + 1) * size]
+        ):
             return blocks[:i]
     return blocks
 

@@ -139,7 +139,6 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
-
     @functools.cached_property
     def constrains(self) -> bool:
         """Whether vLLM's token constraints (min_tokens, allowed ids, bad words) mask logits."""
@@ -259,8 +258,9 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
         for i, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
             tokens[i] = token
     if plain:
-        temperatures = torch.tensor([rows[i].params.temperature for i in plain],
-                                    device=logits.device)  # fmt: skip
+        temperatures = torch.tensor(
+            [rows[i].params.temperature for i in plain], device=logits.device
+        )
         probs = (logits[plain].float() / temperatures[:, None]).softmax(-1)
         drawn = draw_rows(probs, [rows[i].generator for i in plain])
         for i, token in zip(plain, drawn):

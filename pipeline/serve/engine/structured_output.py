@@ -146,8 +146,9 @@ class GrammarBackend:
         self._checked: set[StructuredOutput] = set()
 
     @classmethod
-    def from_path(cls, tokenizer: str | Path, vocab_size: int,
-                  eos_ids: Sequence[int]) -> GrammarBackend | None:  # fmt: skip
+    def from_path(
+        cls, tokenizer: str | Path, vocab_size: int, eos_ids: Sequence[int]
+    ) -> GrammarBackend | None:
         """The backend for a tokenizer.json or a directory holding one, else None (structured
         output is then refused)."""
         path = Path(tokenizer)

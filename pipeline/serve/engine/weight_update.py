@@ -57,8 +57,11 @@ def disk_weights(model: Transformer, path: str) -> dict[str, torch.Tensor]:
         loaded = open_generator(path, device=param.device, dtype=param.dtype).model
     except LoadError as error:
         raise WeightUpdateError(str(error)) from None
-    differ = [f.name for f in dataclasses.fields(model.config)
-              if getattr(model.config, f.name) != getattr(loaded.config, f.name)]  # fmt: skip
+    differ = [
+        f.name
+        for f in dataclasses.fields(model.config)
+        if getattr(model.config, f.name) != getattr(loaded.config, f.name)
+    ]
     if differ:
         raise WeightUpdateError(f"{path}: not the served model's configuration ({differ[0]})")
     tensors, params = loaded.state_dict(), model.state_dict()
@@ -70,8 +73,9 @@ def disk_weights(model: Transformer, path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def shared_weights(model: Transformer, message: UpdateWeights,
-                   buffer: memoryview) -> dict[str, torch.Tensor]:  # fmt: skip
+def shared_weights(
+    model: Transformer, message: UpdateWeights, buffer: memoryview
+) -> dict[str, torch.Tensor]:
     """Views of the tensors `message` places in `buffer`, all checked before any is made."""
     params = model.state_dict()
     dtypes = []
@@ -91,8 +95,9 @@ def shared_weights(model: Transformer, message: UpdateWeights,
 
 
 def _entries(message: UpdateWeights) -> Iterator[tuple[str, str, tuple[int, ...], int]]:
-    for name, dtype_name, shape, offset in zip(message.names, message.dtype_names,
-                                               message.shapes, message.offsets):  # fmt: skip
+    for name, dtype_name, shape, offset in zip(
+        message.names, message.dtype_names, message.shapes, message.offsets
+    ):
         yield name, dtype_name, tuple(shape), offset
 
 

@@ -31,9 +31,10 @@ class Codec:
 
             with_special = self.path is not None
             self._special = (
-                load_tokenizer(self.path, add_special_tokens=True) if with_special
+                load_tokenizer(self.path, add_special_tokens=True)
+                if with_special
                 else self.tokenizer
-            )  # fmt: skip
+            )
         return self._special
 
     def decode(self, ids: list[int]) -> str:
@@ -43,8 +44,9 @@ class Codec:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def prompt(self, prompt: str | list[int], param: str = "prompt",
-               special_tokens: bool = False) -> list[int]:  # fmt: skip
+    def prompt(
+        self, prompt: str | list[int], param: str = "prompt", special_tokens: bool = False
+    ) -> list[int]:
         """A prompt's token ids: a text encoded (with the tokenizer's own special tokens when
         `special_tokens`), or ids checked against the vocabulary."""
         if isinstance(prompt, str):
@@ -57,8 +59,15 @@ class Codec:
             raise APIError(f"token id {bad[0]} is out of the vocabulary (0..{limit})", param=param)
         return list(prompt)
 
-    def chat(self, messages, add_generation_prompt: bool = True, *, continue_final: bool = False,
-             tools: list | None = None, extra: dict[str, Any] | None = None) -> str:  # fmt: skip
+    def chat(
+        self,
+        messages,
+        add_generation_prompt: bool = True,
+        *,
+        continue_final: bool = False,
+        tools: list | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
         """The chat prompt text (a template's own error is a 400 naming it). `continue_final`
         ends it at the last message's text, left open for the model to continue (as
         transformers' `continue_final_message`); `tools` and `extra` go to the template."""
@@ -68,9 +77,11 @@ class Codec:
                 text = chat_prompt(plain, None, add_generation_prompt)
             else:
                 rendered = self.template.render(
-                    plain, add_generation_prompt=add_generation_prompt, tools=tools,
+                    plain,
+                    add_generation_prompt=add_generation_prompt,
+                    tools=tools,
                     **(extra or {}),
-                )  # fmt: skip
+                )
                 text = rendered.text
         except Exception as error:  # noqa: BLE001 - a template's own error, reported as such
             raise APIError(f"chat template: {error}", param="messages") from None

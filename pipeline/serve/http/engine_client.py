@@ -62,8 +62,9 @@ class RequestStream:
     """One request's output, an async iterator of `Delta`s ending with the one that carries a
     finish reason. `abort()` stops it (a client that went away)."""
 
-    def __init__(self, client: EngineClient, request_id: int, prompt: list[int],
-                 params: SamplingParams) -> None:  # fmt: skip
+    def __init__(
+        self, client: EngineClient, request_id: int, prompt: list[int], params: SamplingParams
+    ) -> None:
         self.client, self.request_id, self.prompt, self.params = client, request_id, prompt, params
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -88,8 +89,13 @@ class RequestStream:
             raise self._error
         if not self._arrived:  # cancelled: a last delta says so
             self.finish_reason = "abort"
-            return Delta([], "", finish_reason="abort", prompt_tokens=len(self.prompt),
-                         completion_tokens=self.completion_tokens)  # fmt: skip
+            return Delta(
+                [],
+                "",
+                finish_reason="abort",
+                prompt_tokens=len(self.prompt),
+                completion_tokens=self.completion_tokens,
+            )
         arrived, self._arrived = self._arrived, []
         return self._delta(arrived)
 
@@ -120,11 +126,16 @@ class RequestStream:
         finish = self._text.finish_reason
         self.completion_tokens += len(tokens)
         delta = Delta(
-            tokens, text, [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],
-            arrived[0].prompt_logprobs if self._first else None, finish, len(self.prompt),
-            self.completion_tokens, arrived[0].queue_time if self._first else None,
+            tokens,
+            text,
+            [o.logprobs for o in arrived[: len(tokens)] if o.logprobs is not None],
+            arrived[0].prompt_logprobs if self._first else None,
+            finish,
+            len(self.prompt),
+            self.completion_tokens,
+            arrived[0].queue_time if self._first else None,
             arrived[0].cached_tokens if self._first else None,
-        )  # fmt: skip
+        )
         self._first = False
         if finish is not None:
             self._close(finish)
@@ -168,8 +179,9 @@ class EngineClient:
         """Start the engine process and wait for its model; `LoadError` if it cannot load."""
         context = multiprocessing.get_context("spawn")  # fork would copy torch's threads
         self._pipe, child = context.Pipe()
-        self.process = context.Process(target=run_engine, args=(self.spec, child),
-                                       name="pipe-engine", daemon=True)  # fmt: skip
+        self.process = context.Process(
+            target=run_engine, args=(self.spec, child), name="pipe-engine", daemon=True
+        )
         self.process.start()
         child.close()
         try:
@@ -194,8 +206,9 @@ class EngineClient:
         """Deliver the engine's messages on `loop` from now on."""
         self._loop = loop
         if self._reader is None:
-            self._reader = threading.Thread(target=self._read, name="pipe-engine-reader",
-                                            daemon=True)  # fmt: skip
+            self._reader = threading.Thread(
+                target=self._read, name="pipe-engine-reader", daemon=True
+            )
             self._reader.start()
 
     def stop(self) -> None:
@@ -223,14 +236,16 @@ class EngineClient:
         running = min(self._engine_running, in_flight)
         return running, in_flight - running
 
-    def submit(self, prompt: list[int], params: SamplingParams,
-               lora_name: str | None = None) -> RequestStream:  # fmt: skip
+    def submit(
+        self, prompt: list[int], params: SamplingParams, lora_name: str | None = None
+    ) -> RequestStream:
         """Queue a request (run with the adapter `lora_name`, when given); `PromptTooLong` if it
         can never fit, `QueueFull` over capacity."""
         return self.submit_group(prompt, [params], lora_name)[0]
 
-    def submit_group(self, prompt: list[int], params: list[SamplingParams],
-                     lora_name: str | None = None) -> list[RequestStream]:  # fmt: skip
+    def submit_group(
+        self, prompt: list[int], params: list[SamplingParams], lora_name: str | None = None
+    ) -> list[RequestStream]:
         """Queue one request per `params` entry on `prompt`, prefilled once (`Engine.add_group`),
         all with the adapter `lora_name`; errors as `submit`'s, for the whole group (then
         nothing is queued)."""
@@ -240,8 +255,13 @@ class EngineClient:
             raise GenerationPaused("generation is paused for new weights; retry after resume")
         ready = self.ready
         for each in params:
-            problem = fit_problem(len(prompt), each.max_new_tokens, ready.max_context,
-                                  ready.block_size, ready.cache_blocks)  # fmt: skip
+            problem = fit_problem(
+                len(prompt),
+                each.max_new_tokens,
+                ready.max_context,
+                ready.block_size,
+                ready.cache_blocks,
+            )
             if problem is not None:
                 raise PromptTooLong(problem)
         waiting = len(self._streams) - ready.max_batch

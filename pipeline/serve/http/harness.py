@@ -37,8 +37,9 @@ class HarnessRun:
 
 
 @contextmanager
-def serving(spec: EngineSpec, model_name: str,
-            max_waiting: int = 1024) -> Iterator[tuple[str, int]]:  # fmt: skip
+def serving(
+    spec: EngineSpec, model_name: str, max_waiting: int = 1024
+) -> Iterator[tuple[str, int]]:
     """`pipe serve` in a thread, on a free loopback port: yields its base URL and the model's
     context length; the server and the engine process stop on leaving. `LoadError` if the
     model cannot be loaded."""
@@ -86,13 +87,18 @@ def task_manager(tasks: list[str], include_path: str | None):
     return TaskManager(include_path=include_path)
 
 
-def harness_model_args(run: HarnessRun, base_url: str, model_name: str,
-                       max_length: int) -> tuple[str, dict[str, Any]]:  # fmt: skip
+def harness_model_args(
+    run: HarnessRun, base_url: str, model_name: str, max_length: int
+) -> tuple[str, dict[str, Any]]:
     """lm-eval's model name and `model_args` for the server at `base_url`: the harness's
     defaults, with the server's context length and `run`'s batching."""
     route = "/v1/chat/completions" if run.chat else "/v1/completions"
-    args = {"model": model_name, "base_url": base_url + route, "max_length": max_length,
-            "num_concurrent": run.num_concurrent}  # fmt: skip
+    args = {
+        "model": model_name,
+        "base_url": base_url + route,
+        "max_length": max_length,
+        "num_concurrent": run.num_concurrent,
+    }
     if not run.chat:
         args["batch_size"] = run.batch_size
     return ("local-chat-completions" if run.chat else "local-completions"), args
@@ -105,7 +111,12 @@ def run_harness(run: HarnessRun, base_url: str, model_name: str, max_length: int
 
     model, args = harness_model_args(run, base_url, model_name, max_length)
     return lm_eval.simple_evaluate(
-        model=model, model_args=args, tasks=run.tasks, num_fewshot=run.num_fewshot,
-        limit=run.limit, task_manager=run.task_manager,
-        log_samples=run.log_samples, apply_chat_template=run.chat,
-    )  # fmt: skip
+        model=model,
+        model_args=args,
+        tasks=run.tasks,
+        num_fewshot=run.num_fewshot,
+        limit=run.limit,
+        task_manager=run.task_manager,
+        log_samples=run.log_samples,
+        apply_chat_template=run.chat,
+    )

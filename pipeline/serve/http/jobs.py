@@ -62,8 +62,13 @@ class Generation:
         return sum(entry.token_logprob for entry in self.logprobs)
 
 
-def plan_jobs(body, prompts: list[list[int]], token_budget: int, eos_ids: frozenset[int],
-              encode: Callable[[str], list[int]] | None = None) -> list[Job]:  # fmt: skip
+def plan_jobs(
+    body,
+    prompts: list[list[int]],
+    token_budget: int,
+    eos_ids: frozenset[int],
+    encode: Callable[[str], list[int]] | None = None,
+) -> list[Job]:
     """Each prompt's jobs with their parameters (`body.sampling`); a bad value is a 400.
     `encode` tokenizes the body's `bad_words`."""
     jobs = []
@@ -79,8 +84,9 @@ def plan_jobs(body, prompts: list[list[int]], token_budget: int, eos_ids: frozen
     return jobs
 
 
-def submit_jobs(submit: Callable[[list[int], list[SamplingParams]], list], jobs: list[Job],
-                prompt_param: str) -> list:  # fmt: skip
+def submit_jobs(
+    submit: Callable[[list[int], list[SamplingParams]], list], jobs: list[Job], prompt_param: str
+) -> list:
     """Each job's stream of deltas from `submit` (a prompt's jobs as one group, in order); none
     is left running if one is refused (a prompt that can never fit is a 400 naming
     `prompt_param`)."""
@@ -104,8 +110,9 @@ def abort_streams(streams: Sequence) -> None:
         stream.abort()
 
 
-async def gather_generations(jobs: list[Job], streams: list,
-                             is_disconnected: Callable[[], Awaitable[bool]]):  # fmt: skip
+async def gather_generations(
+    jobs: list[Job], streams: list, is_disconnected: Callable[[], Awaitable[bool]]
+):
     """Every job's generation whole, or None when the client disconnected meanwhile (checked
     every quarter second, so an abandoned request stops using the engine soon)."""
     task = asyncio.ensure_future(

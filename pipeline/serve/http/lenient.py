@@ -25,8 +25,15 @@ from pipeline.serve.http import vllm_fields
 
 log = logging.getLogger(__name__)
 
-UNSERVED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
-            "guided_choice", "guided_grammar", "guided_whitespace_pattern")  # fmt: skip
+UNSERVED = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+)
 _logged: set[str] = set()  # the field names already logged, for the process
 _lock = threading.Lock()
 
@@ -84,5 +91,8 @@ def ignored_fields(names: list[str]) -> None:
         new = [name for name in names if name not in _logged]
         _logged.update(new)
     for name in new:
-        log.warning("The following fields were present in the request but ignored: %s "
-                    "(logged once per field name)", name)  # fmt: skip
+        log.warning(
+            "The following fields were present in the request but ignored: %s "
+            "(logged once per field name)",
+            name,
+        )

@@ -41,26 +41,41 @@ def lora_options(command):
     """The adapter options of `pipe serve` (module docstring)."""
     options = [
         click.option(
-            "--lora-modules", cls=ManyValuesOption, multiple=True, metavar="NAME=DIR ...",
+            "--lora-modules",
+            cls=ManyValuesOption,
+            multiple=True,
+            metavar="NAME=DIR ...",
             help="LoRA adapters served by name (pipe --lora checkpoints or peft directories): "
             'name=DIR, or vLLM\'s JSON {"name": ..., "path": ...}; each is a model in '
             "/v1/models.",
         ),
-        click.option("--enable-lora", is_flag=True,
-                     help="Serve adapters by name (implied by --lora-modules)."),
         click.option(
-            "--max-loras", type=click.IntRange(min=1), default=1, show_default=True,
+            "--enable-lora",
+            is_flag=True,
+            help="Serve adapters by name (implied by --lora-modules).",
+        ),
+        click.option(
+            "--max-loras",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
             help="Adapters resident at once (the least recently used idle one is evicted and "
             "read again from disk when asked for).",
         ),
-        click.option("--max-lora-rank", type=click.IntRange(min=1), default=16,
-                     show_default=True, help="The highest adapter rank accepted."),
         click.option(
-            "--allow-runtime-lora-updating", is_flag=True,
+            "--max-lora-rank",
+            type=click.IntRange(min=1),
+            default=16,
+            show_default=True,
+            help="The highest adapter rank accepted.",
+        ),
+        click.option(
+            "--allow-runtime-lora-updating",
+            is_flag=True,
             help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, also honoured); implies --enable-lora.",
         ),
-    ]  # fmt: skip
+    ]
     for option in reversed(options):
         command = option(command)
     return command
@@ -82,6 +97,9 @@ def adapter_settings(options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     runtime = runtime_updating_allowed(options.pop("allow_runtime_lora_updating"))
     enabled = options.pop("enable_lora") or bool(modules) or runtime
     max_loras, max_rank = options.pop("max_loras"), options.pop("max_lora_rank")
-    fields = {"lora_modules": modules, "max_loras": max_loras if enabled else 0,
-              "max_lora_rank": max_rank}  # fmt: skip
+    fields = {
+        "lora_modules": modules,
+        "max_loras": max_loras if enabled else 0,
+        "max_lora_rank": max_rank,
+    }
     return fields, runtime

@@ -77,9 +77,18 @@ class ServedAdapters:
 
     def cards(self, parent: str, created: int) -> list[dict]:
         """The adapters' entries in /v1/models."""
-        return [{"id": name, "object": "model", "created": created, "owned_by": "pipe",
-                 "root": path, "parent": parent, "max_model_len": self.client.ready.max_context}
-                for name, path in self.paths.items()]  # fmt: skip
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pipe",
+                "root": path,
+                "parent": parent,
+                "max_model_len": self.client.ready.max_context,
+            }
+            for name, path in self.paths.items()
+        ]
 
     async def load(self, body: LoadLoRAAdapterBody) -> str:
         """Serve the adapter at `lora_path` as `lora_name` once the engine has read it."""
@@ -88,8 +97,10 @@ class ServedAdapters:
             raise APIError("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
         async with self._lock:
             if body.lora_name in self.paths:
-                raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.",
-                               param="lora_name")  # fmt: skip
+                raise APIError(
+                    f"The lora adapter '{body.lora_name}' has already been loaded.",
+                    param="lora_name",
+                )
             done = await self.client.control(LoadLoRA(body.lora_name, body.lora_path))
             if done.error is not None:
                 status = 404 if "No such file" in done.error else 400
@@ -101,12 +112,14 @@ class ServedAdapters:
         """Stop serving `lora_name` to new requests (those in flight finish with it)."""
         self._check_allowed()
         if not body.lora_name and body.lora_int_id is None:
-            raise APIError("either 'lora_name' and 'lora_int_id' needs to be provided.",
-                           param="lora_name")  # fmt: skip
+            raise APIError(
+                "either 'lora_name' and 'lora_int_id' needs to be provided.", param="lora_name"
+            )
         async with self._lock:
             if body.lora_name not in self.paths:
-                raise APIError(f"The lora adapter '{body.lora_name}' cannot be found.", 404,
-                               "lora_name")  # fmt: skip
+                raise APIError(
+                    f"The lora adapter '{body.lora_name}' cannot be found.", 404, "lora_name"
+                )
             del self.paths[body.lora_name]  # new requests: 404 from now on
             done = await self.client.control(UnloadLoRA(body.lora_name))
             if done.error is not None:
@@ -117,8 +130,9 @@ class ServedAdapters:
         if not self.runtime_updates:
             raise APIError(
                 "loading and unloading adapters while serving is off: start pipe serve with "
-                f"--allow-runtime-lora-updating (or {RUNTIME_ENV}=True)", 404,
-            )  # fmt: skip
+                f"--allow-runtime-lora-updating (or {RUNTIME_ENV}=True)",
+                404,
+            )
 
 
 def add_lora_routes(app: FastAPI, adapters: ServedAdapters) -> None:

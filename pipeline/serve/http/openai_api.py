@@ -148,11 +148,14 @@ class _Body(LenientModel):
                 _token_id(token, vocab_size, "allowed_token_ids")
         asked = self.requested_tokens()
         if self.min_tokens and asked is not None and self.min_tokens > asked:
-            raise APIError(f"min_tokens ({self.min_tokens}) must be at most max_tokens "
-                           f"({asked})", param="min_tokens")  # fmt: skip
+            raise APIError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({asked})",
+                param="min_tokens",
+            )
         if self.prompt_logprobs is not None and self.stream:
-            raise APIError("prompt_logprobs is not supported with stream: true",
-                           param="prompt_logprobs")  # fmt: skip
+            raise APIError(
+                "prompt_logprobs is not supported with stream: true", param="prompt_logprobs"
+            )
         if self.spaces_between_special_tokens is False and self.skip_special_tokens is False:
             raise APIError(
                 "spaces_between_special_tokens: false is not supported with special tokens in "
@@ -185,8 +188,11 @@ class _Body(LenientModel):
             return prompt
         room = context - (self.requested_tokens() or 0)
         if keep > room:
-            raise APIError(f"truncate_prompt_tokens ({keep}) must be at most the context less "
-                           f"max_tokens ({room})", param="truncate_prompt_tokens")  # fmt: skip
+            raise APIError(
+                f"truncate_prompt_tokens ({keep}) must be at most the context less "
+                f"max_tokens ({room})",
+                param="truncate_prompt_tokens",
+            )
         keep = room if keep == -1 else keep
         if len(prompt) <= keep:
             return prompt
@@ -347,8 +353,9 @@ class CompletionBody(_Body):
 
     def prompt_logprobs_wanted(self) -> int | None:
         # echo's logprobs are the prompt's too: as many alternatives as either asks
-        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
-                 if k is not None]  # fmt: skip
+        asked = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
         return max(asked) if asked else None
 
     @property
@@ -564,8 +571,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def envelope(ident: str, model: str, kind: str, choices: list[dict]) -> dict:
     """The object around choices: id, object type, creation time, model."""
-    return {"id": ident, "object": kind, "created": int(time.time()), "model": model,
-            "choices": choices}  # fmt: skip
+    return {
+        "id": ident,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
 
 
 def _finite(logprob: float) -> float:
@@ -596,8 +608,12 @@ def completion_logprobs(
         best = {token_text(t): _finite(lp) for t, lp in entry.top[:top]}
         best.setdefault(text, _finite(entry.token_logprob))
         tops.append(best)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def prompt_logprobs_list(

@@ -35,15 +35,23 @@ from pipeline.serve.http.tool_calls import ToolReply
 log = logging.getLogger(__name__)
 
 
-def error_response(message: str, status: int, param: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict | None = None
+) -> JSONResponse:
     """OpenAI's `{"error": {...}}` body with its status code."""
     return JSONResponse(error_body(message, status, param), status, headers=headers)
 
 
-async def respond(writer, ident: str, model: str, jobs: list[Job], streams: list, stream: bool,
-                  is_disconnected: Callable[[], Awaitable[bool]],
-                  fingerprint: str | None = None):  # fmt: skip
+async def respond(
+    writer,
+    ident: str,
+    model: str,
+    jobs: list[Job],
+    streams: list,
+    stream: bool,
+    is_disconnected: Callable[[], Awaitable[bool]],
+    fingerprint: str | None = None,
+):
     """The answer, as server-sent events or whole (499 if the client went away meanwhile), each
     object with `fingerprint` as its `system_fingerprint` (which weights answered)."""
     if stream:
@@ -95,8 +103,11 @@ class CompletionWriter:
         self.token_text = logprob_token_text(body, token_text)
         texts = completion_prompts(body.prompt)
         # an echoed token-id prompt is its decoded text
-        self.prompt_texts = [t if isinstance(t, str) else "".join(map(token_text, t))
-                             for t in texts] if body.echo else []  # fmt: skip
+        self.prompt_texts = (
+            [t if isinstance(t, str) else "".join(map(token_text, t)) for t in texts]
+            if body.echo
+            else []
+        )
 
     def choice_index(self, job: Job, rank: int) -> int:
         """The index of a prompt's choice `rank` among all the body's choices."""
@@ -137,8 +148,9 @@ class CompletionWriter:
                 text, ids, entries = self._echo(g.job, g.prompt_logprobs)
                 new_text, new_ids, new_entries = self._generated(g.text, g.token_ids, g.logprobs)
                 logprobs = self._logprobs(ids + new_ids, entries + new_entries, 0)
-                choice = self._choice(self.choice_index(g.job, rank), text + new_text, logprobs,
-                                      g.finish_reason)  # fmt: skip
+                choice = self._choice(
+                    self.choice_index(g.job, rank), text + new_text, logprobs, g.finish_reason
+                )
                 if self.body.return_token_ids:
                     choice["prompt_token_ids"] = self.prompts[index]
                     choice["token_ids"] = new_ids
@@ -169,22 +181,30 @@ class CompletionWriter:
             logprobs = self._logprobs(ids, entries, offsets[k])
             offsets[k] += sum(len(self.token_text(t)) for t in ids)
             generated[k] = 0 if self.body.echo_only else delta.completion_tokens
-            choice = self._choice(self.choice_index(job, job.number), text, logprobs,
-                                  delta.finish_reason)  # fmt: skip
+            choice = self._choice(
+                self.choice_index(job, job.number), text, logprobs, delta.finish_reason
+            )
             chunk = envelope(ident, model, "text_completion", [choice])
             yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
         if self.body.include_usage:
             last = envelope(ident, model, "text_completion", [])
-            last["usage"] = usage(sum(map(len, self.prompts)), sum(generated),
-                                  cached_tokens(jobs, cached))  # fmt: skip
+            last["usage"] = usage(
+                sum(map(len, self.prompts)), sum(generated), cached_tokens(jobs, cached)
+            )
             yield last
 
 
 class ChatWriter:
     """The /v1/chat/completions answer of one body, whole or as chunks."""
 
-    def __init__(self, body: ChatBody, prompt: list[int], token_text: Callable,
-                 tools: ToolReply | None = None, prompt_text: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        body: ChatBody,
+        prompt: list[int],
+        token_text: Callable,
+        tools: ToolReply | None = None,
+        prompt_text: str = "",
+    ) -> None:
         """`prompt`: the prompt's token ids (`prompt_text`: as the template rendered it);
         `tools`: how to read the reply into tool calls (None: plain text)."""
         self.body, self.prompt, self.prompt_text = body, prompt, prompt_text
@@ -219,9 +239,14 @@ class ChatWriter:
         choices = []
         for g in generations:
             message, finish_reason = self._message(g)
-            choices.append({"index": g.job.number, "message": message,
-                            "logprobs": self._logprobs(g.token_ids, g.logprobs),
-                            "finish_reason": finish_reason})  # fmt: skip
+            choices.append(
+                {
+                    "index": g.job.number,
+                    "message": message,
+                    "logprobs": self._logprobs(g.token_ids, g.logprobs),
+                    "finish_reason": finish_reason,
+                }
+            )
             if self.body.return_token_ids:
                 choices[-1]["token_ids"] = list(g.token_ids)
         answer = envelope(ident, model, "chat.completion", choices)
@@ -242,8 +267,12 @@ class ChatWriter:
         finish reason), then usage if asked."""
         kind = "chat.completion.chunk"
         for job in jobs:
-            first = {"index": job.number, "delta": {"role": self.role, "content": ""},
-                     "logprobs": None, "finish_reason": None}  # fmt: skip
+            first = {
+                "index": job.number,
+                "delta": {"role": self.role, "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             first_chunk = envelope(ident, model, kind, [first])
             if self.body.return_token_ids:
                 first_chunk["prompt_token_ids"] = self.prompt
@@ -251,8 +280,12 @@ class ChatWriter:
                 first_chunk["prompt_text"] = self.prompt_text
             yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
         for job in jobs if self.echoed else ():
-            echo = {"index": job.number, "delta": {"content": self.echoed}, "logprobs": None,
-                    "finish_reason": None}  # fmt: skip
+            echo = {
+                "index": job.number,
+                "delta": {"content": self.echoed},
+                "logprobs": None,
+                "finish_reason": None,
+            }
             yield with_usage(envelope(ident, model, kind, [echo]), self.body, self.prompt_tokens, 0)
         generated, cached = [0] * len(jobs), [0] * len(jobs)
         tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
@@ -267,9 +300,12 @@ class ChatWriter:
                 quiet = not (self.body.logprobs or self.body.return_token_ids)
                 if not content and finish_reason is None and quiet:
                     continue
-            choice = {"index": jobs[k].number, "delta": content,
-                      "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
-                      "finish_reason": finish_reason}  # fmt: skip
+            choice = {
+                "index": jobs[k].number,
+                "delta": content,
+                "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
+                "finish_reason": finish_reason,
+            }
             if self.body.return_token_ids:
                 choice["token_ids"] = list(delta.token_ids)
             chunk = envelope(ident, model, kind, [choice])

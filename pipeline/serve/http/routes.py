@@ -59,12 +59,12 @@ class ServedModel:
         self.adapters = ServedAdapters(self.client)
 
     @classmethod
-    def of(cls, client: EngineClient, name: str,
-           tools: ToolServing | None = None) -> "ServedModel":  # fmt: skip
+    def of(cls, client: EngineClient, name: str, tools: ToolServing | None = None) -> "ServedModel":
         """The model behind a started `client`, served as `name` (with `tools` options)."""
         ready = client.ready
-        codec = Codec(client.tokenizer, client.chat_template, ready.vocab_size,
-                      ready.tokenizer_path)  # fmt: skip
+        codec = Codec(
+            client.tokenizer, client.chat_template, ready.vocab_size, ready.tokenizer_path
+        )
         metrics = ServeMetrics(name, lambda: client.load)
         return cls(client, name, codec, metrics, tools or ToolServing())
 
@@ -95,8 +95,9 @@ class ServedModel:
             return name
         raise APIError(f"The model `{name}` does not exist.", 404, "model")
 
-    def submit(self, prompt: list[int], params: list[SamplingParams],
-               lora_name: str | None = None) -> list:  # fmt: skip
+    def submit(
+        self, prompt: list[int], params: list[SamplingParams], lora_name: str | None = None
+    ) -> list:
         """A group of engine requests on `prompt` (prefilled once, run with the adapter
         `lora_name` when given), each one's stream of deltas with its latencies recorded."""
         streams = self.client.submit_group(prompt, params, lora_name)
@@ -138,10 +139,15 @@ def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
 
     @app.get("/v1/models")
     async def models():
-        entry = {"id": served.name, "object": "model", "created": served.started,
-                 "owned_by": "pipe", "root": served.name,
-                 "max_model_len": client.ready.max_context,
-                 "weight_version": served.weights.version}  # fmt: skip
+        entry = {
+            "id": served.name,
+            "object": "model",
+            "created": served.started,
+            "owned_by": "pipe",
+            "root": served.name,
+            "max_model_len": client.ready.max_context,
+            "weight_version": served.weights.version,
+        }
         adapters = served.adapters.cards(served.name, served.started)
         return {"object": "list", "data": [entry, *adapters]}
 
@@ -154,14 +160,24 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
         special = body.special_tokens_wanted
-        prompts = [served.truncated(body, served.codec.prompt(p, special_tokens=special))
-                   for p in completion_prompts(body.prompt)]  # fmt: skip
+        prompts = [
+            served.truncated(body, served.codec.prompt(p, special_tokens=special))
+            for p in completion_prompts(body.prompt)
+        ]
         jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
         streams = submit_jobs(served.submitter(lora), jobs, "prompt")
         writer = CompletionWriter(body, prompts, served.codec.token_text)
         ident = served.response_id(body, "cmpl")
-        return await respond(writer, ident, lora or served.name, jobs, streams, body.stream,
-                             http.is_disconnected, served.weights.fingerprint)  # fmt: skip
+        return await respond(
+            writer,
+            ident,
+            lora or served.name,
+            jobs,
+            streams,
+            body.stream,
+            http.is_disconnected,
+            served.weights.fingerprint,
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
@@ -169,16 +185,28 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         body.check(served.codec.vocab_size)
         tools = served.tools.reply(body)
         continue_final = bool(body.continue_final_message)
-        text = served.codec.chat(body.messages, body.add_generation_prompt is not False,
-                                 continue_final=continue_final, tools=body.tools,
-                                 extra=body.template_kwargs())  # fmt: skip
+        text = served.codec.chat(
+            body.messages,
+            body.add_generation_prompt is not False,
+            continue_final=continue_final,
+            tools=body.tools,
+            extra=body.template_kwargs(),
+        )
         prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
         jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids, served.codec.encode)
         streams = submit_jobs(served.submitter(lora), jobs, "messages")
         writer = ChatWriter(body, prompt, served.codec.token_text, tools, text)
         ident = served.response_id(body, "chatcmpl")
-        return await respond(writer, ident, lora or served.name, jobs, streams, body.stream,
-                             http.is_disconnected, served.weights.fingerprint)  # fmt: skip
+        return await respond(
+            writer,
+            ident,
+            lora or served.name,
+            jobs,
+            streams,
+            body.stream,
+            http.is_disconnected,
+            served.weights.fingerprint,
+        )
 
 
 def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
@@ -195,13 +223,22 @@ def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
         else:
             continue_final = bool(body.continue_final_message)
             add_generation_prompt = not continue_final and body.add_generation_prompt is not False
-            text = codec.chat(body.messages, add_generation_prompt, continue_final=continue_final,
-                              tools=body.tools, extra=body.chat_template_kwargs)  # fmt: skip
+            text = codec.chat(
+                body.messages,
+                add_generation_prompt,
+                continue_final=continue_final,
+                tools=body.tools,
+                extra=body.chat_template_kwargs,
+            )
         tokens = codec.encode(text, body.special_tokens_wanted)
         strs = [codec.token_text(t) for t in tokens] if body.return_token_strs else None
         max_model_len = served.client.ready.max_context
-        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
-                "token_strs": strs}  # fmt: skip
+        return {
+            "count": len(tokens),
+            "max_model_len": max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
 
     @app.get("/tokenizer_info")
     async def tokenizer_info_route():

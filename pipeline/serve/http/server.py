@@ -59,9 +59,17 @@ def create_app(client: EngineClient, model_name: str, tools=None, runtime_lora: 
     return app
 
 
-def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
-               model_name: str | None, tools=None, access_log: bool = False,
-               runtime_lora: bool = False) -> None:  # fmt: skip
+def run_server(
+    spec: EngineSpec,
+    *,
+    host: str,
+    port: int,
+    max_waiting: int,
+    model_name: str | None,
+    tools=None,
+    access_log: bool = False,
+    runtime_lora: bool = False,
+) -> None:
     """Take the address, load the model in the engine process, then serve until SIGTERM /
     Ctrl-C, drain the requests in flight and return. `LoadError` if the model cannot be
     loaded; a click error at once if the address is taken (`pipeline.serve.http.startup`)."""
@@ -73,8 +81,11 @@ def run_server(spec: EngineSpec, *, host: str, port: int, max_waiting: int,
         client = EngineClient(spec, max_waiting)
         ready = client.start()
         name = model_name or ready.name
-        config = uvicorn.Config(create_app(client, name, tools, runtime_lora), log_level="warning",
-                                access_log=access_log)  # fmt: skip
+        config = uvicorn.Config(
+            create_app(client, name, tools, runtime_lora),
+            log_level="warning",
+            access_log=access_log,
+        )
         if access_log:
             enable_access_log()
 

@@ -56,9 +56,11 @@ def adapter_hint(checkpoint: str) -> str | None:
     except (OSError, ValueError):
         base = None
     base_text = base if isinstance(base, str) and base else "BASE"
-    return (f"{checkpoint} holds LoRA adapters, not a model: serve the base with them, "
-            f"`pipe serve {base_text} --lora-adapter {checkpoint}`, or by name, "
-            f"`pipe serve {base_text} --lora-modules NAME={checkpoint}`")  # fmt: skip
+    return (
+        f"{checkpoint} holds LoRA adapters, not a model: serve the base with them, "
+        f"`pipe serve {base_text} --lora-adapter {checkpoint}`, or by name, "
+        f"`pipe serve {base_text} --lora-modules NAME={checkpoint}`"
+    )
 
 
 def enable_access_log() -> None:

@@ -15,10 +15,19 @@ from pipeline.serve.engine.structured_output import StructuredOutput, Structured
 
 # vLLM's StructuredOutputsParams: the keys that constrain, and those that only tune
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
-TUNING = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
-          "disable_fallback", "whitespace_flexible")  # fmt: skip
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-          "guided_grammar": "grammar"}  # fmt: skip
+TUNING = (
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+    "disable_fallback",
+    "whitespace_flexible",
+)
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def structured_output_of(body: Any) -> StructuredOutput | None:

@@ -15,16 +15,21 @@ def check_token_limit(body, prompt_tokens: int, token_budget: int) -> None:
         raise APIError(
             f"This model's maximum context length is {token_budget} tokens. However, your "
             f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
-            f"{prompt_param}.", param=prompt_param,
-        )  # fmt: skip
+            f"{prompt_param}.",
+            param=prompt_param,
+        )
     wanted = body.requested_tokens()
     if wanted is None or getattr(body, "echo_only", False):
         return
     if prompt_tokens + wanted > token_budget:
-        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
-            "max_tokens")  # fmt: skip
+        field = (
+            "max_completion_tokens"
+            if getattr(body, "max_completion_tokens", None)
+            else ("max_tokens")
+        )
         raise APIError(
             f"'{field}' is too large: {wanted}. This model's maximum context length is "
             f"{token_budget} tokens and your request has {prompt_tokens} input tokens "
-            f"({wanted} > {token_budget} - {prompt_tokens}).", param=field,
-        )  # fmt: skip
+            f"({wanted} > {token_budget} - {prompt_tokens}).",
+            param=field,
+        )

@@ -16,8 +16,11 @@ from typing import Any
 
 from pipeline.tokenizer.chat_template import ChatTemplateError, special_tokens
 
-_CLASS_BY_KIND = {"hf": "PreTrainedTokenizerFast", "sentencepiece": "LlamaTokenizer",
-                  "gpt2": "GPT2TokenizerFast"}  # fmt: skip
+_CLASS_BY_KIND = {
+    "hf": "PreTrainedTokenizerFast",
+    "sentencepiece": "LlamaTokenizer",
+    "gpt2": "GPT2TokenizerFast",
+}
 
 
 def tokenizer_info(path: str | Path, tokenizer, template) -> dict[str, Any]:

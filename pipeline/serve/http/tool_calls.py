@@ -45,9 +45,9 @@ def tool_names(tools: list[dict[str, Any]]) -> list[str]:
         function = tool.get("function") if tool.get("type", "function") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise APIError(
-                f"tools[{index}]: expected {{\"type\": \"function\", \"function\": "
-                "{\"name\": ...}}", param="tools",
-            )  # fmt: skip
+                f'tools[{index}]: expected {{"type": "function", "function": {{"name": ...}}}}',
+                param="tools",
+            )
         names.append(function["name"])
     return names
 
@@ -56,15 +56,21 @@ def named_function(tool_choice: dict[str, Any], names: list[str]) -> str:
     """The function a named `tool_choice` asks for (a 400 with vLLM's message otherwise)."""
     function = tool_choice.get("function")
     if not isinstance(function, dict):
-        raise APIError(f"Invalid value for `function`: `{function}` in `tool_choice`! "
-                       f"{NAMED_USAGE}", param="tool_choice")  # fmt: skip
+        raise APIError(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {NAMED_USAGE}",
+            param="tool_choice",
+        )
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        raise APIError(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_USAGE}",
-                       param="tool_choice")  # fmt: skip
+        raise APIError(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_USAGE}",
+            param="tool_choice",
+        )
     if name not in names:
-        raise APIError("The tool specified in `tool_choice` does not match any of the specified "
-                       "`tools`", param="tool_choice")  # fmt: skip
+        raise APIError(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            param="tool_choice",
+        )
     return name
 
 
@@ -77,8 +83,9 @@ class ToolServing:
 
     def __post_init__(self) -> None:
         if self.parser is not None and self.parser not in TOOL_PARSERS:
-            raise ValueError(f"--tool-call-parser {self.parser!r}: choose from "
-                             f"{', '.join(TOOL_PARSERS)}")  # fmt: skip
+            raise ValueError(
+                f"--tool-call-parser {self.parser!r}: choose from {', '.join(TOOL_PARSERS)}"
+            )
         if self.enable_auto_tool_choice and self.parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 

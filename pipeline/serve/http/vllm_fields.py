@@ -97,7 +97,9 @@ _BOTH: dict[str, FieldRule] = {
     "session_id": _ignored("a routing hint for related requests: no effect", None, "s"),
     "priority": _refused(
         "pipe's scheduler is first come first served; vLLM refuses a priority it does not "
-        "schedule by", 0, 5
+        "schedule by",
+        0,
+        5,
     ),
     "use_beam_search": _refused("beam search is not implemented", False, True),
     "length_penalty": _ignored("read by beam search only, which is refused", 1.0, 2.0),
@@ -145,7 +147,9 @@ _CHAT_ONLY: dict[str, FieldRule] = {
     "chat_template_kwargs": _served("given to the chat template (e.g. enable_thinking)"),
     "chat_template": _refused(
         "a template from the request is code from the client; vLLM refuses it unless started "
-        "with --trust-request-chat-template", None, "{{ messages }}"
+        "with --trust-request-chat-template",
+        None,
+        "{{ messages }}",
     ),
     "reasoning_effort": _served(
         "given to the chat template, with enable_thinking (false for none) unless the kwargs say"

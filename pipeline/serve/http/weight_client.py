@@ -35,8 +35,11 @@ class WeightClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-             weight_version: str | None = None) -> str:  # fmt: skip
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        weight_version: str | None = None,
+    ) -> str:
         """Copy `named_tensors` into the served model through shared memory; returns the new
         weights' version (`weight_version`, else the server's count of updates).
         `WeightPushError` naming the tensor when one does not fit (the old weights serve on)."""
@@ -93,8 +96,9 @@ class WeightClient:
         return self._call(urllib.request.Request(self.url + path))
 
     def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(self.url + path, json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         return self._call(request)
 
     def _call(self, request: urllib.request.Request) -> dict:

@@ -53,8 +53,9 @@ class WeightControl:
         if mode not in PAUSE_MODES:
             raise APIError(
                 f"mode {mode!r}: use abort or wait (keep would run requests on old and new "
-                "weights)", param="mode",
-            )  # fmt: skip
+                "weights)",
+                param="mode",
+            )
         self.client.paused = True
         if mode == "abort":
             self.client.cancel_all()

@@ -42,8 +42,12 @@ class UpdateInfo(BaseModel):
             raise APIError("update_info: give either path or shm_name", param="update_info")
         if self.path is not None:
             return UpdateWeights(path=self.path)
-        lists = {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes,
-                 "offsets": self.offsets}  # fmt: skip
+        lists = {
+            "names": self.names,
+            "dtype_names": self.dtype_names,
+            "shapes": self.shapes,
+            "offsets": self.offsets,
+        }
         for field, value in lists.items():
             if not value or len(value) != len(self.names or []):
                 raise APIError(
@@ -51,9 +55,12 @@ class UpdateInfo(BaseModel):
                     param=f"update_info.{field}",
                 )
         return UpdateWeights(
-            shm_name=self.shm_name, names=tuple(self.names), dtype_names=tuple(self.dtype_names),
-            shapes=tuple(tuple(s) for s in self.shapes), offsets=tuple(self.offsets),
-        )  # fmt: skip
+            shm_name=self.shm_name,
+            names=tuple(self.names),
+            dtype_names=tuple(self.dtype_names),
+            shapes=tuple(tuple(s) for s in self.shapes),
+            offsets=tuple(self.offsets),
+        )
 
 
 class UpdateWeightsBody(BaseModel):
@@ -132,8 +139,9 @@ def add_weight_routes(app: FastAPI, weights: WeightControl) -> None:
 
 def _add_pause_routes(app: FastAPI, weights: WeightControl) -> None:
     @app.post("/pause")
-    async def pause(mode: str = "abort", wait_for_inflight_requests: bool = False,
-                    clear_cache: bool = True):  # fmt: skip
+    async def pause(
+        mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
+    ):
         await weights.pause("wait" if wait_for_inflight_requests else mode, clear_cache)
         return {"status": "paused"}
 

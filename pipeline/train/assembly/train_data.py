@@ -97,9 +97,11 @@ def tokenizer_info(cfg: TrainConfig, spec: Blend | PerSplitBlend | MockData) -> 
                 f"data.tokenizer {cfg.data.tokenizer}: the tokenizer has no EOD token"
             )
         return TokenizerInfo(
-            int(loaded.eod), int(loaded.vocab_size), f"tokenizer:{cfg.data.tokenizer}",
+            int(loaded.eod),
+            int(loaded.vocab_size),
+            f"tokenizer:{cfg.data.tokenizer}",
             loaded.fingerprint(),
-        )  # fmt: skip
+        )
     raise ConfigError(
         f"cannot tell the end-of-document token of {first}: no preprocess manifest beside it; "
         "set data.tokenizer to the tokenizer the data was made with"

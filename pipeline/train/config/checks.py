@@ -77,8 +77,9 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
             )
 
     if not cfg.checkpoint.enable and cfg.checkpoint.save_hf != "off":
-        problems.append("checkpoint.save_hf writes with the checkpoints: checkpoint.enable is "
-                        "false")  # fmt: skip
+        problems.append(
+            "checkpoint.save_hf writes with the checkpoints: checkpoint.enable is false"
+        )
     problems += _lora_problems(cfg)
     problems += _layout_problems(cfg, world_size)
     return problems
@@ -114,8 +115,10 @@ def _lora_problems(cfg: TrainConfig) -> list[str]:
             f"{', '.join(ALL_TARGETS)}"
         )
     if lo.rank <= 0 or lo.alpha <= 0 or not 0 <= lo.dropout < 1:
-        problems.append(f"need lora.rank > 0, alpha > 0 and 0 <= dropout < 1, got {lo.rank}, "
-                        f"{lo.alpha}, {lo.dropout}")  # fmt: skip
+        problems.append(
+            f"need lora.rank > 0, alpha > 0 and 0 <= dropout < 1, got {lo.rank}, "
+            f"{lo.alpha}, {lo.dropout}"
+        )
     if cfg.checkpoint.save_hf != "off":
         problems.append(
             "checkpoint.save_hf would write the base without the adapters under --lora: export "

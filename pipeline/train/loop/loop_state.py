@@ -56,9 +56,13 @@ class LogWindow:
         if not self.pending:
             return []
         rows = torch.stack(
-            [torch.stack([s.loss.double(), s.grad_norm.double().to(s.loss.device),
-                          s.skipped.double()]) for s in self.pending]
-        ).tolist()  # fmt: skip
+            [
+                torch.stack(
+                    [s.loss.double(), s.grad_norm.double().to(s.loss.device), s.skipped.double()]
+                )
+                for s in self.pending
+            ]
+        ).tolist()
         self.pending = []
         out = [(loss, norm, bool(skipped)) for loss, norm, skipped in rows]
         for loss, norm, skipped in out:

@@ -125,9 +125,12 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         with autocast, self.loss_fn.step(micro_batches, num_tokens):
             self.schedule.step(
-                *args, target=target, losses=losses if self.is_last else None,
-                return_outputs=False, **_model_kwargs(batch),
-            )  # fmt: skip
+                *args,
+                target=target,
+                losses=losses if self.is_last else None,
+                return_outputs=False,
+                **_model_kwargs(batch),
+            )
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=batch["tokens"].device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() * num_tokens

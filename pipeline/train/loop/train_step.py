@@ -154,9 +154,7 @@ def _balance_experts(model: TrainableModel, finite: torch.Tensor) -> None:
     update_expert_biases(config, layers, world, apply=finite)
 
 
-def global_mean(
-    loss_sum: float, count: float, layout: ParallelDims, device: torch.device
-) -> float:
+def global_mean(loss_sum: float, count: float, layout: ParallelDims, device: torch.device) -> float:
     """The loss normalised by its count over every rank's evaluation batches: counts are summed
     over the ranks holding different tokens, loss sums also over pipeline stages (only the last
     one has them)."""

@@ -155,10 +155,17 @@ class Trainer:
         adapters on a frozen base, and what the objective records in every checkpoint."""
         adapter = state_adapter(self.cfg, self.model, self.parts, self.layout.world_group)
         return RunState(
-            self.cfg, self.model_config, self.layout, model=self.model, parts=self.parts,
-            optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
-            adapter=adapter, records=self.objective.records(),
-        )  # fmt: skip
+            self.cfg,
+            self.model_config,
+            self.layout,
+            model=self.model,
+            parts=self.parts,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            tokenizer=self.tokenizer,
+            adapter=adapter,
+            records=self.objective.records(),
+        )
 
     def _build_logging(self, console: bool) -> MetricsLogger:
         """The run directory with the resolved `config.toml`, and the metrics logger."""
@@ -226,11 +233,17 @@ class Trainer:
         """One optimizer step on the next global batch of `iterator` (forward, backward, clip,
         step, FP8 post-step work), without logging or checkpointing; benchmarks time this."""
         return train_step(
-            self.model, self.optimizer, self.scheduler, self.next_global_batch(iterator),
-            clip_grad=self.cfg.optimizer.clip_grad, autocast=self.autocast,
-            dp_group=self.layout.batch_group, runner=self.step_runner,
-            pp_group=self.layout.pipeline_group, after_optimizer_step=self._after_optimizer_step,
-        )  # fmt: skip
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.next_global_batch(iterator),
+            clip_grad=self.cfg.optimizer.clip_grad,
+            autocast=self.autocast,
+            dp_group=self.layout.batch_group,
+            runner=self.step_runner,
+            pp_group=self.layout.pipeline_group,
+            after_optimizer_step=self._after_optimizer_step,
+        )
 
     def train(self) -> TrainResult:
         """Train to `training.iters`; returns how it ended. Raises `NonFiniteStop` (after saving)
@@ -339,9 +352,13 @@ class Trainer:
                 skipped_now += 1
                 log.warning(
                     "iteration %d: non-finite loss %s or grad norm %s: step skipped "
-                    "(%d in a row, %d in all)", iteration, loss, norm,
-                    self.guard.consecutive, self.guard.total,
-                )  # fmt: skip
+                    "(%d in a row, %d in all)",
+                    iteration,
+                    loss,
+                    norm,
+                    self.guard.consecutive,
+                    self.guard.total,
+                )
         self.scheduler.rewind(skipped_now)
 
     def _stop_if_diverged(self) -> None:

@@ -137,8 +137,9 @@ def start_key(cfg: TrainConfig, model_config: Any, load: str | None) -> str:
         root = Path(load)
         files = [
             [str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
-            for f in sorted(root.rglob("*")) if f.is_file() and "cache" not in f.parts
-        ]  # fmt: skip
+            for f in sorted(root.rglob("*"))
+            if f.is_file() and "cache" not in f.parts
+        ]
     record = {
         "load": load,
         "files": files,
@@ -185,7 +186,11 @@ def load_start(built: Any, start: dict[str, Any], run: Any) -> None:
     state = model_and_optimizer_state(built.model)
     with quiet_dcp():
         checkpoint_load(
-            load, None, state, restore_rng=False, process_group=run.layout.world_group,
+            load,
+            None,
+            state,
+            restore_rng=False,
+            process_group=run.layout.world_group,
             verify_checksums=run.cfg.checkpoint.verify_checksums,
-        )  # fmt: skip
+        )
     load_model_and_optimizer_state(built.model, None, state)

@@ -191,6 +191,7 @@ register(
     )
 )
 
+
 def _muon_problems(cfg: TrainConfig) -> list[str]:
     """Muon's settings in range: momentum, Newton-Schulz steps and its three coefficients."""
     o, problems = cfg.optimizer, []

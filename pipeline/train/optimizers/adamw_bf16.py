@@ -42,9 +42,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
-    "AdamWBF16", "adamw_group_step_bf16", "adamw_step_bf16", "rounding_generator",
-    "states_to_bf16", "stochastic_round_bf16",
-]  # fmt: skip
+    "AdamWBF16",
+    "adamw_group_step_bf16",
+    "adamw_step_bf16",
+    "rounding_generator",
+    "states_to_bf16",
+    "stochastic_round_bf16",
+]
 
 
 def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

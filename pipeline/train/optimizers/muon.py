@@ -166,9 +166,11 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             updates.append(_local(p.grad).lerp(buf, mu) if group["nesterov"] else buf)
         ns = NewtonSchulz(
-            tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"],
+            tuple(group["ns_coefficients"]),
+            group["ns_steps"],
+            group["eps"],
             _DTYPES[group["ns_dtype"]],
-        )  # fmt: skip
+        )
         for p, update in zip(params, orthogonalize(list(zip(params, updates)), ns, self.tp_mode)):
             # A block orthogonalised alone is scaled by its own shape (RMS as AdamW's again).
             blockwise = shard_layout(p, self.tp_mode) == "blockwise"
@@ -190,11 +192,21 @@ class Muon(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adamw(
-            params, [p.grad for p in params], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], fused=True,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["adam_eps"], maximize=False,
-        )  # fmt: skip
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            fused=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["adam_eps"],
+            maximize=False,
+        )
 
 
 def build_muon(model: torch.nn.Module, cfg: TrainConfig) -> Muon:
@@ -212,10 +224,19 @@ def build_muon(model: torch.nn.Module, cfg: TrainConfig) -> Muon:
         if rest or not mine:
             groups.append({**group, "params": rest, "use_muon": False})
     return Muon(
-        groups, tp_mode=o.muon_tp_mode, state_dtype=o.state_dtype, seed=cfg.training.seed,
-        lr=o.lr, weight_decay=o.weight_decay,
-        momentum=o.muon_momentum, nesterov=o.muon_use_nesterov,
-        ns_coefficients=tuple(o.muon_ns_coefficients), ns_steps=o.muon_num_ns_steps,
-        ns_dtype=o.muon_ns_dtype, eps=1e-7, adjust_lr_fn=o.muon_adjust_lr_fn,
-        betas=(o.beta1, o.beta2), adam_eps=o.eps,
-    )  # fmt: skip
+        groups,
+        tp_mode=o.muon_tp_mode,
+        state_dtype=o.state_dtype,
+        seed=cfg.training.seed,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        momentum=o.muon_momentum,
+        nesterov=o.muon_use_nesterov,
+        ns_coefficients=tuple(o.muon_ns_coefficients),
+        ns_steps=o.muon_num_ns_steps,
+        ns_dtype=o.muon_ns_dtype,
+        eps=1e-7,
+        adjust_lr_fn=o.muon_adjust_lr_fn,
+        betas=(o.beta1, o.beta2),
+        adam_eps=o.eps,
+    )

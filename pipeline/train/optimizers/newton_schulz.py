@@ -96,9 +96,12 @@ def _addmm(input: Tensor, m1: Tensor, m2: Tensor, *, beta: float, alpha: float =
         return torch.addmm(input, m1, m2, beta=beta, alpha=alpha)
     flat = (-1, *input.shape[-2:])
     out = torch.baddbmm(
-        input.reshape(flat), m1.reshape(-1, *m1.shape[-2:]), m2.reshape(-1, *m2.shape[-2:]),
-        beta=beta, alpha=alpha,
-    )  # fmt: skip
+        input.reshape(flat),
+        m1.reshape(-1, *m1.shape[-2:]),
+        m2.reshape(-1, *m2.shape[-2:]),
+        beta=beta,
+        alpha=alpha,
+    )
     return out.reshape(input.shape[:-2] + out.shape[-2:])
 
 
@@ -197,9 +200,13 @@ def _gathered(param: Tensor, update: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     spread = DTensor.from_local(
-        update, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+        update,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
         stride=param.stride(),
-    )  # fmt: skip
+    )
     return spread.full_tensor()
 
 

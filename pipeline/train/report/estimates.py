@@ -412,9 +412,11 @@ def _memory_lines(cfg: TrainConfig, model: ModelConfig, mem: MemoryEstimate) -> 
     host = []
     if cfg.optimizer.cpu_offload:
         offloaded = state_bytes_per_param(cfg, model, resident=False)
-        host = [f"             host memory: {mem.host_state / _GIB:.2f} GiB pinned, the optimizer "
-                f"state ({offloaded:.3g} B/param) and fp32 copies of weights and gradients "
-                "(4 + 4); none of the state on the GPU"]  # fmt: skip
+        host = [
+            f"             host memory: {mem.host_state / _GIB:.2f} GiB pinned, the optimizer "
+            f"state ({offloaded:.3g} B/param) and fp32 copies of weights and gradients "
+            "(4 + 4); none of the state on the GPU"
+        ]
     return [
         f"memory/dev   {_count(mem.params_per_device)} params -> {held}{mem.state / _GIB:.2f} GiB",
         *objective,

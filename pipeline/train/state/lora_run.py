@@ -171,9 +171,13 @@ def load_base(
     state["model"] = {k: v for k, v in state["model"].items() if not is_adapter_name(k)}
     with quiet_dcp():
         load(
-            base.path, None, state, restore_rng=False, process_group=process_group,
+            base.path,
+            None,
+            state,
+            restore_rng=False,
+            process_group=process_group,
             verify_checksums=cfg.checkpoint.verify_checksums,
-        )  # fmt: skip
+        )
     load_model_and_optimizer_state(model, None, state, strict=False)
     log.info("LoRA base: %s (iteration %s)", base.path, base.iteration)
 

@@ -243,8 +243,9 @@ class RunState:
         self.checkpoints.wait()
         log.info(
             "saved checkpoint %s (written in the background in %.1f s)",
-            pending.directory, pending.seconds,
-        )  # fmt: skip
+            pending.directory,
+            pending.seconds,
+        )
 
     def finish_background_save_after_error(self) -> None:
         """On the way out of a failed run: let a background save commit, so the newest
@@ -262,9 +263,13 @@ class RunState:
         path = hf_directory(self.checkpoints.save_dir, iteration)
         with torch.no_grad():
             write_hf_from_model(
-                self.parts, self.model_config, self.layout, self._hf_source_metadata(), path,
+                self.parts,
+                self.model_config,
+                self.layout,
+                self._hf_source_metadata(),
+                path,
                 self.cfg.checkpoint.save_hf_dtype,
-            )  # fmt: skip
+            )
         self.hf_saved_at = iteration
         if self.layout.rank == 0:
             log.info("saved Hugging Face model %s", path)
@@ -370,9 +375,13 @@ class RunState:
         state = model_and_optimizer_state(self.model)
         with quiet_dcp():
             load(
-                c.load, iteration, state, restore_rng=False, process_group=self.layout.world_group,
+                c.load,
+                iteration,
+                state,
+                restore_rng=False,
+                process_group=self.layout.world_group,
                 verify_checksums=c.verify_checksums,
-            )  # fmt: skip
+            )
         load_model_and_optimizer_state(self.model, None, state)
         log.info("finetuning from the weights in %s (iteration 0)", c.load)
         return Progress()

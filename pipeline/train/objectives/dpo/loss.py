@@ -33,7 +33,13 @@ import torch.nn.functional as F
 from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
 
 __all__ = [
-    "DPOLoss", "DPOOptions", "PairTerms", "dpo_terms", "pair_rows", "row_logps", "sequence_logps",
+    "DPOLoss",
+    "DPOOptions",
+    "PairTerms",
+    "dpo_terms",
+    "pair_rows",
+    "row_logps",
+    "sequence_logps",
     "sum_over",
 ]
 

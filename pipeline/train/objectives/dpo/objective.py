@@ -75,9 +75,14 @@ class DPO(Objective):
         runner = AdaptersOffRunner(run.step_runner, run.model)
         with evaluation_mode(run.model):
             sums = ref.precompute_reference(
-                runner, members, start["key"], self.layout, run.device, run.autocast,
+                runner,
+                members,
+                start["key"],
+                self.layout,
+                run.device,
+                run.autocast,
                 self.cfg.training.micro_batch_size,
-            )  # fmt: skip
+            )
         recorded = start.get("files")
         if recorded is not None and recorded != sums:
             changed = next(p for p in sums if recorded.get(p) != sums[p])

@@ -26,7 +26,11 @@ from typing import Any
 import torch
 
 __all__ = [
-    "GRPOLossOptions", "group_advantages", "nanstd", "per_token_loss", "reduce_loss",
+    "GRPOLossOptions",
+    "group_advantages",
+    "nanstd",
+    "per_token_loss",
+    "reduce_loss",
     "weighted_rewards",
 ]
 

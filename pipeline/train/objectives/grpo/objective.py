@@ -129,8 +129,9 @@ class GRPO(Objective):
             if not self._evaluating and iteration % passes:  # a run resumed from a signal's save
                 log.warning(
                     "iteration %d is a later pass over rollouts this run no longer holds: new "
-                    "rollouts serve the rest of their passes", iteration,
-                )  # fmt: skip
+                    "rollouts serve the rest of their passes",
+                    iteration,
+                )
             rows = self._rollout_rows(micro_batches, runner)
             if not self._evaluating and passes > 1:
                 self._kept = rows
@@ -149,9 +150,13 @@ class GRPO(Objective):
         with torch.enable_grad():
             leaf = logps.detach().requires_grad_(True)
             token_losses, stats = per_token_loss(
-                leaf, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
+                leaf,
+                batch.get("old_logps"),
+                batch.get("ref_logps"),
+                batch["advantages"],
+                mask,
                 self.options,
-            )  # fmt: skip
+            )
             loss_sum, count = reduce_loss(token_losses, mask, self.options)
             slope = torch.autograd.grad(loss_sum, leaf)[0] if hidden.requires_grad else None
         self.figures.add_stats(stats)
@@ -227,16 +232,21 @@ class GRPO(Objective):
 
         s = self.section
         if self._evaluating:
-            params = SamplingParams(s.max_completion_length, greedy=True,
-                                    stop_token_ids=self.stop_ids)  # fmt: skip
+            params = SamplingParams(
+                s.max_completion_length, greedy=True, stop_token_ids=self.stop_ids
+            )
             return [[params] for _ in samples]
         seed = self.cfg.training.seed
         return [
             [
                 SamplingParams(
-                    s.max_completion_length, s.temperature, s.top_k, s.top_p,
-                    seed=completion_seed(seed, sample, g), stop_token_ids=self.stop_ids,
-                )  # fmt: skip
+                    s.max_completion_length,
+                    s.temperature,
+                    s.top_k,
+                    s.top_p,
+                    seed=completion_seed(seed, sample, g),
+                    stop_token_ids=self.stop_ids,
+                )
                 for g in range(group)
             ]
             for sample in samples

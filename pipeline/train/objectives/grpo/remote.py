@@ -120,9 +120,10 @@ class RemoteRollouts:
             "return_token_ids": True,
         }
         request = urllib.request.Request(
-            self.url + "/v1/completions", json.dumps(body).encode(),
+            self.url + "/v1/completions",
+            json.dumps(body).encode(),
             {"Content-Type": "application/json"},
-        )  # fmt: skip
+        )
         for _ in range(RETRIES):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:

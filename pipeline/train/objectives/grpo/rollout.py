@@ -132,9 +132,14 @@ class RolloutModel:
         e = self.engine
         if e is None or e.scheduler.max_batch < rows or e.cache.num_blocks < blocks:
             self.engine = Engine(
-                self.module, max_batch=rows, cache_blocks=blocks, block_size=block,
-                prefill_chunk=4096, max_waiting=rows, cuda_graphs=self.cuda_graphs,
-            )  # fmt: skip
+                self.module,
+                max_batch=rows,
+                cache_blocks=blocks,
+                block_size=block,
+                prefill_chunk=4096,
+                max_waiting=rows,
+                cuda_graphs=self.cuda_graphs,
+            )
         return self.engine
 
 
