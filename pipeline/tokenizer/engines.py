@@ -53,8 +53,8 @@ class TokenizersEngine:
         ids = [e.ids for e in encode(texts, add_special_tokens=self.add_special_tokens)]
         return _pack(ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def added_tokens(self) -> list[str]:
         """Contents of the added (special or not) tokens, matched whole inside text."""
@@ -79,7 +79,8 @@ class SentencePieceEngine:
     def encode_packed(self, texts: list[str], threads: str = POOL) -> tuple[np.ndarray, np.ndarray]:
         return _pack([self.prefix + x for x in self.processor.encode(texts)])
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """sentencepiece never writes control pieces (BOS, EOS): either way the same text."""
         return self.processor.decode(ids)
 
     def added_tokens(self) -> list[str]:

@@ -71,9 +71,10 @@ class TextTokenizer:
         flat, offsets = self.encode_packed(texts)
         return [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of `ids` (special tokens kept visible), by the reference library."""
-        return self._reference().decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` by the reference library: special tokens kept visible unless
+        `skip_special_tokens` (what a served reply does by default, as vLLM's)."""
+        return self._reference().decode(ids, skip_special_tokens)
 
     def file_sha256(self, path: Path) -> str:
         if path not in self._sha256:

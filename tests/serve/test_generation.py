@@ -220,7 +220,7 @@ def test_a_requests_text_ends_at_a_stop_string_or_where_the_engine_ends_it() -> 
 
     pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 9: "<eos>"}
 
-    def decode(ids):
+    def decode(ids, skip_special_tokens=False):
         return "".join(pieces[i] for i in ids)
 
     params = SamplingParams(stop=("world",), stop_token_ids=frozenset({9}))

@@ -587,3 +587,351 @@ def test_n_completions_prefill_their_prompt_once(server, client, tokenizer) -> N
     assert answer.usage.prompt_tokens_details.cached_tokens == 0  # the first completion's
     assert moved("pipe:prefix_cache_queries_total") == 8 * size
     assert moved("pipe:prefix_cache_hits_total") == 7 * (size - 1)
+
+
+# ---- vLLM's request fields (pipeline.serve.http.vllm_fields) ---------------------------------
+
+BODIES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    "completion": ("/v1/completions", {"prompt": PROMPT}),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_hf_dir):
+    """transformers' own tokenizer of the served model: the text oracle."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(tiny_hf_dir)
+
+
+def _text(body: dict) -> str:
+    choice = body["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("kind", sorted(BODIES))
+def test_refused_fields_are_a_400_naming_them_unless_at_vllms_default(server, kind) -> None:
+    """Every field the inventory refuses, sent with a value that asks for something, is a 400
+    naming it; sent at vLLM's default (clients send defaults) it is served; an ignored field
+    changes nothing of the answer."""
+    from pipeline.serve.http.vllm_fields import FIELDS, fields_with
+
+    path, base = BODIES[kind]
+    base = {**base, "max_tokens": 3, "temperature": 0}
+    status, plain = raw(server, "POST", path, base)
+    assert status == 200, plain
+    for name in fields_with(kind, "refused"):
+        rule = FIELDS[kind][name]
+        status, body = raw(server, "POST", path, {**base, name: rule.example})
+        assert status == 400 and body["error"]["param"] == name, (name, body)
+        assert name in body["error"]["message"]
+        status, body = raw(server, "POST", path, {**base, name: rule.default})
+        assert status == 200 and _text(body) == _text(plain), (name, body)
+    for name in fields_with(kind, "ignored"):
+        status, body = raw(server, "POST", path, {**base, name: FIELDS[kind][name].example})
+        assert status == 200 and _text(body) == _text(plain), (name, body)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked(server, hf_tokenizer) -> None:
+    """vLLM's default `skip_special_tokens: true`, whole and streamed, chat and completions:
+    the text is what transformers decodes from the same ids."""
+    special = hf_tokenizer.all_special_ids
+    words = hf_tokenizer.encode("line value", add_special_tokens=False)
+    fields = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "allowed_token_ids": sorted(set(special + words)),
+    }
+    for skip in (None, True, False):
+        asked = fields if skip is None else {**fields, "skip_special_tokens": skip}
+        status, body = raw(server, "POST", "/v1/completions", asked)
+        ids = body["choices"][0]["token_ids"]
+        assert status == 200 and set(ids) <= set(fields["allowed_token_ids"])
+        assert set(ids) & set(special) and set(ids) - set(special)  # both kinds are there
+        expected = hf_tokenizer.decode(ids, skip_special_tokens=skip is not False)
+        assert body["choices"][0]["text"] == expected
+        streamed = raw_stream(server, "/v1/completions", {**asked, "return_token_ids": False})
+        assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == expected
+    only = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "allowed_token_ids": special[:1],
+        "ignore_eos": True,
+    }
+    bos = hf_tokenizer.convert_ids_to_tokens(special[0])
+    for skip, expected in ((None, ""), (False, bos * 3)):
+        asked = only if skip is None else {**only, "skip_special_tokens": skip}
+        status, body = raw(server, "POST", "/v1/chat/completions", asked)
+        assert status == 200 and body["choices"][0]["message"]["content"] == expected
+        streamed = raw_stream(server, "/v1/chat/completions", asked)
+        deltas = [c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]]
+        assert "".join(deltas) == expected
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {**fields, "skip_special_tokens": False, "spaces_between_special_tokens": False},
+    )
+    assert status == 400 and body["error"]["param"] == "spaces_between_special_tokens"
+    status, _ = raw(
+        server, "POST", "/v1/completions", {**fields, "spaces_between_special_tokens": False}
+    )
+    assert status == 200  # special tokens skipped: nothing to space
+
+
+def raw_stream(server, path: str, body: dict) -> list[dict]:
+    """The chunks of a streamed answer, as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request(
+        "POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+    )
+    lines = conn.getresponse().read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_min_tokens_masks_the_stop_tokens_until_that_count(server) -> None:
+    fields = {
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logit_bias": {"7": 100},
+        "stop_token_ids": [7],
+        "return_token_ids": True,
+    }
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "min_tokens": 5})
+    ids = body["choices"][0]["token_ids"]
+    assert status == 200 and 7 not in ids[:5] and ids[5:] == [7]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]["token_ids"] == [7]
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "min_tokens": 11})
+    assert status == 400 and body["error"]["param"] == "min_tokens"
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_bad_words_never_appear(server, hf_tokenizer) -> None:
+    """A word the greedy answer writes, banned: none of the token sequences it is written as
+    (alone, and after a space) appears any more."""
+    fields = {
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    plain = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]
+    word = hf_tokenizer.decode(plain["token_ids"][2:4]).strip()
+    assert word and word in plain["text"]
+    banned = raw(server, "POST", "/v1/completions", {**fields, "bad_words": [word]})[1]
+    ids = banned["choices"][0]["token_ids"]
+    alone = hf_tokenizer.encode(word, add_special_tokens=False)
+    spaced = hf_tokenizer.encode(" " + word, add_special_tokens=False)
+    assert not _contains(ids, alone)
+    assert len(spaced) != len(alone) or not _contains(ids, spaced)
+    assert ids != plain["token_ids"]
+
+
+def test_include_stop_str_in_output(server) -> None:
+    fields = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]["text"]
+    stop = text[4:7]
+    at = text.find(stop)
+    stopped = {**fields, "stop": [stop]}
+    assert _text(raw(server, "POST", "/v1/completions", stopped)[1]) == text[:at]
+    kept = {**stopped, "include_stop_str_in_output": True}
+    assert _text(raw(server, "POST", "/v1/completions", kept)[1]) == text[: at + len(stop)]
+    streamed = raw_stream(server, "/v1/completions", kept)
+    assert (
+        "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == text[: at + len(stop)]
+    )
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer) -> None:
+    ids = encode(tokenizer, PROMPT)
+    fields = {"max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    for side, kept in ((None, ids[-3:]), ("left", ids[-3:]), ("right", ids[:3])):
+        asked = {**fields, "prompt": PROMPT, "truncate_prompt_tokens": 3}
+        if side is not None:
+            asked["truncation_side"] = side
+        cut = raw(server, "POST", "/v1/completions", asked)[1]
+        direct = raw(server, "POST", "/v1/completions", {**fields, "prompt": kept})[1]
+        assert cut["choices"][0]["prompt_token_ids"] == kept and cut["usage"]["prompt_tokens"] == 3
+        assert cut["choices"][0]["text"] == direct["choices"][0]["text"]
+    whole = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {**fields, "prompt": PROMPT, "truncate_prompt_tokens": -1},
+    )[1]
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {**fields, "prompt": PROMPT, "truncate_prompt_tokens": 10**6},
+    )
+    assert status == 400 and body["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_chat_template_fields_reach_the_template(server) -> None:
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "line 3"}]
+    for extra in (
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+    ):
+        count = raw(server, "POST", "/tokenize", {"messages": messages, **extra})[1]["count"]
+        status, body = raw(
+            server, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra}
+        )
+        assert status == 200 and body["usage"]["prompt_tokens"] == count
+    plain = raw(server, "POST", "/tokenize", {"messages": messages})[1]["count"]
+    assert count != plain
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": messages, "continue_final_message": True},
+    )
+    assert status == 400 and body["error"]["param"] == "continue_final_message"
+    status, body = raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": messages, "chat_template_kwargs": {"chat_template": "x"}},
+    )
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+
+
+def test_request_id_names_the_response(server) -> None:
+    for path, base in BODIES.values():
+        body = raw(server, "POST", path, {**base, "max_tokens": 1, "request_id": "abc"})[1]
+        assert body["id"].endswith("-abc")
+
+
+def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
+    """Chat's `return_token_ids` (the ids decode to the reply, the prompt's are /tokenize's),
+    `echo` (the last message's text first, when the reply takes its role) and
+    `return_tokens_as_token_ids`, whole and streamed."""
+    messages = [{"role": "user", "content": "Hi"}]
+    fields = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, body = raw(server, "POST", "/v1/chat/completions", {**fields, "return_token_ids": True})
+    choice = body["choices"][0]
+    assert status == 200 and len(choice["token_ids"]) == 4
+    assert hf_tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    tokenized = raw(server, "POST", "/tokenize", {"messages": messages})[1]["tokens"]
+    assert body["prompt_token_ids"] == tokenized and "prompt_text" not in body
+    with_text = {**fields, "return_prompt_text": True}
+    rendered = raw(server, "POST", "/v1/chat/completions", with_text)[1]["prompt_text"]
+    assert rendered == "<|user|>Hi\n<|assistant|>"  # conftest's CHAT_TEMPLATE
+    assert raw_stream(server, "/v1/chat/completions", with_text)[0]["prompt_text"] == rendered
+    chunks = raw_stream(server, "/v1/chat/completions", {**fields, "return_token_ids": True})
+    assert chunks[0]["prompt_token_ids"] == tokenized
+    assert (
+        sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]), [])
+        == choice["token_ids"]
+    )
+    open_turn = {**fields, "add_generation_prompt": False}
+    reply = _text(raw(server, "POST", "/v1/chat/completions", open_turn)[1])
+    last_user = {**open_turn, "echo": True}
+    echoed = raw(server, "POST", "/v1/chat/completions", last_user)[1]["choices"][0]["message"]
+    assert echoed["role"] == "user" and echoed["content"] == "Hi" + reply
+    streamed = raw_stream(server, "/v1/chat/completions", last_user)
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]]
+    assert "".join(deltas) == echoed["content"]
+    assistant = [*messages, {"role": "assistant", "content": "line"}]
+    not_same_role = {**fields, "messages": assistant, "echo": True}
+    answer = raw(server, "POST", "/v1/chat/completions", not_same_role)[1]["choices"][0]
+    prefill = {**fields, "messages": assistant}
+    assert answer["message"]["content"] == "line" + _text(
+        raw(server, "POST", "/v1/chat/completions", prefill)[1]
+    )
+    named = raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {**fields, "logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True},
+    )[1]["choices"][0]
+    assert [e["token"] for e in named["logprobs"]["content"]] == [
+        f"token_id:{t}" for t in named["token_ids"]
+    ]
+    completion = raw(
+        server,
+        "POST",
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        },
+    )[1]
+    choice = completion["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+
+
+def test_prompt_logprobs_as_transformers_computes_them(server, tiny_hf_dir, tokenizer) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token its logprob and rank, then the best
+    alternatives, against transformers' model on the same weights; chat has them at the
+    answer's level (and with echo, as vLLM does); not streamed."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_dir).eval()
+    ids = encode(tokenizer, PROMPT)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    fields = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2}
+    found = raw(server, "POST", "/v1/completions", fields)[1]["choices"][0]["prompt_logprobs"]
+    assert found[0] is None and len(found) == len(ids)
+    for position, (token, entry) in enumerate(zip(ids[1:], found[1:])):
+        row = expected[position]
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        assert own["rank"] == int((row >= row[token]).sum())
+        assert own["decoded_token"] == tokenizer.decode([token])
+        best = row.topk(2).indices.tolist()
+        assert list(entry) == [str(t) for t in dict.fromkeys([token, *best])]
+        for rank, other in enumerate(best, 1):
+            assert entry[str(other)]["rank"] == rank
+            assert entry[str(other)]["logprob"] == pytest.approx(row[other].item(), abs=1e-4)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    answer = raw(server, "POST", "/v1/chat/completions", {**chat, "prompt_logprobs": 1})[1]
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert all(len(e) in (1, 2) for e in answer["prompt_logprobs"][1:])
+    echoed = raw(server, "POST", "/v1/chat/completions", {**chat, "echo": True})[1]
+    assert all(len(e) == 1 for e in echoed["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in raw(server, "POST", "/v1/chat/completions", chat)[1]
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "stream": True})
+    assert status == 400 and body["error"]["param"] == "prompt_logprobs"
+    # blocks a scoring request cached (without ranks) do not serve a request for ranks
+    long = {"prompt": "line 12: value of ranks " * 4, "max_tokens": 1}
+    for _ in range(2):
+        scored = raw(server, "POST", "/v1/completions", {**long, "echo": True, "logprobs": 1})[1]
+        assert "prompt_logprobs" not in scored["choices"][0]  # not asked: no ranks computed
+    ranked = raw(server, "POST", "/v1/completions", {**long, "prompt_logprobs": 1})[1]
+    entries = ranked["choices"][0]["prompt_logprobs"][1:]
+    assert all(isinstance(e[k]["rank"], int) for e in entries for k in e)
+
+
+def test_cache_salt_shares_cached_blocks_only_within_a_salt(server, tokenizer) -> None:
+    prompt = "line 77: a salted value " * 4
+    full = (len(encode(tokenizer, prompt)) - 1) // 8 * 8
+    fields = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(**extra) -> int:
+        body = raw(server, "POST", "/v1/completions", {**fields, **extra})[1]
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(cache_salt="a"), cached(cache_salt="a")] == [0, full]
+    salted_b = [cached(cache_salt="b"), cached(), cached(), cached(cache_salt="b")]
+    assert salted_b == [0, 0, full, full]
+    status, body = raw(server, "POST", "/v1/completions", {**fields, "cache_salt": ""})
+    assert status == 400

@@ -77,7 +77,9 @@ def prompt_logprobs(
         if not targets:
             continue
         logits = model.output(hidden[index, : len(targets)]).float()
-        found[index] = token_logprobs(logits.log_softmax(-1), targets, [top] * len(targets))
+        found[index] = token_logprobs(
+            logits.log_softmax(-1), targets, [top] * len(targets), request.params.logprob_ranks
+        )
     return found
 
 

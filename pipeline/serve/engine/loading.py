@@ -36,8 +36,10 @@ class Generator:
             raise LoadError("no tokenizer: pass --tokenizer DIR")
         return self.tokenizer.encode_batch([text])[0]
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

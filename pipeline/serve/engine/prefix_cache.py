@@ -7,7 +7,8 @@ last release and evicts them least recently used first; this manager decides, pe
 * names: every full block a request computes, prompt or generated, is named by the chain hash
   of its tokens and everything before them (`kv_cache.block_hashes`). The chain starts from the
   base model's empty root or from the request's adapter (its name and files), so an adapter's
-  blocks are never another adapter's or the base model's.
+  blocks are never another adapter's or the base model's; a request's `cache_salt` is mixed
+  into the root, so salted requests share blocks only with requests of the same salt.
 * lookup: a request takes the longest run of cached blocks that begins its prompt, never the
   whole prompt (its last token is always run, so there are logits to sample). A request asking
   `prompt_logprobs` takes only the cached blocks that kept the log-probabilities of their
@@ -40,13 +41,19 @@ if TYPE_CHECKING:
     from pipeline.serve.engine.lora_slots import LoRASlots
 
 
-def chain_root(lora_name: str | None, adapters: LoRASlots | None) -> bytes:
+def chain_root(
+    lora_name: str | None, adapters: LoRASlots | None, cache_salt: str | None = None
+) -> bytes:
     """What a request's chain of block hashes starts from: the base model's empty root, or its
-    adapter's name and files (as `adapters` has it registered now)."""
-    if lora_name is None:
-        return b""
-    source = f"lora\0{lora_name}\0{adapters.registered.get(lora_name)}"
-    return hashlib.sha256(source.encode()).digest()
+    adapter's name and files (as `adapters` has it registered now); a `cache_salt` (vLLM's)
+    mixed in, so only requests with the same salt share blocks."""
+    root = b""
+    if lora_name is not None:
+        source = f"lora\0{lora_name}\0{adapters.registered.get(lora_name)}"
+        root = hashlib.sha256(source.encode()).digest()
+    if cache_salt:
+        root = hashlib.sha256(root + b"salt\0" + cache_salt.encode()).digest()
+    return root
 
 
 class PrefixCacheManager:
@@ -71,7 +78,10 @@ class PrefixCacheManager:
         if request.slots is not None:
             return []
         hits, top = self.cache.lookup(request.block_hashes), request.params.prompt_logprobs
-        return hits if top is None else usable_prefix(self.cache, hits, request.prompt, top)
+        if top is None:
+            return hits
+        ranks = request.params.logprob_ranks
+        return usable_prefix(self.cache, hits, request.prompt, top, ranks)
 
     def take(self, request: Request, hits: list[int]) -> int:
         """Start `request` on the cached blocks `hits` (from `lookup`): its first positions are
@@ -110,7 +120,13 @@ class PrefixCacheManager:
             if top is not None:
                 hashed = request.block_hashes[index]
                 keep_block_logprobs(
-                    self.cache, hashed, request.prompt, request.prompt_logprobs, index, top
+                    self.cache,
+                    hashed,
+                    request.prompt,
+                    request.prompt_logprobs,
+                    index,
+                    top,
+                    request.params.logprob_ranks,
                 )
         request.registered = full
 

@@ -28,6 +28,7 @@ class BlockLogprobs:
     top: int
     entries: tuple[TokenLogprobs, ...]
     next_token: int
+    ranks: bool = False  # the entries carry their tokens' ranks
 
 
 def keep_block_logprobs(
@@ -37,11 +38,12 @@ def keep_block_logprobs(
     prompt_logprobs: Sequence[TokenLogprobs | None],
     index: int,
     top: int,
+    ranks: bool = False,
 ) -> None:
     """Keep the entries of block `index` of a request's prompt with the cached block named
     `block_hash` (the request's, or an equal one computed before), once each of its positions
-    predicts a prompt token, unless that block keeps as many tops already.
-    `prompt_logprobs[p]`: token p's entry (None for the first)."""
+    predicts a prompt token, unless that block keeps as many tops (and ranks, when the entries
+    have them) already. `prompt_logprobs[p]`: token p's entry (None for the first)."""
     size = cache.block_size
     end = (index + 1) * size + 1  # entries index * size + 1 .. end - 1
     named = cache.lookup([block_hash])
@@ -49,23 +51,25 @@ def keep_block_logprobs(
         return
     block = named[0]
     kept = cache.payload(block)
-    if isinstance(kept, BlockLogprobs) and kept.top >= top:
+    if isinstance(kept, BlockLogprobs) and kept.top >= top and (kept.ranks or not ranks):
         return
     entries = tuple(prompt_logprobs[index * size + 1 : end])
-    cache.attach(block, BlockLogprobs(top, entries, prompt[end - 1]))  # type: ignore[arg-type]
+    kept = BlockLogprobs(top, entries, prompt[end - 1], ranks)  # type: ignore[arg-type]
+    cache.attach(block, kept)
 
 
 def usable_prefix(
-    cache: BlockKVCache, blocks: list[int], prompt: Sequence[int], top: int
+    cache: BlockKVCache, blocks: list[int], prompt: Sequence[int], top: int, ranks: bool = False
 ) -> list[int]:
     """The leading run of `blocks` (cached blocks that begin `prompt`) whose kept entries serve
-    a request asking `top` most likely tokens."""
+    a request asking `top` most likely tokens (and the tokens' ranks)."""
     size = cache.block_size
     for i, block in enumerate(blocks):
         kept = cache.payload(block)
         if (
             not isinstance(kept, BlockLogprobs)
             or kept.top < top
+            or (ranks and not kept.ranks)
             or kept.next_token != prompt[(i + 1) * size]
         ):
             return blocks[:i]
@@ -78,5 +82,5 @@ def prefix_logprobs(cache: BlockKVCache, blocks: list[int], top: int) -> list[To
     for block in blocks:
         kept = cache.payload(block)
         assert isinstance(kept, BlockLogprobs)
-        entries += [TokenLogprobs(e.token_logprob, e.top[:top]) for e in kept.entries]
+        entries += [TokenLogprobs(e.token_logprob, e.top[:top], e.rank) for e in kept.entries]
     return entries

@@ -1,8 +1,9 @@
 """Choosing the next token: greedy, or temperature / top-k / top-p sampling from a request's own
 random generator, so a seed gives the same text whatever else shares the batch.
 
-Before the choice, a request may adjust its logits (logit bias, then repetition, frequency and
-presence penalties, in vLLM's order) and ask for log-probabilities (the model's raw log-softmax,
+Before the choice, a request may adjust its logits (its constraints: allowed token ids, bad words,
+stop tokens masked before `min_tokens`; then logit bias, repetition, frequency and presence
+penalties, in vLLM's order) and ask for log-probabilities (the model's raw log-softmax,
 before any adjustment or temperature, as vLLM reports them by default). `choose` does both for a
 batch of rows, touching only the rows that ask, so plain requests take the plain path."""
 
@@ -35,10 +36,12 @@ MAX_BIAS = 100.0  # OpenAI's bound on a logit bias (either sign)
 @dataclass(frozen=True)
 class TokenLogprobs:
     """A token's log-probability under the model and the `top` most likely tokens at its
-    position, best first, as (token id, log-probability) pairs."""
+    position, best first, as (token id, log-probability) pairs; `rank`: how many tokens are at
+    least as likely as it (1: the best), as vLLM reports it."""
 
     token_logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,14 @@ class SamplingParams:
     mapping is accepted and stored as pairs). `logprobs` / `prompt_logprobs`: report each
     generated / prompt token's log-probability and that many most likely alternatives.
     `structured_output`: the output held to a JSON schema, regex, choice or grammar
-    (`pipeline.serve.engine.structured_output`)."""
+    (`pipeline.serve.engine.structured_output`).
+
+    vLLM's constraints: `min_p` drops tokens less likely than min_p x the best one (after the
+    temperature); `min_tokens` masks the stop tokens until that many are generated (stop strings
+    are looked for after it too); `allowed_token_ids` (None: all) masks every other token;
+    `bad_words` (token id sequences) masks a sequence's last token wherever the output ends with
+    the rest of it. The text: `skip_special_tokens` leaves special tokens out of it,
+    `include_stop_str_in_output` keeps the stop string (or a stop token's text) in it."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -71,6 +81,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None  # the prefix cache shares blocks only within one salt
+    logprob_ranks: bool = False  # prompt logprobs carry each token's rank (vLLM's object)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -92,6 +110,19 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name in ("logprobs", "prompt_logprobs"):
             _check_count(name, getattr(self, name))
+        if not 0 <= self.min_p <= 1:
+            raise BadSamplingValue(f"min_p must be in [0, 1], not {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise BadSamplingValue(
+                f"min_tokens must be in [0, max_tokens ({self.max_new_tokens})], "
+                f"not {self.min_tokens}"
+            )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise BadSamplingValue("allowed_token_ids must be a non-empty list of token ids")
+        if any(not word for word in self.bad_words):
+            raise BadSamplingValue("bad_words: a bad word has no tokens")
 
     @property
     def is_greedy(self) -> bool:
@@ -101,11 +132,17 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a bias or penalty changes the logits before the choice."""
         return bool(
-            self.logit_bias
+            self.constrains
+            or self.logit_bias
             or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1
         )
+
+    @functools.cached_property
+    def constrains(self) -> bool:
+        """Whether vLLM's token constraints (min_tokens, allowed ids, bad words) mask logits."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words)
 
 
 def _bias_pairs(bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> tuple:
@@ -156,6 +193,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.is_greedy:
         return greedy_token(logits)
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if 0 < params.top_k < logits.numel():
         threshold = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, -math.inf)
@@ -233,7 +273,12 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
 
 
 def _plain(params: SamplingParams, vocab: int) -> bool:
-    return not params.is_greedy and not 0 < params.top_k < vocab and params.top_p >= 1
+    return (
+        not params.is_greedy
+        and not 0 < params.top_k < vocab
+        and params.top_p >= 1
+        and not params.min_p
+    )
 
 
 def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> list[int]:
@@ -249,8 +294,11 @@ def draw_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None])
 
 
 def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """`logits` `[rows, vocab]` (float) after each row's logit bias, repetition penalty, then
-    frequency and presence penalties (vLLM's order)."""
+    """`logits` `[rows, vocab]` (float) after each row's constraints (`constrained`), logit
+    bias, repetition penalty, then frequency and presence penalties (vLLM's order)."""
+    for i, row in enumerate(rows):
+        if row.params.constrains:
+            logits[i] = constrained(logits[i], row)
     logits = _add_bias(logits, [row.params.logit_bias for row in rows])
     penalties = [row.params.repetition_penalty for row in rows]
     if any(p != 1 for p in penalties):
@@ -261,6 +309,26 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     if any(frequency) or any(presence):
         counts = _token_counts([row.output for row in rows], logits)
         logits = count_penalized(logits, counts, frequency, presence)
+    return logits
+
+
+def constrained(logits: torch.Tensor, row: Row) -> torch.Tensor:
+    """One row's logits `[vocab]` with the tokens its constraints rule out at -inf: all but
+    `allowed_token_ids`; each bad word's last token where the output ends with the rest of the
+    word (a one-token word: always); the stop tokens while fewer than `min_tokens` are out."""
+    params, banned = row.params, []
+    if params.allowed_token_ids is not None:
+        keep = torch.full_like(logits, -math.inf)
+        allowed = torch.tensor(params.allowed_token_ids, device=logits.device)
+        logits = keep.index_copy(0, allowed, logits[allowed])
+    for word in params.bad_words:
+        head = list(word[:-1])
+        if not head or (len(row.output) >= len(head) and row.output[-len(head) :] == head):
+            banned.append(word[-1])
+    if len(row.output) < params.min_tokens:
+        banned += params.stop_token_ids
+    if banned:
+        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), -math.inf)
     return logits
 
 
@@ -316,18 +384,21 @@ def _token_counts(sequences: Sequence[list[int]], like: torch.Tensor) -> torch.T
 
 
 def token_logprobs(
-    logprobs: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]
+    logprobs: torch.Tensor, tokens: Sequence[int], tops: Sequence[int], ranks: bool = False
 ) -> list[TokenLogprobs]:
     """For each row of `logprobs` `[rows, vocab]`: `tokens[i]`'s log-probability and the
-    `tops[i]` most likely tokens (read back to the host in one go)."""
+    `tops[i]` most likely tokens (read back to the host in one go); with `ranks`, its rank too
+    (a pass over the vocabulary: over twice a log-softmax's time on a CPU, so only on ask)."""
     index = torch.tensor(tokens, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    chosen = logprobs.gather(1, index)
+    ranks = (logprobs >= chosen).sum(-1).tolist() if ranks else [None] * len(tokens)
+    chosen = chosen[:, 0].tolist()
     width = min(max(tops, default=0), logprobs.shape[-1])
     if width == 0:
-        return [TokenLogprobs(value) for value in chosen]
+        return [TokenLogprobs(value, rank=rank) for value, rank in zip(chosen, ranks)]
     values, ids = logprobs.topk(width, dim=-1)
     values, ids = values.tolist(), ids.tolist()
     return [
-        TokenLogprobs(value, tuple(zip(ids[i][:top], values[i][:top])))
+        TokenLogprobs(value, tuple(zip(ids[i][:top], values[i][:top])), ranks[i])
         for i, (value, top) in enumerate(zip(chosen, tops))
     ]

@@ -83,7 +83,7 @@ class Scheduler:
                 raise ValueError(f"adapter {lora_name!r}: this engine serves no adapters")
             for _ in params:
                 adapters.hold(lora_name)
-        root = chain_root(lora_name, adapters)
+        root = chain_root(lora_name, adapters, params[0].cache_salt if params else None)
         hashes = self.prefix_cache.prompt_hashes(prompt, root)
         group = []
         for each in params:

@@ -33,11 +33,14 @@ class TextStream:
         decode: Callable[[list[int]], str],
         stop: Sequence[str] = (),
         context: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> None:
         """`context`: the ids before the output (the prompt's last few), so that the first
         token's text is what it adds after them: a SentencePiece word keeps its leading space,
-        and prompt + output text is the whole text (vLLM's rule too)."""
+        and prompt + output text is the whole text (vLLM's rule too). `include_stop`: the text
+        ends after the stop string found, not before it."""
         self._decode = decode
+        self._include_stop = include_stop
         self._stop = [s for s in stop if s]
         context = list(context[-CONTEXT_IDS:]) if context else []
         context_text = decode(context) if context else ""
@@ -47,19 +50,22 @@ class TextStream:
         self.text = ""  # released so far
         self.stopped = False
         self._complete = ""  # decoded and whole: released, or held for a stop string
+        self._checked = 0  # _complete[:_checked] was looked at (or passed over) for stops
         self._prefix = 0  # ids[_prefix:_read] is the context decoded before the new ids
         self._read = len(context)
         self._prefix_text = context_text
 
-    def push(self, token: int) -> str:
-        """Add a token; the newly released text (sets `stopped` at a stop string)."""
+    def push(self, token: int, find_stop: bool = True) -> str:
+        """Add a token; the newly released text (sets `stopped` at a stop string, looked for
+        only with `find_stop`)."""
         self.ids.append(token)
         window = self._decode(self.ids[self._prefix :])
         if len(window) > len(self._prefix_text) and not window.endswith(_INCOMPLETE):
             self._complete += window[len(self._prefix_text) :]
             self._prefix, self._read = self._read, len(self.ids)
             self._prefix_text = self._decode(self.ids[self._prefix : self._read])
-        cut = self._stop_at(self._complete)
+        cut = self._stop_at(self._complete) if find_stop else None
+        self._checked = len(self._complete)
         if cut is not None:
             self.stopped = True
             return self._release(self._complete[:cut])
@@ -81,9 +87,13 @@ class TextStream:
         return delta
 
     def _stop_at(self, full: str) -> int | None:
-        start = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
-        found = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
-        return min(found) if found else None
+        # a stop string counts where it ends in the text not yet looked at (vLLM's rule)
+        starts = ((s, max(0, self._checked - len(s) + 1)) for s in self._stop)
+        found = [(i, s) for i, s in ((full.find(s, start), s) for s, start in starts) if i >= 0]
+        if not found:
+            return None
+        at, stop = min(found)
+        return at + len(stop) if self._include_stop else at
 
     def _held_for_stop(self, text: str) -> int:
         """Length of the longest end of `text` that begins some stop string."""
@@ -106,14 +116,27 @@ class RequestText:
     """One request's text from the tokens the engine generates for it (module docstring).
 
     The engine ends a request on token ids only (a stop token, `max_new_tokens`); the stop
-    strings are found here. When one ends the text first, `stopped_by_text` says so: the engine
-    does not know, and the caller must abort the request."""
+    strings are found here, once more than `min_tokens` tokens are out (vLLM's rule). When one
+    ends the text first, `stopped_by_text` says so: the engine does not know, and the caller
+    must abort the request. `decode(ids, skip_special_tokens)` is the tokenizer's; the
+    request's `skip_special_tokens` says whether special tokens are written."""
 
     def __init__(
-        self, decode: Callable[[list[int]], str], params: SamplingParams, prompt: Sequence[int]
+        self,
+        decode: Callable[[list[int], bool], str],
+        params: SamplingParams,
+        prompt: Sequence[int],
     ) -> None:
-        self._stream = TextStream(decode, params.stop, context=prompt)
+        skip = params.skip_special_tokens
+
+        def text_of(ids: list[int]) -> str:
+            return decode(ids, skip)
+
+        self._stream = TextStream(text_of, params.stop, prompt, params.include_stop_str_in_output)
         self._stop_token_ids = params.stop_token_ids
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        self._count = 0
         self.finish_reason: str | None = None
         self.stopped_by_text = False
 
@@ -126,7 +149,11 @@ class RequestText:
         """The text `token` releases, given the engine's `finish_reason` for it (None while the
         request goes on). A stop token adds no text of its own; at the end, whatever was held
         back (an incomplete character, a possible stop string's start) is released."""
-        text = "" if token in self._stop_token_ids else self._stream.push(token)
+        self._count += 1
+        if token in self._stop_token_ids and not self._include_stop:
+            text = ""
+        else:
+            text = self._stream.push(token, find_stop=self._count > self._min_tokens)
         if self._stream.stopped and finish_reason is None:
             finish_reason, self.stopped_by_text = "stop", True
         if finish_reason is not None:

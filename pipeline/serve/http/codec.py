@@ -44,12 +44,15 @@ class Codec:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """A prompt's token ids: a text encoded, or ids checked against the vocabulary."""
+    def prompt(
+        self, prompt: str | list[int], param: str = "prompt", special_tokens: bool = False
+    ) -> list[int]:
+        """A prompt's token ids: a text encoded (with the tokenizer's own special tokens when
+        `special_tokens`), or ids checked against the vocabulary."""
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError("the prompt is empty", param=param)
-            return self.encode(prompt)
+            return self.encode(prompt, special_tokens)
         bad = [t for t in prompt if t >= self.vocab_size]
         if bad:
             limit = self.vocab_size - 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pipeline.serve.engine.messages import Delta
 from pipeline.serve.engine.request_checks import PromptTooLong
 from pipeline.serve.engine.sampling import SamplingParams, TokenLogprobs
-from pipeline.serve.http.openai_api import APIError
+from pipeline.serve.http.openai_api import APIError, bad_word_ids
 from pipeline.serve.http.token_limits import check_token_limit
 
 
@@ -63,15 +63,21 @@ class Generation:
 
 
 def plan_jobs(
-    body, prompts: list[list[int]], token_budget: int, eos_ids: frozenset[int]
+    body,
+    prompts: list[list[int]],
+    token_budget: int,
+    eos_ids: frozenset[int],
+    encode: Callable[[str], list[int]] | None = None,
 ) -> list[Job]:
-    """Each prompt's jobs with their parameters (`body.sampling`); a bad value is a 400."""
+    """Each prompt's jobs with their parameters (`body.sampling`); a bad value is a 400.
+    `encode` tokenizes the body's `bad_words`."""
     jobs = []
+    bad = bad_word_ids(body.bad_words, encode) if body.bad_words and encode else ()
     for index, prompt in enumerate(prompts):
         check_token_limit(body, len(prompt), token_budget)
         for number in range(body.generations_per_prompt):
             try:
-                params = body.sampling(len(prompt), token_budget, eos_ids, number)
+                params = body.sampling(len(prompt), token_budget, eos_ids, number, bad)
             except ValueError as error:
                 raise APIError(str(error)) from None
             jobs.append(Job(index, number, prompt, params))

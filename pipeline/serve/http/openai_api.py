@@ -1,9 +1,10 @@
 """The OpenAI-compatible request bodies and response objects of `pipe serve`.
 
-Bodies follow OpenAI's documented fields, plus the extras vLLM accepts (`top_k`,
-`repetition_penalty`, `ignore_eos`, `stop_token_ids`) and the chat body's tool fields
-(`pipeline.serve.http.tool_fields`). Unknown fields are ignored and logged once, as vLLM does
-(`pipeline.serve.http.lenient`). `null`
+Bodies follow OpenAI's documented fields, plus the extras vLLM accepts (sampling constraints,
+detokenisation, prompt truncation, chat-template arguments) and the chat body's tool fields
+(`pipeline.serve.http.tool_fields`). Every field of vLLM's bodies is served, refused or ignored
+on purpose (`pipeline.serve.http.vllm_fields`); other unknown fields are ignored and logged once,
+as vLLM does (`pipeline.serve.http.lenient`). `null`
 for an optional field means its default. Errors are OpenAI's `{"error": {...}}` body with vLLM's
 type names ("BadRequestError", "NotFoundError") and the field at fault as `param`.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -95,6 +96,27 @@ class _Body(LenientModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's constraints, text and prompt fields (vllm_fields says what each does)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(default=0, ge=0)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool | None = None  # None: the body's default (special_tokens_wanted)
+    request_id: str | None = None
+    return_token_ids: bool | None = False  # each choice's prompt and generated ids
+    return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+
+    @property
+    def special_tokens_wanted(self) -> bool:
+        """Whether the tokenizer's own special tokens (BOS) go into a text prompt."""
+        raise NotImplementedError
 
     @property
     def choices_per_prompt(self) -> int:
@@ -119,6 +141,27 @@ class _Body(LenientModel):
             _token_id(key, vocab_size, "logit_bias")
         for token in self.stop_token_ids or []:
             _token_id(token, vocab_size, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
+            for token in self.allowed_token_ids:
+                _token_id(token, vocab_size, "allowed_token_ids")
+        asked = self.requested_tokens()
+        if self.min_tokens and asked is not None and self.min_tokens > asked:
+            raise APIError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({asked})",
+                param="min_tokens",
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(
+                "prompt_logprobs is not supported with stream: true", param="prompt_logprobs"
+            )
+        if self.spaces_between_special_tokens is False and self.skip_special_tokens is False:
+            raise APIError(
+                "spaces_between_special_tokens: false is not supported with special tokens in "
+                "the text (pipe's detokeniser writes them as the tokenizer decodes them)",
+                param="spaces_between_special_tokens",
+            )
         self.structured_output()
 
     def structured_output(self) -> StructuredOutput | None:
@@ -136,13 +179,38 @@ class _Body(LenientModel):
         """Alternatives per generated token to report (None: no logprobs)."""
         raise NotImplementedError
 
+    def truncated(self, prompt: list[int], context: int) -> list[int]:
+        """`prompt` cut to `truncate_prompt_tokens`, keeping its last tokens (`truncation_side`
+        right: its first), as vLLM cuts it: -1 is what the context leaves beside max_tokens,
+        more than that is a 400."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        room = context - (self.requested_tokens() or 0)
+        if keep > room:
+            raise APIError(
+                f"truncate_prompt_tokens ({keep}) must be at most the context less "
+                f"max_tokens ({room})",
+                param="truncate_prompt_tokens",
+            )
+        keep = room if keep == -1 else keep
+        if len(prompt) <= keep:
+            return prompt
+        return prompt[:keep] if self.truncation_side == "right" else prompt[len(prompt) - keep :]
+
     def sampling(
-        self, prompt_tokens: int, token_budget: int, eos_ids: frozenset[int], index: int = 0
+        self,
+        prompt_tokens: int,
+        token_budget: int,
+        eos_ids: frozenset[int],
+        index: int = 0,
+        bad_words: tuple[tuple[int, ...], ...] = (),
     ) -> SamplingParams:
         """The engine parameters of choice `index` for a prompt of `prompt_tokens` tokens.
 
         `token_budget` bounds prompt + output (the context, or the cache if smaller); a choice
-        beyond the first gets its own seed, so n seeded choices differ yet repeat."""
+        beyond the first gets its own seed, so n seeded choices differ yet repeat. `bad_words`:
+        the body's bad words as token ids (`bad_word_ids`)."""
         max_new = self.requested_tokens()
         if max_new is None:
             max_new = max(1, token_budget - prompt_tokens)
@@ -168,10 +236,52 @@ class _Body(LenientModel):
             logprobs=self.logprobs_wanted(),
             prompt_logprobs=self.prompt_logprobs_wanted(),
             structured_output=self.structured_output(),
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            allowed_token_ids=(
+                None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+            ),
+            bad_words=bad_words,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            cache_salt=self.cache_salt,
+            logprob_ranks=self.prompt_logprobs_shown is not None,
         )
 
     def prompt_logprobs_wanted(self) -> int | None:
-        return None
+        """Alternatives per prompt token to compute (None: no prompt logprobs)."""
+        return self.prompt_logprobs
+
+    @property
+    def prompt_logprobs_shown(self) -> int | None:
+        """Alternatives per prompt token in vLLM's `prompt_logprobs` object (None: none), when
+        asked. (vLLM also writes it for a completion's echo with logprobs; pipe does not, so
+        scoring, lm-eval's loglikelihood, does not pay for the ranks it never reads.)"""
+        return self.prompt_logprobs
+
+
+def logprob_token_text(body: _Body, token_text: Callable[[int], str]) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or `token_id:N` with vLLM's
+    `return_tokens_as_token_ids`."""
+    if body.return_tokens_as_token_ids:
+        return lambda token: f"token_id:{token}"
+    return token_text
+
+
+def bad_word_ids(words: Sequence[str], encode: Callable[[str], list[int]]) -> tuple:
+    """Each bad word as the token sequences it may be written as, vLLM's way: the word alone
+    (its leading spaces stripped), and after a space when that starts with another token of
+    the same count (a word inside text, for tokenizers that mark a leading space)."""
+    sequences = []
+    for word in words:
+        alone = tuple(encode(word.lstrip()))
+        if not alone:
+            raise APIError(f"bad_words: {word!r} has no tokens", param="bad_words")
+        sequences.append(alone)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 def _token_id(value: Any, vocab_size: int, param: str) -> int:
@@ -200,12 +310,13 @@ Prompt = (
 class CompletionBody(_Body):
     """POST /v1/completions."""
 
+    vllm_body: ClassVar[str] = "completion"
+
     prompt: Prompt
     max_tokens: int | None = Field(default=16, ge=0)  # 0 with echo: score the prompt alone
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=128)
-    return_token_ids: bool | None = False  # vLLM's: each choice's prompt and generated ids
 
     @property
     def echo_only(self) -> bool:
@@ -241,7 +352,15 @@ class CompletionBody(_Body):
         return self.logprobs
 
     def prompt_logprobs_wanted(self) -> int | None:
-        return self.logprobs if self.echo else None
+        # echo's logprobs are the prompt's too: as many alternatives as either asks
+        asked = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(asked) if asked else None
+
+    @property
+    def special_tokens_wanted(self) -> bool:
+        return self.add_special_tokens is not False  # vLLM's default for a prompt: added
 
 
 class ChatMessage(LenientModel):
@@ -262,16 +381,53 @@ class ChatMessage(LenientModel):
 class ChatBody(_Body, ToolFields):
     """POST /v1/chat/completions."""
 
+    vllm_body: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # what reaches the chat template (vLLM's)
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    echo: bool | None = False  # the last message's text before the reply (same role)
+    return_prompt_text: bool | None = False  # the rendered prompt in the answer
 
     def check(self, vocab_size: int) -> None:
         super().check(vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if "chat_template" in (self.chat_template_kwargs or {}):
+            raise APIError(
+                "chat_template_kwargs: a chat template from the request is not accepted",
+                param="chat_template_kwargs",
+            )
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+    @property
+    def special_tokens_wanted(self) -> bool:
+        return bool(self.add_special_tokens)  # vLLM's default for chat: the template's only
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The extra arguments the chat template sees: `documents`, `reasoning_effort` (and
+        `enable_thinking` from it unless the kwargs say), then `chat_template_kwargs`, as vLLM
+        gives them."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            extra["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            extra["reasoning_effort"] = self.reasoning_effort
+            extra.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return extra
 
     def structured_output(self) -> StructuredOutput | None:
         """A `required` or named `tool_choice` holds the reply to its calls' JSON, as vLLM does
@@ -290,6 +446,16 @@ class ChatBody(_Body, ToolFields):
 
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.prompt_logprobs_shown
+
+    @property
+    def prompt_logprobs_shown(self) -> int | None:
+        """vLLM's `prompt_logprobs`: as asked, else with `echo` top_logprobs' count (vLLM's)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return (self.top_logprobs or 0) if self.echo else None
 
 
 class TokenizeBody(LenientModel):
@@ -361,7 +527,7 @@ def template_messages(messages: Sequence[ChatMessage], template: ChatTemplate | 
     for index, message in enumerate(messages):
         entry = {
             "role": developer if message.role == "developer" else message.role,
-            "content": _text_content(message.content, index),
+            "content": message_text(message.content, index),
         }
         for key in ("name", "tool_call_id"):
             if getattr(message, key) is not None:
@@ -372,7 +538,8 @@ def template_messages(messages: Sequence[ChatMessage], template: ChatTemplate | 
     return plain
 
 
-def _text_content(content: str | list[dict] | None, index: int) -> str:
+def message_text(content: str | list[dict] | None, index: int) -> str:
+    """Message `index`'s content as text: its text parts joined (other parts: APIError)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -447,6 +614,29 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_list(
+    prompt: Sequence[int], entries: Sequence[Any] | None, token_text: Callable[[int], str]
+) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) a map from token id to
+    its logprob, rank and text: the prompt's own token first, then the best alternatives."""
+    entries = list(entries or [])
+    entries += [None] * (len(prompt) - len(entries))
+
+    def one(token: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(token)}
+
+    out: list[dict | None] = []
+    for token, entry in zip(prompt, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        found = {str(token): one(token, entry.token_logprob, entry.rank)}
+        for rank, (other, logprob) in enumerate(entry.top, 1):
+            found[str(other)] = one(other, logprob, rank)
+        out.append(found)
+    return out
 
 
 def chat_logprobs(

@@ -25,6 +25,9 @@ from pipeline.serve.http.openai_api import (
     completion_prompts,
     envelope,
     error_body,
+    logprob_token_text,
+    message_text,
+    prompt_logprobs_list,
     usage,
 )
 from pipeline.serve.http.tool_calls import ToolReply
@@ -96,7 +99,8 @@ class CompletionWriter:
     """The /v1/completions answer of one body, whole or as chunks."""
 
     def __init__(self, body: CompletionBody, prompts: list[list[int]], token_text: Callable):
-        self.body, self.prompts, self.token_text = body, prompts, token_text
+        self.body, self.prompts = body, prompts
+        self.token_text = logprob_token_text(body, token_text)
         texts = completion_prompts(body.prompt)
         # an echoed token-id prompt is its decoded text
         self.prompt_texts = (
@@ -150,6 +154,10 @@ class CompletionWriter:
                 if self.body.return_token_ids:
                     choice["prompt_token_ids"] = self.prompts[index]
                     choice["token_ids"] = new_ids
+                if self.body.prompt_logprobs_shown is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_list(
+                        self.prompts[index], g.prompt_logprobs, self.token_text
+                    )
                 choices.append(choice)
         answer = envelope(ident, model, "text_completion", choices)
         # every generated token counts, also best_of's discarded ones
@@ -192,18 +200,34 @@ class ChatWriter:
     def __init__(
         self,
         body: ChatBody,
-        prompt_tokens: int,
+        prompt: list[int],
         token_text: Callable,
         tools: ToolReply | None = None,
+        prompt_text: str = "",
     ) -> None:
-        """`tools`: how to read the reply into tool calls (None: plain text)."""
-        self.body, self.prompt_tokens, self.token_text = body, prompt_tokens, token_text
+        """`prompt`: the prompt's token ids (`prompt_text`: as the template rendered it);
+        `tools`: how to read the reply into tool calls (None: plain text)."""
+        self.body, self.prompt, self.prompt_text = body, prompt, prompt_text
+        self.token_text = logprob_token_text(body, token_text)
+        self.prompt_tokens = len(prompt)
         self.tools = tools
+        # vLLM's: the reply's role is the last message's when no generation prompt opens an
+        # assistant turn, and `echo` writes that message's text before the reply's
+        last = body.messages[-1]
+        self.role = "assistant" if body.add_generation_prompt is not False else last.role
+        self.echoed = ""
+        if body.echo and last.role == self.role:
+            self.echoed = message_text(last.content, len(body.messages) - 1)
 
     def _message(self, g: Generation) -> tuple[dict, str | None]:
         if self.tools is None:
-            return {"role": "assistant", "content": g.text}, g.finish_reason
-        return self.tools.message(g.text, g.finish_reason)
+            message, finish = {"role": self.role, "content": g.text}, g.finish_reason
+        else:
+            message, finish = self.tools.message(g.text, g.finish_reason)
+            message["role"] = self.role
+        if self.echoed:
+            message["content"] = self.echoed + (message.get("content") or "")
+        return message, finish
 
     def _logprobs(self, ids: list[int], entries: list) -> dict | None:
         if not self.body.logprobs:
@@ -223,7 +247,17 @@ class ChatWriter:
                     "finish_reason": finish_reason,
                 }
             )
+            if self.body.return_token_ids:
+                choices[-1]["token_ids"] = list(g.token_ids)
         answer = envelope(ident, model, "chat.completion", choices)
+        if self.body.return_token_ids:
+            answer["prompt_token_ids"] = self.prompt
+        if self.body.return_prompt_text:
+            answer["prompt_text"] = self.prompt_text
+        if self.body.prompt_logprobs_shown is not None:
+            answer["prompt_logprobs"] = prompt_logprobs_list(
+                self.prompt, generations[0].prompt_logprobs, self.token_text
+            )
         generated = sum(g.completion_tokens for g in generations)
         answer["usage"] = usage(self.prompt_tokens, generated, _cached_of(generations))
         return answer
@@ -235,12 +269,24 @@ class ChatWriter:
         for job in jobs:
             first = {
                 "index": job.number,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": self.role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
             first_chunk = envelope(ident, model, kind, [first])
+            if self.body.return_token_ids:
+                first_chunk["prompt_token_ids"] = self.prompt
+            if self.body.return_prompt_text:
+                first_chunk["prompt_text"] = self.prompt_text
             yield with_usage(first_chunk, self.body, self.prompt_tokens, 0)
+        for job in jobs if self.echoed else ():
+            echo = {
+                "index": job.number,
+                "delta": {"content": self.echoed},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield with_usage(envelope(ident, model, kind, [echo]), self.body, self.prompt_tokens, 0)
         generated, cached = [0] * len(jobs), [0] * len(jobs)
         tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
         async for k, delta in merged_deltas(streams):
@@ -251,7 +297,8 @@ class ChatWriter:
                 content = {"content": delta.text} if delta.text or not finish_reason else {}
             else:
                 content, finish_reason = tool_streams[k].delta(delta.text, finish_reason)
-                if not content and finish_reason is None and not self.body.logprobs:
+                quiet = not (self.body.logprobs or self.body.return_token_ids)
+                if not content and finish_reason is None and quiet:
                     continue
             choice = {
                 "index": jobs[k].number,
@@ -259,6 +306,8 @@ class ChatWriter:
                 "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
                 "finish_reason": finish_reason,
             }
+            if self.body.return_token_ids:
+                choice["token_ids"] = list(delta.token_ids)
             chunk = envelope(ident, model, kind, [choice])
             yield with_usage(chunk, self.body, self.prompt_tokens, generated[k])
         if self.body.include_usage:

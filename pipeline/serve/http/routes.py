@@ -78,6 +78,14 @@ class ServedModel:
         """A fresh response id, e.g. `cmpl-7`."""
         return f"{prefix}-{next(self._ids)}"
 
+    def response_id(self, body, prefix: str) -> str:
+        """The response's id: vLLM's `prefix-request_id` when the body names one, else fresh."""
+        return f"{prefix}-{body.request_id}" if body.request_id else self.new_id(prefix)
+
+    def truncated(self, body, prompt: list[int]) -> list[int]:
+        """`prompt` cut as the body's `truncate_prompt_tokens` asks (-1: the context)."""
+        return body.truncated(prompt, self.client.ready.max_context)
+
     def check_model(self, name: str | None) -> str | None:
         """The adapter `name` asks for (None: the base model); 404 unless `name` (when given)
         is the served model's or an adapter's."""
@@ -151,13 +159,18 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     async def completions(http: HTTPRequest, body: CompletionBody):
         lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
-        prompts = [served.codec.prompt(p) for p in completion_prompts(body.prompt)]
-        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids)
+        special = body.special_tokens_wanted
+        prompts = [
+            served.truncated(body, served.codec.prompt(p, special_tokens=special))
+            for p in completion_prompts(body.prompt)
+        ]
+        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
         streams = submit_jobs(served.submitter(lora), jobs, "prompt")
         writer = CompletionWriter(body, prompts, served.codec.token_text)
+        ident = served.response_id(body, "cmpl")
         return await respond(
             writer,
-            served.new_id("cmpl"),
+            ident,
             lora or served.name,
             jobs,
             streams,
@@ -171,13 +184,22 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
         tools = served.tools.reply(body)
-        prompt = served.codec.encode(served.codec.chat(body.messages, tools=body.tools))
-        jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids)
+        continue_final = bool(body.continue_final_message)
+        text = served.codec.chat(
+            body.messages,
+            body.add_generation_prompt is not False,
+            continue_final=continue_final,
+            tools=body.tools,
+            extra=body.template_kwargs(),
+        )
+        prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
+        jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids, served.codec.encode)
         streams = submit_jobs(served.submitter(lora), jobs, "messages")
-        writer = ChatWriter(body, len(prompt), served.codec.token_text, tools)
+        writer = ChatWriter(body, prompt, served.codec.token_text, tools, text)
+        ident = served.response_id(body, "chatcmpl")
         return await respond(
             writer,
-            served.new_id("chatcmpl"),
+            ident,
             lora or served.name,
             jobs,
             streams,
