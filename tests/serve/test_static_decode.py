@@ -100,6 +100,16 @@ def test_every_family_decodes_as_the_eager_step(family_model) -> None:
     assert widths <= {4, 8, 16, 32} and len(widths) > 1
 
 
+def test_prompt_chunks_of_one_token_are_not_decode_rows(llama) -> None:
+    """With `prefill_chunk=1` every prompt chunk is one new token, as a decode row is: the
+    static step takes only the scheduler's decode rows, so no token is sampled mid-prompt."""
+
+    def run(engine):
+        return [engine.add(p, s) for p, s in zip(PROMPTS[:2], SETTINGS[:2])]
+
+    _both(llama, run, max_batch=2, block_size=4, prefill_chunk=1)
+
+
 def test_groups_prefix_cache_and_prompt_logprobs(llama) -> None:
     """Groups sharing a prompt (one runs its last prompt token as a decode row), a later prompt
     on the prefix cache's blocks, prompt log-probabilities: as the eager step, packed rows and

@@ -37,9 +37,9 @@ def forward_rows(
     """Run `rows` through the model, writing their keys and values to `cache`. Returns the float
     logits `[ready, vocab]` of the rows whose prompt is done after this step (they sample a
     token), those rows' indices, and the prompt log-probabilities of the rows that ask, by row
-    index."""
-    if decoder is not None and all(new == 1 for _, new in rows):
-        # decode rows only: every one samples, and none has a prompt token left to score
+    index. `decoder`: given for the scheduler's decode rows only (each has one token left to
+    run, so every one samples and none has a prompt token left to score)."""
+    if decoder is not None:
         return (
             decoder.logits([request for request, _ in rows], adapters),
             list(range(len(rows))),
