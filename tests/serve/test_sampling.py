@@ -270,6 +270,25 @@ def test_logit_bias_outside_the_vocabulary_is_refused_at_add(llama) -> None:
     assert not engine.busy
 
 
+@pytest.mark.parametrize(
+    ("field", "values"),
+    [
+        ("allowed_token_ids", {"allowed_token_ids": (3, VOCAB)}),
+        ("bad_words", {"bad_words": ((3, VOCAB),)}),
+        ("stop_token_ids", {"min_tokens": 2, "stop_token_ids": (VOCAB,)}),
+    ],
+)
+def test_token_constraints_outside_the_vocabulary_are_refused_at_add(llama, field, values) -> None:
+    """A direct caller of the engine (rollouts, generate) gets the refusal at `add`, not a
+    failed step: the stop tokens only when `min_tokens` masks them."""
+    model, _ = llama
+    engine = Engine(model)
+    with pytest.raises(BadSamplingValue, match=f"{field} names token {VOCAB}"):
+        engine.add(PROMPT, SamplingParams(**values))
+    assert not engine.busy
+    engine.add(PROMPT, SamplingParams(max_new_tokens=1, stop_token_ids=(VOCAB,)))
+
+
 def test_params_and_logprobs_are_plain_picklable_data() -> None:
     params = SamplingParams(logit_bias={3: 1, 1: -2.5}, logprobs=2, prompt_logprobs=0)
     assert params.logit_bias == ((3, 1.0), (1, -2.5))

@@ -46,14 +46,22 @@ def check_request(
     cache: BlockKVCache,
     grammars: GrammarBackend | None,
 ) -> None:
-    """Raise why `params` on `prompt` can never run: `BadSamplingValue` for a logit bias on a
-    token outside the vocabulary or a structured output the engine cannot serve,
-    `PromptTooLong` for a request that fits neither the context nor the cache."""
-    outside = [token for token, _ in params.logit_bias if token >= vocab_size]
-    if outside:
-        raise BadSamplingValue(
-            f"logit_bias names token {outside[0]}, outside the vocabulary of {vocab_size} tokens"
-        )
+    """Raise why `params` on `prompt` can never run: `BadSamplingValue` for a token id outside
+    the vocabulary (a logit bias, allowed ids, bad words, the stop tokens `min_tokens` masks) or
+    a structured output the engine cannot serve, `PromptTooLong` for a request that fits
+    neither the context nor the cache."""
+    named = {
+        "logit_bias": [token for token, _ in params.logit_bias],
+        "allowed_token_ids": params.allowed_token_ids or (),
+        "bad_words": [token for word in params.bad_words for token in word],
+        "stop_token_ids": params.stop_token_ids if params.min_tokens else (),
+    }
+    for field, tokens in named.items():
+        outside = [token for token in tokens if token >= vocab_size]
+        if outside:
+            raise BadSamplingValue(
+                f"{field} names token {outside[0]}, outside the vocabulary of {vocab_size} tokens"
+            )
     if params.structured_output is not None:
         if grammars is None:
             raise BadSamplingValue("structured output needs a tokenizer.json beside the model")
