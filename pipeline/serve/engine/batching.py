@@ -37,9 +37,12 @@ def forward_rows(
     """Run `rows` through the model, writing their keys and values to `cache`. Returns the float
     logits `[ready, vocab]` of the rows whose prompt is done after this step (they sample a
     token), those rows' indices, and the prompt log-probabilities of the rows that ask, by row
-    index. `decoder`: given for the scheduler's decode rows only (each has one token left to
-    run, so every one samples and none has a prompt token left to score)."""
-    if decoder is not None:
+    index. Decode rows (each with one token left to run, so every one samples and none has a
+    prompt token left to score) go through `decoder` when given; a one-token prompt chunk
+    (`prefill_chunk=1`) has more to run, so it never does."""
+    if decoder is not None and all(
+        r.computed + n == len(r.tokens) == r.computed + 1 for r, n in rows
+    ):
         return (
             decoder.logits([request for request, _ in rows], adapters),
             list(range(len(rows))),

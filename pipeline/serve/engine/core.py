@@ -51,7 +51,7 @@ from pipeline.serve.engine.request import Event, Request
 from pipeline.serve.engine.request_checks import check_request
 from pipeline.serve.engine.sampling import SamplingParams, TokenLogprobs, choose
 from pipeline.serve.engine.scheduler import Scheduler
-from pipeline.serve.engine.static_decode import StaticDecoder, static_decoder
+from pipeline.serve.engine.static_decode import static_decoder
 
 if TYPE_CHECKING:
     from pipeline.serve.engine.structured_output import GrammarBackend
@@ -222,20 +222,15 @@ class Engine:
             self.prompt_tokens_cached += self.scheduler.admit(self.adapters)
             decoding, prefill = self.scheduler.rows()
         events = []
-        # only the scheduler's decode rows take the static step: a prompt chunk of one token
-        # (prefill_chunk=1) is one new token too, but it samples nothing until its prompt ends
-        for rows, decoder in ((decoding, self.decoder), (prefill, None)):
+        for rows in (decoding, prefill):
             if rows:
-                events += self._advance(rows, decoder)
+                events += self._advance(rows)
         return events
 
-    def _advance(
-        self, rows: list[tuple[Request, int]], decoder: StaticDecoder | None
-    ) -> list[Event]:
-        """Run `rows` (request, new tokens) through the model, decode rows through `decoder`
-        when given; sample where a prompt is done."""
+    def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
+        """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
         logits, ready, prompt_logprobs = forward_rows(
-            self.model, self.cache, rows, self.adapters, decoder
+            self.model, self.cache, rows, self.adapters, self.decoder
         )
         sampled = [rows[i][0] for i in ready]
         if self.grammars is not None:

@@ -69,15 +69,7 @@ class LayerSlots:
     def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
         self.cache.write(self.index, self.batch.write_slots, *new)
         dtype = new[0].dtype
-        slots = self.batch.read_slots
-        if self.fresh:
-            pools = self.cache.pools[self.index]
-            flat = slots.reshape(-1)
-            read = [
-                pool.index_select(0, flat).view(*slots.shape, *pool.shape[1:]) for pool in pools
-            ]
-        else:
-            read = self.cache.read(self.index, slots)
+        read = self.cache.read(self.index, self.batch.read_slots, fresh=self.fresh)
         return [t.to(dtype) for t in read]
 
 

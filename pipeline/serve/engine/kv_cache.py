@@ -223,16 +223,20 @@ class BlockKVCache:
         for pool, value in zip(self.pools[layer], values):
             pool.index_copy_(0, flat, value.reshape(flat.numel(), *pool.shape[1:]).to(pool.dtype))
 
-    def read(self, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
+    def read(self, layer: int, slots: torch.Tensor, fresh: bool = False) -> list[torch.Tensor]:
         """The cached tensors at `slots` `[batch, length]`: `[batch, length, *slot_shape]` each,
         views of buffers the next `read` overwrites (a layer attends over them before the next
-        layer reads)."""
+        layer reads); with `fresh`, new tensors instead (a CUDA graph's step must not hold a
+        buffer that an eager step may reallocate)."""
         flat = slots.reshape(-1)  # index_select: a quarter of the time of pool[slots] on a CPU
         out = []
         for kind, pool in enumerate(self.pools[layer]):
-            buffer = self._read_buffer(kind, pool, flat.numel())
-            torch.index_select(pool, 0, flat, out=buffer)
-            out.append(buffer.view(*slots.shape, *pool.shape[1:]))
+            if fresh:
+                read = pool.index_select(0, flat)
+            else:
+                read = self._read_buffer(kind, pool, flat.numel())
+                torch.index_select(pool, 0, flat, out=read)
+            out.append(read.view(*slots.shape, *pool.shape[1:]))
         return out
 
     def _read_buffer(self, kind: int, pool: torch.Tensor, rows: int) -> torch.Tensor:

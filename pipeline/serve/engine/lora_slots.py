@@ -91,7 +91,6 @@ class LoRASlots:
     _held: dict[str, _Held] = field(default_factory=dict)
     _rows: torch.Tensor | None = None  # slot of each row of the next forward pass ("gather")
     _row_count: int = 0  # rows of the next forward pass
-    _active: frozenset[int] = frozenset()
     _active_paths: frozenset[str] = frozenset()  # the linears its adapters target
     _groups: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> its rows
 
@@ -261,14 +260,14 @@ class LoRASlots:
         adapter's rows found here once, so no linear waits on the device to find them."""
         zero = self.max_loras
         rows = [zero if s is None or s == NO_ADAPTER else s for s in slots]
-        self._active = frozenset(rows) - {zero}
-        self._active_paths = frozenset().union(*(self._slots[s].paths for s in self._active))
+        active = frozenset(rows) - {zero}
+        self._active_paths = frozenset().union(*(self._slots[s].paths for s in active))
         self._row_count, device = len(rows), self._device
-        gather = self._active and self.method == "gather"
+        gather = active and self.method == "gather"
         self._rows = torch.tensor(rows, device=device) if gather else None
         self._groups = {
             slot: torch.tensor([i for i, r in enumerate(rows) if r == slot], device=device)
-            for slot in sorted(self._active)
+            for slot in sorted(active)
         }
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -277,7 +276,6 @@ class LoRASlots:
         adds its gathered update, found on the device, so a captured decode step
         (`pipeline.serve.engine.static_decode`) replays on the rows' new slots."""
         self._rows, self._row_count, self._groups = rows, rows.shape[0], {}
-        self._active = frozenset(range(self.max_loras))
         self._active_paths = frozenset(self.stacks)
 
     @cached_property
