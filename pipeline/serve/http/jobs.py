@@ -67,12 +67,12 @@ def plan_jobs(
     prompts: list[list[int]],
     token_budget: int,
     eos_ids: frozenset[int],
-    encode: Callable[[str], list[int]] | None = None,
+    encode: Callable[[str], list[int]],
 ) -> list[Job]:
     """Each prompt's jobs with their parameters (`body.sampling`); a bad value is a 400.
     `encode` tokenizes the body's `bad_words`."""
     jobs = []
-    bad = bad_word_ids(body.bad_words, encode) if body.bad_words and encode else ()
+    bad = bad_word_ids(body.bad_words, encode) if body.bad_words else ()
     for index, prompt in enumerate(prompts):
         check_token_limit(body, len(prompt), token_budget)
         for number in range(body.generations_per_prompt):

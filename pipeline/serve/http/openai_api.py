@@ -83,7 +83,6 @@ class _Body(LenientModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Bias] | None = None
-    user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: off
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
@@ -250,7 +249,7 @@ class _Body(LenientModel):
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Alternatives per prompt token to compute (None: no prompt logprobs)."""
-        return self.prompt_logprobs
+        return self.prompt_logprobs_shown
 
     @property
     def prompt_logprobs_shown(self) -> int | None:
@@ -447,15 +446,13 @@ class ChatBody(_Body, ToolFields):
     def logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def prompt_logprobs_wanted(self) -> int | None:
-        return self.prompt_logprobs_shown
-
     @property
     def prompt_logprobs_shown(self) -> int | None:
-        """vLLM's `prompt_logprobs`: as asked, else with `echo` top_logprobs' count (vLLM's)."""
+        """vLLM's `prompt_logprobs`: as asked, else with `echo` top_logprobs' count (vLLM's);
+        never for a streamed echo, whose chunks carry none (so none are computed)."""
         if self.prompt_logprobs is not None:
             return self.prompt_logprobs
-        return (self.top_logprobs or 0) if self.echo else None
+        return (self.top_logprobs or 0) if self.echo and not self.stream else None
 
 
 class TokenizeBody(LenientModel):

@@ -155,6 +155,22 @@ def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
 def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     eos_ids = served.client.ready.eos_ids
 
+    async def answer(http, body, lora, prompts, writer, param: str, prefix: str):
+        """Plan the body's jobs on `prompts`, submit them (a 400 names `param` where a prompt
+        is refused) and answer through `writer`, whole or streamed, under an id of `prefix`."""
+        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
+        streams = submit_jobs(served.submitter(lora), jobs, param)
+        return await respond(
+            writer,
+            served.response_id(body, prefix),
+            lora or served.name,
+            jobs,
+            streams,
+            body.stream,
+            http.is_disconnected,
+            served.weights.fingerprint,
+        )
+
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
         lora = served.check_model(body.model)
@@ -164,20 +180,8 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             served.truncated(body, served.codec.prompt(p, special_tokens=special))
             for p in completion_prompts(body.prompt)
         ]
-        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
-        streams = submit_jobs(served.submitter(lora), jobs, "prompt")
         writer = CompletionWriter(body, prompts, served.codec.token_text)
-        ident = served.response_id(body, "cmpl")
-        return await respond(
-            writer,
-            ident,
-            lora or served.name,
-            jobs,
-            streams,
-            body.stream,
-            http.is_disconnected,
-            served.weights.fingerprint,
-        )
+        return await answer(http, body, lora, prompts, writer, "prompt", "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
@@ -193,20 +197,8 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             extra=body.template_kwargs(),
         )
         prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
-        jobs = plan_jobs(body, [prompt], served.token_budget, eos_ids, served.codec.encode)
-        streams = submit_jobs(served.submitter(lora), jobs, "messages")
         writer = ChatWriter(body, prompt, served.codec.token_text, tools, text)
-        ident = served.response_id(body, "chatcmpl")
-        return await respond(
-            writer,
-            ident,
-            lora or served.name,
-            jobs,
-            streams,
-            body.stream,
-            http.is_disconnected,
-            served.weights.fingerprint,
-        )
+        return await answer(http, body, lora, [prompt], writer, "messages", "chatcmpl")
 
 
 def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
