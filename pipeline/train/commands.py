@@ -63,8 +63,9 @@ def objective_options(command: _Command) -> _Command:
         click.option(
             "--objective",
             type=click.Choice(list(OBJECTIVES)),
-            help="The training objective by its registry name (data.kind); the objective "
-            "flags below are shorthands for it.",
+            help="The training objective by its registry name (data.kind): "
+            + "; ".join(f"{kind}: {spec.description}" for kind, spec in OBJECTIVES.items())
+            + ". The objective flags below are shorthands for it.",
         )
     ]
     for spec in _flagged():

@@ -194,6 +194,12 @@ def test_rollout_cuda_graphs_reach_the_engine(tmp_path, task, value, graphs) -> 
     with pytest.raises(ConfigError, match="rollout_cuda_graphs") as error:
         resolve_config(None, [*sets, "grpo.rollout_cuda_graphs=yes"])
     assert "\n" not in str(error.value)
+    remote = [*sets, "grpo.rollout_server=http://127.0.0.1:8000"]
+    if value is None:
+        resolve_config(None, remote)  # auto: the server decides
+    else:
+        with pytest.raises(ConfigError, match="has no effect with grpo.rollout_server"):
+            resolve_config(None, [*remote, f"grpo.rollout_cuda_graphs={value}"])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from pipeline.core.model.flavors import get_flavor
-from pipeline.train.assembly.run_config import resolve_config
+from pipeline.train.assembly.run_config import check_config, resolve_config
 from pipeline.train.config.loader import (
     FLAG_TARGETS,
     apply_set,
@@ -229,7 +229,7 @@ def test_recipe_loads_and_validates(name):
         cfg.data.blend = "out/pairs"
     if cfg.data.kind == "grpo":  # nor mock prompts
         cfg.data.blend, cfg.data.tokenizer = "out/prompts.jsonl", "out/tokenizer"
-    cfg.validate(WORLD_SIZES.get(name))
+    check_config(cfg, WORLD_SIZES.get(name))
     flavor = name.removesuffix("_sft").removesuffix("_lora").removesuffix("_dpo")
     assert cfg.model.flavor == flavor.removesuffix("_grpo").removesuffix("_muon")
     assert cfg.lora.enabled == name.endswith("_lora")
@@ -360,7 +360,7 @@ def test_toml_writer_escapes_strings():
 def test_validation_errors(sets, world_size, expected):
     cfg = resolve_config("tiny", sets=sets, validate=False)
     with pytest.raises(ConfigError, match=expected or "global_batch_size"):
-        cfg.validate(world_size)
+        check_config(cfg, world_size)
 
 
 def test_validation_reports_every_problem_at_once():
@@ -368,7 +368,7 @@ def test_validation_reports_every_problem_at_once():
         "tiny", sets=["training.global_batch_size=10", "optimizer.min_lr=1.0"], validate=False
     )
     with pytest.raises(ConfigError) as e:
-        cfg.validate()
+        check_config(cfg)
     assert "min_lr" in str(e.value) and "global_batch_size" in str(e.value)
 
 

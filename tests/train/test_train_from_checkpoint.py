@@ -20,7 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.train.assembly.run_config import resolve_config
+from pipeline.train.assembly.run_config import check_config, resolve_config
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.state.checkpoint_model import check_checkpoint_model
 from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
@@ -172,7 +172,7 @@ def test_the_loaded_checkpoint_is_read_once(imported, monkeypatch) -> None:
     reads, original = [], loader.read_pipe_metadata
     monkeypatch.setattr(loader, "read_pipe_metadata", lambda d: reads.append(d) or original(d))
     cfg = resolve_config(None, ["data.mock=true"], {"load": str(imported)})
-    cfg.validate(world_size=1)
+    check_config(cfg, world_size=1)
     check_checkpoint_model(cfg)
     assert cfg.model_config().hidden_size == HF_SIZES["hidden_size"]
     dry_run_report(cfg, world_size=1)

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pipeline.train.config.checks import config_problems
+from pipeline.train.config.checks import config_problems, raise_problems
 from pipeline.train.config.loader import apply_flags, apply_set, recipe_tables
-from pipeline.train.config.schema import CHECKPOINT_FLAVOR, ConfigError, TrainConfig
+from pipeline.train.config.schema import CHECKPOINT_FLAVOR, TrainConfig
 from pipeline.train.objectives import objective_problems
 from pipeline.train.optimizers import optimizer_problems
 from pipeline.train.state.checkpoint_model import read_recorded_model
@@ -35,9 +35,7 @@ def run_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     """`cfg` when nothing is wrong with it; else one `ConfigError` listing every problem."""
-    problems = run_problems(cfg, world_size)
-    if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    raise_problems(run_problems(cfg, world_size))
     return cfg
 
 

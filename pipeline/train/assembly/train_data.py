@@ -29,16 +29,15 @@ from pipeline.data.blend_spec import (
     parse_per_split_blend,
 )
 from pipeline.data.loader import build_data_loader
+from pipeline.train.config.registry import call_target
 from pipeline.train.config.schema import ConfigError, TrainConfig
-from pipeline.train.objectives import call_target, objective_spec
-from pipeline.train.objectives.datasets import split_sizes
+from pipeline.train.objectives import objective_spec
 
 __all__ = [
     "TokenizerInfo",
     "build_loader",
     "build_split_datasets",
     "long_conversations",
-    "split_sizes",
     "tokenizer_info",
 ]
 

@@ -21,7 +21,13 @@ from pipeline.train.config.fields import ConfigError
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
 
-__all__ = ["config_problems"]
+__all__ = ["config_problems", "raise_problems"]
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One `ConfigError` listing every problem, one a line (nothing when there is none)."""
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:

@@ -5,13 +5,21 @@ config field and the known names. Torch-free, as the registries are."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+import importlib
+from typing import Any, TypeVar
 
 from pipeline.train.config.fields import ConfigError
 
 __all__ = ["Registry"]
 
 Spec = TypeVar("Spec")
+
+
+def call_target(target: str, *args: Any, **kwargs: Any) -> Any:
+    """Import "module:function" (or "module:Class") now and call it with the arguments given:
+    a registry names what it needs as text, so it stays torch-free."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 class Registry(dict[str, Spec]):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.core.model.config import ModelConfig
-from pipeline.train.config.checks import config_problems
+from pipeline.train.config.checks import config_problems, raise_problems
 from pipeline.train.config.fields import ConfigError, coerce, field_types
 from pipeline.train.config.model_overrides import apply_model_overrides, lookup_flavor
 
@@ -532,9 +532,7 @@ class TrainConfig:
         """Check the sections' cross-field consistency; raise one `ConfigError` listing every
         problem. A run's whole check, which adds what its objective and its optimizer refuse
         (their registries sit above the config), is `assembly.run_config.check_config`."""
-        problems = config_problems(self, world_size)
-        if problems:
-            raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+        raise_problems(config_problems(self, world_size))
         return self
 
 

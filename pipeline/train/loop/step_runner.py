@@ -33,14 +33,13 @@ from pipeline.train.assembly.model_build import BuiltModel
 from pipeline.train.assembly.model_parts import TrainableModel
 from pipeline.train.config.schema import TrainConfig
 from pipeline.train.loop.pipeline_step import PipelineRunner
-from pipeline.train.objectives.base import Batch, Objective, evaluation_mode, model_hidden
+from pipeline.train.objectives.base import Batch, Objective, model_hidden
 
 __all__ = [
     "Batch",
     "LocalStepRunner",
     "StepRunner",
     "build_runner",
-    "evaluation_mode",
     "prepare_micro_batches",
 ]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.train.config.fields import ConfigError
-from pipeline.train.config.registry import Registry
+from pipeline.train.config.registry import Registry, call_target
 from pipeline.train.config.schema import add_section
 
 if TYPE_CHECKING:
@@ -40,7 +40,6 @@ __all__ = [
     "ObjectiveOption",
     "ObjectiveSpec",
     "build_objective",
-    "call_target",
     "objective_problems",
     "objective_spec",
     "register",
@@ -106,13 +105,6 @@ class ObjectiveSpec:
         """The sequences one sample of `cfg`'s run holds."""
         per_sample = self.sequences_per_sample
         return per_sample(cfg) if callable(per_sample) else per_sample
-
-
-def call_target(target: str, *args: Any, **kwargs: Any) -> Any:
-    """Import "module:function" (or "module:Class") now and call it with the arguments given:
-    the registry names what it needs as text, so it stays torch-free."""
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 OBJECTIVES: Registry[ObjectiveSpec] = Registry("data.kind", "{field} {name}: one of {known}")

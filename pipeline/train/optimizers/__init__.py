@@ -19,13 +19,12 @@ them: `optimizer.state_dtype = "bf16"` halves the state (`bf16_state`), and
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pipeline.train.config.fields import ConfigError
-from pipeline.train.config.registry import Registry
+from pipeline.train.config.registry import Registry, call_target
 
 if TYPE_CHECKING:
     import torch
@@ -82,13 +81,11 @@ class OptimizerSpec:
         (`state_bytes_per_param` applies `state_dtype` and `cpu_offload`)."""
         if self.state_bytes_for is None:
             return self.state_bytes_per_param
-        module, _, function = self.state_bytes_for.partition(":")
-        return getattr(importlib.import_module(module), function)(cfg, model)
+        return call_target(self.state_bytes_for, cfg, model)
 
     def build(self, model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
         """The optimizer over `model`'s trainable parameters with `cfg.optimizer`'s settings."""
-        module, _, function = self.builder.partition(":")
-        return getattr(importlib.import_module(module), function)(model, cfg)
+        return call_target(self.builder, model, cfg)
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry(

@@ -62,6 +62,11 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
             "grpo.rollout_server pushes whole weights: train without --lora, or leave "
             "grpo.rollout_server empty"
         )
+    if g.rollout_server and g.rollout_cuda_graphs != "auto":
+        problems.append(
+            f"grpo.rollout_cuda_graphs = {g.rollout_cuda_graphs} has no effect with "
+            "grpo.rollout_server: start the server with --cuda-graphs or --no-cuda-graphs"
+        )
     return problems
 
 
