@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.objectives.grpo import ROLLOUT_BLOCK
 
 __all__ = ["Rollouts", "RolloutModel", "completion_seed", "named_full_tensors", "rollout_rows"]
@@ -103,14 +104,9 @@ class RolloutModel:
         computed, cached = engine.prompt_tokens_computed, engine.prompt_tokens_cached
         start = time.perf_counter()
         groups = [engine.add_group(list(p), group) for p, group in zip(prompts, params)]
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with torch.autocast(self.device.type, enabled=False):
-                for _ in engine.run():
-                    pass
-        finally:
-            self.module.train(was_training)
+        with evaluation_mode(self.module), torch.autocast(self.device.type, enabled=False):
+            for _ in engine.run():
+                pass
         seconds = time.perf_counter() - start
         rows = [request for group in groups for request in group]
         return Rollouts(
