@@ -190,3 +190,24 @@ def test_defaults_and_bad_options() -> None:
         ModelConfig(activation="swish")
     with pytest.raises(ValueError, match="latent attention"):
         ModelConfig(position_embedding="alibi", mla=MLAConfig())
+
+
+def test_parameter_counts_of_published_models() -> None:
+    """bigscience/bloom-560m and mosaicml/mpt-7b, from their configs: 559,214,592 and
+    6,649,286,656 parameters, as their model cards and safetensors headers count them."""
+    from pipeline.core.model.flavors import get_flavor, num_parameters
+    from pipeline.weights.hf_config import config_from_hf
+
+    bloom = {"vocab_size": 250880, "hidden_size": 1024, "n_layer": 24, "n_head": 16}
+    mpt = {"vocab_size": 50432, "d_model": 4096, "n_layers": 32, "n_heads": 32}
+    assert num_parameters(config_from_hf({"architectures": ["BloomForCausalLM"]} | bloom)) == (
+        559_214_592
+    )
+    assert num_parameters(config_from_hf({"architectures": ["MptForCausalLM"]} | mpt)) == (
+        6_649_286_656
+    )
+    for name in ("tiny_bloom", "tiny_mpt"):
+        config = get_flavor(name)
+        with torch.device("meta"):
+            model = Transformer(config)
+        assert sum(p.numel() for p in model.parameters()) == num_parameters(config)

@@ -249,6 +249,38 @@ def tiny_deepseek_v3() -> ModelConfig:
     return config
 
 
+def tiny_bloom() -> ModelConfig:
+    """CPU-sized BLOOM: ALiBi over 6 heads (not a power of two), LayerNorms with biases (one
+    after the embedding too), a plain tanh-GeLU MLP of 4 x hidden, biases on every linear,
+    tied embeddings."""
+    config = tiny()
+    config.hidden_size = 96
+    config.num_attention_heads = config.num_kv_heads = 6
+    config.ffn_hidden_size = 4 * config.hidden_size
+    config.tie_word_embeddings = True
+    config.qkv_bias = config.attention_out_bias = config.mlp_bias = True
+    config.activation = "gelu_pytorch_tanh"
+    config.gated_mlp = False
+    config.norm_type, config.norm_bias, config.embedding_norm = "layernorm", True, True
+    config.position_embedding = "alibi"
+    return config
+
+
+def tiny_mpt() -> ModelConfig:
+    """CPU-sized MPT: ALiBi, LayerNorms without biases, a plain exact-GeLU MLP of 4 x hidden,
+    no biases, q/k/v clamped to +-6 (MPT's clip_qkv)."""
+    config = tiny()
+    config.num_kv_heads = config.num_attention_heads
+    config.ffn_hidden_size = 4 * config.hidden_size
+    config.tie_word_embeddings = True
+    config.activation = "gelu"
+    config.gated_mlp = False
+    config.norm_type = "layernorm"
+    config.position_embedding = "alibi"
+    config.clip_qkv = 6.0
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -263,6 +295,8 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,
     "tiny_deepseek_v3": tiny_deepseek_v3,
+    "tiny_bloom": tiny_bloom,
+    "tiny_mpt": tiny_mpt,
 }
 
 
@@ -283,20 +317,27 @@ def num_parameters(config: ModelConfig) -> int:
         attn = h * q_dim + 2 * h * kv_dim + q_dim * h
         if c.qkv_bias:
             attn += q_dim + 2 * kv_dim
+        if c.attention_out_bias:
+            attn += h
         if c.qk_norm:
             attn += 2 * c.head_dim
     else:
         attn = _mla_linear_parameters(c) + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
-    dense_mlp = 3 * h * c.ffn_hidden_size
+    up = 2 if c.gated_mlp else 1  # gate and up, or up alone
+    dense_mlp = (up + 1) * h * c.ffn_hidden_size
+    if c.mlp_bias:
+        dense_mlp += up * c.ffn_hidden_size + h
     moe_mlp = 0
     if c.moe is not None:
         moe_mlp = c.moe.num_experts * (3 * h * c.expert_ffn_hidden_size + h)
         moe_mlp += 3 * h * c.expert_ffn_hidden_size * c.moe.num_shared_experts
     moe_layers = c.num_moe_layers
     mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
-    per_layer = attn + 2 * h  # two RMSNorm weights
+    norm = h * (2 if c.norm_type == "layernorm" and c.norm_bias else 1)
+    per_layer = attn + 2 * norm
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * per_layer + mlp + h
+    embeddings += norm if c.embedding_norm else 0
+    return embeddings + c.num_layers * per_layer + mlp + norm
 
 
 def _mla_linear_parameters(config: ModelConfig) -> int:
@@ -342,6 +383,6 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
         moe_width = c.expert_ffn_hidden_size * (c.moe.top_k + c.moe.num_shared_experts)
     moe_layers = c.num_moe_layers
     mean_width = (moe_layers * moe_width + (layers - moe_layers) * c.ffn_hidden_size) / layers
-    mlp = mean_width / h * 1.5
+    mlp = mean_width / h * (1.5 if c.gated_mlp else 1.0)  # three matrices, or two
     logit = c.vocab_size / (2 * layers * h)
     return 12 * layers * h * h * (attn + mlp + logit)
