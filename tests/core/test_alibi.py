@@ -211,3 +211,40 @@ def test_parameter_counts_of_published_models() -> None:
         with torch.device("meta"):
             model = Transformer(config)
         assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_flash_attn_alibi_equals_sdpa() -> None:
+    """flash-attn's own alibi_slopes against sdpa's additive bias (bf16, 6 heads over 2)."""
+    pytest.importorskip("flash_attn")
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 128, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    slopes = torch.tensor(alibi_slopes(6), device="cuda")
+    reference = attention(q, k, v, backend="sdpa", alibi_slopes=slopes).float()
+    flash = attention(q, k, v, backend="flash_attn", alibi_slopes=slopes).float()
+    torch.testing.assert_close(flash, reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("documents", [False, True])
+def test_compiled_flex_alibi_gradients_equal_sdpa(documents: bool) -> None:
+    """fp32 on CUDA, flex compiled: output and q/k/v gradients against sdpa."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 256, 32, device="cuda", requires_grad=True)
+    k = torch.randn(2, 3, 256, 32, device="cuda", requires_grad=True)
+    v = torch.randn(2, 3, 256, 32, device="cuda", requires_grad=True)
+    slopes = torch.tensor(alibi_slopes(6), device="cuda")
+    ids = torch.tensor([[0] * 100 + [1] * 156, [0] * 256], device="cuda") if documents else None
+    results = []
+    for backend in ("sdpa", "flex"):
+        out = attention(q, k, v, document_ids=ids, backend=backend, alibi_slopes=slopes)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -1,7 +1,7 @@
 """ALiBi models (the `tiny_bloom` and `tiny_mpt` flavors, shrunk to the layout tests' micro
 size with 6 heads) train under tensor parallelism (with and without sequence parallelism),
-context parallelism and a pipeline as in one process: the losses of every step and the
-gradients of one more batch agree (gloo, fp32, CPU).
+context parallelism, a pipeline and sharded data parallelism as in one process: the losses of
+every step and the gradients of one more batch agree (gloo, fp32, CPU).
 
 Under tp2 each rank holds 3 of the 6 heads and their slopes (rank 1's include two of the
 non-power-of-two slopes); under cp2 the biases come from the global positions of each rank's
@@ -36,6 +36,7 @@ LAYOUTS = {
     "tp2_sp": ["parallel.tp=2"],
     "cp2": ["parallel.cp=2"],
     "pp2": ["parallel.pp=2", "parallel.pipeline_schedule=1F1B"],
+    "dp2": ["parallel.dp=2"],
 }
 
 
