@@ -248,3 +248,13 @@ def test_compiled_flex_alibi_gradients_equal_sdpa(documents: bool) -> None:
         results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
     for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny_bloom", "tiny_mpt"])
+def test_tiny_flavors_are_their_family(name: str) -> None:
+    """The flavors go out as the Hugging Face family they are named after."""
+    from pipeline.core.model.flavors import get_flavor
+    from pipeline.weights.hf_config import choose_architecture
+
+    expected = "BloomForCausalLM" if name == "tiny_bloom" else "MptForCausalLM"
+    assert choose_architecture(get_flavor(name)) == expected

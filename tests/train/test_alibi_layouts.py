@@ -75,3 +75,13 @@ def test_alibi_layouts_equal_one_process(tmp_path: Path) -> None:
                 grads[param], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=f"{flavor} {name} {param}"
             )
     assert len(per_rank[0]) == len(FLAVORS) * len(LAYOUTS)
+
+
+def test_the_dry_run_names_the_block() -> None:
+    from pipeline.train.assembly.run_config import resolve_config
+    from pipeline.train.report.estimates import dry_run_report
+
+    bloom = dry_run_report(resolve_config("tiny", ["model.flavor=tiny_bloom"]))[0]
+    assert "heads 6/6 kv, head_dim 16, ALiBi, LayerNorm, gelu_pytorch_tanh plain MLP" in bloom
+    llama = dry_run_report(resolve_config("tiny", []))[0]
+    assert "ALiBi" not in llama and "LayerNorm" not in llama and "MLP" not in llama

@@ -253,32 +253,43 @@ def tiny_bloom() -> ModelConfig:
     """CPU-sized BLOOM: ALiBi over 6 heads (not a power of two), LayerNorms with biases (one
     after the embedding too), a plain tanh-GeLU MLP of 4 x hidden, biases on every linear,
     tied embeddings."""
-    config = tiny()
-    config.hidden_size = 96
-    config.num_attention_heads = config.num_kv_heads = 6
-    config.ffn_hidden_size = 4 * config.hidden_size
-    config.tie_word_embeddings = True
-    config.qkv_bias = config.attention_out_bias = config.mlp_bias = True
-    config.activation = "gelu_pytorch_tanh"
-    config.gated_mlp = False
-    config.norm_type, config.norm_bias, config.embedding_norm = "layernorm", True, True
-    config.position_embedding = "alibi"
-    return config
+    return ModelConfig(
+        vocab_size=8192,
+        hidden_size=96,
+        num_layers=4,
+        num_attention_heads=6,
+        ffn_hidden_size=384,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        activation="gelu_pytorch_tanh",
+        gated_mlp=False,
+        norm_type="layernorm",
+        norm_bias=True,
+        embedding_norm=True,
+        position_embedding="alibi",
+    )
 
 
 def tiny_mpt() -> ModelConfig:
     """CPU-sized MPT: ALiBi, LayerNorms without biases, a plain exact-GeLU MLP of 4 x hidden,
     no biases, q/k/v clamped to +-6 (MPT's clip_qkv)."""
-    config = tiny()
-    config.num_kv_heads = config.num_attention_heads
-    config.ffn_hidden_size = 4 * config.hidden_size
-    config.tie_word_embeddings = True
-    config.activation = "gelu"
-    config.gated_mlp = False
-    config.norm_type = "layernorm"
-    config.position_embedding = "alibi"
-    config.clip_qkv = 6.0
-    return config
+    return ModelConfig(
+        vocab_size=8192,
+        hidden_size=128,
+        num_layers=4,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        activation="gelu",
+        gated_mlp=False,
+        norm_type="layernorm",
+        position_embedding="alibi",
+        clip_qkv=6.0,
+    )
 
 
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
