@@ -116,11 +116,6 @@ def run_export(
             )
             options, dtype_note = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
-            if target == "legacy" and source.model_config.mla is not None:
-                raise ExportError(
-                    "the legacy TensorRT-LLM format has no latent attention "
-                    "(DeepSeek-V3): export with --trtllm alone"
-                )
             problem = _block_problem(source.model_config, target, options.fp8)
             if problem is not None:
                 raise ExportError(problem)
@@ -147,8 +142,14 @@ def run_export(
 
 
 def _block_problem(config: ModelConfig, target: str, fp8: bool) -> str | None:
-    """Why BLOOM's and MPT's blocks (ALiBi, LayerNorm, a plain GeLU MLP) cannot go out as
-    asked, or None: the legacy rank files and FP8's calibration know Llama's blocks only."""
+    """Why the model's blocks cannot go out as asked, or None: the legacy rank files and FP8's
+    calibration know Llama's blocks only, not BLOOM's and MPT's (ALiBi, LayerNorm, a plain GeLU
+    MLP), and the legacy files have no latent attention either."""
+    if target == "legacy" and config.mla is not None:
+        return (
+            "the legacy TensorRT-LLM format has no latent attention (DeepSeek-V3): export with "
+            "--trtllm alone"
+        )
     if config.position_embedding == "rope" and config.norm_type == "rmsnorm" and config.gated_mlp:
         return None
     if target == "legacy":
