@@ -129,3 +129,15 @@ def test_pipe_serve_completes_as_transformers(tiny_tokenizer_dir, tmp_path) -> N
         server.stop()
     assert status == 200, server.stderr()
     assert answer["choices"][0]["text"] == expected
+
+
+@pytest.mark.dist
+def test_two_ranks_generate_transformers_text(tiny_tokenizer_dir, tmp_path) -> None:
+    """`pipe generate --nproc-per-node 2`: each rank holds 3 of BLOOM's 6 heads and their
+    slopes, and the text is transformers'."""
+    from tests.serve.test_generate_tp import ARGS
+    from tests.serve.test_generate_tp import _generate as generate_on_ranks
+
+    directory = _with_tokenizer("bloom", tmp_path / "bloom", tiny_tokenizer_dir)
+    expected = ARGS[1] + _transformers_text(directory, 10) + "\n"
+    assert generate_on_ranks(directory, "--nproc-per-node", "2") == expected
