@@ -13,6 +13,11 @@ imports its package inside its function, so its absence costs nothing until it i
 each has a test against "sdpa" (flex's backward and flash-attn's run on a GPU). `auto` chooses
 by measurement (`pipeline.core.kernels.attention_choice`). Transformer Engine attention joins
 with the FP8 work.
+
+ALiBi (`alibi_slopes`, one slope a head: `pipeline.core.model.alibi`) reaches every backend:
+SDPA adds the bias to its mask (a float mask, -inf where the boolean one says no), flex as a
+score modifier, flash-attn through its own `alibi_slopes`. The bias is built from `positions`
+(queries', keys'), by default the indices of the sequence.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from pipeline.core.kernels.attention_choice import (
     auto_backend,
     cache_path,
 )
+from pipeline.core.model.alibi import alibi_bias
+
+Positions = tuple[torch.Tensor, torch.Tensor]
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -39,6 +47,32 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+def sequence_positions(q: torch.Tensor, k: torch.Tensor) -> Positions:
+    """Query and key positions `[1, seq]` when both are the indices of one sequence."""
+    return (
+        torch.arange(q.shape[2], device=q.device)[None],
+        torch.arange(k.shape[2], device=k.device)[None],
+    )
+
+
+def alibi_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    slopes: torch.Tensor,
+    positions: Positions | None = None,
+) -> torch.Tensor:
+    """SDPA with ALiBi: the bias of `slopes` at `positions` (default: the indices) as a float
+    mask, -inf where the boolean mask `allowed` (None: everywhere allowed) says no."""
+    query_positions, key_positions = positions or sequence_positions(q, k)
+    bias = alibi_bias(slopes, query_positions, key_positions)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=gqa)
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,8 +81,18 @@ def _sdpa(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    if alibi_slopes is not None:
+        if mask is None and document_ids is not None:
+            if not causal:
+                raise ValueError("document masking is only defined for causal attention")
+            mask = document_causal_mask(document_ids)
+        elif mask is None and causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        return alibi_sdpa(q, k, v, mask, alibi_slopes, positions)
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if document_ids is None:
@@ -67,7 +111,11 @@ def _flash_attn(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
 ) -> torch.Tensor:
+    if alibi_slopes is not None and positions is not None:
+        raise ValueError("attention backend flash_attn takes no explicit positions; use sdpa")
     try:
         from flash_attn import flash_attn_func
     except ImportError as e:
@@ -76,8 +124,12 @@ def _flash_attn(
         raise ValueError("attention backend flash_attn has no document masking yet; use sdpa")
     if mask is not None:
         raise ValueError("attention backend flash_attn takes no explicit mask; use sdpa")
-    # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself.
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself; its
+    # ALiBi adds -slope * |i - j|, which is slope * (j - i) for the keys a causal query sees.
+    slopes = None if alibi_slopes is None else alibi_slopes.float()
+    out = flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, alibi_slopes=slopes
+    )
     return out.transpose(1, 2)
 
 
@@ -89,14 +141,27 @@ def _flex(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
 ) -> torch.Tensor:
-    # Cached decoding (an explicit mask) and latent attention (values narrower than keys) are
-    # sdpa's: flex here serves causal training attention.
-    if mask is not None or not causal or q.shape[-1] != v.shape[-1]:
-        return _sdpa(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+    # Cached decoding (an explicit mask or positions) and latent attention (values narrower
+    # than keys) are sdpa's: flex here serves causal training attention.
+    if mask is not None or not causal or q.shape[-1] != v.shape[-1] or positions is not None:
+        return _sdpa(
+            q,
+            k,
+            v,
+            causal=causal,
+            document_ids=document_ids,
+            mask=mask,
+            alibi_slopes=alibi_slopes,
+            positions=positions,
+        )
     from pipeline.core.kernels.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, document_ids)
+    if alibi_slopes is None:
+        return flex_attention(q, k, v, document_ids)
+    return flex_attention(q, k, v, document_ids, alibi_slopes=alibi_slopes)
 
 
 _BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
@@ -144,6 +209,8 @@ def attention(
     document_ids: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     backend: str = "sdpa",
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
 ) -> torch.Tensor:
     """Softmax attention with 1/sqrt(head_dim) scaling; returns `[batch, heads, seq, head_dim]`.
 
@@ -151,6 +218,8 @@ def attention(
     document; without it the mask is plain causal (or none when `causal=False`). An explicit
     boolean `mask` (`[batch, 1, q_seq, k_seq]`, True: may attend) replaces both: cached decoding,
     where the queries are the last of the keys and rows have their own lengths.
+    `alibi_slopes` (`[heads]`): ALiBi's bias at `positions` (queries' `[batch or 1, q_seq]`,
+    keys' `[batch or 1, k_seq]`; default: the indices of one sequence).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -160,4 +229,15 @@ def attention(
         raise ValueError(
             f"unknown attention backend {backend!r}; have {sorted(_BACKENDS)}"
         ) from None
-    return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+    if alibi_slopes is None:
+        return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+    return fn(
+        q,
+        k,
+        v,
+        causal=causal,
+        document_ids=document_ids,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        positions=positions,
+    )

@@ -84,11 +84,25 @@ def clear_block_masks() -> None:
 _compiled_flex = torch.compile(_flex_attention, dynamic=False)
 
 
+def _alibi_score(slopes: torch.Tensor) -> Callable:
+    """ALiBi as a score modifier: head h's score plus slope_h * (key index - query index)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return score_mod
+
+
 def flex_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention (within documents when `document_ids` is given), 1/sqrt(head_dim)
-    scaling, grouped kv heads; SDPA's layout, `[batch, heads, seq, head_dim]` in and out."""
+    scaling, grouped kv heads; SDPA's layout, `[batch, heads, seq, head_dim]` in and out.
+    `alibi_slopes` (`[heads]`): ALiBi's bias, a score modifier."""
     on_cpu = q.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(
@@ -96,8 +110,9 @@ def flex_attention(
         )
     mask = block_mask(document_ids, q.shape[2], q.device)
     gqa = q.shape[1] != k.shape[1]
+    extra = {} if alibi_slopes is None else {"score_mod": _alibi_score(alibi_slopes.float())}
     if q.device.type == "cuda":
-        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa, **extra)
     with warnings.catch_warnings():  # eager is what a CPU has; torch says to compile
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return _flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, **extra)

@@ -13,10 +13,12 @@ import torch
 from torch import nn
 
 from pipeline.core.kernels.attention import attention
+from pipeline.core.model.alibi import AlibiSlopes
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.kv_seam import LayerKVCache
 from pipeline.core.model.moe import MoE
+from pipeline.core.model.norms import LayerNorm
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
 from pipeline.core.model.rope import apply_rope, deinterleave
 from pipeline.core.model.rope_scaling import yarn_softmax_factor
@@ -65,6 +67,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def build_norm(config: ModelConfig, dim: int) -> RMSNorm | LayerNorm:
+    """The model's norm over `dim` features: RMSNorm, or LayerNorm (`config.norm_type`)."""
+    if config.norm_type == "layernorm":
+        return LayerNorm(dim, config.norm_eps, bias=config.norm_bias)
+    return RMSNorm(dim, config.norm_eps)
+
+
 # ---------------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------------
@@ -82,16 +91,46 @@ class AttentionKernel(nn.Module):
         self.backend = backend
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
+        """`alibi_slopes`: ALiBi's slope of each head (`pipeline.core.model.alibi`), given only
+        by layers that have them, so a kernel without ALiBi serves the others."""
+        return attention(
+            q,
+            k,
+            v,
+            causal=True,
+            document_ids=document_ids,
+            backend=self.backend,
+            alibi_slopes=alibi_slopes,
+        )
 
     def over_cache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None = None,
+        positions: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Queries of new tokens over every cached key and value, under the cache's `mask`
-        (None: each query sees every key)."""
-        return attention(q, k, v, causal=False, mask=mask, backend=self.backend)
+        (None: each query sees every key); ALiBi's bias at the cache's `positions`."""
+        return attention(
+            q,
+            k,
+            v,
+            causal=False,
+            mask=mask,
+            backend=self.backend,
+            alibi_slopes=alibi_slopes,
+            positions=positions,
+        )
 
     def extra_repr(self) -> str:
         return f"backend={self.backend}"
@@ -105,6 +144,11 @@ class Attention(nn.Module):
     `kind` names the attention family for code that treats families differently (tensor
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
     kv_seam`) it caches each token's key (after RoPE) and value and attends over the cached ones.
+
+    Positions come from RoPE, or from ALiBi's biases (`config.position_embedding`; `alibi`
+    holds the heads' slopes, which the kernel turns into biases), or from nothing ("none").
+    BLOOM and MPT add an o_proj bias (`config.attention_out_bias`) and MPT clamps q, k and v
+    (`config.clip_qkv`).
     """
 
     kind = "gqa"
@@ -118,10 +162,17 @@ class Attention(nn.Module):
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.wo = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        self.use_rope = config.position_embedding == "rope"
+        self.alibi = (
+            AlibiSlopes(config.num_attention_heads, config.alibi_bias_max)
+            if config.position_embedding == "alibi"
+            else None
+        )
+        self.clip_qkv = config.clip_qkv
         self.kernel = AttentionKernel(backend)
 
     def forward(
@@ -133,18 +184,27 @@ class Attention(nn.Module):
         cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # Passed only when the layer has them, so kernels without ALiBi serve the others.
+        alibi = {} if self.alibi is None else {"alibi_slopes": self.alibi(q.device)}
         if cache is None:
-            out = self.kernel(q, k, v, document_ids)
+            out = self.kernel(q, k, v, document_ids, **alibi)
         else:  # the cache holds [batch, tokens, kv_heads, head_dim]
             k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
-            out = self.kernel.over_cache(q, k, v, cache.mask)
+            if alibi:
+                alibi["positions"] = cache.positions
+            out = self.kernel.over_cache(q, k, v, cache.mask, **alibi)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -262,12 +322,18 @@ class TransformerBlock(nn.Module):
         options = options or ModelOptions()
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
-        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attention_norm = build_norm(config, config.hidden_size)
         attention_cls = LatentAttention if config.attention_kind == "mla" else Attention
         self.attention = attention_cls(config, options.attention_backend)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.ffn_norm = build_norm(config, config.hidden_size)
         if self.mlp_kind == "dense":
-            self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
+            self.feed_forward = FeedForward(
+                config.hidden_size,
+                config.ffn_hidden_size,
+                activation=config.activation,
+                gated=config.gated_mlp,
+                bias=config.mlp_bias,
+            )
         else:
             self.moe = MoE(
                 config.hidden_size,
@@ -288,7 +354,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         document_ids: torch.Tensor | None,
         cache: LayerKVCache | None = None,
     ) -> torch.Tensor:

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+NORM_TYPES = ("rmsnorm", "layernorm")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+POSITION_EMBEDDINGS = ("rope", "alibi", "none")
+
 
 @dataclass
 class RopeScaling:
@@ -126,6 +130,24 @@ class ModelConfig:
     # mtp_loss_scaling_factor / D each (Megatron's --mtp-loss-scaling-factor). 0: none.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # Block shape beyond Llama's (BLOOM, MPT): the MLP's activation (Hugging Face `hidden_act`
+    # names, `ACTIVATIONS`), gated (SwiGLU-style w2(act(w1 x) * w3 x)) or plain (w2(act(w1 x))),
+    # with biases on its linears (`mlp_bias`); an o_proj bias; RMSNorm or LayerNorm (with a bias
+    # when `norm_bias`), also after the embedding when `embedding_norm` (BLOOM's).
+    attention_out_bias: bool = False
+    activation: str = "silu"
+    gated_mlp: bool = True
+    mlp_bias: bool = False
+    norm_type: str = "rmsnorm"
+    norm_bias: bool = False
+    embedding_norm: bool = False
+    # Positions: "rope", "alibi" (linear biases on the attention scores, one slope a head:
+    # `pipeline.core.model.alibi`; `alibi_bias_max` is the largest slope exponent, MPT's
+    # `alibi_bias_max`, 8 in the ALiBi paper) or "none".
+    position_embedding: str = "rope"
+    alibi_bias_max: float = 8.0
+    # MPT's clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections.
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -144,6 +166,24 @@ class ModelConfig:
             )
         if self.moe is not None:
             self._check_moe(self.moe)
+        self._check_block_options()
+
+    def _check_block_options(self) -> None:
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"norm_type {self.norm_type!r}: one of {', '.join(NORM_TYPES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding {self.position_embedding!r}: one of "
+                f"{', '.join(POSITION_EMBEDDINGS)}"
+            )
+        if self.position_embedding != "rope" and self.mla is not None:
+            raise ValueError(
+                f"position_embedding {self.position_embedding!r} with latent attention"
+            )
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"clip_qkv must be positive, got {self.clip_qkv}")
 
     def _check_moe(self, moe: MoEConfig) -> None:
         if moe.top_k > moe.num_experts:

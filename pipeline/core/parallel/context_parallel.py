@@ -4,7 +4,9 @@ Layout (Megatron's causal load balancing): the sequence is cut into `2 * cp_size
 and cp rank r holds chunks r and `2 * cp_size - 1 - r`. Under a causal mask the early chunks are
 cheap and the late ones expensive, so pairing them gives every rank the same attention work.
 Everything outside attention (embeddings, norms, MLPs, the loss) is per token and needs no
-communication; RoPE needs each token's *global* position, which `cp_position_ids` gives.
+communication; RoPE needs each token's *global* position, which `cp_position_ids` gives, and
+so does ALiBi, whose biases the attention builds from the global positions of its queries and of
+the gathered keys.
 
 Attention is exact: each rank all-gathers K and V from the cp group (an autograd-aware gather
 whose backward sends each rank the summed gradient of its own K/V shard) and runs SDPA for its
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.core.kernels.attention import alibi_sdpa
 from pipeline.core.model.block import Attention, LatentAttention
 
 
@@ -132,13 +135,15 @@ def context_parallel_attention(
     *,
     causal: bool = True,
     document_ids: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole context (all-gather of K/V).
 
     q `[b, heads, local, d]`, k/v `[b, kv_heads, local, d]` hold this rank's load-balanced
     shard (see `shard_sequence`); the result `[b, heads, local, d]` is this rank's shard of
     full-sequence attention. `document_ids` `[b, local]` (sharded the same way) restricts each
-    query to earlier keys of its own document.
+    query to earlier keys of its own document. `alibi_slopes` (`[heads]`, this rank's heads):
+    ALiBi's bias at the global positions of the queries and keys.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -150,6 +155,8 @@ def context_parallel_attention(
     else:
         k_all, v_all = all_gather_sequence(k, cp_group), all_gather_sequence(v, cp_group)
     if not causal:
+        if alibi_slopes is not None:
+            raise ValueError("context-parallel ALiBi is defined for causal attention")
         return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=gqa)
     local = q.shape[2]
     seq_len = local * cp_size
@@ -163,6 +170,8 @@ def context_parallel_attention(
             document_ids if cp_size == 1 else _gather_document_ids(document_ids, cp_group, cp_size)
         )
         mask = mask & (document_ids[:, :, None] == docs_all[:, None, :]).unsqueeze(1)
+    if alibi_slopes is not None:
+        return alibi_sdpa(q, k_all, v_all, mask, alibi_slopes, (q_pos[None], k_pos[None]))
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -175,10 +184,22 @@ class ContextParallelAttention(nn.Module):
         self.cp_group, self.cp_rank, self.cp_size = cp_group, cp_rank, cp_size
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return context_parallel_attention(
-            q, k, v, self.cp_group, self.cp_rank, self.cp_size, document_ids=document_ids
+            q,
+            k,
+            v,
+            self.cp_group,
+            self.cp_rank,
+            self.cp_size,
+            document_ids=document_ids,
+            alibi_slopes=alibi_slopes,
         )
 
     def extra_repr(self) -> str:
