@@ -1,5 +1,5 @@
 """Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE, DeepSeek-V3).
+Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
@@ -39,11 +39,15 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DEEPSEEK = "DeepseekV3ForCausalLM"
+# GLM-4.5/4.6/4.7: grouped-query attention (q/k/v biases, optional per-head q/k norms, half the
+# head rotated) in front of DeepSeek-V3's MoE.
+_GLM = "Glm4MoeForCausalLM"
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -143,7 +147,10 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     """
     arch = hf_architecture(hf)
     _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    _refuse(bool(hf.get("attention_bias")), "attention_bias (o_proj bias) is not supported")
+    _refuse(
+        bool(hf.get("attention_bias")) and arch != _GLM,
+        "attention_bias (o_proj bias) is not supported",
+    )
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias is not supported")
     _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
     _check_sliding_window(hf, arch, ignore_sliding_window)
@@ -168,12 +175,27 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch in _QWEN3,
-        moe=_deepseek_moe_from_hf(hf) if arch == _DEEPSEEK else _moe_from_hf(hf, arch),
+        qkv_bias=arch == "Qwen2ForCausalLM" or (arch == _GLM and bool(hf.get("attention_bias"))),
+        qk_norm=arch in _QWEN3 or (arch == _GLM and bool(hf.get("use_qk_norm"))),
+        partial_rotary_factor=_partial_rotary_from_hf(hf, arch),
+        moe=_deepseek_moe_from_hf(hf, arch) if arch in (_DEEPSEEK, _GLM) else _moe_from_hf(hf, arch),
         mla=_mla_from_hf(hf) if arch == _DEEPSEEK else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )
+
+
+def _partial_rotary_from_hf(hf: dict[str, Any], arch: str) -> float:
+    """The share of each head RoPE rotates: `partial_rotary_factor` at the top (4.x) or in
+    `rope_parameters` (5.x); GLM-4.5's default is a half, every other family's the whole."""
+    params = hf.get("rope_parameters") or {}
+    default = 0.5 if arch == _GLM else 1.0
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
+    _refuse(factor != 1.0 and arch not in _PARTIAL_ROTARY, f"partial_rotary_factor in {arch}")
+    return float(factor)
+
+
+# Families whose transformers code rotates only part of each head (rotate-half within it).
+_PARTIAL_ROTARY = (_GLM,)
 
 
 def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
@@ -213,16 +235,19 @@ def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
     )
 
 
-def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
+def _deepseek_moe_from_hf(hf: dict[str, Any], arch: str = _DEEPSEEK) -> MoEConfig | None:
     """DeepSeekMoE: the first `first_k_dense_replace` layers dense, then sigmoid-scored routed
     experts chosen with the correction bias (`topk_method` noaux_tc) plus shared experts. The
     hub configs' `aux_loss_alpha` becomes our balance-loss coefficient, sequence-wise unless
-    `seq_aux` is false (DeepSeek's reference code defaults it to true)."""
+    `seq_aux` is false (DeepSeek's reference code defaults it to true). GLM-4.5 has the same MoE
+    with transformers' defaults of one first dense layer and one shared expert."""
     _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than sigmoid")
     _refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", "topk_method other than noaux_tc")
     _refuse(hf.get("moe_layer_freq", 1) != 1, "moe_layer_freq != 1")
-    _refuse(not hf.get("n_shared_experts"), "DeepSeek-V3 without shared experts")
-    dense = hf.get("first_k_dense_replace", 3)
+    glm = arch == _GLM
+    shared = hf.get("n_shared_experts", 1 if glm else None)
+    _refuse(not shared, f"{arch} without shared experts")
+    dense = hf.get("first_k_dense_replace", 1 if glm else 3)
     if dense >= hf["num_hidden_layers"]:
         return None  # every layer dense
     return MoEConfig(
@@ -237,7 +262,7 @@ def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
         num_groups=hf.get("n_group") or 1,
         topk_groups=hf.get("topk_group") or 1,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        num_shared_experts=hf["n_shared_experts"],
+        num_shared_experts=shared,
         expert_bias=True,
     )
 
@@ -250,6 +275,9 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     if config.mla is not None:
         _check_deepseek(config)
         candidates = [_DEEPSEEK]
+    elif config.partial_rotary_factor != 1.0 or _deepseek_routed(config):
+        _check_deepseek_moe(config, _GLM)
+        candidates = [_GLM]
     elif config.qk_norm:
         _refuse(config.qkv_bias, "q/k norms with q/k/v biases have no supported HF architecture")
         candidates = ["Qwen3MoeForCausalLM" if config.is_moe else "Qwen3ForCausalLM"]
@@ -271,19 +299,31 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     return preferred if preferred in candidates else candidates[0]
 
 
+def _deepseek_routed(config: ModelConfig) -> bool:
+    """Whether `config` routes as DeepSeek-V3 does (sigmoid scores, the correction bias)."""
+    moe = config.moe
+    return moe is not None and moe.score_function == "sigmoid" and moe.expert_bias
+
+
 def _check_deepseek(config: ModelConfig) -> None:
     """Refuse latent-attention models DeepseekV3ForCausalLM cannot hold exactly."""
     _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
+    _check_deepseek_moe(config, _DEEPSEEK)
+
+
+def _check_deepseek_moe(config: ModelConfig, arch: str) -> None:
+    """Refuse MoE layers `arch` (DeepSeek-V3 or GLM-4.5, whose MoE is DeepSeek's) cannot hold."""
+    name = "DeepSeek-V3" if arch == _DEEPSEEK else "GLM-4.5"
     moe = config.moe
     if moe is None:
         return
     _refuse(
         moe.dense_layers != list(range(len(moe.dense_layers))) or moe.layer_step != 1,
-        "DeepSeek-V3 keeps dense exactly its first layers (first_k_dense_replace)",
+        f"{name} keeps dense exactly its first layers (first_k_dense_replace)",
     )
     _refuse(
         moe.score_function != "sigmoid" or not moe.expert_bias or not moe.num_shared_experts,
-        "DeepSeek-V3 routes with sigmoid scores, the correction bias and shared experts",
+        f"{name} routes with sigmoid scores, the correction bias and shared experts",
     )
 
 
@@ -348,6 +388,8 @@ def config_to_hf(
     # to transformers' default.
     if arch == _DEEPSEEK:
         hf |= _deepseek_to_hf(config)
+    elif arch == _GLM:
+        hf |= _glm_to_hf(config)
     else:
         hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
@@ -386,7 +428,7 @@ def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
 def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
     """DeepseekV3ForCausalLM's latent-attention and MoE keys (a dense model: every layer in
     first_k_dense_replace, with transformers' default expert shapes)."""
-    mla, moe = config.mla, config.moe
+    mla = config.mla
     out: dict[str, Any] = {
         "kv_lora_rank": mla.kv_lora_rank,
         "q_lora_rank": mla.q_lora_rank,
@@ -395,6 +437,26 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": mla.rope_interleave,
         "attention_bias": False,
+    }
+    return out | _deepseek_moe_to_hf(config)
+
+
+def _glm_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """Glm4MoeForCausalLM's attention keys (`attention_bias` is its q/k/v biases) and
+    DeepSeek's MoE keys."""
+    out = {
+        "head_dim": config.head_dim,
+        "attention_bias": config.qkv_bias,
+        "use_qk_norm": config.qk_norm,
+        "partial_rotary_factor": config.partial_rotary_factor,
+    }
+    return out | _deepseek_moe_to_hf(config)
+
+
+def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's MoE and multi-token prediction keys (GLM-4.5 shares them)."""
+    moe = config.moe
+    out: dict[str, Any] = {
         "num_nextn_predict_layers": config.mtp_num_layers,
         "first_k_dense_replace": config.num_layers,
     }

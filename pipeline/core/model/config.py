@@ -116,6 +116,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+    # RoPE rotates the first int(head_dim * factor) dimensions of each q/k head (rotate-half
+    # pairing within them: GLM-4.5, MiniMax-M2); the rest pass through unrotated.
+    partial_rotary_factor: float = 1.0
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # set: latent attention (head_dim, num_kv_heads unused)
     init_method_std: float = 0.02
@@ -141,6 +144,15 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
+            )
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1]"
+            )
+        if self.mla is None and self.rope_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rope_dim} of "
+                f"head_dim {self.head_dim} dimensions; RoPE needs an even count"
             )
         if self.moe is not None:
             self._check_moe(self.moe)
@@ -170,8 +182,11 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions of each head that RoPE rotates (MLA rotates only its decoupled part)."""
-        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+        """Dimensions of each head that RoPE rotates: the first int(head_dim *
+        partial_rotary_factor); latent attention rotates only its decoupled part."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:

@@ -187,6 +187,49 @@ def moonlight_16b_a3b() -> ModelConfig:
     )
 
 
+def glm4_5_air() -> ModelConfig:
+    """GLM-4.5-Air (zai-org/GLM-4.5-Air config.json) without its multi-token prediction layer:
+    46 layers, the first dense; 128 routed experts top-8 plus one shared; 96 query heads over
+    8 kv heads of width 128 with q/k/v biases, RoPE over half of each head. The balance loss is
+    off, as the config.json says nothing of one (the correction bias balances the load)."""
+    return ModelConfig(
+        vocab_size=151552,
+        hidden_size=4096,
+        num_layers=46,
+        num_attention_heads=96,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=10944,
+        rope_theta=1e6,
+        max_position_embeddings=131072,
+        qkv_bias=True,
+        partial_rotary_factor=0.5,
+        moe=_deepseek_moe(
+            num_experts=128, top_k=8, ffn_hidden_size=1408, aux_loss_coeff=0.0, dense_layers=[0]
+        ),
+    )
+
+
+def glm4_5() -> ModelConfig:
+    """GLM-4.5 (zai-org/GLM-4.5 config.json; GLM-4.6 and 4.7 share the shape) without its
+    multi-token prediction layer: GLM-4.5-Air's design at 92 layers, the first 3 dense, hidden
+    5120, 160 routed experts of width 1536 scaled by 2.5, and per-head q/k norms."""
+    config = glm4_5_air()
+    config.hidden_size = 5120
+    config.num_layers = 92
+    config.ffn_hidden_size = 12288
+    config.qk_norm = True
+    config.moe = _deepseek_moe(
+        num_experts=160,
+        top_k=8,
+        ffn_hidden_size=1536,
+        routed_scaling_factor=2.5,
+        aux_loss_coeff=0.0,
+        dense_layers=[0, 1, 2],
+    )
+    return config
+
+
 def tiny() -> ModelConfig:
     """CPU-sized Llama for tests and the quickstart (vocab fits the quickstart tokenizer)."""
     return ModelConfig(
@@ -249,6 +292,28 @@ def tiny_deepseek_v3() -> ModelConfig:
     return config
 
 
+def tiny_glm4_moe() -> ModelConfig:
+    """CPU-sized GLM-4.5: q/k/v biases, per-head q/k norms, RoPE over half of each head
+    (head_dim 64: 32 rotated), the first layer dense, then 8 routed experts (width 64) in 4
+    groups, top-2 from the best 2, one shared."""
+    config = tiny()
+    config.head_dim = 64
+    config.qkv_bias = True
+    config.qk_norm = True
+    config.partial_rotary_factor = 0.5
+    config.rope_theta = 1e6
+    config.moe = _deepseek_moe(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        num_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        dense_layers=[0],
+    )
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -258,11 +323,14 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "qwen3_30b_a3b": qwen3_30b_a3b,
     "deepseek_v3": deepseek_v3,
     "moonlight_16b_a3b": moonlight_16b_a3b,
+    "glm4_5_air": glm4_5_air,
+    "glm4_5": glm4_5,
     "tiny": tiny,
     "tiny_moe": tiny_moe,
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,
     "tiny_deepseek_v3": tiny_deepseek_v3,
+    "tiny_glm4_moe": tiny_glm4_moe,
 }
 
 

@@ -1,5 +1,5 @@
-"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3) parameter
-names <-> ours.
+"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3 / GLM-4.5)
+parameter names <-> ours.
 
 Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per expert (Mixtral:
 `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen3-MoE: `mlp.gate`,
@@ -110,6 +110,7 @@ _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "Glm4MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"

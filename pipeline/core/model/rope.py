@@ -72,9 +72,15 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[batch, heads, seq, head_dim]` in the "rotate half" convention.
 
-    Dimension i is paired with i + head_dim/2 (not with its neighbour as in Meta's original
+    Dimension i is paired with i + rope_dim/2 (not with its neighbour as in Meta's original
     code), matching Hugging Face checkpoints so their q/k weights load without permutation.
+    When cos/sin are narrower than the head (partial rotary, `rope_dim` < head_dim), only the
+    first rope_dim dimensions turn; the rest pass through.
     """
+    rope_dim = cos.shape[-1]
+    if rope_dim < x.shape[-1]:
+        turned, kept = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
+        return torch.cat((apply_rope(turned, cos, sin), kept), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

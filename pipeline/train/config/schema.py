@@ -88,6 +88,8 @@ class ModelSection:
     """Add biases to the query/key/value projections (Qwen2)."""
     qk_norm: bool | None = None
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    partial_rotary_factor: float | None = None
+    """Share of each q/k head RoPE rotates, the first dimensions (GLM-4.5: 0.5); 1: all."""
     init_method_std: float | None = None
     """Standard deviation of the normal weight initialisation."""
     use_scaled_init: bool | None = None

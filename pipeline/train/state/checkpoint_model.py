@@ -152,6 +152,7 @@ def _numerics(config: ModelConfig) -> dict[str, Any]:
         "norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
+        "partial_rotary_factor": config.partial_rotary_factor,
         "max_position_embeddings": config.max_position_embeddings,
         "moe_top_k": config.moe.top_k if config.moe is not None else None,
         "moe_norm_topk_prob": config.moe.norm_topk_prob if config.moe is not None else None,
