@@ -48,6 +48,7 @@ _DEEPSEEK = "DeepseekV3ForCausalLM"
 # GLM-4.5/4.6/4.7: grouped-query attention (q/k/v biases, optional per-head q/k norms, half the
 # head rotated) in front of DeepSeek-V3's MoE.
 _GLM = "Glm4MoeForCausalLM"
+_DEEPSEEK_MOE = (_DEEPSEEK, _GLM)  # DeepSeek-V3's MoE keys and layout
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -178,7 +179,7 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         qkv_bias=arch == "Qwen2ForCausalLM" or (arch == _GLM and bool(hf.get("attention_bias"))),
         qk_norm=arch in _QWEN3 or (arch == _GLM and bool(hf.get("use_qk_norm"))),
         partial_rotary_factor=_partial_rotary_from_hf(hf, arch),
-        moe=_deepseek_moe_from_hf(hf, arch) if arch in (_DEEPSEEK, _GLM) else _moe_from_hf(hf, arch),
+        moe=_deepseek_moe_from_hf(hf, arch) if arch in _DEEPSEEK_MOE else _moe_from_hf(hf, arch),
         mla=_mla_from_hf(hf) if arch == _DEEPSEEK else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )

@@ -136,11 +136,15 @@ def test_logits_and_gradients_equal_transformers(name: str) -> None:
     model = build(config)
     model.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
     hf_kinds = ["moe" if hasattr(layer.mlp, "experts") else "dense" for layer in hf.model.layers]
-    assert [block.mlp_kind for block in model.layers.values()] == hf_kinds == [
-        "dense",
-        "moe",
-        "moe",
-    ]
+    assert (
+        [block.mlp_kind for block in model.layers.values()]
+        == hf_kinds
+        == [
+            "dense",
+            "moe",
+            "moe",
+        ]
+    )
     tokens, labels = _tokens(1), _tokens(2)
     hf_logits = hf(input_ids=tokens).logits
     logits = model.logits(tokens)

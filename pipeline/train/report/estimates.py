@@ -271,7 +271,8 @@ def _attention_description(model: ModelConfig) -> str:
     if mla is None:
         bias = ", q/k/v bias" if model.qkv_bias else ""
         norm = ", q/k norm" if model.qk_norm else ""
-        rope = f", rope {model.rope_dim} of {model.head_dim}" if model.rope_dim < model.head_dim else ""
+        partial = model.rope_dim < model.head_dim
+        rope = f", rope {model.rope_dim} of {model.head_dim}" if partial else ""
         return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{bias}{norm}{rope}"
     q = "q full rank" if mla.q_lora_rank is None else f"q rank {mla.q_lora_rank}"
     return (
