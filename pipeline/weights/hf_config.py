@@ -27,6 +27,7 @@ __all__ = [
     "generation_config",
     "rope_from_hf",
     "rope_scaling_to_hf",
+    "text_model",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,29 @@ _DEEPSEEK = "DeepseekV3ForCausalLM"
 _GLM = "Glm4MoeForCausalLM"
 _DEEPSEEK_MOE = (_DEEPSEEK, _GLM)  # DeepSeek-V3's MoE keys and layout
 _DEFAULT_ROPE_THETA = 10000.0
+
+
+# Multimodal wrappers whose text model pipe reads: model_type -> (the text model's
+# architecture, the prefix of its weights' names). Kimi K2.5's text model is Kimi K2's
+# DeepseekV3ForCausalLM; its vision tower and projector are left out.
+_TEXT_MODELS = {"kimi_k25": ("DeepseekV3ForCausalLM", "language_model.")}
+
+
+def text_model(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(config.json dict of the model pipe reads, the prefix of its weights' names): the dict
+    itself and "" for a text model; a multimodal wrapper's `text_config` (with the wrapper's
+    `quantization_config` when the text config has none) and its text weights' prefix."""
+    known = _TEXT_MODELS.get(hf.get("model_type"))
+    if known is None:
+        return hf, ""
+    architecture, prefix = known
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json: a {hf.get('model_type')} config without a text_config")
+    text = dict(text, architectures=[architecture])
+    if "quantization_config" in hf:
+        text.setdefault("quantization_config", hf["quantization_config"])
+    return text, prefix
 
 
 def _supported() -> str:
