@@ -1,5 +1,5 @@
 """Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5).
+Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -50,6 +51,9 @@ _DEEPSEEK = "DeepseekV3ForCausalLM"
 # head rotated) in front of DeepSeek-V3's MoE.
 _GLM = "Glm4MoeForCausalLM"
 _DEEPSEEK_MOE = (_DEEPSEEK, _GLM)  # DeepSeek-V3's MoE keys and layout
+# MiniMax-M2: q/k norms over the whole projection, partial RoPE (`rotary_dim`), experts in every
+# layer routed by sigmoid scores with the correction bias, no shared expert.
+_MINIMAX = "MiniMaxM2ForCausalLM"
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -201,26 +205,38 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or (arch == _GLM and bool(hf.get("attention_bias"))),
-        qk_norm=arch in _QWEN3 or (arch == _GLM and bool(hf.get("use_qk_norm"))),
+        qk_norm=arch in (*_QWEN3, _MINIMAX) or (arch == _GLM and bool(hf.get("use_qk_norm"))),
+        qk_norm_scope="projection" if arch == _MINIMAX else "head",
         partial_rotary_factor=_partial_rotary_from_hf(hf, arch),
-        moe=_deepseek_moe_from_hf(hf, arch) if arch in _DEEPSEEK_MOE else _moe_from_hf(hf, arch),
+        moe=_moe_of(hf, arch),
         mla=_mla_from_hf(hf) if arch == _DEEPSEEK else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )
 
 
+def _moe_of(hf: dict[str, Any], arch: str) -> MoEConfig | None:
+    if arch in _DEEPSEEK_MOE:
+        return _deepseek_moe_from_hf(hf, arch)
+    if arch == _MINIMAX:
+        return _minimax_moe_from_hf(hf)
+    return _moe_from_hf(hf, arch)
+
+
 def _partial_rotary_from_hf(hf: dict[str, Any], arch: str) -> float:
     """The share of each head RoPE rotates: `partial_rotary_factor` at the top (4.x) or in
-    `rope_parameters` (5.x); GLM-4.5's default is a half, every other family's the whole."""
+    `rope_parameters` (5.x), or MiniMax-M2's `rotary_dim` over head_dim; GLM-4.5's default is
+    a half, every other family's the whole."""
     params = hf.get("rope_parameters") or {}
     default = 0.5 if arch == _GLM else 1.0
+    if arch == _MINIMAX and hf.get("rotary_dim") is not None:
+        default = hf["rotary_dim"] / hf.get("head_dim", 128)
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
     _refuse(factor != 1.0 and arch not in _PARTIAL_ROTARY, f"partial_rotary_factor in {arch}")
     return float(factor)
 
 
 # Families whose transformers code rotates only part of each head (rotate-half within it).
-_PARTIAL_ROTARY = (_GLM,)
+_PARTIAL_ROTARY = (_GLM, _MINIMAX)
 
 
 def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
@@ -246,6 +262,21 @@ def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         layer_step=hf.get("decoder_sparse_step", 1),
         dense_layers=list(hf.get("mlp_only_layers") or []),
+    )
+
+
+def _minimax_moe_from_hf(hf: dict[str, Any]) -> MoEConfig:
+    """MiniMax-M2: `num_local_experts` experts of width `intermediate_size` in every layer,
+    chosen by sigmoid scores plus the correction bias, weighed by their renormalised scores."""
+    _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than sigmoid")
+    _refuse(bool(hf.get("shared_intermediate_size")), "MiniMax-M2 with a shared expert")
+    return MoEConfig(
+        num_experts=hf.get("num_local_experts", 256),
+        top_k=hf.get("num_experts_per_tok", 8),
+        ffn_hidden_size=hf["intermediate_size"],
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
+        score_function="sigmoid",
+        expert_bias=True,
     )
 
 
@@ -300,6 +331,9 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     if config.mla is not None:
         _check_deepseek(config)
         candidates = [_DEEPSEEK]
+    elif config.qk_norm and config.qk_norm_scope == "projection":
+        _check_minimax(config)
+        candidates = [_MINIMAX]
     elif config.partial_rotary_factor != 1.0 or _deepseek_routed(config):
         _check_deepseek_moe(config, _GLM)
         candidates = [_GLM]
@@ -328,6 +362,24 @@ def _deepseek_routed(config: ModelConfig) -> bool:
     """Whether `config` routes as DeepSeek-V3 does (sigmoid scores, the correction bias)."""
     moe = config.moe
     return moe is not None and moe.score_function == "sigmoid" and moe.expert_bias
+
+
+def _check_minimax(config: ModelConfig) -> None:
+    """Refuse whole-projection q/k norm models MiniMaxM2ForCausalLM cannot hold exactly."""
+    moe = config.moe
+    _refuse(config.qkv_bias, "MiniMax-M2 with q/k/v biases")
+    _refuse(
+        moe is None
+        or not config.every_layer_moe
+        or moe.score_function != "sigmoid"
+        or not moe.expert_bias
+        or moe.num_shared_experts
+        or moe.num_groups != 1
+        or moe.routed_scaling_factor != 1.0
+        or not moe.norm_topk_prob,
+        "MiniMax-M2 routes every layer by renormalised sigmoid scores with the correction bias, "
+        "without shared experts, groups or scaling",
+    )
 
 
 def _check_deepseek(config: ModelConfig) -> None:
@@ -415,6 +467,8 @@ def config_to_hf(
         hf |= _deepseek_to_hf(config)
     elif arch == _GLM:
         hf |= _glm_to_hf(config)
+    elif arch == _MINIMAX:
+        hf |= _minimax_to_hf(config)
     else:
         hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
@@ -476,6 +530,26 @@ def _glm_to_hf(config: ModelConfig) -> dict[str, Any]:
         "partial_rotary_factor": config.partial_rotary_factor,
     }
     return out | _deepseek_moe_to_hf(config)
+
+
+def _minimax_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """MiniMaxM2ForCausalLM's keys: the expert width is `intermediate_size`; partial RoPE is
+    written both as the hub's `rotary_dim` and as `partial_rotary_factor`."""
+    moe = config.moe
+    return {
+        "head_dim": config.head_dim,
+        "rotary_dim": config.rope_dim,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+        "intermediate_size": config.expert_ffn_hidden_size,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "output_router_logits": False,
+    }
 
 
 def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:

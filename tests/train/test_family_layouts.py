@@ -1,7 +1,9 @@
 """The 2026 families' parallel layouts equal one device (gloo, fp32, CPU), as
 `tests/train/test_layouts.py` checks the older ones: `tiny_glm4_moe` (q/k/v biases, per-head
 q/k norms, RoPE over half of each head, a dense first layer, DeepSeek's MoE with its balancing
-bias) trains under tp2 (with sequence parallelism), pp2, cp2 and ep2, each layout's losses,
+bias) and `tiny_minimax_m2` (q/k norms over the whole projection, whose mean of squares tensor
+parallelism sums over the ranks' slices; partial RoPE; sigmoid routing with the bias in every
+layer) train under tp2 (with sequence parallelism), pp2, cp2 and ep2, each layout's losses,
 validation loss and every gradient of one more global batch against the single process.
 """
 
@@ -26,7 +28,7 @@ LAYOUTS = {
     "cp2": ["parallel.cp=2"],
     "ep2": ["parallel.ep=2"],
 }
-RECIPES = ("tiny_glm4_moe",)
+RECIPES = ("tiny_glm4_moe", "tiny_minimax_m2")
 
 
 def _worker(rank: int, world_size: int, tmp: Path) -> dict:

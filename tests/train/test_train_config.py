@@ -32,6 +32,7 @@ RECIPES = [
     "llama3_70b",
     "llama3_8b",
     "llama3_8b_lora",
+    "minimax_m2",
     "mixtral_8x7b",
     "moonlight_16b_a3b",
     "qwen3_30b_a3b",
@@ -43,6 +44,7 @@ RECIPES = [
     "tiny_grpo",
     "tiny_grpo_sft",
     "tiny_lora",
+    "tiny_minimax_m2",
     "tiny_moe",
     "tiny_muon",
     "tiny_qwen3",
@@ -63,6 +65,7 @@ WORLD_SIZES = {
     "moonlight_16b_a3b": 8,
     "glm4_5_air": 64,
     "glm4_5": 256,
+    "minimax_m2": 128,
 }
 
 

@@ -98,9 +98,12 @@ class AttentionKernel(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped-query kv heads, RoPE, optional q/k/v bias (Qwen2) and
-    optional per-head q/k RMSNorm before RoPE (Qwen3: `q_norm`, `k_norm` over head_dim, one
-    weight shared by all heads, so tensor parallelism replicates them).
+    """Multi-head attention with grouped-query kv heads, RoPE (over the first `rope_dim`
+    dimensions of each head), optional q/k/v bias (Qwen2, GLM-4.5) and optional q/k RMSNorm
+    before RoPE: per head (Qwen3: `q_norm`, `k_norm` over head_dim, one weight shared by all
+    heads, so tensor parallelism replicates them) or over the whole projection (MiniMax-M2:
+    `qk_norm_scope` "projection", one weight per dimension of q and of k; tensor parallelism
+    replicates them too and normalises over the gathered sum of squares).
 
     `kind` names the attention family for code that treats families differently (tensor
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
@@ -113,6 +116,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.qk_norm = config.qk_norm
+        self.qk_norm_scope = config.qk_norm_scope
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
@@ -120,8 +124,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         if self.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+            whole = self.qk_norm_scope == "projection"
+            self.q_norm = RMSNorm(q_dim if whole else config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(kv_dim if whole else config.head_dim, config.norm_eps)
         self.kernel = AttentionKernel(backend)
 
     def forward(
@@ -134,10 +139,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
         if cache is None:

@@ -116,6 +116,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+    # What each q/k norm spans: "head" (Qwen3's: each head over head_dim, one weight shared by
+    # the heads) or "projection" (MiniMax-M2's: all heads' q, and all kv heads' k, normalised
+    # together, with a weight per dimension of the projection).
+    qk_norm_scope: str = "head"
     # RoPE rotates the first int(head_dim * factor) dimensions of each q/k head (rotate-half
     # pairing within them: GLM-4.5, MiniMax-M2); the rest pass through unrotated.
     partial_rotary_factor: float = 1.0
@@ -145,6 +149,8 @@ class ModelConfig:
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"qk_norm_scope {self.qk_norm_scope!r}: head or projection")
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError(
                 f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1]"

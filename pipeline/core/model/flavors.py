@@ -230,6 +230,36 @@ def glm4_5() -> ModelConfig:
     return config
 
 
+def minimax_m2() -> ModelConfig:
+    """MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json) without its multi-token prediction
+    modules: 62 layers of 256 experts (width 1536, top-8) routed by sigmoid scores with the
+    balancing bias, no shared expert; 48 query heads over 8 kv heads of width 128, q/k norms
+    over the whole projection, RoPE over 64 of each head's 128 dimensions."""
+    return ModelConfig(
+        vocab_size=200064,
+        hidden_size=3072,
+        num_layers=62,
+        num_attention_heads=48,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=1536,
+        norm_eps=1e-6,
+        rope_theta=5e6,
+        max_position_embeddings=196608,
+        qk_norm=True,
+        qk_norm_scope="projection",
+        partial_rotary_factor=0.5,
+        moe=MoEConfig(
+            num_experts=256,
+            top_k=8,
+            ffn_hidden_size=1536,
+            aux_loss_coeff=1e-3,
+            score_function="sigmoid",
+            expert_bias=True,
+        ),
+    )
+
+
 def tiny() -> ModelConfig:
     """CPU-sized Llama for tests and the quickstart (vocab fits the quickstart tokenizer)."""
     return ModelConfig(
@@ -314,6 +344,28 @@ def tiny_glm4_moe() -> ModelConfig:
     return config
 
 
+def tiny_minimax_m2() -> ModelConfig:
+    """CPU-sized MiniMax-M2: q/k norms over the whole projection, RoPE over half of each head
+    (head_dim 64: 32 rotated), 8 experts (width 64) top-2 in every layer, sigmoid scores with
+    the balancing bias."""
+    config = tiny()
+    config.head_dim = 64
+    config.qk_norm = True
+    config.qk_norm_scope = "projection"
+    config.partial_rotary_factor = 0.5
+    config.norm_eps = 1e-6
+    config.rope_theta = 5e6
+    config.moe = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=1e-3,
+        score_function="sigmoid",
+        expert_bias=True,
+    )
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -325,12 +377,14 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "moonlight_16b_a3b": moonlight_16b_a3b,
     "glm4_5_air": glm4_5_air,
     "glm4_5": glm4_5,
+    "minimax_m2": minimax_m2,
     "tiny": tiny,
     "tiny_moe": tiny_moe,
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,
     "tiny_deepseek_v3": tiny_deepseek_v3,
     "tiny_glm4_moe": tiny_glm4_moe,
+    "tiny_minimax_m2": tiny_minimax_m2,
 }
 
 
@@ -352,7 +406,7 @@ def num_parameters(config: ModelConfig) -> int:
         if c.qkv_bias:
             attn += q_dim + 2 * kv_dim
         if c.qk_norm:
-            attn += 2 * c.head_dim
+            attn += q_dim + kv_dim if c.qk_norm_scope == "projection" else 2 * c.head_dim
     else:
         attn = _mla_linear_parameters(c) + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
     dense_mlp = 3 * h * c.ffn_hidden_size

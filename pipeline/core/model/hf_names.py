@@ -1,5 +1,5 @@
-"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3 / GLM-4.5)
-parameter names <-> ours.
+"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3 / GLM-4.5 /
+MiniMax-M2) parameter names <-> ours.
 
 Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per expert (Mixtral:
 `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen3-MoE: `mlp.gate`,
@@ -42,6 +42,9 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.weight"),
     ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.moe.experts.w2"),
     ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    # MiniMax-M2 keeps its correction bias on the MoE block: on disk, and in memory.
+    ("model.layers.{i}.block_sparse_moe.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    ("model.layers.{i}.mlp.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
     (
         "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
         "layers.{i}.moe.shared_experts.w1.weight",
@@ -111,6 +114,7 @@ _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "Glm4MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "MiniMaxM2ForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
 }
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"
@@ -122,6 +126,9 @@ _OURS_BY_SPELLING = {
 }
 _PIPE_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 _PIPE_ROUTER = re.compile(r"layers\.(\d+)\.moe\.router\.weight")
+_PIPE_EXPERT_BIAS = re.compile(r"layers\.(\d+)\.moe\.expert_bias")
+# Where an architecture keeps the correction bias, when not on the router (`mlp.gate`).
+_BIAS_ON_BLOCK = ("MiniMaxM2ForCausalLM",)
 
 
 def hf_to_pipe_name(hf_name: str) -> str:
@@ -163,6 +170,9 @@ def pipe_to_hf_names(
     m = _PIPE_ROUTER.fullmatch(name)
     if m:
         return [f"model.layers.{m.group(1)}.{module}.gate.weight"]
+    m = _PIPE_EXPERT_BIAS.fullmatch(name)
+    if m and architecture in _BIAS_ON_BLOCK:
+        return [f"model.layers.{m.group(1)}.{module}.e_score_correction_bias"]
     for pattern, template in _PIPE_TO_HF:
         m = pattern.fullmatch(name)
         if m:

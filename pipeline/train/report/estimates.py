@@ -271,6 +271,8 @@ def _attention_description(model: ModelConfig) -> str:
     if mla is None:
         bias = ", q/k/v bias" if model.qkv_bias else ""
         norm = ", q/k norm" if model.qk_norm else ""
+        if model.qk_norm and model.qk_norm_scope == "projection":
+            norm = ", q/k norm over the projection"
         partial = model.rope_dim < model.head_dim
         rope = f", rope {model.rope_dim} of {model.head_dim}" if partial else ""
         return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{bias}{norm}{rope}"
