@@ -84,11 +84,11 @@ def _unpack(packed: dict[str, torch.Tensor]) -> torch.Tensor:
     return PackedQuantizationCompressor.decompress(packed, _scheme())["weight"]
 
 
-def _text_config():
+def _text_config(vocab_size: int = VOCAB):
     """A tiny Kimi K2: latent attention, the first layer dense, 8 routed experts top-2 in one
     group plus one shared, scaled by 2.827, YaRN."""
     return transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
         num_hidden_layers=3,
@@ -127,13 +127,17 @@ def _text_config():
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory) -> tuple[Path, object]:
+    return kimi_checkpoint(tmp_path_factory.mktemp("kimi") / "hf")
+
+
+def kimi_checkpoint(directory: Path, vocab_size: int = VOCAB) -> tuple[Path, object]:
     """A Kimi K2.5-shaped directory (`kimi_k25` config with a `text_config`, text weights under
     `language_model.`, a vision tower and projector beside them, two files) whose routed
     experts compressed-tensors packed; and transformers' text model holding the weights
     compressed-tensors decompresses from it."""
     from safetensors.torch import save_file
 
-    config = _text_config()
+    config = _text_config(vocab_size)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.DeepseekV3ForCausalLM(config).eval()
@@ -143,7 +147,6 @@ def kimi(tmp_path_factory) -> tuple[Path, object]:
         for name, buffer in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.1)
-    directory = tmp_path_factory.mktemp("kimi") / "hf"
     hf.save_pretrained(directory)
     files: list[dict[str, torch.Tensor]] = [{}, {}]
     for name, tensor in disk_tensors(directory).items():
