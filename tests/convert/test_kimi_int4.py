@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.core.model.flavors import num_parameters
+from pipeline.core.model.flavors import get_flavor, num_parameters
 from pipeline.core.model.hf_names import from_hf_state_dict
 from pipeline.weights.hf_config import config_from_hf, text_model
 from pipeline.weights.hf_reader import HFSource
@@ -346,8 +346,8 @@ KIMI_K25_TEXT_JSON = dict(
 
 
 def test_published_text_config_gives_its_size() -> None:
-    """Kimi K2.5's config.json (its text_config inside the kimi_k25 wrapper) reads as a model
-    whose parameter count is transformers' DeepseekV3ForCausalLM's of the same config and the
+    """Kimi K2.5's config.json (its text_config inside the kimi_k25 wrapper) reads as our
+    `kimi_k2` flavor, whose parameter count is transformers' DeepseekV3ForCausalLM's of the same config and the
     published 1T total (1.03T), 32B active."""
     from pipeline.train.report.estimates import parameter_counts
 
@@ -360,6 +360,7 @@ def test_published_text_config_gives_its_size() -> None:
     hf, prefix = text_model(wrapper)
     assert prefix == "language_model."
     ours = config_from_hf(hf)
+    assert ours == get_flavor("kimi_k2")
     kwargs = {k: v for k, v in KIMI_K25_TEXT_JSON.items() if k not in ("architectures",)}
     kwargs.pop("model_type")
     with torch.device("meta"):

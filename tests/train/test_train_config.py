@@ -26,6 +26,7 @@ RECIPES = [
     "deepseek_v3",
     "glm4_5",
     "glm4_5_air",
+    "kimi_k2",
     "llama3_2_1b",
     "llama3_2_1b_muon",
     "llama3_2_1b_sft",
@@ -66,6 +67,7 @@ WORLD_SIZES = {
     "glm4_5_air": 64,
     "glm4_5": 256,
     "minimax_m2": 128,
+    "kimi_k2": 1024,
 }
 
 

@@ -187,6 +187,44 @@ def moonlight_16b_a3b() -> ModelConfig:
     )
 
 
+def kimi_k2() -> ModelConfig:
+    """Kimi K2's text model (moonshotai/Kimi-K2-Thinking config.json; Kimi K2.5's text_config):
+    DeepSeek-V3's design at 1.03T parameters, 32B active: 61 layers, the first dense; 384
+    routed experts top-8 in one group plus one shared, scaled by 2.827; 64 latent-attention
+    heads; YaRN x64 over 4096 positions."""
+    return ModelConfig(
+        vocab_size=163840,
+        hidden_size=7168,
+        num_layers=61,
+        num_attention_heads=64,
+        ffn_hidden_size=18432,
+        rope_theta=50000.0,
+        rope_scaling=YarnScaling(
+            factor=64.0,
+            original_max_position_embeddings=4096,
+            beta_fast=1.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        max_position_embeddings=262144,
+        mla=MLAConfig(
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+        moe=_deepseek_moe(
+            num_experts=384,
+            top_k=8,
+            ffn_hidden_size=2048,
+            routed_scaling_factor=2.827,
+            dense_layers=[0],
+        ),
+    )
+
+
 def glm4_5_air() -> ModelConfig:
     """GLM-4.5-Air (zai-org/GLM-4.5-Air config.json) without its multi-token prediction layer:
     46 layers, the first dense; 128 routed experts top-8 plus one shared; 96 query heads over
@@ -375,6 +413,7 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "qwen3_30b_a3b": qwen3_30b_a3b,
     "deepseek_v3": deepseek_v3,
     "moonlight_16b_a3b": moonlight_16b_a3b,
+    "kimi_k2": kimi_k2,
     "glm4_5_air": glm4_5_air,
     "glm4_5": glm4_5,
     "minimax_m2": minimax_m2,
