@@ -347,8 +347,8 @@ KIMI_K25_TEXT_JSON = dict(
 
 def test_published_text_config_gives_its_size() -> None:
     """Kimi K2.5's config.json (its text_config inside the kimi_k25 wrapper) reads as our
-    `kimi_k2` flavor, whose parameter count is transformers' DeepseekV3ForCausalLM's of the same config and the
-    published 1T total (1.03T), 32B active."""
+    `kimi_k2` flavor, whose parameter count is transformers' DeepseekV3ForCausalLM's of the
+    same config and the published 1T total (1.03T), 32B active."""
     from pipeline.train.report.estimates import parameter_counts
 
     wrapper = {
