@@ -143,6 +143,19 @@ def perturbed(model):
     return model
 
 
+def perturbed_with_bias(model):
+    """`perturbed(model)`, its MoE correction biases (`e_score_correction_bias` buffers of
+    DeepSeek-style routers) drawn large enough to change which experts are chosen."""
+    import torch
+
+    perturbed(model)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    return model
+
+
 def hf_case(name: str):
     """(HF model class, HF config, our config) for a tiny model of the named architecture."""
     transformers = pytest.importorskip("transformers")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pipeline.core.model.config import ModelConfig, MoEConfig
 from pipeline.core.model.flavors import get_flavor, num_parameters
@@ -28,8 +27,10 @@ from tests.builders import (
     disk_tensors,
     hf_config_dict,
     load_from_source,
+    perturbed_with_bias,
 )
 from tests.builders import build_model as build
+from tests.convert.test_deepseek_v3 import _assert_logits_and_grads_equal, _with_mtp_layer
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,14 +114,7 @@ def _hf_model(hf_config):
     biases large enough to change which experts are chosen."""
     hf_config._attn_implementation = "eager"
     torch.manual_seed(0)
-    hf = transformers.Glm4MoeForCausalLM(hf_config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.1)
-    return hf
+    return perturbed_with_bias(transformers.Glm4MoeForCausalLM(hf_config).eval())
 
 
 def _tokens(seed: int = 1) -> torch.Tensor:
@@ -130,7 +124,8 @@ def _tokens(seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("name", CASES)
 def test_logits_and_gradients_equal_transformers(name: str) -> None:
     """Same weights and tokens: logits and every parameter's gradient of the CE loss agree to
-    1e-4; the layers are dense or MoE exactly where transformers put them."""
+    1e-4 (on 40 positions); the layers are dense or MoE exactly where transformers put
+    them."""
     hf_config, config = _case(name)
     hf = _hf_model(hf_config)
     model = build(config)
@@ -145,15 +140,7 @@ def test_logits_and_gradients_equal_transformers(name: str) -> None:
             "moe",
         ]
     )
-    tokens, labels = _tokens(1), _tokens(2)
-    hf_logits = hf(input_ids=tokens).logits
-    logits = model.logits(tokens)
-    assert (logits - hf_logits).abs().max() < 1e-4
-    F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
-    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-    hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()})
-    for pname, p in model.named_parameters():
-        assert (p.grad - hf_grads[pname]).abs().max() < 1e-4, pname
+    _assert_logits_and_grads_equal(hf, model)
 
 
 def test_partial_rotary_factor_matters() -> None:
@@ -335,36 +322,12 @@ def test_bf16_export_loads_in_transformers(tmp_path) -> None:
         assert (reloaded(input_ids=_tokens()).logits - ours).abs().max() < 1e-4
 
 
-def _with_mtp_layer(path: Path, out: Path) -> Path:
-    """`path` (a saved tiny GLM-4.5 of 3 layers) plus one multi-token prediction layer as
-    zai-org publishes it: `model.layers.3.*` (a MoE block: layer 2's weights perturbed), its
-    enorm / hnorm / eh_proj / shared_head.norm, and copies of the embedding and lm_head."""
-    from safetensors.torch import save_file
-
-    tensors = disk_tensors(path)
-    generator = torch.Generator().manual_seed(2)
-    mtp = {
-        name.replace("model.layers.2.", "model.layers.3.", 1): tensor
-        + 0.01 * torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
-        for name, tensor in tensors.items()
-        if name.startswith("model.layers.2.")
-    }
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        mtp[f"model.layers.3.{norm}.weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=generator)
-    mtp["model.layers.3.eh_proj.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=generator)
-    mtp["model.layers.3.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    mtp["model.layers.3.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    out.mkdir()
-    save_file({**tensors, **mtp}, str(out / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def test_multi_token_prediction_layer_converts_both_ways_bit_exactly(tmp_path) -> None:
-    """GLM's MTP layer (`model.layers.{num_hidden_layers}.*`, which transformers skips on load)
-    reads into our `mtp.3.*` with its q/k/v biases and q/k norms, writes back under the same
-    names and bytes, and transformers loads the written model to the original logits."""
+    """GLM's MTP layer (`model.layers.{num_hidden_layers}.*`, which transformers skips on load;
+    added as zai-org publishes it: a MoE block, enorm / hnorm / eh_proj / shared_head.norm, and
+    copies of the embedding and lm_head) reads into our `mtp.3.*` with its q/k/v biases and q/k
+    norms, writes back under the same names and bytes, and transformers loads the written model
+    to the original logits."""
     hf_config, _ = _case("glm45")
     hf = _hf_model(hf_config)
     hf.save_pretrained(tmp_path / "plain")

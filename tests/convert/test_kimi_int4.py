@@ -16,7 +16,7 @@ from pipeline.core.model.flavors import get_flavor, num_parameters
 from pipeline.core.model.hf_names import from_hf_state_dict
 from pipeline.weights.hf_config import config_from_hf, text_model
 from pipeline.weights.hf_reader import HFSource
-from tests.builders import SEQ, VOCAB, disk_tensors, load_from_source
+from tests.builders import SEQ, VOCAB, disk_tensors, load_from_source, perturbed_with_bias
 
 transformers = pytest.importorskip("transformers")
 compressed_tensors = pytest.importorskip("compressed_tensors")
@@ -140,13 +140,7 @@ def kimi_checkpoint(directory: Path, vocab_size: int = VOCAB) -> tuple[Path, obj
     config = _text_config(vocab_size)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    hf = perturbed_with_bias(transformers.DeepseekV3ForCausalLM(config).eval())
     hf.save_pretrained(directory)
     files: list[dict[str, torch.Tensor]] = [{}, {}]
     for name, tensor in disk_tensors(directory).items():

@@ -3,6 +3,7 @@ training FLOPs per token (for MFU)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
@@ -191,34 +192,23 @@ def kimi_k2() -> ModelConfig:
     """Kimi K2's text model (moonshotai/Kimi-K2-Thinking config.json; Kimi K2.5's text_config):
     DeepSeek-V3's design at 1.03T parameters, 32B active: 61 layers, the first dense; 384
     routed experts top-8 in one group plus one shared, scaled by 2.827; 64 latent-attention
-    heads; YaRN x64 over 4096 positions."""
-    return ModelConfig(
+    heads; YaRN x64 over 4096 positions with beta_fast = beta_slow = 1."""
+    base = deepseek_v3()
+    return dataclasses.replace(
+        base,
         vocab_size=163840,
-        hidden_size=7168,
-        num_layers=61,
         num_attention_heads=64,
-        ffn_hidden_size=18432,
+        num_kv_heads=None,  # re-derived from the heads, as is head_dim
+        head_dim=None,
+        norm_eps=1e-5,
         rope_theta=50000.0,
-        rope_scaling=YarnScaling(
-            factor=64.0,
-            original_max_position_embeddings=4096,
-            beta_fast=1.0,
-            beta_slow=1.0,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
+        rope_scaling=dataclasses.replace(base.rope_scaling, factor=64.0, beta_fast=1.0),
         max_position_embeddings=262144,
-        mla=MLAConfig(
-            kv_lora_rank=512,
-            q_lora_rank=1536,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-        ),
-        moe=_deepseek_moe(
+        moe=dataclasses.replace(
+            base.moe,
             num_experts=384,
-            top_k=8,
-            ffn_hidden_size=2048,
+            num_groups=1,
+            topk_groups=1,
             routed_scaling_factor=2.827,
             dense_layers=[0],
         ),
