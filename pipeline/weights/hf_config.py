@@ -1,5 +1,5 @@
 """Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2).
+Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, Mistral 4).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Mistral4ForCausalLM": "mistral4",
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -54,6 +55,10 @@ _DEEPSEEK_MOE = (_DEEPSEEK, _GLM)  # DeepSeek-V3's MoE keys and layout
 # MiniMax-M2: q/k norms over the whole projection, partial RoPE (`rotary_dim`), experts in every
 # layer routed by sigmoid scores with the correction bias, no shared expert.
 _MINIMAX = "MiniMaxM2ForCausalLM"
+# Mistral 4: DeepSeek-V3's latent attention with Llama 4's query scale, and a MoE of softmax
+# scores (grouped top-k, no correction bias) with shared experts.
+_MISTRAL4 = "Mistral4ForCausalLM"
+_LATENT = (_DEEPSEEK, _MISTRAL4)  # multi-head latent attention
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -184,19 +189,19 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
     _check_sliding_window(hf, arch, ignore_sliding_window)
     theta, scaling = rope_from_hf(hf)
-    _refuse(isinstance(scaling, YarnScaling) and arch != _DEEPSEEK, f"yarn RoPE in {arch}")
+    _refuse(isinstance(scaling, YarnScaling) and arch not in _LATENT, f"yarn RoPE in {arch}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if head_dim is None and arch == "Qwen3ForCausalLM":
         head_dim = 128  # Qwen3Config's default (Qwen3-MoE's is hidden_size / heads)
-    if arch == _DEEPSEEK:
+    if arch in _LATENT:
         head_dim = None  # transformers writes qk_rope_head_dim there; latent attention's own
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
-        num_kv_heads=heads if arch == _DEEPSEEK else hf.get("num_key_value_heads") or heads,
+        num_kv_heads=heads if arch in _LATENT else hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         ffn_hidden_size=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -208,13 +213,24 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         qk_norm=arch in (*_QWEN3, _MINIMAX) or (arch == _GLM and bool(hf.get("use_qk_norm"))),
         qk_norm_scope="projection" if arch == _MINIMAX else "head",
         partial_rotary_factor=_partial_rotary_from_hf(hf, arch),
+        query_scale_beta=_query_scale_beta(hf, arch),
         moe=_moe_of(hf, arch),
-        mla=_mla_from_hf(hf) if arch == _DEEPSEEK else None,
+        mla=_mla_from_hf(hf) if arch in _LATENT else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )
 
 
+def _query_scale_beta(hf: dict[str, Any], arch: str) -> float:
+    """Mistral 4's `llama_4_scaling_beta` (in `rope_parameters`, or 4.x `rope_scaling`)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    _refuse(beta is not None and arch != _MISTRAL4, f"llama_4_scaling_beta in {arch}")
+    return float(beta or 0.0)
+
+
 def _moe_of(hf: dict[str, Any], arch: str) -> MoEConfig | None:
+    if arch == _MISTRAL4:
+        return _mistral4_moe_from_hf(hf)
     if arch in _DEEPSEEK_MOE:
         return _deepseek_moe_from_hf(hf, arch)
     if arch == _MINIMAX:
@@ -226,6 +242,8 @@ def _partial_rotary_from_hf(hf: dict[str, Any], arch: str) -> float:
     """The share of each head RoPE rotates: `partial_rotary_factor` at the top (4.x) or in
     `rope_parameters` (5.x), or MiniMax-M2's `rotary_dim` over head_dim; GLM-4.5's default is
     a half, every other family's the whole."""
+    if arch in _LATENT:
+        return 1.0  # latent attention rotates its own qk_rope_head_dim part (Mistral 4 says so)
     params = hf.get("rope_parameters") or {}
     default = 0.5 if arch == _GLM else 1.0
     if arch == _MINIMAX and hf.get("rotary_dim") is not None:
@@ -262,6 +280,28 @@ def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         layer_step=hf.get("decoder_sparse_step", 1),
         dense_layers=list(hf.get("mlp_only_layers") or []),
+    )
+
+
+def _mistral4_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
+    """Mistral 4: the first `first_k_dense_replace` layers dense (none by default), then
+    softmax-scored routed experts, grouped top-k, renormalised and scaled, plus shared ones."""
+    dense = hf.get("first_k_dense_replace") or 0
+    if dense >= hf["num_hidden_layers"]:
+        return None
+    shared = hf.get("n_shared_experts", 1)
+    _refuse(not shared, "Mistral 4 without shared experts")
+    return MoEConfig(
+        num_experts=hf.get("n_routed_experts", hf.get("num_local_experts", 128)),
+        top_k=hf.get("num_experts_per_tok") or 4,
+        ffn_hidden_size=hf.get("moe_intermediate_size", 2048),
+        aux_loss_coeff=0.0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dense_layers=list(range(dense)),
+        num_groups=hf.get("n_group") or 1,
+        topk_groups=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        num_shared_experts=shared,
     )
 
 
@@ -328,7 +368,10 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     was read from) when it can, else Qwen3 / Qwen3-MoE for q/k norms, Mixtral for MoE, Qwen2
     for q/k/v biases, Mistral for an explicit head_dim, Llama otherwise."""
     default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
-    if config.mla is not None:
+    if config.mla is not None and (config.query_scale_beta or not _deepseek_routed(config)):
+        _check_mistral4(config)
+        candidates = [_MISTRAL4]
+    elif config.mla is not None:
         _check_deepseek(config)
         candidates = [_DEEPSEEK]
     elif config.qk_norm and config.qk_norm_scope == "projection":
@@ -379,6 +422,24 @@ def _check_minimax(config: ModelConfig) -> None:
         or not moe.norm_topk_prob,
         "MiniMax-M2 routes every layer by renormalised sigmoid scores with the correction bias, "
         "without shared experts, groups or scaling",
+    )
+
+
+def _check_mistral4(config: ModelConfig) -> None:
+    """Refuse latent-attention models Mistral4ForCausalLM cannot hold exactly."""
+    _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
+    moe = config.moe
+    _refuse(
+        moe is not None
+        and (
+            moe.dense_layers != list(range(len(moe.dense_layers)))
+            or moe.layer_step != 1
+            or moe.score_function != "softmax"
+            or moe.expert_bias
+            or not moe.num_shared_experts
+        ),
+        "Mistral 4 keeps dense exactly its first layers and routes by softmax scores, without "
+        "a correction bias, beside shared experts",
     )
 
 
@@ -463,7 +524,7 @@ def config_to_hf(
         hf["attention_bias"] = False
     # Qwen3's max_window_layers only matters with a sliding window (refused), so it is left
     # to transformers' default.
-    if arch == _DEEPSEEK:
+    if arch in _LATENT:
         hf |= _deepseek_to_hf(config)
     elif arch == _GLM:
         hf |= _glm_to_hf(config)
@@ -472,6 +533,8 @@ def config_to_hf(
     else:
         hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
+    if config.query_scale_beta:
+        hf["rope_scaling"]["llama_4_scaling_beta"] = config.query_scale_beta
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
@@ -553,7 +616,8 @@ def _minimax_to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """DeepSeek-V3's MoE and multi-token prediction keys (GLM-4.5 shares them)."""
+    """DeepSeek-V3's MoE and multi-token prediction keys (GLM-4.5 and Mistral 4 share them;
+    the routing and balance-loss keys only where the routing is DeepSeek-V3's)."""
     moe = config.moe
     out: dict[str, Any] = {
         "num_nextn_predict_layers": config.mtp_num_layers,
@@ -561,7 +625,7 @@ def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
     }
     if moe is None:
         return out
-    return out | {
+    shapes = {
         "first_k_dense_replace": len(moe.dense_layers),
         "n_routed_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
@@ -571,11 +635,19 @@ def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
         "topk_group": moe.topk_groups,
         "routed_scaling_factor": moe.routed_scaling_factor,
         "norm_topk_prob": moe.norm_topk_prob,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "aux_loss_alpha": moe.aux_loss_coeff,
-        "seq_aux": moe.aux_loss_type == "sequence",
     }
+    if not moe.expert_bias:
+        return out | shapes
+    return (
+        out
+        | shapes
+        | {
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "aux_loss_alpha": moe.aux_loss_coeff,
+            "seq_aux": moe.aux_loss_type == "sequence",
+        }
+    )
 
 
 def rope_scaling_to_hf(scaling: RopeScaling | YarnScaling | None) -> dict[str, Any] | None:

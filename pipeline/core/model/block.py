@@ -18,7 +18,7 @@ from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.kv_seam import LayerKVCache
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
-from pipeline.core.model.rope import apply_rope, deinterleave
+from pipeline.core.model.rope import apply_rope, deinterleave, query_scale
 from pipeline.core.model.rope_scaling import yarn_softmax_factor
 
 
@@ -147,7 +147,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
+        cos_sin = rope[:2]
+        q = query_scale(apply_rope(q.transpose(1, 2), *cos_sin), rope)
+        k = apply_rope(k.transpose(1, 2), *cos_sin)
         if cache is None:
             out = self.kernel(q, k, v, document_ids)
         else:  # the cache holds [batch, tokens, kv_heads, head_dim]
@@ -224,8 +226,8 @@ class LatentAttention(nn.Module):
         k_rope = self.rope_key(k_rope.unsqueeze(1))  # [batch, 1, seq, rope]: one for all heads
         if mla.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q = torch.cat((q_nope, apply_rope(q_rope, *rope)), dim=-1)
-        k_rope = apply_rope(k_rope, *rope)
+        q = query_scale(torch.cat((q_nope, apply_rope(q_rope, *rope[:2])), dim=-1), rope)
+        k_rope = apply_rope(k_rope, *rope[:2])
         if cache is not None:  # from here on, the keys of every token so far
             latent, k_rope = cache.update(latent, k_rope[:, 0])
             k_rope = k_rope.unsqueeze(1)

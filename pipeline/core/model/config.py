@@ -123,6 +123,10 @@ class ModelConfig:
     # RoPE rotates the first int(head_dim * factor) dimensions of each q/k head (rotate-half
     # pairing within them: GLM-4.5, MiniMax-M2); the rest pass through unrotated.
     partial_rotary_factor: float = 1.0
+    # Llama 4's and Mistral 4's long-context query scale: queries at position p are multiplied
+    # by 1 + beta * ln(1 + floor(p / original_max_position_embeddings)) (the RoPE scaling's
+    # original context). 0: off.
+    query_scale_beta: float = 0.0
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # set: latent attention (head_dim, num_kv_heads unused)
     init_method_std: float = 0.02
@@ -159,6 +163,10 @@ class ModelConfig:
             raise ValueError(
                 f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rope_dim} of "
                 f"head_dim {self.head_dim} dimensions; RoPE needs an even count"
+            )
+        if self.query_scale_beta and self.rope_scaling is None:
+            raise ValueError(
+                "query_scale_beta needs rope_scaling (its original_max_position_embeddings)"
             )
         if self.moe is not None:
             self._check_moe(self.moe)
