@@ -271,7 +271,6 @@ def assert_hf_round_trip(path: Path, hf, out: Path) -> dict:
     from pipeline.weights.hf_writer import write_hf
     from pipeline.weights.source import InMemorySource
 
-    transformers = pytest.importorskip("transformers")
     source = HFSource(path)
     memory = InMemorySource(
         source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
@@ -282,7 +281,7 @@ def assert_hf_round_trip(path: Path, hf, out: Path) -> dict:
     for tensor_name, tensor in original.items():
         assert torch.equal(written[tensor_name], tensor), tensor_name
     tokens = torch.randint(0, source.model_config.vocab_size, (2, SEQ), generator=torch.Generator())
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    reloaded = type(hf).from_pretrained(out, attn_implementation="eager")
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
         assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4

@@ -526,6 +526,8 @@ def config_to_hf(
     # to transformers' default.
     if arch in _LATENT:
         hf |= _deepseek_to_hf(config)
+        if arch == _MISTRAL4 and not config.mtp_num_layers:
+            del hf["num_nextn_predict_layers"]  # Mistral 4 has no multi-token prediction
     elif arch == _GLM:
         hf |= _glm_to_hf(config)
     elif arch == _MINIMAX:
@@ -533,8 +535,15 @@ def config_to_hf(
     else:
         hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
-    if config.query_scale_beta:
-        hf["rope_scaling"]["llama_4_scaling_beta"] = config.query_scale_beta
+    if arch == _MISTRAL4:
+        # Mistral4Config builds YaRN x128 when it is given no RoPE dict, and keeps a given
+        # one's rotated share only when the dict says it.
+        mla = config.mla
+        rope = hf["rope_scaling"] or {"rope_type": "default"}
+        rope["partial_rotary_factor"] = mla.qk_rope_head_dim / mla.qk_head_dim
+        if config.query_scale_beta:
+            rope["llama_4_scaling_beta"] = config.query_scale_beta
+        hf["rope_scaling"] = rope
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:

@@ -24,6 +24,7 @@ from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
+    hf_fused_gate_up,
     hf_to_pipe_name,
     mtp_name,
     mtp_shared_copy,
@@ -111,6 +112,7 @@ class HFSource:
             self.metadata["quantization"] = self._int4.name
         self._scales: dict[str, Path] = {}  # FP8 or INT4 scales (and shapes): HF name -> file
         self._packed: dict[str, Path] = {}  # INT4 packed weights: HF name -> file
+        self._halves: dict[str, int] = {}  # our w1 / w3 read as half 0 / 1 of a fused gate_up
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}
@@ -213,6 +215,16 @@ class HFSource:
                     info = self._packed_info(path, disk_name)
                     hf_name = self._int4.weight_name(hf_name)
                     disk_name = self._int4.weight_name(disk_name)
+                halves = hf_fused_gate_up(hf_name)
+                if halves is not None:  # one tensor, read as our w1 and w3 halves
+                    half = TensorInfo(
+                        (info.shape[0], info.shape[1] // 2, *info.shape[2:]), info.dtype
+                    )
+                    for which, name in enumerate(halves):
+                        name = mtp_name(name, num_layers)
+                        self._halves[name] = which
+                        pieces.setdefault(name, {})[None] = (path, disk_name, half)
+                    continue
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
                     name, index = expert
@@ -299,6 +311,8 @@ class HFSource:
                 parts.append(self._dequantized_int4(packed_name))
                 continue
             t = self._tensor(path, hf_name)
+            if name in self._halves:
+                t = t.chunk(2, dim=1)[self._halves[name]].contiguous()
             if is_fp8(t.dtype) and self._fp8 is not None:
                 scale_name = self._fp8.scale_name(hf_name)
                 scale = self._tensor(self._scales[scale_name], scale_name)

@@ -31,6 +31,7 @@ from pipeline.common.safetensors_io import (
     write_safetensors_header,
 )
 from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
+from pipeline.weights.fused_experts import fused_view
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
 
@@ -122,6 +123,13 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
     return groups + _mtp_shared_copies(source, dtype)
 
 
+def _fused(source: TensorSource) -> TensorSource:
+    """`source` as the writer reads it: expert stacks joined where the architecture stores
+    them fused (`pipeline.weights.fused_experts`)."""
+    architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
+    return fused_view(source, architecture)
+
+
 def _mtp_shared_copies(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiece]]:
     """DeepSeek stores, in each multi-token prediction layer, copies of the shared embedding
     and output layer (`embed_tokens`, `shared_head.head`); vLLM's and SGLang's MTP loaders
@@ -157,7 +165,7 @@ def plan_hf_shards(
     shards: list[HFShard] = []
     current: list[list[HFPiece]] = []
     size = 0
-    groups = _groups(source, dtype)
+    groups = _groups(_fused(source), dtype)
     for group in rewrite(groups) if rewrite is not None else groups:
         group_bytes = sum(p.nbytes for p in group)
         if current and size + group_bytes > max_shard_bytes:
@@ -230,6 +238,7 @@ def read_in_write_order(
     failed does to finish its part of them."""
     shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
     names = [g[0].source_name for s in shards for g in s.groups if g[0].source_name is not None]
+    source = _fused(source)
     for name in names[skip:]:
         source.read(name)  # the read is the point; the tensor is dropped at once
 
@@ -337,7 +346,7 @@ def write_hf(
 
     require_little_endian()
     with staged_directory(output_dir, overwrite=overwrite) as tmp:
-        _write_weights(tmp, shards, source, step)
+        _write_weights(tmp, shards, _fused(source), step)
         _write_configs(tmp, shards, source, config_extra)
         for name, obj in (extra_json or {}).items():
             write_json(tmp / name, obj)
