@@ -3,7 +3,8 @@
 q/k norms, RoPE over half of each head, a dense first layer, DeepSeek's MoE with its balancing
 bias) and `tiny_minimax_m2` (q/k norms over the whole projection, whose mean of squares tensor
 parallelism sums over the ranks' slices; partial RoPE; sigmoid routing with the bias in every
-layer) train under tp2 (with sequence parallelism), pp2, cp2 and ep2, each layout's losses,
+layer) and `tiny_mistral4` (latent attention with Llama 4's query scale at global positions,
+softmax grouped routing) train under tp2 (with sequence parallelism), pp2, cp2 and ep2, each layout's losses,
 validation loss and every gradient of one more global batch against the single process.
 """
 
@@ -28,7 +29,7 @@ LAYOUTS = {
     "cp2": ["parallel.cp=2"],
     "ep2": ["parallel.ep=2"],
 }
-RECIPES = ("tiny_glm4_moe", "tiny_minimax_m2")
+RECIPES = ("tiny_glm4_moe", "tiny_minimax_m2", "tiny_mistral4")
 
 
 def _worker(rank: int, world_size: int, tmp: Path) -> dict:

@@ -46,6 +46,7 @@ RECIPES = [
     "tiny_grpo_sft",
     "tiny_lora",
     "tiny_minimax_m2",
+    "tiny_mistral4",
     "tiny_moe",
     "tiny_muon",
     "tiny_qwen3",

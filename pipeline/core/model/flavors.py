@@ -394,6 +394,27 @@ def tiny_minimax_m2() -> ModelConfig:
     return config
 
 
+def tiny_mistral4() -> ModelConfig:
+    """CPU-sized Mistral 4: tiny_deepseek_v3's latent attention with YaRN x4 over 16 positions
+    and Llama 4's query scale (beta 0.1: a micro run of 32 tokens sees it change), the first
+    layer dense, then 8 routed experts chosen by softmax scores in 4 groups (top-2 from the
+    best 2), one shared."""
+    config = tiny_deepseek_v3()
+    config.rope_scaling = YarnScaling(factor=4.0, original_max_position_embeddings=16)
+    config.query_scale_beta = 0.1
+    config.moe = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=1e-3,
+        dense_layers=[0],
+        num_groups=4,
+        topk_groups=2,
+        num_shared_experts=1,
+    )
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -414,6 +435,7 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_deepseek_v3": tiny_deepseek_v3,
     "tiny_glm4_moe": tiny_glm4_moe,
     "tiny_minimax_m2": tiny_minimax_m2,
+    "tiny_mistral4": tiny_mistral4,
 }
 
 
