@@ -1,10 +1,11 @@
 """Greedy generation of the 2026 families against transformers' `generate` (the oracle): GLM-4.5
 (q/k/v biases, per-head q/k norms, half of each head rotated, DeepSeek's MoE), GLM-4.5-Air (no
-q/k norms), MiniMax-M2 (q/k norms over the whole projection, partial RoPE) and Kimi K2.5's text
+q/k norms), MiniMax-M2 (q/k norms over the whole projection, partial RoPE), Kimi K2.5's text
 model (its INT4 experts dequantized on import; transformers holds the values compressed-tensors
-decompresses). Each tiny model shares the tiny tokenizer's vocabulary, so the same weights
-answer token prompts in the engine, text prompts in `pipe generate` and `/v1/completions` of
-`pipe serve`: 16 new tokens, several prompts, equal to transformers'. CPU, fp32."""
+decompresses) and Mistral 4 (Llama 4's query scale, past its 8 original positions). Each tiny
+model shares the tiny tokenizer's vocabulary, so the same weights answer token prompts in the
+engine, text prompts in `pipe generate` and `/v1/completions` of `pipe serve`: 16 new tokens,
+several prompts, equal to transformers'. CPU, fp32."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.builders import run_pipe
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["glm45", "glm45_air", "minimax_m2", "kimi_k25_int4"]
+FAMILIES = ["glm45", "glm45_air", "minimax_m2", "kimi_k25_int4", "mistral4"]
 TOKEN_PROMPTS = [[5, 17, 3], [40, 2, 71, 9, 9, 12, 60, 33, 1, 8, 77], [90], [11, 22, 33, 44]]
 TEXT_PROMPTS = ["line 3: value", "def f(x):", "line 41: value=287 abc"]
 NEW = 16
@@ -35,7 +36,11 @@ def _family(name: str, directory: Path, vocab_size: int):
         from tests.convert.test_kimi_int4 import kimi_checkpoint
 
         return kimi_checkpoint(directory, vocab_size)[1]
-    if name.startswith("glm45"):
+    if name == "mistral4":
+        from tests.convert.test_mistral4 import _case, _hf_model
+
+        hf_config = _case()[0]
+    elif name.startswith("glm45"):
         from tests.convert.test_glm4_moe import _case, _hf_model
 
         hf_config = _case("air" if name == "glm45_air" else "glm45")[0]

@@ -1,12 +1,12 @@
 """The 2026 families' parallel layouts equal one device (gloo, fp32, CPU), as
-`tests/train/test_layouts.py` checks the older ones: `tiny_glm4_moe` (q/k/v biases, per-head
-q/k norms, RoPE over half of each head, a dense first layer, DeepSeek's MoE with its balancing
-bias) and `tiny_minimax_m2` (q/k norms over the whole projection, whose mean of squares tensor
+`tests/train/test_layouts.py` checks the older ones: `tiny_glm4_moe` (q/k/v biases, per-head q/k
+norms, RoPE over half of each head, a dense first layer, DeepSeek's MoE with its balancing bias)
+and `tiny_minimax_m2` (q/k norms over the whole projection, whose mean of squares tensor
 parallelism sums over the ranks' slices; partial RoPE; sigmoid routing with the bias in every
 layer) and `tiny_mistral4` (latent attention with Llama 4's query scale at global positions,
-softmax grouped routing) train under tp2 (with sequence parallelism), pp2, cp2 and ep2, each layout's losses,
-validation loss and every gradient of one more global batch against the single process.
-"""
+softmax grouped routing) train under tp2 (with sequence parallelism), pp2, cp2 and ep2, each
+layout's losses, validation loss and every gradient of one more global batch against the single
+process."""
 
 from __future__ import annotations
 
