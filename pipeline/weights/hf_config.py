@@ -526,8 +526,6 @@ def config_to_hf(
     # to transformers' default.
     if arch in _LATENT:
         hf |= _deepseek_to_hf(config)
-        if arch == _MISTRAL4 and not config.mtp_num_layers:
-            del hf["num_nextn_predict_layers"]  # Mistral 4 has no multi-token prediction
     elif arch == _GLM:
         hf |= _glm_to_hf(config)
     elif arch == _MINIMAX:
@@ -536,14 +534,7 @@ def config_to_hf(
         hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if arch == _MISTRAL4:
-        # Mistral4Config builds YaRN x128 when it is given no RoPE dict, and keeps a given
-        # one's rotated share only when the dict says it.
-        mla = config.mla
-        rope = hf["rope_scaling"] or {"rope_type": "default"}
-        rope["partial_rotary_factor"] = mla.qk_rope_head_dim / mla.qk_head_dim
-        if config.query_scale_beta:
-            rope["llama_4_scaling_beta"] = config.query_scale_beta
-        hf["rope_scaling"] = rope
+        _mistral4_keys(config, hf)
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
@@ -602,6 +593,21 @@ def _glm_to_hf(config: ModelConfig) -> dict[str, Any]:
         "partial_rotary_factor": config.partial_rotary_factor,
     }
     return out | _deepseek_moe_to_hf(config)
+
+
+def _mistral4_keys(config: ModelConfig, hf: dict[str, Any]) -> None:
+    """Mistral4ForCausalLM's changes to DeepSeek-V3's keys in `hf`: no multi-token prediction
+    key, and a RoPE dict that says the rotated share and the query scale (Mistral4Config builds
+    YaRN x128 when given no RoPE dict, and keeps a given one's rotated share only when the
+    dict says it)."""
+    if not config.mtp_num_layers:
+        del hf["num_nextn_predict_layers"]
+    mla = config.mla
+    rope = hf["rope_scaling"] or {"rope_type": "default"}
+    rope["partial_rotary_factor"] = mla.qk_rope_head_dim / mla.qk_head_dim
+    if config.query_scale_beta:
+        rope["llama_4_scaling_beta"] = config.query_scale_beta
+    hf["rope_scaling"] = rope
 
 
 def _minimax_to_hf(config: ModelConfig) -> dict[str, Any]:
