@@ -120,6 +120,8 @@ def run_export(
                     "the legacy TensorRT-LLM format has no latent attention "
                     "(DeepSeek-V3): export with --trtllm alone"
                 )
+            if target == "legacy":
+                _refuse_legacy_family(source)
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
@@ -140,6 +142,19 @@ def run_export(
         raise ExportError(str(e)) from e
     fp8 = ", FP8" if options.fp8 else ""
     return f"wrote {output} ({what}, {dtype_note}{fp8}, in {seconds:.1f} s); {verdict}"
+
+
+def _refuse_legacy_family(source) -> None:
+    """The legacy format has none of GLM-4.5's or MiniMax-M2's pieces (partial RoPE, DeepSeek's
+    or sigmoid routing, q/k norms over the projection): one line, before anything is read."""
+    from pipeline.weights.hf_config import choose_architecture
+
+    architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
+    if architecture in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"):
+        raise ExportError(
+            f"the legacy TensorRT-LLM format has no {architecture} (partial RoPE, sigmoid "
+            "routing): export with --trtllm alone"
+        )
 
 
 def _options_for(target: str, options: ExportOptions) -> ExportOptions:

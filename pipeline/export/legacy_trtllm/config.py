@@ -82,11 +82,6 @@ def trtllm_config(config: ModelConfig, options: LegacyExportOptions) -> dict[str
             f"TensorRT-LLM export of {architecture} (per-head q/k norms) is not supported yet; "
             "export Llama, Mistral, Qwen2 or Mixtral models, or convert to Hugging Face instead"
         )
-    if architecture in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"):
-        raise ValueError(
-            f"the legacy TensorRT-LLM format has no {architecture} (partial RoPE, DeepSeek or "
-            "sigmoid routing): export with --trtllm alone, or convert to Hugging Face"
-        )
     out: dict[str, Any] = {
         "architecture": architecture,
         "dtype": options.dtype,
