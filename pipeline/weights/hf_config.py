@@ -5,7 +5,8 @@ Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torc
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
 and older transformers read, and which transformers 5 still loads. Anything our model cannot
 represent exactly (o_proj or MLP biases, another activation, linear RoPE scaling, YaRN outside
-DeepSeek-V3, a sliding window shorter than the context) is refused rather than silently dropped.
+latent attention, a sliding window shorter than the context, partial RoPE outside GLM-4.5 and
+MiniMax-M2) is refused rather than silently dropped.
 """
 
 from __future__ import annotations
