@@ -360,15 +360,7 @@ def tiny_glm4_moe() -> ModelConfig:
     config.qk_norm = True
     config.partial_rotary_factor = 0.5
     config.rope_theta = 1e6
-    config.moe = _deepseek_moe(
-        num_experts=8,
-        top_k=2,
-        ffn_hidden_size=64,
-        num_groups=4,
-        topk_groups=2,
-        routed_scaling_factor=2.5,
-        dense_layers=[0],
-    )
+    config.moe = tiny_deepseek_v3().moe  # DeepSeek-V3's MoE, as the tiny DeepSeek has it
     return config
 
 
