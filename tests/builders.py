@@ -143,6 +143,19 @@ def perturbed(model):
     return model
 
 
+def perturbed_with_bias(model):
+    """`perturbed(model)`, its MoE correction biases (`e_score_correction_bias` buffers of
+    DeepSeek-style routers) drawn large enough to change which experts are chosen."""
+    import torch
+
+    perturbed(model)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    return model
+
+
 def hf_case(name: str):
     """(HF model class, HF config, our config) for a tiny model of the named architecture."""
     transformers = pytest.importorskip("transformers")
@@ -246,6 +259,34 @@ def cli_hf_round_trip(directory: Path, work: Path) -> tuple[Path, str]:
         assert converted[tensor_name].dtype == tensor.dtype, tensor_name
         assert torch.equal(converted[tensor_name], tensor), tensor_name
     return back, result.output
+
+
+def assert_hf_round_trip(path: Path, hf, out: Path) -> dict:
+    """HF directory `path` (saved from transformers' `hf`) -> our reader -> `write_hf(out)`:
+    the same tensor names and bytes; our model from the reader and transformers from the
+    written files both give `hf`'s logits to 1e-4. Returns the written tensors by name."""
+    import torch
+
+    from pipeline.weights.hf_reader import HFSource
+    from pipeline.weights.hf_writer import write_hf
+    from pipeline.weights.source import InMemorySource
+
+    source = HFSource(path)
+    memory = InMemorySource(
+        source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
+    )
+    write_hf(memory, out, max_shard_bytes=SHARD_BYTES)
+    original, written = disk_tensors(path), disk_tensors(out)
+    assert sorted(original) == sorted(written)
+    for tensor_name, tensor in original.items():
+        assert torch.equal(written[tensor_name], tensor), tensor_name
+    tokens = torch.randint(0, source.model_config.vocab_size, (2, SEQ), generator=torch.Generator())
+    reloaded = type(hf).from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
+        assert (reloaded.eval()(input_ids=tokens).logits - expected).abs().max() < 1e-4
+    return written
 
 
 def load_from_source(source):

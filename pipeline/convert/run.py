@@ -156,7 +156,15 @@ def _verify(
         hf_dir, ours = source_path, output_source
     else:
         hf_dir, ours = written, source
-    if not _transformers_available():
+    wrapper = source.metadata.get("text_model_of") if to_format == "pipe" else None
+    if wrapper:
+        if mode == "on":
+            raise ConversionError(
+                f"--verify on: transformers builds {wrapper} as a multimodal model, pipe reads "
+                "its text model; use --verify auto"
+            )
+        notes.append(f"logits not compared (transformers builds {wrapper} as a multimodal model)")
+    elif not _transformers_available():
         if mode == "on":
             raise ConversionError("--verify on needs transformers: pip install 'pipe-llm[hf]'")
         notes.append("logits not compared (transformers is not installed)")

@@ -69,12 +69,17 @@ class _AmaxRecorder:
 
         return hook
 
-    def rope_key_hook(self, key: str, head_dim: int):
-        """Records the pair norms of the key projection's output (see the module docstring)."""
+    def rope_key_hook(self, key: str, head_dim: int, rope_dim: int):
+        """Records the pair norms of the key projection's output (see the module docstring);
+        with partial RoPE the pairs are (i, i + rope_dim/2) of each head's first rope_dim
+        dimensions, and the others, never rotated, count as they are."""
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            pairs = output.float().unflatten(-1, (-1, 2, head_dim // 2))
+            heads = output.float().unflatten(-1, (-1, head_dim))
+            turned, kept = heads.split([rope_dim, head_dim - rope_dim], dim=-1)
+            pairs = turned.unflatten(-1, (2, rope_dim // 2))
             self.update(key, pairs.pow(2).sum(-2).sqrt())
+            self.update(key, kept)
 
         return hook
 
@@ -104,7 +109,8 @@ def _register(model: nn.Module, recorder: _AmaxRecorder) -> Iterator:
         yield attention.wq.register_forward_pre_hook(recorder.input_hook(f"{i}.qkv"))
         yield attention.wo.register_forward_pre_hook(recorder.input_hook(f"{i}.dense"))
         key_source = attention.k_norm if attention.qk_norm else attention.wk  # Qwen3: normed keys
-        yield key_source.register_forward_hook(recorder.rope_key_hook(f"{i}.kv", head_dim))
+        hook = recorder.rope_key_hook(f"{i}.kv", head_dim, model.config.rope_dim)
+        yield key_source.register_forward_hook(hook)
         yield attention.wv.register_forward_hook(recorder.output_hook(f"{i}.kv"))
         if layer.is_moe:
             yield layer.moe.register_forward_pre_hook(recorder.input_hook(f"{i}.fc"))

@@ -119,6 +119,8 @@ def run_export(
             problem = _block_problem(source.model_config, target, options.fp8)
             if problem is not None:
                 raise ExportError(problem)
+            if target == "legacy":
+                _refuse_legacy_family(source)
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
@@ -160,6 +162,19 @@ def _block_problem(config: ModelConfig, target: str, fp8: bool) -> str | None:
     if fp8:
         return "FP8 export of BLOOM and MPT blocks is not supported: export bfloat16 or float16"
     return None
+
+
+def _refuse_legacy_family(source) -> None:
+    """The legacy format has none of GLM-4.5's or MiniMax-M2's pieces (partial RoPE, DeepSeek's
+    or sigmoid routing, q/k norms over the projection): one line, before anything is read."""
+    from pipeline.weights.hf_config import choose_architecture
+
+    architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
+    if architecture in ("Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"):
+        raise ExportError(
+            f"the legacy TensorRT-LLM format has no {architecture} (partial RoPE, sigmoid "
+            "routing): export with --trtllm alone"
+        )
 
 
 def _options_for(target: str, options: ExportOptions) -> ExportOptions:

@@ -51,6 +51,19 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _causal_lm_class(transformers, hf_dir: Path):
+    """The class config.json's `architectures` names when transformers has it (Mistral 4 has
+    no AutoModelForCausalLM entry), else AutoModelForCausalLM."""
+    import json
+
+    try:
+        names = json.loads((hf_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        names = []
+    found = getattr(transformers, names[0], None) if names else None
+    return found if hasattr(found, "from_pretrained") else transformers.AutoModelForCausalLM
+
+
 def compare_hf_logits(
     source: TensorSource,
     hf_dir: str | Path,
@@ -72,8 +85,8 @@ def compare_hf_logits(
         raise VerifyError("verifying needs transformers: pip install 'pipe-llm[hf]'") from e
     ours = model_from_source(source, layers)
     overrides = {"num_hidden_layers": layers} if layers is not None else {}
-    auto_model = transformers.AutoModelForCausalLM
-    theirs = auto_model.from_pretrained(hf_dir, dtype=torch.float32, **overrides).eval()
+    model_class = _causal_lm_class(transformers, Path(hf_dir))
+    theirs = model_class.from_pretrained(hf_dir, dtype=torch.float32, **overrides).eval()
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, source.model_config.vocab_size, (2, tokens), generator=generator)
     with torch.no_grad():

@@ -1,11 +1,13 @@
 """Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE, DeepSeek-V3; BLOOM and MPT in `hf_alibi_families.py`).
+Mixtral, Qwen3-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2, Mistral 4; BLOOM and MPT in
+`hf_alibi_families.py`).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
 and older transformers read, and which transformers 5 still loads. Anything our model cannot
 represent exactly (o_proj or MLP biases, another activation, linear RoPE scaling, YaRN outside
-DeepSeek-V3, a sliding window shorter than the context) is refused rather than silently dropped.
+latent attention, a sliding window shorter than the context, partial RoPE outside GLM-4.5 and
+MiniMax-M2) is refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "generation_config",
     "rope_from_hf",
     "rope_scaling_to_hf",
+    "text_model",
 ]
 
 log = logging.getLogger(__name__)
@@ -45,13 +48,50 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Mistral4ForCausalLM": "mistral4",
     **ALIBI_ARCHITECTURES,
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _DEEPSEEK = "DeepseekV3ForCausalLM"
+# GLM-4.5/4.6/4.7: grouped-query attention (q/k/v biases, optional per-head q/k norms, half the
+# head rotated) in front of DeepSeek-V3's MoE.
+_GLM = "Glm4MoeForCausalLM"
+_DEEPSEEK_MOE = (_DEEPSEEK, _GLM)  # DeepSeek-V3's MoE keys and layout
+# MiniMax-M2: q/k norms over the whole projection, partial RoPE (`rotary_dim`), experts in every
+# layer routed by sigmoid scores with the correction bias, no shared expert.
+_MINIMAX = "MiniMaxM2ForCausalLM"
+# Mistral 4: DeepSeek-V3's latent attention with Llama 4's query scale, and a MoE of softmax
+# scores (grouped top-k, no correction bias) with shared experts.
+_MISTRAL4 = "Mistral4ForCausalLM"
+_LATENT = (_DEEPSEEK, _MISTRAL4)  # multi-head latent attention
 _DEFAULT_ROPE_THETA = 10000.0
+
+
+# Multimodal wrappers whose text model pipe reads: model_type -> (the text model's
+# architecture, the prefix of its weights' names). Kimi K2.5's text model is Kimi K2's
+# DeepseekV3ForCausalLM; its vision tower and projector are left out.
+_TEXT_MODELS = {"kimi_k25": ("DeepseekV3ForCausalLM", "language_model.")}
+
+
+def text_model(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """(config.json dict of the model pipe reads, the prefix of its weights' names): the dict
+    itself and "" for a text model; a multimodal wrapper's `text_config` (with the wrapper's
+    `quantization_config` when the text config has none) and its text weights' prefix."""
+    known = _TEXT_MODELS.get(hf.get("model_type"))
+    if known is None:
+        return hf, ""
+    architecture, prefix = known
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json: a {hf.get('model_type')} config without a text_config")
+    text = dict(text, architectures=[architecture])
+    if "quantization_config" in hf:
+        text.setdefault("quantization_config", hf["quantization_config"])
+    return text, prefix
 
 
 def _supported() -> str:
@@ -152,24 +192,27 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     if arch in ALIBI_ARCHITECTURES:
         return alibi_config_from_hf(hf, arch)
     _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    _refuse(bool(hf.get("attention_bias")), "attention_bias (o_proj bias) is not supported")
+    _refuse(
+        bool(hf.get("attention_bias")) and arch != _GLM,
+        "attention_bias (o_proj bias) is not supported",
+    )
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias is not supported")
     _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
     _check_sliding_window(hf, arch, ignore_sliding_window)
     theta, scaling = rope_from_hf(hf)
-    _refuse(isinstance(scaling, YarnScaling) and arch != _DEEPSEEK, f"yarn RoPE in {arch}")
+    _refuse(isinstance(scaling, YarnScaling) and arch not in _LATENT, f"yarn RoPE in {arch}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if head_dim is None and arch == "Qwen3ForCausalLM":
         head_dim = 128  # Qwen3Config's default (Qwen3-MoE's is hidden_size / heads)
-    if arch == _DEEPSEEK:
+    if arch in _LATENT:
         head_dim = None  # transformers writes qk_rope_head_dim there; latent attention's own
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
-        num_kv_heads=heads if arch == _DEEPSEEK else hf.get("num_key_value_heads") or heads,
+        num_kv_heads=heads if arch in _LATENT else hf.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         ffn_hidden_size=hf["intermediate_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -177,12 +220,52 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch in _QWEN3,
-        moe=_deepseek_moe_from_hf(hf) if arch == _DEEPSEEK else _moe_from_hf(hf, arch),
-        mla=_mla_from_hf(hf) if arch == _DEEPSEEK else None,
+        qkv_bias=arch == "Qwen2ForCausalLM" or (arch == _GLM and bool(hf.get("attention_bias"))),
+        qk_norm=arch in (*_QWEN3, _MINIMAX) or (arch == _GLM and bool(hf.get("use_qk_norm"))),
+        qk_norm_scope="projection" if arch == _MINIMAX else "head",
+        partial_rotary_factor=_partial_rotary_from_hf(hf, arch),
+        query_scale_beta=_query_scale_beta(hf, arch),
+        moe=_moe_of(hf, arch),
+        mla=_mla_from_hf(hf) if arch in _LATENT else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
     )
+
+
+def _query_scale_beta(hf: dict[str, Any], arch: str) -> float:
+    """Mistral 4's `llama_4_scaling_beta` (in `rope_parameters`, or 4.x `rope_scaling`)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    _refuse(beta is not None and arch != _MISTRAL4, f"llama_4_scaling_beta in {arch}")
+    return float(beta or 0.0)
+
+
+def _moe_of(hf: dict[str, Any], arch: str) -> MoEConfig | None:
+    if arch == _MISTRAL4:
+        return _mistral4_moe_from_hf(hf)
+    if arch in _DEEPSEEK_MOE:
+        return _deepseek_moe_from_hf(hf, arch)
+    if arch == _MINIMAX:
+        return _minimax_moe_from_hf(hf)
+    return _moe_from_hf(hf, arch)
+
+
+def _partial_rotary_from_hf(hf: dict[str, Any], arch: str) -> float:
+    """The share of each head RoPE rotates: `partial_rotary_factor` at the top (4.x) or in
+    `rope_parameters` (5.x), or MiniMax-M2's `rotary_dim` over head_dim; GLM-4.5's default is
+    a half, every other family's the whole."""
+    if arch in _LATENT:
+        return 1.0  # latent attention rotates its own qk_rope_head_dim part (Mistral 4 says so)
+    params = hf.get("rope_parameters") or {}
+    default = 0.5 if arch == _GLM else 1.0
+    if arch == _MINIMAX and hf.get("rotary_dim") is not None:
+        default = hf["rotary_dim"] / hf.get("head_dim", 128)
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
+    _refuse(factor != 1.0 and arch not in _PARTIAL_ROTARY, f"partial_rotary_factor in {arch}")
+    return float(factor)
+
+
+# Families whose transformers code rotates only part of each head (rotate-half within it).
+_PARTIAL_ROTARY = (_GLM, _MINIMAX)
 
 
 def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
@@ -211,6 +294,43 @@ def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
     )
 
 
+def _mistral4_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
+    """Mistral 4: the first `first_k_dense_replace` layers dense (none by default), then
+    softmax-scored routed experts, grouped top-k, renormalised and scaled, plus shared ones."""
+    dense = hf.get("first_k_dense_replace") or 0
+    if dense >= hf["num_hidden_layers"]:
+        return None
+    shared = hf.get("n_shared_experts", 1)
+    _refuse(not shared, "Mistral 4 without shared experts")
+    return MoEConfig(
+        num_experts=hf.get("n_routed_experts", hf.get("num_local_experts", 128)),
+        top_k=hf.get("num_experts_per_tok") or 4,
+        ffn_hidden_size=hf.get("moe_intermediate_size", 2048),
+        aux_loss_coeff=0.0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dense_layers=list(range(dense)),
+        num_groups=hf.get("n_group") or 1,
+        topk_groups=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        num_shared_experts=shared,
+    )
+
+
+def _minimax_moe_from_hf(hf: dict[str, Any]) -> MoEConfig:
+    """MiniMax-M2: `num_local_experts` experts of width `intermediate_size` in every layer,
+    chosen by sigmoid scores plus the correction bias, weighed by their renormalised scores."""
+    _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than sigmoid")
+    _refuse(bool(hf.get("shared_intermediate_size")), "MiniMax-M2 with a shared expert")
+    return MoEConfig(
+        num_experts=hf.get("num_local_experts", 256),
+        top_k=hf.get("num_experts_per_tok", 8),
+        ffn_hidden_size=hf["intermediate_size"],
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
+        score_function="sigmoid",
+        expert_bias=True,
+    )
+
+
 def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
     return MLAConfig(
         kv_lora_rank=hf["kv_lora_rank"],
@@ -222,16 +342,19 @@ def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
     )
 
 
-def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
+def _deepseek_moe_from_hf(hf: dict[str, Any], arch: str = _DEEPSEEK) -> MoEConfig | None:
     """DeepSeekMoE: the first `first_k_dense_replace` layers dense, then sigmoid-scored routed
     experts chosen with the correction bias (`topk_method` noaux_tc) plus shared experts. The
     hub configs' `aux_loss_alpha` becomes our balance-loss coefficient, sequence-wise unless
-    `seq_aux` is false (DeepSeek's reference code defaults it to true)."""
+    `seq_aux` is false (DeepSeek's reference code defaults it to true). GLM-4.5 has the same MoE
+    with transformers' defaults of one first dense layer and one shared expert."""
     _refuse(hf.get("scoring_func", "sigmoid") != "sigmoid", "scoring_func other than sigmoid")
     _refuse(hf.get("topk_method", "noaux_tc") != "noaux_tc", "topk_method other than noaux_tc")
     _refuse(hf.get("moe_layer_freq", 1) != 1, "moe_layer_freq != 1")
-    _refuse(not hf.get("n_shared_experts"), "DeepSeek-V3 without shared experts")
-    dense = hf.get("first_k_dense_replace", 3)
+    glm = arch == _GLM
+    shared = hf.get("n_shared_experts", 1 if glm else None)
+    _refuse(not shared, f"{arch} without shared experts")
+    dense = hf.get("first_k_dense_replace", 1 if glm else 3)
     if dense >= hf["num_hidden_layers"]:
         return None  # every layer dense
     return MoEConfig(
@@ -246,7 +369,7 @@ def _deepseek_moe_from_hf(hf: dict[str, Any]) -> MoEConfig | None:
         num_groups=hf.get("n_group") or 1,
         topk_groups=hf.get("topk_group") or 1,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        num_shared_experts=hf["n_shared_experts"],
+        num_shared_experts=shared,
         expert_bias=True,
     )
 
@@ -259,9 +382,18 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     if config.position_embedding == "alibi":
         return alibi_architecture(config, preferred)
     _check_llama_block(config)
-    if config.mla is not None:
+    if config.mla is not None and (config.query_scale_beta or not _deepseek_routed(config)):
+        _check_mistral4(config)
+        candidates = [_MISTRAL4]
+    elif config.mla is not None:
         _check_deepseek(config)
         candidates = [_DEEPSEEK]
+    elif config.qk_norm and config.qk_norm_scope == "projection":
+        _check_minimax(config)
+        candidates = [_MINIMAX]
+    elif config.partial_rotary_factor != 1.0 or _deepseek_routed(config):
+        _check_deepseek_moe(config, _GLM)
+        candidates = [_GLM]
     elif config.qk_norm:
         _refuse(config.qkv_bias, "q/k norms with q/k/v biases have no supported HF architecture")
         candidates = ["Qwen3MoeForCausalLM" if config.is_moe else "Qwen3ForCausalLM"]
@@ -300,19 +432,67 @@ def _check_llama_block(config: ModelConfig) -> None:
     _refuse(bool(found), f"{', '.join(found)} in a RoPE model has no supported HF architecture")
 
 
+def _deepseek_routed(config: ModelConfig) -> bool:
+    """Whether `config` routes as DeepSeek-V3 does (sigmoid scores, the correction bias)."""
+    moe = config.moe
+    return moe is not None and moe.score_function == "sigmoid" and moe.expert_bias
+
+
+def _check_minimax(config: ModelConfig) -> None:
+    """Refuse whole-projection q/k norm models MiniMaxM2ForCausalLM cannot hold exactly."""
+    moe = config.moe
+    _refuse(config.qkv_bias, "MiniMax-M2 with q/k/v biases")
+    _refuse(
+        moe is None
+        or not config.every_layer_moe
+        or moe.score_function != "sigmoid"
+        or not moe.expert_bias
+        or moe.num_shared_experts
+        or moe.num_groups != 1
+        or moe.routed_scaling_factor != 1.0
+        or not moe.norm_topk_prob,
+        "MiniMax-M2 routes every layer by renormalised sigmoid scores with the correction bias, "
+        "without shared experts, groups or scaling",
+    )
+
+
+def _check_mistral4(config: ModelConfig) -> None:
+    """Refuse latent-attention models Mistral4ForCausalLM cannot hold exactly."""
+    _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
+    moe = config.moe
+    _refuse(
+        moe is not None
+        and (
+            moe.dense_layers != list(range(len(moe.dense_layers)))
+            or moe.layer_step != 1
+            or moe.score_function != "softmax"
+            or moe.expert_bias
+            or not moe.num_shared_experts
+        ),
+        "Mistral 4 keeps dense exactly its first layers and routes by softmax scores, without "
+        "a correction bias, beside shared experts",
+    )
+
+
 def _check_deepseek(config: ModelConfig) -> None:
     """Refuse latent-attention models DeepseekV3ForCausalLM cannot hold exactly."""
     _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
+    _check_deepseek_moe(config, _DEEPSEEK)
+
+
+def _check_deepseek_moe(config: ModelConfig, arch: str) -> None:
+    """Refuse MoE layers `arch` (DeepSeek-V3 or GLM-4.5, whose MoE is DeepSeek's) cannot hold."""
+    name = "DeepSeek-V3" if arch == _DEEPSEEK else "GLM-4.5"
     moe = config.moe
     if moe is None:
         return
     _refuse(
         moe.dense_layers != list(range(len(moe.dense_layers))) or moe.layer_step != 1,
-        "DeepSeek-V3 keeps dense exactly its first layers (first_k_dense_replace)",
+        f"{name} keeps dense exactly its first layers (first_k_dense_replace)",
     )
     _refuse(
         moe.score_function != "sigmoid" or not moe.expert_bias or not moe.num_shared_experts,
-        "DeepSeek-V3 routes with sigmoid scores, the correction bias and shared experts",
+        f"{name} routes with sigmoid scores, the correction bias and shared experts",
     )
 
 
@@ -379,11 +559,17 @@ def config_to_hf(
         hf["attention_bias"] = False
     # Qwen3's max_window_layers only matters with a sliding window (refused), so it is left
     # to transformers' default.
-    if arch == _DEEPSEEK:
+    if arch in _LATENT:
         hf |= _deepseek_to_hf(config)
+    elif arch == _GLM:
+        hf |= _glm_to_hf(config)
+    elif arch == _MINIMAX:
+        hf |= _minimax_to_hf(config)
     else:
         hf |= _moe_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
+    if arch == _MISTRAL4:
+        _mistral4_keys(config, hf)
     if bos_token_id is not None:
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
@@ -419,7 +605,7 @@ def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
 def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
     """DeepseekV3ForCausalLM's latent-attention and MoE keys (a dense model: every layer in
     first_k_dense_replace, with transformers' default expert shapes)."""
-    mla, moe = config.mla, config.moe
+    mla = config.mla
     out: dict[str, Any] = {
         "kv_lora_rank": mla.kv_lora_rank,
         "q_lora_rank": mla.q_lora_rank,
@@ -428,12 +614,68 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "v_head_dim": mla.v_head_dim,
         "rope_interleave": mla.rope_interleave,
         "attention_bias": False,
+    }
+    return out | _deepseek_moe_to_hf(config)
+
+
+def _glm_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """Glm4MoeForCausalLM's attention keys (`attention_bias` is its q/k/v biases) and
+    DeepSeek's MoE keys."""
+    out = {
+        "head_dim": config.head_dim,
+        "attention_bias": config.qkv_bias,
+        "use_qk_norm": config.qk_norm,
+        "partial_rotary_factor": config.partial_rotary_factor,
+    }
+    return out | _deepseek_moe_to_hf(config)
+
+
+def _mistral4_keys(config: ModelConfig, hf: dict[str, Any]) -> None:
+    """Mistral4ForCausalLM's changes to DeepSeek-V3's keys in `hf`: no multi-token prediction
+    key, and a RoPE dict that says the rotated share and the query scale (Mistral4Config builds
+    YaRN x128 when given no RoPE dict, and keeps a given one's rotated share only when the
+    dict says it)."""
+    if not config.mtp_num_layers:
+        del hf["num_nextn_predict_layers"]
+    mla = config.mla
+    rope = hf["rope_scaling"] or {"rope_type": "default"}
+    rope["partial_rotary_factor"] = mla.qk_rope_head_dim / mla.qk_head_dim
+    if config.query_scale_beta:
+        rope["llama_4_scaling_beta"] = config.query_scale_beta
+    hf["rope_scaling"] = rope
+
+
+def _minimax_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """MiniMaxM2ForCausalLM's keys: the expert width is `intermediate_size`; partial RoPE is
+    written both as the hub's `rotary_dim` and as `partial_rotary_factor`."""
+    moe = config.moe
+    return {
+        "head_dim": config.head_dim,
+        "rotary_dim": config.rope_dim,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "use_qk_norm": True,
+        "qk_norm_type": "per_layer",
+        "intermediate_size": config.expert_ffn_hidden_size,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "output_router_logits": False,
+    }
+
+
+def _deepseek_moe_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """DeepSeek-V3's MoE and multi-token prediction keys (GLM-4.5 and Mistral 4 share them;
+    the routing and balance-loss keys only where the routing is DeepSeek-V3's)."""
+    moe = config.moe
+    out: dict[str, Any] = {
         "num_nextn_predict_layers": config.mtp_num_layers,
         "first_k_dense_replace": config.num_layers,
     }
     if moe is None:
         return out
-    return out | {
+    shapes = {
         "first_k_dense_replace": len(moe.dense_layers),
         "n_routed_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
@@ -443,11 +685,19 @@ def _deepseek_to_hf(config: ModelConfig) -> dict[str, Any]:
         "topk_group": moe.topk_groups,
         "routed_scaling_factor": moe.routed_scaling_factor,
         "norm_topk_prob": moe.norm_topk_prob,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "aux_loss_alpha": moe.aux_loss_coeff,
-        "seq_aux": moe.aux_loss_type == "sequence",
     }
+    if not moe.expert_bias:
+        return out | shapes
+    return (
+        out
+        | shapes
+        | {
+            "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "aux_loss_alpha": moe.aux_loss_coeff,
+            "seq_aux": moe.aux_loss_type == "sequence",
+        }
+    )
 
 
 def rope_scaling_to_hf(scaling: RopeScaling | YarnScaling | None) -> dict[str, Any] | None:

@@ -10,8 +10,9 @@ Two FP8 formats are read, the two `pipe export` writes (docs/file_layouts.md):
 - The block format of DeepSeek-V3 and transformers' `quant_method: fp8`: `M.weight_scale_inv`,
   one scale per `weight_block_size` block (the last row and column of blocks may be partial).
 
-Anything else that declares a quantization (NVFP4, INT4 AWQ, GPTQ, compressed-tensors, ...) is
-refused in one line naming it: its weights are not floats pipe can compute with.
+compressed-tensors' pack-quantized INT4 (Kimi's experts) is `hf_int4.py`'s. Anything else that
+declares a quantization (NVFP4, INT4 AWQ, GPTQ, ...) is refused in one line naming it: its
+weights are not floats pipe can compute with.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def fp8_layout(directory: Path, hf_config: dict[str, Any]) -> FP8Layout | None:
                 "ModelOpt FP8", ".weight_scale", (".input_scale", ".k_scale", ".v_scale")
             )
         _refuse(directory, f"ModelOpt {algo}")
+    if method == "compressed-tensors":
+        return None  # INT4 pack-quantized: `hf_int4.py` reads it (or refuses another format)
     if method == "fp8":
         block = config.get("weight_block_size")
         if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
@@ -103,7 +106,8 @@ def fp8_layout(directory: Path, hf_config: dict[str, Any]) -> FP8Layout | None:
 def _refuse(directory: Path, what: str) -> None:
     raise ValueError(
         f"{directory}: weights quantized as {what}, which pipe cannot turn back into floats "
-        "(it reads ModelOpt FP8 and block FP8); give it the unquantized model"
+        "(it reads ModelOpt FP8, block FP8 and pack-quantized INT4); give it the unquantized "
+        "model"
     )
 
 

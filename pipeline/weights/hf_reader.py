@@ -27,6 +27,7 @@ from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
+    hf_fused_gate_up,
     hf_to_pipe_name,
     mtp_name,
     mtp_shared_copy,
@@ -37,7 +38,9 @@ from pipeline.weights.hf_config import (
     config_from_hf,
     dtype_from_hf,
     hf_architecture,
+    text_model,
 )
+from pipeline.weights.hf_int4 import packed_int4_layout
 from pipeline.weights.hf_quantized import fp8_layout, is_fp8
 from pipeline.weights.source import TensorInfo
 
@@ -85,7 +88,7 @@ class HFSource:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-        hf_config = _json_object(config_path)
+        hf_config, self._prefix = text_model(_json_object(config_path))
         self.hf_config = hf_config
         self.model_config: ModelConfig = config_from_hf(
             hf_config, ignore_sliding_window=ignore_sliding_window
@@ -94,6 +97,8 @@ class HFSource:
             "source": str(self.directory),
             "hf_architecture": hf_architecture(hf_config),
         }
+        if self._prefix:  # the text model of a multimodal checkpoint
+            self.metadata["text_model_of"] = _json_object(config_path).get("model_type")
         for key in ("bos_token_id", "eos_token_id"):
             if hf_config.get(key) is not None:
                 self.metadata[key] = hf_config[key]
@@ -106,7 +111,12 @@ class HFSource:
         self._fp8 = fp8_layout(self.directory, hf_config)
         if self._fp8 is not None:
             self.metadata["quantization"] = self._fp8.name
-        self._scales: dict[str, Path] = {}  # FP8 weight scales: HF name -> file
+        self._int4 = packed_int4_layout(hf_config)
+        if self._int4 is not None:
+            self.metadata["quantization"] = self._int4.name
+        self._scales: dict[str, Path] = {}  # FP8 or INT4 scales (and shapes): HF name -> file
+        self._packed: dict[str, Path] = {}  # INT4 packed weights: HF name -> file
+        self._halves: dict[str, int] = {}  # our w1 / w3 read as half 0 / 1 of a fused gate_up
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}
@@ -191,15 +201,36 @@ class HFSource:
         num_layers = self.model_config.num_layers
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
         for path in files:
-            for hf_name, info in self._header(path).items():
+            for disk_name, info in self._header(path).items():
+                # A multimodal model's text weights carry a prefix; its other towers are skipped.
+                hf_name = disk_name.removeprefix(self._prefix)
+                if self._prefix and hf_name == disk_name:
+                    continue
                 if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
                     continue
                 if mtp_shared_copy(hf_name) is not None:
                     continue  # an MTP layer's copy of the shared embedding or output layer
                 if self._fp8 is not None and self._fp8.is_scale(hf_name):
-                    self._scales[hf_name] = path
+                    self._scales[disk_name] = path
                     continue
                 if self._fp8 is not None and self._fp8.is_ignored(hf_name):
+                    continue
+                if self._int4 is not None and self._int4.is_aux(hf_name):
+                    self._scales[disk_name] = path
+                    continue
+                if self._int4 is not None and self._int4.is_packed(hf_name):
+                    info = self._packed_info(path, disk_name)
+                    hf_name = self._int4.weight_name(hf_name)
+                    disk_name = self._int4.weight_name(disk_name)
+                halves = hf_fused_gate_up(hf_name)
+                if halves is not None:  # one tensor, read as our w1 and w3 halves
+                    half = TensorInfo(
+                        (info.shape[0], info.shape[1] // 2, *info.shape[2:]), info.dtype
+                    )
+                    for which, name in enumerate(halves):
+                        name = mtp_name(name, num_layers)
+                        self._halves[name] = which
+                        pieces.setdefault(name, {})[None] = (path, disk_name, half)
                     continue
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
@@ -212,7 +243,7 @@ class HFSource:
                             f"{path}: tensor {hf_name!r} has no counterpart in pipe models"
                         ) from None
                 name = mtp_name(name, num_layers)
-                pieces.setdefault(name, {})[index] = (path, hf_name, info)
+                pieces.setdefault(name, {})[index] = (path, disk_name, info)
         return pieces
 
     def _assemble(self, pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]) -> None:
@@ -254,6 +285,17 @@ class HFSource:
         self._infos = infos
         self._fused = {name: (fused, index) for name, (fused, index, _) in parts.items()}
 
+    def _packed_info(self, path: Path, packed_name: str) -> TensorInfo:
+        """The fp32 `[rows, cols]` a packed INT4 weight reads as (its `weight_shape`, which
+        sits in the same file in compressed-tensors' saves)."""
+        _, shape_name = self._int4.aux_names(packed_name)
+        try:
+            shape = self._tensor(path, shape_name)
+        except ValueError:
+            raise ValueError(f"{path}: {packed_name} has no {shape_name} beside it") from None
+        self._packed[packed_name] = path
+        return TensorInfo(tuple(int(n) for n in shape.tolist()), torch.float32)
+
     def _dequantized_infos(self) -> None:
         """float8 weights are read dequantized, in fp32; each must have its scale."""
         for name, info in self._infos.items():
@@ -287,7 +329,13 @@ class HFSource:
             raise KeyError(f"{name!r} is not in {self.directory}")
         parts = []
         for path, hf_name in self._locations[name]:
+            packed_name = hf_name.removesuffix(".weight") + ".weight_packed"
+            if self._int4 is not None and packed_name in self._packed:
+                parts.append(self._dequantized_int4(packed_name))
+                continue
             t = self._tensor(path, hf_name)
+            if name in self._halves:
+                t = t.chunk(2, dim=1)[self._halves[name]].contiguous()
             if is_fp8(t.dtype) and self._fp8 is not None:
                 scale_name = self._fp8.scale_name(hf_name)
                 scale = self._tensor(self._scales[scale_name], scale_name)
@@ -306,6 +354,16 @@ class HFSource:
         layout = FUSED_QKV_LAYOUTS[self.metadata["hf_architecture"]]
         heads = self.model_config.num_attention_heads
         return split_qkv(self._last_fused[1], layout, heads)[index]
+
+    def _dequantized_int4(self, packed_name: str) -> torch.Tensor:
+        """One packed INT4 weight, dequantized to fp32 (its scale may sit in another file)."""
+        scale_name, shape_name = self._int4.aux_names(packed_name)
+        if scale_name not in self._scales:
+            raise ValueError(f"{self.directory}: {packed_name} has no {scale_name}")
+        packed = self._tensor(self._packed[packed_name], packed_name)
+        scale = self._tensor(self._scales[scale_name], scale_name)
+        shape = self._tensor(self._packed[packed_name], shape_name)
+        return self._int4.dequantize(packed, scale, shape, packed_name)
 
     def close(self) -> None:
         """Drop the open files (their memory mappings); a later `read` opens them again."""

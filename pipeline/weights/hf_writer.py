@@ -34,6 +34,7 @@ from pipeline.common.safetensors_io import (
     write_safetensors_header,
 )
 from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
+from pipeline.weights.fused_experts import fused_view
 from pipeline.weights.fused_qkv import with_fused_qkv
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
@@ -99,9 +100,11 @@ def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def as_written(source: TensorSource) -> TensorSource:
-    """`source` as the files of its architecture lay it out (BLOOM's and MPT's fused q/k/v)."""
+    """`source` as the files of its architecture lay it out: BLOOM's and MPT's fused q/k/v,
+    expert stacks joined where the architecture stores them fused
+    (`pipeline.weights.fused_experts`). Applying it twice changes nothing."""
     architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
-    return with_fused_qkv(source, architecture)
+    return fused_view(with_fused_qkv(source, architecture), architecture)
 
 
 def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiece]]:

@@ -24,12 +24,16 @@ from pipeline.train.report.estimates import dry_run_report, estimate_memory, par
 
 RECIPES = [
     "deepseek_v3",
+    "glm4_5",
+    "glm4_5_air",
+    "kimi_k2",
     "llama3_2_1b",
     "llama3_2_1b_muon",
     "llama3_2_1b_sft",
     "llama3_70b",
     "llama3_8b",
     "llama3_8b_lora",
+    "minimax_m2",
     "mixtral_8x7b",
     "moonlight_16b_a3b",
     "qwen3_30b_a3b",
@@ -37,9 +41,12 @@ RECIPES = [
     "tiny",
     "tiny_deepseek_v3",
     "tiny_dpo",
+    "tiny_glm4_moe",
     "tiny_grpo",
     "tiny_grpo_sft",
     "tiny_lora",
+    "tiny_minimax_m2",
+    "tiny_mistral4",
     "tiny_moe",
     "tiny_muon",
     "tiny_qwen3",
@@ -58,6 +65,10 @@ WORLD_SIZES = {
     "qwen3_30b_a3b": 16,
     "deepseek_v3": 1024,
     "moonlight_16b_a3b": 8,
+    "glm4_5_air": 64,
+    "glm4_5": 256,
+    "minimax_m2": 128,
+    "kimi_k2": 1024,
 }
 
 
@@ -262,7 +273,7 @@ def test_llama3_8b_recipe_follows_megatron_example():
 
 
 def test_unknown_recipe_lists_shipped_ones():
-    shipped = "unknown recipe 'llama9'; shipped recipes: deepseek_v3, llama3_2_1b"
+    shipped = "unknown recipe 'llama9'; shipped recipes: deepseek_v3, .*, llama3_2_1b, "
     with pytest.raises(ConfigError, match=shipped):
         load_recipe("llama9")
 

@@ -20,7 +20,7 @@ from pipeline.core.model.kv_seam import LayerKVCache
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.norms import LayerNorm
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
-from pipeline.core.model.rope import apply_rope, deinterleave
+from pipeline.core.model.rope import apply_rope, deinterleave, query_scale
 from pipeline.core.model.rope_scaling import yarn_softmax_factor
 
 
@@ -137,9 +137,12 @@ class AttentionKernel(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped-query kv heads, RoPE, optional q/k/v bias (Qwen2) and
-    optional per-head q/k RMSNorm before RoPE (Qwen3: `q_norm`, `k_norm` over head_dim, one
-    weight shared by all heads, so tensor parallelism replicates them).
+    """Multi-head attention with grouped-query kv heads, RoPE (over the first `rope_dim`
+    dimensions of each head), optional q/k/v bias (Qwen2, GLM-4.5) and optional q/k RMSNorm
+    before RoPE: per head (Qwen3: `q_norm`, `k_norm` over head_dim, one weight shared by all
+    heads, so tensor parallelism replicates them) or over the whole projection (MiniMax-M2:
+    `qk_norm_scope` "projection", one weight per dimension of q and of k; tensor parallelism
+    replicates them too and normalises over the gathered sum of squares).
 
     `kind` names the attention family for code that treats families differently (tensor
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
@@ -157,6 +160,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.qk_norm = config.qk_norm
+        self.qk_norm_scope = config.qk_norm_scope
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
@@ -164,8 +168,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         if self.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+            whole = self.qk_norm_scope == "projection"
+            self.q_norm = RMSNorm(q_dim if whole else config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(kv_dim if whole else config.head_dim, config.norm_eps)
         self.use_rope = config.position_embedding == "rope"
         self.alibi = (
             AlibiSlopes(config.num_attention_heads, config.alibi_bias_max)
@@ -187,15 +192,19 @@ class Attention(nn.Module):
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = q.view(batch, seq, -1, self.head_dim)
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
+        if self.qk_norm and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            cos_sin = rope[:2]
+            q = query_scale(apply_rope(q, *cos_sin), rope)
+            k = apply_rope(k, *cos_sin)
         # Passed only when the layer has them, so kernels without ALiBi serve the others.
         alibi = {} if self.alibi is None else {"alibi_slopes": self.alibi(q.device)}
         if cache is None:
@@ -276,8 +285,8 @@ class LatentAttention(nn.Module):
         k_rope = self.rope_key(k_rope.unsqueeze(1))  # [batch, 1, seq, rope]: one for all heads
         if mla.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        q = torch.cat((q_nope, apply_rope(q_rope, *rope)), dim=-1)
-        k_rope = apply_rope(k_rope, *rope)
+        q = query_scale(torch.cat((q_nope, apply_rope(q_rope, *rope[:2])), dim=-1), rope)
+        k_rope = apply_rope(k_rope, *rope[:2])
         if cache is not None:  # from here on, the keys of every token so far
             latent, k_rope = cache.update(latent, k_rope[:, 0])
             k_rope = k_rope.unsqueeze(1)

@@ -120,6 +120,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+    # What each q/k norm spans: "head" (Qwen3's: each head over head_dim, one weight shared by
+    # the heads) or "projection" (MiniMax-M2's: all heads' q, and all kv heads' k, normalised
+    # together, with a weight per dimension of the projection).
+    qk_norm_scope: str = "head"
+    # RoPE rotates the first int(head_dim * factor) dimensions of each q/k head (rotate-half
+    # pairing within them: GLM-4.5, MiniMax-M2); the rest pass through unrotated.
+    partial_rotary_factor: float = 1.0
+    # Llama 4's and Mistral 4's long-context query scale: queries at position p are multiplied
+    # by 1 + beta * ln(1 + floor(p / original_max_position_embeddings)) (the RoPE scaling's
+    # original context). 0: off.
+    query_scale_beta: float = 0.0
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # set: latent attention (head_dim, num_kv_heads unused)
     init_method_std: float = 0.02
@@ -163,6 +174,21 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} must be a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
+            )
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(f"qk_norm_scope {self.qk_norm_scope!r}: head or projection")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1]"
+            )
+        if self.mla is None and self.rope_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} rotates {self.rope_dim} of "
+                f"head_dim {self.head_dim} dimensions; RoPE needs an even count"
+            )
+        if self.query_scale_beta and self.rope_scaling is None:
+            raise ValueError(
+                "query_scale_beta needs rope_scaling (its original_max_position_embeddings)"
             )
         if self.moe is not None:
             self._check_moe(self.moe)
@@ -210,8 +236,11 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dimensions of each head that RoPE rotates (MLA rotates only its decoupled part)."""
-        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+        """Dimensions of each head that RoPE rotates: the first int(head_dim *
+        partial_rotary_factor); latent attention rotates only its decoupled part."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:

@@ -3,6 +3,7 @@ training FLOPs per token (for MFU)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
@@ -187,6 +188,106 @@ def moonlight_16b_a3b() -> ModelConfig:
     )
 
 
+def kimi_k2() -> ModelConfig:
+    """Kimi K2's text model (moonshotai/Kimi-K2-Thinking config.json; Kimi K2.5's text_config):
+    DeepSeek-V3's design at 1.03T parameters, 32B active: 61 layers, the first dense; 384
+    routed experts top-8 in one group plus one shared, scaled by 2.827; 64 latent-attention
+    heads; YaRN x64 over 4096 positions with beta_fast = beta_slow = 1."""
+    base = deepseek_v3()
+    return dataclasses.replace(
+        base,
+        vocab_size=163840,
+        num_attention_heads=64,
+        num_kv_heads=None,  # re-derived from the heads, as is head_dim
+        head_dim=None,
+        norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling=dataclasses.replace(base.rope_scaling, factor=64.0, beta_fast=1.0),
+        max_position_embeddings=262144,
+        moe=dataclasses.replace(
+            base.moe,
+            num_experts=384,
+            num_groups=1,
+            topk_groups=1,
+            routed_scaling_factor=2.827,
+            dense_layers=[0],
+        ),
+    )
+
+
+def glm4_5_air() -> ModelConfig:
+    """GLM-4.5-Air (zai-org/GLM-4.5-Air config.json) without its multi-token prediction layer:
+    46 layers, the first dense; 128 routed experts top-8 plus one shared; 96 query heads over
+    8 kv heads of width 128 with q/k/v biases, RoPE over half of each head. The balance loss is
+    off, as the config.json says nothing of one (the correction bias balances the load)."""
+    return ModelConfig(
+        vocab_size=151552,
+        hidden_size=4096,
+        num_layers=46,
+        num_attention_heads=96,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=10944,
+        rope_theta=1e6,
+        max_position_embeddings=131072,
+        qkv_bias=True,
+        partial_rotary_factor=0.5,
+        moe=_deepseek_moe(
+            num_experts=128, top_k=8, ffn_hidden_size=1408, aux_loss_coeff=0.0, dense_layers=[0]
+        ),
+    )
+
+
+def glm4_5() -> ModelConfig:
+    """GLM-4.5 (zai-org/GLM-4.5 config.json; GLM-4.6 and 4.7 share the shape) without its
+    multi-token prediction layer: GLM-4.5-Air's design at 92 layers, the first 3 dense, hidden
+    5120, 160 routed experts of width 1536 scaled by 2.5, and per-head q/k norms."""
+    config = glm4_5_air()
+    config.hidden_size = 5120
+    config.num_layers = 92
+    config.ffn_hidden_size = 12288
+    config.qk_norm = True
+    config.moe = _deepseek_moe(
+        num_experts=160,
+        top_k=8,
+        ffn_hidden_size=1536,
+        routed_scaling_factor=2.5,
+        aux_loss_coeff=0.0,
+        dense_layers=[0, 1, 2],
+    )
+    return config
+
+
+def minimax_m2() -> ModelConfig:
+    """MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json) without its multi-token prediction
+    modules: 62 layers of 256 experts (width 1536, top-8) routed by sigmoid scores with the
+    balancing bias, no shared expert; 48 query heads over 8 kv heads of width 128, q/k norms
+    over the whole projection, RoPE over 64 of each head's 128 dimensions."""
+    return ModelConfig(
+        vocab_size=200064,
+        hidden_size=3072,
+        num_layers=62,
+        num_attention_heads=48,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=1536,
+        norm_eps=1e-6,
+        rope_theta=5e6,
+        max_position_embeddings=196608,
+        qk_norm=True,
+        qk_norm_scope="projection",
+        partial_rotary_factor=0.5,
+        moe=MoEConfig(
+            num_experts=256,
+            top_k=8,
+            ffn_hidden_size=1536,
+            aux_loss_coeff=1e-3,
+            score_function="sigmoid",
+            expert_bias=True,
+        ),
+    )
+
+
 def tiny() -> ModelConfig:
     """CPU-sized Llama for tests and the quickstart (vocab fits the quickstart tokenizer)."""
     return ModelConfig(
@@ -292,6 +393,63 @@ def tiny_mpt() -> ModelConfig:
     )
 
 
+def tiny_glm4_moe() -> ModelConfig:
+    """CPU-sized GLM-4.5: q/k/v biases, per-head q/k norms, RoPE over half of each head
+    (head_dim 64: 32 rotated), the first layer dense, then 8 routed experts (width 64) in 4
+    groups, top-2 from the best 2, one shared."""
+    config = tiny()
+    config.head_dim = 64
+    config.qkv_bias = True
+    config.qk_norm = True
+    config.partial_rotary_factor = 0.5
+    config.rope_theta = 1e6
+    config.moe = tiny_deepseek_v3().moe  # DeepSeek-V3's MoE, as the tiny DeepSeek has it
+    return config
+
+
+def tiny_minimax_m2() -> ModelConfig:
+    """CPU-sized MiniMax-M2: q/k norms over the whole projection, RoPE over half of each head
+    (head_dim 64: 32 rotated), 8 experts (width 64) top-2 in every layer, sigmoid scores with
+    the balancing bias."""
+    config = tiny()
+    config.head_dim = 64
+    config.qk_norm = True
+    config.qk_norm_scope = "projection"
+    config.partial_rotary_factor = 0.5
+    config.norm_eps = 1e-6
+    config.rope_theta = 5e6
+    config.moe = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=1e-3,
+        score_function="sigmoid",
+        expert_bias=True,
+    )
+    return config
+
+
+def tiny_mistral4() -> ModelConfig:
+    """CPU-sized Mistral 4: tiny_deepseek_v3's latent attention with YaRN x4 over 16 positions
+    and Llama 4's query scale (beta 0.1: a micro run of 32 tokens sees it change), the first
+    layer dense, then 8 routed experts chosen by softmax scores in 4 groups (top-2 from the
+    best 2), one shared."""
+    config = tiny_deepseek_v3()
+    config.rope_scaling = YarnScaling(factor=4.0, original_max_position_embeddings=16)
+    config.query_scale_beta = 0.1
+    config.moe = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=1e-3,
+        dense_layers=[0],
+        num_groups=4,
+        topk_groups=2,
+        num_shared_experts=1,
+    )
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -301,6 +459,10 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "qwen3_30b_a3b": qwen3_30b_a3b,
     "deepseek_v3": deepseek_v3,
     "moonlight_16b_a3b": moonlight_16b_a3b,
+    "kimi_k2": kimi_k2,
+    "glm4_5_air": glm4_5_air,
+    "glm4_5": glm4_5,
+    "minimax_m2": minimax_m2,
     "tiny": tiny,
     "tiny_moe": tiny_moe,
     "tiny_qwen3": tiny_qwen3,
@@ -308,6 +470,9 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_deepseek_v3": tiny_deepseek_v3,
     "tiny_bloom": tiny_bloom,
     "tiny_mpt": tiny_mpt,
+    "tiny_glm4_moe": tiny_glm4_moe,
+    "tiny_minimax_m2": tiny_minimax_m2,
+    "tiny_mistral4": tiny_mistral4,
 }
 
 
@@ -331,7 +496,7 @@ def num_parameters(config: ModelConfig) -> int:
         if c.attention_out_bias:
             attn += h
         if c.qk_norm:
-            attn += 2 * c.head_dim
+            attn += q_dim + kv_dim if c.qk_norm_scope == "projection" else 2 * c.head_dim
     else:
         attn = _mla_linear_parameters(c) + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
     up = 2 if c.gated_mlp else 1  # gate and up, or up alone

@@ -1,5 +1,5 @@
-"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3) parameter
-names <-> ours.
+"""Hugging Face (Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3 / GLM-4.5 /
+MiniMax-M2 / Mistral 4) parameter names <-> ours.
 
 Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per expert (Mixtral:
 `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w2/w3`; Qwen3-MoE: `mlp.gate`,
@@ -47,6 +47,9 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.weight"),
     ("model.layers.{i}.mlp.experts.down_proj", "layers.{i}.moe.experts.w2"),
     ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    # MiniMax-M2 keeps its correction bias on the MoE block: on disk, and in memory.
+    ("model.layers.{i}.block_sparse_moe.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+    ("model.layers.{i}.mlp.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
     (
         "model.layers.{i}.mlp.shared_experts.gate_proj.weight",
         "layers.{i}.moe.shared_experts.w1.weight",
@@ -151,6 +154,9 @@ _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "Glm4MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "MiniMaxM2ForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+    "Mistral4ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"
@@ -162,6 +168,27 @@ _OURS_BY_SPELLING = {
 }
 _PIPE_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 _PIPE_ROUTER = re.compile(r"layers\.(\d+)\.moe\.router\.weight")
+_PIPE_EXPERT_BIAS = re.compile(r"layers\.(\d+)\.moe\.expert_bias")
+# Where an architecture keeps the correction bias, when not on the router (`mlp.gate`).
+_BIAS_ON_BLOCK = ("MiniMaxM2ForCausalLM",)
+
+
+# Architectures whose experts are stored as transformers >= 5 holds them (Mistral 4): one
+# `mlp.experts.gate_up_proj` [E, 2 * ffn, hidden] (gate rows, then up rows, per expert) and one
+# `mlp.experts.down_proj` [E, hidden, ffn] a layer; no per-expert spelling exists for them.
+FUSED_EXPERTS = ("Mistral4ForCausalLM",)
+# Our name of the [E, 2 * ffn, hidden] stack of w1 and w3 that such a layer is written from.
+FUSED_GATE_UP = "w13"
+_PIPE_FUSED = re.compile(r"layers\.(\d+)\.moe\.experts\.(w13|w2)")
+
+
+def hf_fused_gate_up(hf_name: str) -> tuple[str, str] | None:
+    """(our w1, our w3 name) for a fused `model.layers.{i}.mlp.experts.gate_up_proj`
+    (their halves along dim 1), else None."""
+    m = _GATE_UP.fullmatch(hf_name)
+    if m is None:
+        return None
+    return f"layers.{m.group(1)}.moe.experts.w1", f"layers.{m.group(1)}.moe.experts.w3"
 
 
 def hf_to_pipe_name(hf_name: str) -> str:
@@ -200,6 +227,10 @@ def pipe_to_hf_names(
             if m:
                 return [template.format(**m.groupdict())]
         raise KeyError(f"no {architecture} name for pipe parameter {name!r}")
+    m = _PIPE_FUSED.fullmatch(name)
+    if m and architecture in FUSED_EXPERTS:
+        fused = "gate_up_proj" if m.group(2) == FUSED_GATE_UP else "down_proj"
+        return [f"model.layers.{m.group(1)}.mlp.experts.{fused}"]
     module, names = _EXPERT_SPELLINGS.get(architecture, _EXPERT_SPELLINGS["MixtralForCausalLM"])
     m = _PIPE_EXPERTS.fullmatch(name)
     if m:
@@ -211,6 +242,9 @@ def pipe_to_hf_names(
     m = _PIPE_ROUTER.fullmatch(name)
     if m:
         return [f"model.layers.{m.group(1)}.{module}.gate.weight"]
+    m = _PIPE_EXPERT_BIAS.fullmatch(name)
+    if m and architecture in _BIAS_ON_BLOCK:
+        return [f"model.layers.{m.group(1)}.{module}.e_score_correction_bias"]
     for pattern, template in _PIPE_TO_HF:
         m = pattern.fullmatch(name)
         if m:

@@ -1,6 +1,7 @@
 """Rotary position embedding (RoPE): inverse frequencies (with Llama 3.1 or YaRN scaling), the
 cos/sin of given positions, and the rotation itself in the "rotate half" convention of Hugging
-Face checkpoints. DeepSeek's interleaved RoPE is the same rotation after `deinterleave`."""
+Face checkpoints. DeepSeek's interleaved RoPE is the same rotation after `deinterleave`. The
+"rope" a block receives is (cos, sin), plus Llama 4's query scale when a model has one."""
 
 from __future__ import annotations
 
@@ -61,23 +62,42 @@ class RotaryEmbedding(nn.Module):
         device = buffer_device or self.inv_freq.device
         self.inv_freq = rope_inv_freq(c.rope_dim, c.rope_theta, c.rope_scaling).to(device)
 
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         angles = position_ids[..., None].float() * self.inv_freq  # [batch, seq, rope_dim // 2]
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-        if self.magnitude == 1.0:
-            return angles.cos(), angles.sin()
-        return angles.cos() * self.magnitude, angles.sin() * self.magnitude
+        cos, sin = angles.cos(), angles.sin()
+        if self.magnitude != 1.0:
+            cos, sin = cos * self.magnitude, sin * self.magnitude
+        beta = self.config.query_scale_beta
+        if not beta:
+            return cos, sin
+        # A third tensor: the query scale `[batch, 1, seq, 1]` (see `query_scale`).
+        original = self.config.rope_scaling.original_max_position_embeddings
+        scale = 1 + beta * torch.log1p(torch.floor(position_ids.float() / original))
+        return cos, sin, scale[:, None, :, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` `[batch, heads, seq, head_dim]` in the "rotate half" convention.
 
-    Dimension i is paired with i + head_dim/2 (not with its neighbour as in Meta's original
+    Dimension i is paired with i + rope_dim/2 (not with its neighbour as in Meta's original
     code), matching Hugging Face checkpoints so their q/k weights load without permutation.
+    When cos/sin are narrower than the head (partial rotary, `rope_dim` < head_dim), only the
+    first rope_dim dimensions turn; the rest pass through.
     """
+    rope_dim = cos.shape[-1]
+    if rope_dim < x.shape[-1]:
+        turned, kept = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
+        return torch.cat((apply_rope(turned, cos, sin), kept), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def query_scale(q: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`q` `[batch, heads, seq, dim]` times the position-dependent scale `RotaryEmbedding`
+    appends to cos/sin when `query_scale_beta` is set (Llama 4, Mistral 4); else `q`."""
+    return q if len(rope) == 2 else q * rope[2].to(q.dtype)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

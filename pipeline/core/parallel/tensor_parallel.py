@@ -225,7 +225,10 @@ def _attention_plan(
     if block.attention.qk_norm:
         # Per-head norms (Qwen3) see this rank's heads `[batch, seq, heads, head_dim]`: the
         # weight is replicated, the input wrapped as sharded on the heads, so the weight's
-        # gradient (a partial sum over this rank's heads) is all-reduced over tp.
+        # gradient (a partial sum over this rank's heads) is all-reduced over tp. Norms over
+        # the whole projection (MiniMax-M2) see this rank's slice `[batch, seq, width / tp]`
+        # wrapped the same way: the mean of squares over the sharded dimension is summed over
+        # tp, and each rank scales by its slice of the replicated weight.
         for name in ("attention.q_norm", "attention.k_norm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     # One DTensor input shared by q, k and v (and w1, w3), so backward reduces their input

@@ -88,6 +88,12 @@ class ModelSection:
     """Add biases to the query/key/value projections (Qwen2)."""
     qk_norm: bool | None = None
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    partial_rotary_factor: float | None = None
+    """Share of each q/k head RoPE rotates, the first dimensions (GLM-4.5: 0.5); 1: all."""
+    qk_norm_scope: str | None = None
+    """What each q/k norm spans: `head` (Qwen3) or `projection` (all heads at once, MiniMax-M2)."""
+    query_scale_beta: float | None = None
+    """Llama 4's / Mistral 4's long-context query scale (`llama_4_scaling_beta`); 0: off."""
     init_method_std: float | None = None
     """Standard deviation of the normal weight initialisation."""
     use_scaled_init: bool | None = None

@@ -276,12 +276,19 @@ def _block(model: ModelConfig) -> str:
 
 
 def _attention_description(model: ModelConfig) -> str:
-    """`32/8 kv, head_dim 128[, q/k norm]`, or latent attention's ranks and head widths."""
+    """`32/8 kv, head_dim 128[, q/k/v bias][, q/k norm][, rope 64 of 128]`, or latent
+    attention's ranks and head widths."""
     heads = model.num_attention_heads
     mla = model.mla
     if mla is None:
+        bias = ", q/k/v bias" if model.qkv_bias else ""
         norm = ", q/k norm" if model.qk_norm else ""
-        return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{norm}{_block(model)}"
+        if model.qk_norm and model.qk_norm_scope == "projection":
+            norm = ", q/k norm over the projection"
+        partial = model.rope_dim < model.head_dim
+        rope = f", rope {model.rope_dim} of {model.head_dim}" if partial else ""
+        described = f"{bias}{norm}{rope}{_block(model)}"
+        return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{described}"
     q = "q full rank" if mla.q_lora_rank is None else f"q rank {mla.q_lora_rank}"
     return (
         f"{heads} latent (kv rank {mla.kv_lora_rank}, {q}, qk {mla.qk_nope_head_dim}"

@@ -143,6 +143,7 @@ def _shapes(config: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         "qkv_bias": config.qkv_bias,
         "qk_norm": config.qk_norm,
+        "qk_norm_scope": config.qk_norm_scope,
     }
 
 
@@ -152,6 +153,8 @@ def _numerics(config: ModelConfig) -> dict[str, Any]:
         "norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
+        "partial_rotary_factor": config.partial_rotary_factor,
+        "query_scale_beta": config.query_scale_beta,
         "max_position_embeddings": config.max_position_embeddings,
         "moe_top_k": config.moe.top_k if config.moe is not None else None,
         "moe_norm_topk_prob": config.moe.norm_topk_prob if config.moe is not None else None,
