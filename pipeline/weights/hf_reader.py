@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
+from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
@@ -34,7 +35,14 @@ from pipeline.weights.hf_config import (
     dtype_from_hf,
     hf_architecture,
 )
-from pipeline.weights.hf_quantized import fp8_layout, is_fp8
+from pipeline.weights.hf_quantized import (
+    MXFP4_BLOCKS,
+    MXFP4_SCALES,
+    dequantize_mxfp4,
+    fp8_layout,
+    is_fp8,
+    is_mxfp4,
+)
 from pipeline.weights.source import TensorInfo
 
 __all__ = ["HFSource"]
@@ -103,6 +111,13 @@ class HFSource:
         if self._fp8 is not None:
             self.metadata["quantization"] = self._fp8.name
         self._scales: dict[str, Path] = {}  # FP8 weight scales: HF name -> file
+        self._mxfp4 = is_mxfp4(hf_config)
+        if self._mxfp4:
+            self.metadata["quantization"] = "MXFP4"
+        # MXFP4 tensors (gpt-oss's experts): HF name -> (blocks file, scales file)
+        self._packed: dict[str, tuple[Path, Path | None]] = {}
+        # our name -> how it is taken out of the HF tensor (gpt-oss's fused experts)
+        self._takes: dict[str, Any] = {}
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}
@@ -166,6 +181,26 @@ class HFSource:
         return handle
 
     def _header(self, path: Path) -> dict[str, TensorInfo]:
+        infos = self._stored_header(path)
+        if not self._mxfp4:
+            return infos
+        out = {}
+        for name, info in infos.items():
+            if name.endswith(MXFP4_SCALES):
+                weight = name.removesuffix(MXFP4_SCALES)
+                blocks = self._packed.get(weight, (None, None))[0]
+                self._packed[weight] = (blocks, path)
+            elif name.endswith(MXFP4_BLOCKS):
+                weight = name.removesuffix(MXFP4_BLOCKS)
+                self._packed[weight] = (path, self._packed.get(weight, (None, None))[1])
+                # [E, out, in / 32, 16] packed: [E, in, out] when dequantized (HF's layout)
+                experts, rows, groups, _ = info.shape
+                out[weight] = TensorInfo((experts, groups * 32, rows), torch.bfloat16)
+            else:
+                out[name] = info
+        return out
+
+    def _stored_header(self, path: Path) -> dict[str, TensorInfo]:
         handle = self._open(path)
         if self._pickled:
             return {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in handle.items()}
@@ -182,6 +217,7 @@ class HFSource:
         """our name -> {expert index or None: (file, hf name, info)}."""
         tied = self.model_config.tie_word_embeddings
         num_layers = self.model_config.num_layers
+        self._fused = self.metadata["hf_architecture"] == fused_experts.GPT_OSS
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
         for path in files:
             for hf_name, info in self._header(path).items():
@@ -193,6 +229,17 @@ class HFSource:
                     self._scales[hf_name] = path
                     continue
                 if self._fp8 is not None and self._fp8.is_ignored(hf_name):
+                    continue
+                if self._fused and fused_experts.split(hf_name) is not None:
+                    for name, take in fused_experts.split(hf_name):
+                        meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
+                        shape = tuple(take(meta).shape)
+                        self._takes[name] = take
+                        pieces.setdefault(name, {})[None] = (
+                            path,
+                            hf_name,
+                            TensorInfo(shape, info.dtype),
+                        )
                     continue
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
@@ -271,8 +318,9 @@ class HFSource:
                 t = self._fp8.dequantize(t, scale, hf_name)
             parts.append(t)
         if len(parts) == 1:
+            take = self._takes.get(name)
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
-            return parts[0].clone()
+            return parts[0].clone() if take is None else take(parts[0]).contiguous()
         return torch.stack(parts)
 
     def close(self) -> None:
@@ -280,6 +328,16 @@ class HFSource:
         self._handles.clear()
 
     def _tensor(self, path: Path, hf_name: str) -> torch.Tensor:
+        if hf_name in self._packed:
+            blocks_path, scales_path = self._packed[hf_name]
+            blocks = self._stored(blocks_path, hf_name + MXFP4_BLOCKS)
+            scales = self._stored(scales_path, hf_name + MXFP4_SCALES)
+            return dequantize_mxfp4(blocks, scales, hf_name).transpose(1, 2)
+        return self._stored(path, hf_name)
+
+    def _stored(self, path: Path | None, hf_name: str) -> torch.Tensor:
+        if path is None:
+            raise ValueError(f"{self.directory}: {hf_name} is missing (MXFP4 needs both halves)")
         handle = self._open(path)
         try:
             return handle[hf_name] if self._pickled else handle.get_tensor(hf_name)

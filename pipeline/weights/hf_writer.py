@@ -30,6 +30,7 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
+from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
@@ -90,6 +91,56 @@ class HFShard:
         return [p for g in self.groups for p in g]
 
 
+_FUSED = "hf:"  # the name prefix of a tensor `FusedView` makes from several of ours
+
+
+class FusedView:
+    """`source` as gpt-oss's files hold it: our expert and router tensors of each layer become
+    their fused tensors (`pipeline.core.model.hf_fused_experts`), listed as `hf:<their name>`
+    where the first of their parts was; every other tensor is passed through."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.model_config = source.model_config
+        self.metadata = source.metadata
+        self._parts: dict[str, list[str]] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        infos = source.tensors()
+        for name, info in infos.items():
+            fused = fused_experts.fused_hf_name(name)
+            if fused is None:
+                self._infos[name] = info
+                continue
+            hf_name, parts = fused
+            key = _FUSED + hf_name
+            if key in self._infos:
+                continue
+            missing = [p for p in parts if p not in infos]
+            if missing:
+                raise ValueError(f"{hf_name} needs {', '.join(missing)}, which the source lacks")
+            metas = [torch.empty(infos[p].shape, dtype=info.dtype, device="meta") for p in parts]
+            shape = tuple(fused_experts.fuse(hf_name, metas).shape)
+            self._parts[key] = parts
+            self._infos[key] = TensorInfo(shape, info.dtype)
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return dict(self._infos)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._parts:
+            return self.source.read(name)
+        parts = [self.source.read(part) for part in self._parts[name]]
+        return fused_experts.fuse(name.removeprefix(_FUSED), parts)
+
+
+def _hf_layout(source: TensorSource) -> TensorSource:
+    """`source` as its Hugging Face architecture lays it out: gpt-oss fuses its experts."""
+    if isinstance(source, FusedView):
+        return source
+    architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
+    return FusedView(source) if architecture == fused_experts.GPT_OSS else source
+
+
 def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
 
@@ -111,7 +162,10 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         out = info.dtype if name.endswith(".moe.expert_bias") else _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
-        hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
+        if name.startswith(_FUSED):
+            hf_names = [name.removeprefix(_FUSED)]
+        else:
+            hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
         if len(hf_names) == 1:
             groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
         elif info.shape[0] != len(hf_names):
@@ -154,6 +208,7 @@ def plan_hf_shards(
     larger than that gets a shard of its own, as transformers does). The pieces of one source
     tensor (an expert stack) stay in one shard so each source tensor is read exactly once.
     `rewrite` (a quantizer) may replace pieces and add groups before the split."""
+    source = _hf_layout(source)
     shards: list[HFShard] = []
     current: list[list[HFPiece]] = []
     size = 0
@@ -228,6 +283,7 @@ def read_in_write_order(
     first `skip`), writing nothing: what the other ranks of a run do while the first writes a
     source whose reads are collectives (gathering a sharded model), and what a writer that
     failed does to finish its part of them."""
+    source = _hf_layout(source)
     shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
     names = [g[0].source_name for s in shards for g in s.groups if g[0].source_name is not None]
     for name in names[skip:]:
@@ -326,6 +382,7 @@ def write_hf(
     A quantizing export passes `rewrite` (see `plan_hf_shards`), keys to add to config.json
     (`config_extra`) and more JSON files (`extra_json`, file name -> object).
     """
+    source = _hf_layout(source)
     shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes, rewrite=rewrite)
     done = 0
 

@@ -13,6 +13,13 @@ imports its package inside its function, so its absence costs nothing until it i
 each has a test against "sdpa" (flex's backward and flash-attn's run on a GPU). `auto` chooses
 by measurement (`pipeline.core.kernels.attention_choice`). Transformer Engine attention joins
 with the FP8 work.
+
+Two per-layer options reach every backend: a sliding `window` (a query sees itself and the
+`window - 1` tokens before it, as Hugging Face's sliding-window layers do) and attention `sinks`
+(gpt-oss: one learned logit per head, an extra softmax column whose value is dropped). SDPA
+serves sinks as one more key of zeros whose additive mask is the head's sink logit
+(`masked_sdpa`); flex from its log-sum-exp (`pipeline.core.kernels.flex_attention`); flash-attn
+takes the window itself and leaves sinks to SDPA (its log-sum-exp carries no gradient).
 """
 
 from __future__ import annotations
@@ -39,6 +46,58 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+def training_mask(
+    seq_len: int,
+    document_ids: torch.Tensor | None,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Boolean mask `[batch or 1, 1, seq, seq]` of causal attention within documents (when
+    `document_ids` is given) and within `window` tokens (when set)."""
+    if document_ids is not None:
+        mask = document_causal_mask(document_ids)
+    else:
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    if window is not None:
+        mask = mask & window_mask(torch.arange(seq_len, device=device), window)
+    return mask
+
+
+def window_mask(positions: torch.Tensor, window: int, keys: torch.Tensor | None = None):
+    """True where a query at `positions[i]` may see a key at `keys[j]` (default: the same
+    positions) under a sliding window: the key is fewer than `window` tokens back."""
+    keys = positions if keys is None else keys
+    return (positions[..., :, None] - keys[..., None, :]) < window
+
+
+def masked_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDPA under a boolean `mask` (None: every key), with attention `sinks` (`[heads]`, one
+    logit per query head) as an extra key of zeros whose additive mask is the sink logit: the
+    softmax then has the sink's column, and its zero value adds nothing to the output."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    batch, heads, queries, _ = q.shape
+    k = torch.cat((k, k.new_zeros(*k.shape[:2], 1, k.shape[3])), dim=2)
+    v = torch.cat((v, v.new_zeros(*v.shape[:2], 1, v.shape[3])), dim=2)
+    keys = k.shape[2] - 1
+    if mask is None:
+        bias = q.new_zeros(1, 1, queries, keys)
+    else:
+        bias = q.new_zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    bias = bias.expand(batch, heads, queries, keys)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, queries, 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.cat((bias, sink), dim=-1), enable_gqa=gqa
+    )
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,8 +106,16 @@ def _sdpa(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    if window is not None or sinks is not None:
+        if mask is None and causal:
+            mask = training_mask(q.shape[2], document_ids, window, q.device)
+        elif mask is None and (document_ids is not None or window is not None):
+            raise ValueError("document masking and windows are only defined for causal attention")
+        return masked_sdpa(q, k, v, mask, sinks)
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if document_ids is None:
@@ -67,7 +134,20 @@ def _flash_attn(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if sinks is not None:  # flash-attn's log-sum-exp has no backward: SDPA's exact path
+        return _sdpa(
+            q,
+            k,
+            v,
+            causal=causal,
+            document_ids=document_ids,
+            mask=mask,
+            window=window,
+            sinks=sinks,
+        )
     try:
         from flash_attn import flash_attn_func
     except ImportError as e:
@@ -77,7 +157,15 @@ def _flash_attn(
     if mask is not None:
         raise ValueError("attention backend flash_attn takes no explicit mask; use sdpa")
     # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself.
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    # A window of w: each query sees w - 1 keys back and none ahead.
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    out = flash_attn_func(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        causal=causal,
+        window_size=window_size,
+    )
     return out.transpose(1, 2)
 
 
@@ -89,14 +177,25 @@ def _flex(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # Cached decoding (an explicit mask) and latent attention (values narrower than keys) are
     # sdpa's: flex here serves causal training attention.
     if mask is not None or not causal or q.shape[-1] != v.shape[-1]:
-        return _sdpa(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+        return _sdpa(
+            q,
+            k,
+            v,
+            causal=causal,
+            document_ids=document_ids,
+            mask=mask,
+            window=window,
+            sinks=sinks,
+        )
     from pipeline.core.kernels.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, document_ids)
+    return flex_attention(q, k, v, document_ids, window=window, sinks=sinks)
 
 
 _BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
@@ -144,13 +243,17 @@ def attention(
     document_ids: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     backend: str = "sdpa",
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention with 1/sqrt(head_dim) scaling; returns `[batch, heads, seq, head_dim]`.
 
     `document_ids` (`[batch, seq]`, any integer ids) restricts attention to tokens of the same
     document; without it the mask is plain causal (or none when `causal=False`). An explicit
     boolean `mask` (`[batch, 1, q_seq, k_seq]`, True: may attend) replaces both: cached decoding,
-    where the queries are the last of the keys and rows have their own lengths.
+    where the queries are the last of the keys and rows have their own lengths (a window is
+    then the mask's business). `window`: each query sees keys fewer than `window` tokens back;
+    `sinks` (`[heads]`): one extra softmax logit per head (see the module docstring).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -160,4 +263,8 @@ def attention(
         raise ValueError(
             f"unknown attention backend {backend!r}; have {sorted(_BACKENDS)}"
         ) from None
-    return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+    if window is None and sinks is None:  # the calls every backend took before these options
+        return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
+    return fn(
+        q, k, v, causal=causal, document_ids=document_ids, mask=mask, window=window, sinks=sinks
+    )

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.core.kernels.attention import attention
 from pipeline.core.model.config import ModelConfig
@@ -75,26 +76,55 @@ class AttentionKernel(nn.Module):
 
     A module (without parameters) so that a parallel layout swaps it in the open: context
     parallelism puts its own kernel at `Attention.kernel` (`pipeline.core.parallel.
-    context_parallel`). `over_cache` attends new tokens' queries over a KV cache's keys."""
+    context_parallel`), keeping its `window`. `over_cache` attends new tokens' queries over a
+    KV cache's keys. `window`: a sliding-window layer's window (None: full attention); `sinks`:
+    the layer's per-head sink logits, when it has them."""
 
-    def __init__(self, backend: str = "sdpa") -> None:
+    def __init__(self, backend: str = "sdpa", window: int | None = None) -> None:
         super().__init__()
         self.backend = backend
+        self.window = window
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return attention(q, k, v, causal=True, document_ids=document_ids, backend=self.backend)
+        return attention(
+            q,
+            k,
+            v,
+            causal=True,
+            document_ids=document_ids,
+            backend=self.backend,
+            window=self.window,
+            sinks=sinks,
+        )
 
     def over_cache(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Queries of new tokens over every cached key and value, under the cache's `mask`
-        (None: each query sees every key)."""
-        return attention(q, k, v, causal=False, mask=mask, backend=self.backend)
+        (None: each query sees every key; the cache's mask holds a sliding window)."""
+        return attention(q, k, v, causal=False, mask=mask, backend=self.backend, sinks=sinks)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend}"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"backend={self.backend}{window}"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` when tensor parallelism made it a DTensor (sinks split with
+    their heads), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Attention(nn.Module):
@@ -105,24 +135,35 @@ class Attention(nn.Module):
     `kind` names the attention family for code that treats families differently (tensor
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
     kv_seam`) it caches each token's key (after RoPE) and value and attends over the cached ones.
+
+    Per layer (`layer`, its global index): a sliding window (`config.attention_window`), no
+    RoPE (`config.no_rope_layers`, SmolLM3); per model: an o_proj bias
+    (`config.attention_out_bias`) and attention sinks (`sinks`, one logit per query head,
+    gpt-oss; tensor parallelism splits them with their heads).
     """
 
     kind = "gqa"
 
-    def __init__(self, config: ModelConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: ModelConfig, backend: str = "sdpa", layer: int = 0) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qk_norm = config.qk_norm
+        self.use_rope = layer not in config.no_rope_layers
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.wo = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
-        self.kernel = AttentionKernel(backend)
+        self.sinks = (
+            nn.Parameter(torch.empty(config.num_attention_heads))
+            if config.attention_sinks
+            else None
+        )
+        self.kernel = AttentionKernel(backend, config.attention_window(layer))
 
     def forward(
         self,
@@ -139,18 +180,24 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), *rope), apply_rope(k.transpose(1, 2), *rope)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.use_rope:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # Passed only when the layer has them, so a kernel without sinks serves the others.
+        sinks = {} if self.sinks is None else {"sinks": local_tensor(self.sinks)}
         if cache is None:
-            out = self.kernel(q, k, v, document_ids)
+            out = self.kernel(q, k, v, document_ids, **sinks)
         else:  # the cache holds [batch, tokens, kv_heads, head_dim]
             k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
-            out = self.kernel.over_cache(q, k, v, cache.mask)
+            out = self.kernel.over_cache(q, k, v, cache.mask, **sinks)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             init_linear(linear, std)
         init_linear(self.wo, out_std)
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, mean=0.0, std=std)
         if self.qk_norm:
             self.q_norm.init_weights()
             self.k_norm.init_weights()
@@ -263,8 +310,10 @@ class TransformerBlock(nn.Module):
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
         self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        attention_cls = LatentAttention if config.attention_kind == "mla" else Attention
-        self.attention = attention_cls(config, options.attention_backend)
+        if config.attention_kind == "mla":
+            self.attention = LatentAttention(config, options.attention_backend)
+        else:
+            self.attention = Attention(config, options.attention_backend, layer)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
         if self.mlp_kind == "dense":
             self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
