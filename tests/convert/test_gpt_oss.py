@@ -44,10 +44,10 @@ ROPE = {
 }
 
 
-def _case():
-    """(HF config, our config written out by hand) for a tiny gpt-oss."""
+def _case(vocab: int = VOCAB):
+    """(HF config, our config written out by hand) for a tiny gpt-oss over `vocab` tokens."""
     hf = transformers.GptOssConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
         num_hidden_layers=LAYERS,
@@ -57,12 +57,12 @@ def _case():
         num_local_experts=EXPERTS,
         num_experts_per_tok=2,
         sliding_window=WINDOW,
-        max_position_embeddings=128,
+        max_position_embeddings=256,
         rope_parameters=dict(ROPE),
         router_aux_loss_coef=0.01,
     )
     ours = ModelConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=HIDDEN,
         num_layers=LAYERS,
         num_attention_heads=HEADS,
@@ -78,7 +78,7 @@ def _case():
             mscale_all_dim=0.0,
             truncate=False,
         ),
-        max_position_embeddings=128,
+        max_position_embeddings=256,
         qkv_bias=True,
         attention_out_bias=True,
         attention_sinks=True,
