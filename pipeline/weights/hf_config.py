@@ -209,16 +209,14 @@ def _layer_types_from_hf(hf: dict[str, Any], arch: str) -> tuple[list[str] | Non
         return None, None
     layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window", 128 if arch == _GPT_OSS else None)
+    if arch == _SMOLLM3 and not (hf.get("use_sliding_window") and window is not None):
+        return None, None  # SmolLM3 slides only with use_sliding_window, whatever layer_types say
     kinds = hf.get("layer_types")
     if kinds is None and arch == _GPT_OSS:
         kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if kinds is None:  # SmolLM3: the layers without RoPE slide when the config says so
+    if kinds is None:  # SmolLM3's default: the layers without RoPE slide
         no_rope = set(_no_rope_layers_from_hf(hf, arch))
-        slide = hf.get("use_sliding_window", False) and window is not None
-        kinds = [
-            "sliding_attention" if slide and i in no_rope else "full_attention"
-            for i in range(layers)
-        ]
+        kinds = ["sliding_attention" if i in no_rope else "full_attention" for i in range(layers)]
     if len(kinds) != layers:
         raise ValueError(f"unsupported Hugging Face config: layer_types has {len(kinds)} entries")
     if all(kind == "full_attention" for kind in kinds):
@@ -418,6 +416,7 @@ def config_to_hf(
     architecture: str | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
 ) -> dict[str, Any]:
     """A Hugging Face `config.json` dict (transformers 4.x keys) for `config`.
 
@@ -480,6 +479,12 @@ def config_to_hf(
         hf["bos_token_id"] = bos_token_id
     if eos_token_id is not None:
         hf["eos_token_id"] = eos_token_id
+    if pad_token_id is not None:
+        hf["pad_token_id"] = pad_token_id
+    if arch in (_SMOLLM3, _SEED_OSS):
+        # Their config classes default these to their tokenizers' ids: an unknown id is null.
+        for key, value in (("bos", bos_token_id), ("eos", eos_token_id), ("pad", pad_token_id)):
+            hf[f"{key}_token_id"] = value
     return dict(sorted(hf.items()))
 
 
@@ -533,8 +538,16 @@ def _gpt_oss_to_hf(config: ModelConfig) -> dict[str, Any]:
 def _smollm3_to_hf(config: ModelConfig) -> dict[str, Any]:
     """SmolLM3ForCausalLM's keys: which layers use RoPE (1) or not (0), each layer's kind."""
     sliding = config.layer_types is not None and "sliding_attention" in config.layer_types
+    flags = [int(i not in config.no_rope_layers) for i in range(config.num_layers)]
+    # The interval that gives these flags, when one does (transformers reads only the flags).
+    intervals = [
+        n
+        for n in range(1, config.num_layers + 2)
+        if flags == [int((i + 1) % n != 0) for i in range(config.num_layers)]
+    ]
     return {
-        "no_rope_layers": [int(i not in config.no_rope_layers) for i in range(config.num_layers)],
+        "no_rope_layers": flags,
+        "no_rope_layer_interval": intervals[0] if intervals else 4,
         "layer_types": _layer_types_to_hf(config),
         "use_sliding_window": sliding,
         "sliding_window": config.sliding_window,

@@ -98,7 +98,7 @@ class HFSource:
             "source": str(self.directory),
             "hf_architecture": hf_architecture(hf_config),
         }
-        for key in ("bos_token_id", "eos_token_id"):
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if hf_config.get(key) is not None:
                 self.metadata[key] = hf_config[key]
         generation_eos = _generation_eos_ids(self.directory / "generation_config.json")

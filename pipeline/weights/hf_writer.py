@@ -355,6 +355,7 @@ def _write_configs(
         architecture=source.metadata.get("hf_architecture"),
         bos_token_id=bos,
         eos_token_id=eos,
+        pad_token_id=source.metadata.get("pad_token_id"),
     )
     write_json(tmp / "config.json", config | (config_extra or {}))
     write_json(tmp / "generation_config.json", generation_config(bos, _generation_eos(source, eos)))
