@@ -460,10 +460,22 @@ def config_to_hf(
     # to transformers' default.
     if arch == _DEEPSEEK:
         hf |= _deepseek_to_hf(config)
-    elif arch == _GPT_OSS:
-        hf |= _gpt_oss_to_hf(config)
     else:
-        hf |= _moe_to_hf(config, arch)
+        hf |= _family_to_hf(config, arch)
+    hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    # SmolLM3's and Seed-OSS's config classes default these to their tokenizers' ids: an
+    # unknown id is written as null there, and left out elsewhere.
+    keep_null = arch in (_SMOLLM3, _SEED_OSS)
+    hf |= {key: value for key, value in ids.items() if value is not None or keep_null}
+    return dict(sorted(hf.items()))
+
+
+def _family_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
+    """The keys of gpt-oss, SmolLM3, Seed-OSS, and the MoE keys of the others."""
+    if arch == _GPT_OSS:
+        return _gpt_oss_to_hf(config)
+    hf = _moe_to_hf(config, arch)
     if arch == _SMOLLM3:
         hf |= _smollm3_to_hf(config)
     if arch == _SEED_OSS:
@@ -474,18 +486,7 @@ def config_to_hf(
             "mlp_bias": False,
             "residual_dropout": 0.0,
         }
-    hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
-    if bos_token_id is not None:
-        hf["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        hf["eos_token_id"] = eos_token_id
-    if pad_token_id is not None:
-        hf["pad_token_id"] = pad_token_id
-    if arch in (_SMOLLM3, _SEED_OSS):
-        # Their config classes default these to their tokenizers' ids: an unknown id is null.
-        for key, value in (("bos", bos_token_id), ("eos", eos_token_id), ("pad", pad_token_id)):
-            hf[f"{key}_token_id"] = value
-    return dict(sorted(hf.items()))
+    return hf
 
 
 def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:

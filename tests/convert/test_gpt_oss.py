@@ -347,6 +347,20 @@ def test_mxfp4_checkpoint_reads_dequantized(hf_dir, tmp_path) -> None:
         expected = hf(input_ids=tokens).logits
         assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
 
+    # `--to hf` writes the dequantized experts unquantized (here bf16: exact), which
+    # transformers loads as plain gpt-oss to the same logits.
+    out = write_hf(source, tmp_path / "bf16", dtype=torch.bfloat16)
+    written = disk_tensors(out)
+    for name, tensor in dequantized.items():
+        assert torch.equal(written[name], tensor), name
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        theirs = reloaded(input_ids=tokens).logits
+        assert (load_from_source(HFSource(out)).logits(tokens) - theirs).abs().max() < 1e-4
+
 
 # ---------------------------------------------------------------------------------------------
 # Published configs
