@@ -199,8 +199,8 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:
 
 
 def test_engine_greedy_equals_transformers_generate(hf_dir) -> None:
-    """16 greedy tokens through the engine's paged cache (prompts longer than the window of 5)
-    equal transformers' `generate`."""
+    """16 greedy tokens through the engine's paged cache (prompts longer than the window of 5),
+    with the eager and the static-shape decode step, equal transformers' `generate`."""
     from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.loading import open_generator
     from pipeline.serve.engine.sampling import SamplingParams
@@ -208,6 +208,9 @@ def test_engine_greedy_equals_transformers_generate(hf_dir) -> None:
     name, directory, hf = hf_dir
     model = open_generator(directory).model
     engine = Engine(model, max_batch=4, block_size=4, prefill_chunk=4)
+    # The static-shape decode step (what CUDA graphs capture) builds the window from positions.
+    static = Engine(model, max_batch=2, block_size=4, prefill_chunk=4, static_decode=True)
+    assert static.decoder is not None
     params = SamplingParams(max_new_tokens=16, greedy=True)
     prompts = [[5, 17, 3], [40, 2, 71, 9, 9, 12, 60, 33, 1, 8, 77], [90, 3, 8, 1, 5, 44]]
     for prompt in prompts:
@@ -222,6 +225,7 @@ def test_engine_greedy_equals_transformers_generate(hf_dir) -> None:
         )
         expected = out[0, len(prompt) :].tolist()
         assert engine.generate([prompt], params)[0].output == expected, (name, prompt)
+        assert static.generate([prompt], params)[0].output == expected, (name, prompt)
         assert greedy_without_cache(model, prompt, 16) == expected, (name, prompt)
 
 
