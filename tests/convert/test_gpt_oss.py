@@ -453,3 +453,21 @@ def test_dry_run_reports_the_published_size(recipe: str) -> None:
     count = num_parameters(get_flavor(recipe))
     assert f"parameters   {count:,} total" in out
     assert "window 128 in" in out and "sinks" in out
+
+
+def test_biases_and_sinks_are_neither_decayed_nor_muon_matrices() -> None:
+    """The expert biases are 2-D stacks `[E, ffn]`, yet biases: AdamW does not decay them and
+    Muon does not orthogonalise them; the expert weights stay Muon's."""
+    from pipeline.core.model.transformer import Transformer
+    from pipeline.train.optimizers.adamw import param_groups
+    from pipeline.train.optimizers.muon import is_hidden_matrix
+
+    with torch.device("meta"):
+        model = Transformer(get_flavor("tiny_gpt_oss"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["name"]: {names[id(p)] for p in g["params"]} for g in param_groups(model, 0.1)}
+    for name in ("experts.b1", "experts.b2", "router.bias", "attention.sinks", "wo.bias"):
+        assert any(n.endswith(name) for n in groups["no_decay"]), name
+        assert not any(n.endswith(name) for n in groups["decay"]), name
+    hidden = {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
+    assert "layers.0.moe.experts.w1" in hidden and "layers.0.moe.experts.b1" not in hidden

@@ -32,6 +32,13 @@ from pipeline.core.model.feed_forward import FeedForward
 EXPERT_BIASES = ("b1", "b3", "b2")
 
 
+def is_bias(name: str) -> bool:
+    """Whether the parameter `name` is a bias: a linear's `.bias`, or an expert stack's biases
+    (`experts.b1`, 2-D `[E, ffn]`, which optimizers must not take for a matrix)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "bias" or (module.endswith("experts") and leaf in EXPERT_BIASES)
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs with stacked weights: w1 (gate) and w3 (up) `[E, ffn, hidden]`,
     w2 (down) `[E, hidden, ffn]`; the same layout as Hugging Face Mixtral's fused experts.
