@@ -253,6 +253,17 @@ def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:
     assert hf_config_dict(back) == hf_config_dict(directory)
 
 
+def test_verifying_the_first_layers_cuts_the_per_layer_lists(hf_dir, tmp_path) -> None:
+    """`--verify layers=2` (a model too large to check whole) keeps the first two entries of
+    `layer_types` on both sides, and the logits of those layers match."""
+    from tests.builders import run_pipe
+
+    path, _ = hf_dir
+    args = ["--from", "hf", "-o", tmp_path / "ckpt", "--verify", "layers=2"]
+    out = run_pipe("convert", path, *args).output
+    assert "logits match transformers (first 2 layers)" in out
+
+
 def test_bf16_export_loads_in_transformers(hf_dir, tmp_path) -> None:
     """`--to hf` in bfloat16 (what a converted MXFP4 checkpoint is written as) loads in
     transformers as gpt-oss with our bf16 logits."""
