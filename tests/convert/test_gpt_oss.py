@@ -482,3 +482,17 @@ def test_biases_and_sinks_are_neither_decayed_nor_muon_matrices() -> None:
         assert not any(n.endswith(name) for n in groups["decay"]), name
     hidden = {n for n, p in model.named_parameters() if is_hidden_matrix(n, p)}
     assert "layers.0.moe.experts.w1" in hidden and "layers.0.moe.experts.b1" not in hidden
+
+
+@pytest.mark.parametrize(
+    "flavor", ["tiny_gpt_oss", "tiny_smollm3", "gpt_oss_20b", "smollm3_3b", "seed_oss_36b"]
+)
+def test_parameter_count_is_the_modules(flavor: str) -> None:
+    """`num_parameters` (what the dry run reports) counts what the model holds: sinks, o_proj
+    and expert biases, the router bias."""
+    from pipeline.core.model.transformer import Transformer
+
+    config = get_flavor(flavor)
+    with torch.device("meta"):
+        model = Transformer(config)
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(config)

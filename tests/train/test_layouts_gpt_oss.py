@@ -11,6 +11,9 @@ parameter's gradient (sinks and expert biases included) to GRAD_ATOL + GRAD_RTOL
   the other rank;
 * pp2: two layers (a sliding and a full one) per stage;
 * ep2: the expert biases split with their experts.
+
+`tiny_smollm3` (no RoPE in two of the layers, which also slide, q/k/v/o biases, dense) runs
+tp2, cp2 and pp2 the same way.
 """
 
 from __future__ import annotations
@@ -38,33 +41,52 @@ LAYOUTS = {
 }
 
 
+SMOLLM3 = "tiny_smollm3"
+SMOLLM3_LAYOUTS = ("tp2", "cp2", "pp2")
+
+
+def _runs() -> list[tuple[str, str]]:
+    return [(RECIPE, name) for name in LAYOUTS] + [(SMOLLM3, name) for name in SMOLLM3_LAYOUTS]
+
+
 def _worker(rank: int, world_size: int, tmp: Path) -> dict:
     out = {}
-    for name, extra in LAYOUTS.items():
-        result = train_and_probe(RECIPE, layout_sets(RECIPE, tmp / name, *extra))
+    for recipe, name in _runs():
+        sets = layout_sets(recipe, tmp / f"{recipe}_{name}", *LAYOUTS[name])
+        result = train_and_probe(recipe, sets)
         if not result.pop("first_of_stage"):
             result.pop("grads")
-        out[name] = result
+        out[(recipe, name)] = result
     return out
 
 
-def test_gpt_oss_layouts_equal_one_device(tmp_path: Path) -> None:
-    reference = train_and_probe(RECIPE, layout_sets(RECIPE, tmp_path / "single"))
-    names = set(reference["grads"])
+def test_gpt_oss_and_smollm3_layouts_equal_one_device(tmp_path: Path) -> None:
+    references = {
+        recipe: train_and_probe(recipe, layout_sets(recipe, tmp_path / f"{recipe}_single"))
+        for recipe in (RECIPE, SMOLLM3)
+    }
+    names = set(references[RECIPE]["grads"])
     for name in ("layers.0.attention.sinks", "layers.3.moe.experts.b2", "layers.1.moe.router.bias"):
         assert name in names, name
+    assert "layers.3.attention.wo.bias" in references[SMOLLM3]["grads"]
     per_rank = run_distributed(_worker, 2, tmp_path)
-    for layout in LAYOUTS:
+    for recipe, layout in _runs():
+        reference = references[recipe]
+        names = set(reference["grads"])
         grads: dict[str, torch.Tensor] = {}
-        for result in (r[layout] for r in per_rank):
+        for result in (r[(recipe, layout)] for r in per_rank):
             for step, loss in reference["losses"].items():
-                assert result["losses"][step] == pytest.approx(loss, rel=REL), (layout, step)
-            assert result["probe"] == pytest.approx(reference["probe"], rel=REL), layout
+                assert result["losses"][step] == pytest.approx(loss, rel=REL), (
+                    recipe,
+                    layout,
+                    step,
+                )
+            assert result["probe"] == pytest.approx(reference["probe"], rel=REL), (recipe, layout)
             for param, grad in result.get("grads", {}).items():
                 assert param not in grads, f"{layout}: {param} reported by two stages"
                 grads[param] = grad
-        assert grads.keys() == names, layout
+        assert grads.keys() == names, (recipe, layout)
         for param, grad in reference["grads"].items():
             torch.testing.assert_close(
-                grads[param], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=f"{layout} {param}"
+                grads[param], grad, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=f"{recipe} {layout} {param}"
             )

@@ -24,6 +24,8 @@ from pipeline.train.report.estimates import dry_run_report, estimate_memory, par
 
 RECIPES = [
     "deepseek_v3",
+    "gpt_oss_120b",
+    "gpt_oss_20b",
     "llama3_2_1b",
     "llama3_2_1b_muon",
     "llama3_2_1b_sft",
@@ -37,6 +39,7 @@ RECIPES = [
     "tiny",
     "tiny_deepseek_v3",
     "tiny_dpo",
+    "tiny_gpt_oss",
     "tiny_grpo",
     "tiny_grpo_sft",
     "tiny_lora",
@@ -45,6 +48,7 @@ RECIPES = [
     "tiny_qwen3",
     "tiny_qwen3_moe",
     "tiny_sft",
+    "tiny_smollm3",
 ]
 # World sizes the big recipes were written for (the node counts of their sources).
 WORLD_SIZES = {
@@ -58,6 +62,8 @@ WORLD_SIZES = {
     "qwen3_30b_a3b": 16,
     "deepseek_v3": 1024,
     "moonlight_16b_a3b": 8,
+    "gpt_oss_20b": 8,
+    "gpt_oss_120b": 32,
 }
 
 
@@ -262,7 +268,7 @@ def test_llama3_8b_recipe_follows_megatron_example():
 
 
 def test_unknown_recipe_lists_shipped_ones():
-    shipped = "unknown recipe 'llama9'; shipped recipes: deepseek_v3, llama3_2_1b"
+    shipped = "unknown recipe 'llama9'; shipped recipes: deepseek_v3, gpt_oss_120b"
     with pytest.raises(ConfigError, match=shipped):
         load_recipe("llama9")
 

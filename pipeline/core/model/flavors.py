@@ -363,6 +363,17 @@ def tiny_gpt_oss() -> ModelConfig:
     return config
 
 
+def tiny_smollm3() -> ModelConfig:
+    """CPU-sized SmolLM3 with every option its config can set: no RoPE in layers 1 and 3, which
+    also slide over 8 tokens, q/k/v/o biases (untied, so pipeline stages may split it)."""
+    config = tiny()
+    config.no_rope_layers = [1, 3]
+    config.layer_types = ["full_attention", "sliding_attention"] * 2
+    config.sliding_window = 8
+    config.qkv_bias = config.attention_out_bias = True
+    return config
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -382,6 +393,7 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "smollm3_3b": smollm3_3b,
     "seed_oss_36b": seed_oss_36b,
     "tiny_gpt_oss": tiny_gpt_oss,
+    "tiny_smollm3": tiny_smollm3,
 }
 
 
