@@ -16,6 +16,7 @@ from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.tokenizer.tokenizer import load_tokenizer
 from tests.builders import run_pipe
 from tests.convert.test_gpt_oss import WINDOW, _case, _hf_model
 
@@ -41,12 +42,12 @@ def gpt_oss_dir(tmp_path_factory, tiny_tokenizer_dir) -> tuple[Path, object]:
     return directory, hf
 
 
-def _hf_greedy(hf, prompt: list[int]) -> list[int]:
+def _hf_greedy(hf, prompt: list[int], new: int = NEW) -> list[int]:
     ids = torch.tensor([prompt])
     out = hf.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW,
+        max_new_tokens=new,
         do_sample=False,
         pad_token_id=0,
     )
@@ -71,12 +72,10 @@ def test_engine_greedy_equals_transformers(gpt_oss_dir) -> None:
     assert [r.output for r in groups[0]] == [expected[1]] * 3
 
 
-def _transformers_text(directory: Path, hf, prompt: str) -> str:
-    from pipeline.tokenizer.tokenizer import load_tokenizer
-
+def _transformers_text(directory: Path, hf, prompt: str, new: int = NEW) -> str:
     tokenizer = load_tokenizer(directory)
     ids = tokenizer.encode_batch([prompt])[0]
-    return tokenizer.decode(_hf_greedy(hf, ids))
+    return tokenizer.decode(_hf_greedy(hf, ids, new))
 
 
 def test_pipe_generate_prints_transformers_text(gpt_oss_dir, tmp_path) -> None:
@@ -108,3 +107,15 @@ def test_pipe_serve_completes_with_transformers_text(gpt_oss_dir, tmp_path) -> N
             assert text == _transformers_text(directory, hf, prompt), prompt
     finally:
         server.stop()
+
+
+@pytest.mark.dist
+def test_two_tensor_parallel_ranks_give_transformers_text(gpt_oss_dir) -> None:
+    """`pipe generate --nproc-per-node 2`: each rank holds two of the four heads, their sinks and
+    one of the two kv heads' cache; the text is transformers'."""
+    from tests.serve.test_generate_tp import _generate
+
+    directory, hf = gpt_oss_dir
+    prompt = "line 3: value"  # test_generate_tp's ARGS: 10 greedy tokens
+    expected = prompt + _transformers_text(directory, hf, prompt, 10) + "\n"
+    assert _generate(directory, "--nproc-per-node", "2") == expected
