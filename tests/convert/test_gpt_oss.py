@@ -496,3 +496,20 @@ def test_parameter_count_is_the_modules(flavor: str) -> None:
     with torch.device("meta"):
         model = Transformer(config)
     assert sum(p.numel() for p in model.parameters()) == num_parameters(config)
+
+
+def test_export_for_vllm_and_the_formats_it_refuses(hf_dir, tmp_path) -> None:
+    """`pipe export --vllm` writes gpt-oss as transformers loads it; FP8 and the legacy
+    TensorRT-LLM format, which cannot hold it yet, are refused in one line."""
+    from tests.builders import run_pipe
+
+    path, _ = hf_dir
+    out = run_pipe("export", path, "--vllm", "--output", tmp_path / "vllm", "--dtype", "float32")
+    assert "transformers loads it" in out.output
+    for args, message in (
+        (["--vllm", "--fp8", "--calib-data", tmp_path / "none"], "FP8 export of gpt-oss"),
+        (["--trtllm", "--trtllm-format", "legacy"], "legacy TensorRT-LLM format has no"),
+    ):
+        result = run_pipe("export", path, *args, "--output", tmp_path / "x", expect_ok=False)
+        assert result.exit_code != 0 and message in result.output, result.output
+        assert "Traceback" not in result.output

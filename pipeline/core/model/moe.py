@@ -86,6 +86,16 @@ class GroupedExperts(nn.Module):
         """The stacked weights (w1, w3, w2) of the experts this module runs."""
         return self.w1, self.w3, self.w2
 
+    def hidden(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s activation of rows `x`, the input of its down projection (what FP8
+        calibration measures); no LoRA."""
+        w1, w3, _ = self.gate_up_down()
+        gate, up = x @ w1[expert].t(), x @ w3[expert].t()
+        biases = self.biases()
+        if biases is not None:
+            gate, up = gate + biases[0][expert], up + biases[1][expert]
+        return expert_activation(self.config)(gate, up)
+
     def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The stacked biases (b1, b3, b2) of the experts this module runs, None without."""
         return (self.b1, self.b3, self.b2) if self.config.expert_biases else None
