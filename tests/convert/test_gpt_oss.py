@@ -513,3 +513,18 @@ def test_export_for_vllm_and_the_formats_it_refuses(hf_dir, tmp_path) -> None:
         result = run_pipe("export", path, *args, "--output", tmp_path / "x", expect_ok=False)
         assert result.exit_code != 0 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+def test_a_layer_count_override_keeps_the_per_layer_pattern() -> None:
+    """`--set model.num_layers=N` on a flavor with per-layer lists repeats its attention kinds
+    and keeps the layers without RoPE that still exist."""
+    from pipeline.train.assembly.run_config import resolve_config
+
+    config = resolve_config("tiny_gpt_oss", ["model.num_layers=3"]).model_config()
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    config = resolve_config("tiny_smollm3", ["model.num_layers=2"]).model_config()
+    assert (config.layer_types, config.no_rope_layers) == (
+        ["full_attention", "sliding_attention"],
+        [1],
+    )
+    assert resolve_config("tiny", ["model.num_layers=3"]).model_config().layer_types is None
