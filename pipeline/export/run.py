@@ -34,6 +34,7 @@ from pipeline.weights.formats import detect_format, open_source
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.core.model.config import ModelConfig
     from pipeline.export.options import ExportOptions
     from pipeline.weights.source import TensorSource
 
@@ -115,16 +116,9 @@ def run_export(
             )
             options, dtype_note = _resolved(options, source)
             calibration = calibration or CalibrationSettings()
-            if target == "legacy" and source.model_config.mla is not None:
-                raise ExportError(
-                    "the legacy TensorRT-LLM format has no latent attention "
-                    "(DeepSeek-V3): export with --trtllm alone"
-                )
-            if options.fp8 and _fused_experts(source):
-                raise ExportError(
-                    "FP8 export of gpt-oss (fused experts with biases) is not written yet: "
-                    "export it without --fp8"
-                )
+            problem = _block_problem(source.model_config, target, options.fp8)
+            if problem is not None:
+                raise ExportError(problem)
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
@@ -145,6 +139,32 @@ def run_export(
         raise ExportError(str(e)) from e
     fp8 = ", FP8" if options.fp8 else ""
     return f"wrote {output} ({what}, {dtype_note}{fp8}, in {seconds:.1f} s); {verdict}"
+
+
+def _block_problem(config: ModelConfig, target: str, fp8: bool) -> str | None:
+    """Why the model's blocks cannot go out as asked, or None: the legacy rank files and FP8's
+    calibration know Llama's blocks only, not BLOOM's and MPT's (ALiBi, LayerNorm, a plain GeLU
+    MLP), and the legacy files have no latent attention either; FP8 has no gpt-oss experts."""
+    if target == "legacy" and config.mla is not None:
+        return (
+            "the legacy TensorRT-LLM format has no latent attention (DeepSeek-V3): export with "
+            "--trtllm alone"
+        )
+    if fp8 and config.moe is not None and config.moe.expert_biases:
+        return (
+            "FP8 export of gpt-oss (fused experts with biases) is not written yet: "
+            "export it without --fp8"
+        )
+    if config.position_embedding == "rope" and config.norm_type == "rmsnorm" and config.gated_mlp:
+        return None
+    if target == "legacy":
+        return (
+            "the legacy TensorRT-LLM format has no ALiBi, LayerNorm or plain MLP (BLOOM, "
+            "MPT): export with --trtllm alone"
+        )
+    if fp8:
+        return "FP8 export of BLOOM and MPT blocks is not supported: export bfloat16 or float16"
+    return None
 
 
 def _options_for(target: str, options: ExportOptions) -> ExportOptions:
@@ -240,12 +260,3 @@ def _verify(
     return verify_export(
         source, output, options, text=text, skip_tokens=skip_tokens, source_model=source_model
     )
-
-
-def _fused_experts(source) -> bool:
-    """Whether `source` is a gpt-oss model, whose experts Hugging Face fuses (no FP8 export)."""
-    from pipeline.core.model.hf_fused_experts import GPT_OSS
-    from pipeline.weights.hf_config import choose_architecture
-
-    config = source.model_config
-    return choose_architecture(config, source.metadata.get("hf_architecture")) == GPT_OSS

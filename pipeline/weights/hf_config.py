@@ -1,5 +1,5 @@
 """Our `ModelConfig` <-> a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE, DeepSeek-V3).
+Mixtral, Qwen3-MoE, DeepSeek-V3; BLOOM and MPT in `hf_alibi_families.py`).
 
 Reading accepts both transformers 4.x keys (`rope_theta` + `rope_scaling`, `torch_dtype`) and the
 5.x ones (`rope_parameters`, `dtype`). Writing emits the 4.x spelling, which vLLM, TensorRT-LLM
@@ -16,6 +16,12 @@ from typing import Any
 import torch
 
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
+from pipeline.weights.hf_alibi_families import (
+    ALIBI_ARCHITECTURES,
+    alibi_architecture,
+    alibi_config_from_hf,
+    alibi_config_to_hf,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -42,6 +48,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "SmolLM3ForCausalLM": "smollm3",
     "SeedOssForCausalLM": "seed_oss",
+    **ALIBI_ARCHITECTURES,
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -151,6 +158,8 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     our model cannot reproduce exactly.
     """
     arch = hf_architecture(hf)
+    if arch in ALIBI_ARCHITECTURES:
+        return alibi_config_from_hf(hf, arch)
     _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
     biased = arch in (_GPT_OSS, _SMOLLM3, _SEED_OSS)
     _refuse(bool(hf.get("attention_bias")) and not biased, "attention_bias (o_proj bias)")
@@ -327,6 +336,9 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     was read from) when it can, else Qwen3 / Qwen3-MoE for q/k norms, Mixtral for MoE, Qwen2
     for q/k/v biases, Mistral for an explicit head_dim, Llama otherwise."""
     default_head_dim = config.head_dim == config.hidden_size // config.num_attention_heads
+    if config.position_embedding == "alibi":
+        return alibi_architecture(config, preferred)
+    _check_llama_block(config)
     if config.mla is not None:
         _check_deepseek(config)
         candidates = [_DEEPSEEK]
@@ -382,6 +394,23 @@ def _check_gpt_oss(config: ModelConfig) -> None:
     _refuse(config.qk_norm or config.no_rope_layers, "gpt-oss has no q/k norms and RoPE in all")
 
 
+def _check_llama_block(config: ModelConfig) -> None:
+    """Refuse block options the RoPE architectures above cannot hold (BLOOM's and MPT's; an
+    o_proj bias goes out as gpt-oss, SmolLM3 or Seed-OSS)."""
+    c = config
+    others = {
+        f"norm_type {c.norm_type!r}": c.norm_type != "rmsnorm",
+        f"activation {c.activation!r}": c.activation != "silu",
+        "a plain (not gated) MLP": not c.gated_mlp,
+        "MLP biases": c.mlp_bias,
+        "an embedding norm": c.embedding_norm,
+        "clip_qkv": c.clip_qkv is not None,
+        f"position_embedding {c.position_embedding!r}": c.position_embedding != "rope",
+    }
+    found = [what for what, present in others.items() if present]
+    _refuse(bool(found), f"{', '.join(found)} in a RoPE model has no supported HF architecture")
+
+
 def _check_deepseek(config: ModelConfig) -> None:
     """Refuse latent-attention models DeepseekV3ForCausalLM cannot hold exactly."""
     _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
@@ -424,6 +453,10 @@ def config_to_hf(
     stored in.
     """
     arch = choose_architecture(config, architecture)
+    if arch in ALIBI_ARCHITECTURES:
+        hf = alibi_config_to_hf(config, arch, _hf_dtype_name(dtype))
+        ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+        return dict(sorted((hf | {k: v for k, v in ids.items() if v is not None}).items()))
     hf: dict[str, Any] = {
         "architectures": [arch],
         "model_type": SUPPORTED_ARCHITECTURES[arch],

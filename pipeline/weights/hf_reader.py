@@ -5,6 +5,9 @@ Mixtral expert stack, the E per-expert tensors, stacked as our `[E, ...]` layout
 weights (`pytorch_model.bin`, `*.pt`) can run code when loaded, so they are refused unless the
 caller opts in, and then loaded with `torch.load(weights_only=True)`.
 
+BLOOM's and MPT's fused q/k/v projections are listed and read as our three (`wq`, `wk`, `wv`;
+`pipeline.weights.fused_qkv`), each cut from the fused tensor when read.
+
 Tied embeddings: when the config ties them, the source lists `tok_embeddings.weight` only (an
 `lm_head.weight` some checkpoints store anyway is not listed); consumers tie `output.weight`.
 """
@@ -30,6 +33,7 @@ from pipeline.core.model.hf_names import (
     mtp_shared_copy,
 )
 from pipeline.tokenizer.tokenizer import directory_record
+from pipeline.weights.fused_qkv import FUSED_QKV_LAYOUTS, split_infos, split_qkv
 from pipeline.weights.hf_config import (
     config_from_hf,
     dtype_from_hf,
@@ -128,6 +132,9 @@ class HFSource:
         """The files the weights are read from (an index's, in its order, or every shard)."""
         pieces = self._scan(files)
         self._assemble(pieces)
+        self._fused: dict[str, tuple[str, int]] = {}  # our q/k/v name -> (fused name, part)
+        self._last_fused: tuple[str, torch.Tensor] | None = None
+        self._split_fused_qkv()
         # Layers past num_hidden_layers are DeepSeek's multi-token prediction modules: the
         # files say how many there are (transformers' configs name one that is never saved).
         mtp = {name.split(".")[1] for name in self._infos if name.startswith("mtp.")}
@@ -280,6 +287,20 @@ class HFSource:
                 f"{self.directory}: no lm_head.weight and tie_word_embeddings is false"
             )
 
+    def _split_fused_qkv(self) -> None:
+        """List each fused q/k/v projection (BLOOM, MPT) as our `wq`, `wk`, `wv`, in its place."""
+        parts = split_infos(self._infos)
+        if not parts:
+            return
+        by_fused: dict[str, dict[str, TensorInfo]] = {}
+        for name, (fused, _, info) in parts.items():
+            by_fused.setdefault(fused, {})[name] = info
+        infos: dict[str, TensorInfo] = {}
+        for name, info in self._infos.items():
+            infos |= by_fused.get(name, {name: info})
+        self._infos = infos
+        self._fused = {name: (fused, index) for name, (fused, index, _) in parts.items()}
+
     def _dequantized_infos(self) -> None:
         """float8 weights are read dequantized, in fp32; each must have its scale."""
         for name, info in self._infos.items():
@@ -307,6 +328,8 @@ class HFSource:
 
     def read(self, name: str) -> torch.Tensor:
         """The full tensor `name`, a fresh CPU tensor (expert stacks are read expert by expert)."""
+        if name in self._fused:
+            return self._fused_part(name)
         if name not in self._locations:
             raise KeyError(f"{name!r} is not in {self.directory}")
         parts = []
@@ -323,9 +346,19 @@ class HFSource:
             return parts[0].clone() if take is None else take(parts[0]).contiguous()
         return torch.stack(parts)
 
+    def _fused_part(self, name: str) -> torch.Tensor:
+        """Our q, k or v tensor `name`, cut from its fused projection (read once for the three)."""
+        fused, index = self._fused[name]
+        if self._last_fused is None or self._last_fused[0] != fused:
+            self._last_fused = (fused, self.read(fused))
+        layout = FUSED_QKV_LAYOUTS[self.metadata["hf_architecture"]]
+        heads = self.model_config.num_attention_heads
+        return split_qkv(self._last_fused[1], layout, heads)[index]
+
     def close(self) -> None:
         """Drop the open files (their memory mappings); a later `read` opens them again."""
         self._handles.clear()
+        self._last_fused = None
 
     def _tensor(self, path: Path, hf_name: str) -> torch.Tensor:
         if hf_name in self._packed:

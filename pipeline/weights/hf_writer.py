@@ -6,6 +6,9 @@ converted: peak memory is about the largest source tensor, whatever the model si
 directory is built beside the output and renamed into place at the end, so a crash never leaves
 a half-written model under the final name.
 
+BLOOM and MPT store q, k and v as one fused projection: the source is read through
+`with_fused_qkv` (`pipeline.weights.fused_qkv`), which lists and reads them fused.
+
 Tied embeddings: when `model_config.tie_word_embeddings`, only `tok_embeddings.weight` is
 written (as `model.embed_tokens.weight`; no `lm_head.weight` on disk, as transformers expects);
 an `output.weight` the source may list anyway is skipped.
@@ -32,6 +35,7 @@ from pipeline.common.safetensors_io import (
 )
 from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
+from pipeline.weights.fused_qkv import with_fused_qkv
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
 
@@ -133,16 +137,19 @@ class FusedView:
         return fused_experts.fuse(name.removeprefix(_FUSED), parts)
 
 
-def _hf_layout(source: TensorSource) -> TensorSource:
-    """`source` as its Hugging Face architecture lays it out: gpt-oss fuses its experts."""
+def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+
+
+def as_written(source: TensorSource) -> TensorSource:
+    """`source` as the files of its architecture lay it out (BLOOM's and MPT's fused q/k/v,
+    gpt-oss's fused experts); idempotent."""
     if isinstance(source, FusedView):
         return source
     architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
-    return FusedView(source) if architecture == fused_experts.GPT_OSS else source
-
-
-def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+    if architecture == fused_experts.GPT_OSS:
+        return FusedView(source)
+    return with_fused_qkv(source, architecture)
 
 
 def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiece]]:
@@ -208,11 +215,10 @@ def plan_hf_shards(
     larger than that gets a shard of its own, as transformers does). The pieces of one source
     tensor (an expert stack) stay in one shard so each source tensor is read exactly once.
     `rewrite` (a quantizer) may replace pieces and add groups before the split."""
-    source = _hf_layout(source)
     shards: list[HFShard] = []
     current: list[list[HFPiece]] = []
     size = 0
-    groups = _groups(source, dtype)
+    groups = _groups(as_written(source), dtype)
     for group in rewrite(groups) if rewrite is not None else groups:
         group_bytes = sum(p.nbytes for p in group)
         if current and size + group_bytes > max_shard_bytes:
@@ -283,7 +289,7 @@ def read_in_write_order(
     first `skip`), writing nothing: what the other ranks of a run do while the first writes a
     source whose reads are collectives (gathering a sharded model), and what a writer that
     failed does to finish its part of them."""
-    source = _hf_layout(source)
+    source = as_written(source)
     shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes)
     names = [g[0].source_name for s in shards for g in s.groups if g[0].source_name is not None]
     for name in names[skip:]:
@@ -383,7 +389,7 @@ def write_hf(
     A quantizing export passes `rewrite` (see `plan_hf_shards`), keys to add to config.json
     (`config_extra`) and more JSON files (`extra_json`, file name -> object).
     """
-    source = _hf_layout(source)
+    source = as_written(source)
     shards = plan_hf_shards(source, dtype=dtype, max_shard_bytes=max_shard_bytes, rewrite=rewrite)
     done = 0
 

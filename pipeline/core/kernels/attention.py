@@ -14,12 +14,18 @@ each has a test against "sdpa" (flex's backward and flash-attn's run on a GPU). 
 by measurement (`pipeline.core.kernels.attention_choice`). Transformer Engine attention joins
 with the FP8 work.
 
-Two per-layer options reach every backend: a sliding `window` (a query sees itself and the
+ALiBi (`alibi_slopes`, one slope a head: `pipeline.core.model.alibi`) reaches every backend:
+SDPA adds the bias to its mask (a float mask, -inf where the boolean one says no), flex as a
+score modifier, flash-attn through its own `alibi_slopes`. The bias is built from `positions`
+(queries', keys'), by default the indices of the sequence.
+
+Two per-layer options reach every backend too: a sliding `window` (a query sees itself and the
 `window - 1` tokens before it, as Hugging Face's sliding-window layers do) and attention `sinks`
 (gpt-oss: one learned logit per head, an extra softmax column whose value is dropped). SDPA
 serves sinks as one more key of zeros whose additive mask is the head's sink logit
 (`masked_sdpa`); flex from its log-sum-exp (`pipeline.core.kernels.flex_attention`); flash-attn
-takes the window itself and leaves sinks to SDPA (its log-sum-exp carries no gradient).
+takes the window itself and leaves sinks to SDPA (its log-sum-exp carries no gradient). No
+family has ALiBi with either, and the two are refused together.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from pipeline.core.kernels.attention_choice import (
     auto_backend,
     cache_path,
 )
+from pipeline.core.model.alibi import alibi_bias
+
+Positions = tuple[torch.Tensor, torch.Tensor]
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -98,6 +107,32 @@ def masked_sdpa(
     )
 
 
+def sequence_positions(q: torch.Tensor, k: torch.Tensor) -> Positions:
+    """Query and key positions `[1, seq]` when both are the indices of one sequence."""
+    return (
+        torch.arange(q.shape[2], device=q.device)[None],
+        torch.arange(k.shape[2], device=k.device)[None],
+    )
+
+
+def alibi_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    slopes: torch.Tensor,
+    positions: Positions | None = None,
+) -> torch.Tensor:
+    """SDPA with ALiBi: the bias of `slopes` at `positions` (default: the indices) as a float
+    mask, -inf where the boolean mask `allowed` (None: everywhere allowed) says no."""
+    query_positions, key_positions = positions or sequence_positions(q, k)
+    bias = alibi_bias(slopes, query_positions, key_positions)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=gqa)
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,16 +141,28 @@ def _sdpa(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    if alibi_slopes is not None and (window is not None or sinks is not None):
+        raise ValueError("ALiBi with sliding windows or sinks is not supported")
     if window is not None or sinks is not None:
         if mask is None and causal:
             mask = training_mask(q.shape[2], document_ids, window, q.device)
         elif mask is None and (document_ids is not None or window is not None):
             raise ValueError("document masking and windows are only defined for causal attention")
         return masked_sdpa(q, k, v, mask, sinks)
+    if alibi_slopes is not None:
+        if mask is None and document_ids is not None:
+            if not causal:
+                raise ValueError("document masking is only defined for causal attention")
+            mask = document_causal_mask(document_ids)
+        elif mask is None and causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        return alibi_sdpa(q, k, v, mask, alibi_slopes, positions)
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if document_ids is None:
@@ -134,6 +181,8 @@ def _flash_attn(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -148,6 +197,8 @@ def _flash_attn(
             window=window,
             sinks=sinks,
         )
+    if alibi_slopes is not None and positions is not None:
+        raise ValueError("attention backend flash_attn takes no explicit positions; use sdpa")
     try:
         from flash_attn import flash_attn_func
     except ImportError as e:
@@ -156,7 +207,9 @@ def _flash_attn(
         raise ValueError("attention backend flash_attn has no document masking yet; use sdpa")
     if mask is not None:
         raise ValueError("attention backend flash_attn takes no explicit mask; use sdpa")
-    # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself.
+    # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself; its
+    # ALiBi adds -slope * |i - j|, which is slope * (j - i) for the keys a causal query sees.
+    slopes = None if alibi_slopes is None else alibi_slopes.float()
     # A window of w: each query sees w - 1 keys back and none ahead.
     window_size = (-1, -1) if window is None else (window - 1, 0)
     out = flash_attn_func(
@@ -164,6 +217,7 @@ def _flash_attn(
         k.transpose(1, 2),
         v.transpose(1, 2),
         causal=causal,
+        alibi_slopes=slopes,
         window_size=window_size,
     )
     return out.transpose(1, 2)
@@ -177,12 +231,14 @@ def _flex(
     causal: bool,
     document_ids: torch.Tensor | None,
     mask: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # Cached decoding (an explicit mask) and latent attention (values narrower than keys) are
-    # sdpa's: flex here serves causal training attention.
-    if mask is not None or not causal or q.shape[-1] != v.shape[-1]:
+    # Cached decoding (an explicit mask or positions) and latent attention (values narrower
+    # than keys) are sdpa's: flex here serves causal training attention.
+    if mask is not None or not causal or q.shape[-1] != v.shape[-1] or positions is not None:
         return _sdpa(
             q,
             k,
@@ -190,12 +246,19 @@ def _flex(
             causal=causal,
             document_ids=document_ids,
             mask=mask,
+            alibi_slopes=alibi_slopes,
+            positions=positions,
             window=window,
             sinks=sinks,
         )
     from pipeline.core.kernels.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, document_ids, window=window, sinks=sinks)
+    if alibi_slopes is not None and (window is not None or sinks is not None):
+        raise ValueError("ALiBi with sliding windows or sinks is not supported")
+    extra = {"window": window, "sinks": sinks, "alibi_slopes": alibi_slopes}
+    return flex_attention(
+        q, k, v, document_ids, **{k: v for k, v in extra.items() if v is not None}
+    )
 
 
 _BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
@@ -243,6 +306,8 @@ def attention(
     document_ids: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     backend: str = "sdpa",
+    alibi_slopes: torch.Tensor | None = None,
+    positions: Positions | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -251,8 +316,10 @@ def attention(
     `document_ids` (`[batch, seq]`, any integer ids) restricts attention to tokens of the same
     document; without it the mask is plain causal (or none when `causal=False`). An explicit
     boolean `mask` (`[batch, 1, q_seq, k_seq]`, True: may attend) replaces both: cached decoding,
-    where the queries are the last of the keys and rows have their own lengths (a window is
-    then the mask's business). `window`: each query sees keys fewer than `window` tokens back;
+    where the queries are the last of the keys and rows have their own lengths.
+    `alibi_slopes` (`[heads]`): ALiBi's bias at `positions` (queries' `[batch or 1, q_seq]`,
+    keys' `[batch or 1, k_seq]`; default: the indices of one sequence). `window`: each query
+    sees keys fewer than `window` tokens back (with an explicit `mask`, the mask's business);
     `sinks` (`[heads]`): one extra softmax logit per head (see the module docstring).
     """
     if q.shape[1] % k.shape[1]:
@@ -263,8 +330,9 @@ def attention(
         raise ValueError(
             f"unknown attention backend {backend!r}; have {sorted(_BACKENDS)}"
         ) from None
-    if window is None and sinks is None:  # the calls every backend took before these options
-        return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
-    return fn(
-        q, k, v, causal=causal, document_ids=document_ids, mask=mask, window=window, sinks=sinks
-    )
+    # Only the options given, so each backend keeps the call it took before they existed.
+    options = {"alibi_slopes": alibi_slopes, "window": window, "sinks": sinks}
+    options = {name: value for name, value in options.items() if value is not None}
+    if alibi_slopes is not None:
+        options["positions"] = positions
+    return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask, **options)

@@ -56,6 +56,15 @@ def _windowed(mask_mod: Callable, window: int) -> Callable:
     return windowed
 
 
+def _alibi_score(slopes: torch.Tensor) -> Callable:
+    """ALiBi as a score modifier: head h's score plus slope_h * (key index - query index)."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return score_mod
+
+
 @torch.compiler.disable
 def block_mask(
     document_ids: torch.Tensor | None,
@@ -108,13 +117,15 @@ def flex_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     document_ids: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
     *,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention (within documents when `document_ids` is given, within `window` tokens
     when set, with one sink logit per head when `sinks` is given), 1/sqrt(head_dim) scaling,
-    grouped kv heads; SDPA's layout, `[batch, heads, seq, head_dim]` in and out."""
+    grouped kv heads; SDPA's layout, `[batch, heads, seq, head_dim]` in and out.
+    `alibi_slopes` (`[heads]`): ALiBi's bias, a score modifier."""
     on_cpu = q.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(
@@ -122,14 +133,16 @@ def flex_attention(
         )
     mask = block_mask(document_ids, q.shape[2], q.device, window)
     gqa = q.shape[1] != k.shape[1]
-    lse = sinks is not None
+    extra = {} if alibi_slopes is None else {"score_mod": _alibi_score(alibi_slopes.float())}
+    if sinks is not None:
+        extra["return_lse"] = True
     if q.device.type == "cuda":
-        out = _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=lse)
+        out = _compiled_flex(q, k, v, block_mask=mask, enable_gqa=gqa, **extra)
     else:
         with warnings.catch_warnings():  # eager is what a CPU has; torch says to compile
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             warnings.filterwarnings("ignore", message=".*return_lse.*", category=FutureWarning)
-            out = _flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=lse)
+            out = _flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, **extra)
     if sinks is None:
         return out
     out, logsumexp = out

@@ -14,10 +14,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipeline.core.kernels.attention import attention
+from pipeline.core.model.alibi import AlibiSlopes
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.kv_seam import LayerKVCache
 from pipeline.core.model.moe import MoE
+from pipeline.core.model.norms import LayerNorm
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
 from pipeline.core.model.rope import apply_rope, deinterleave
 from pipeline.core.model.rope_scaling import yarn_softmax_factor
@@ -66,6 +68,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def build_norm(config: ModelConfig, dim: int) -> RMSNorm | LayerNorm:
+    """The model's norm over `dim` features: RMSNorm, or LayerNorm (`config.norm_type`)."""
+    if config.norm_type == "layernorm":
+        return LayerNorm(dim, config.norm_eps, bias=config.norm_bias)
+    return RMSNorm(dim, config.norm_eps)
+
+
 # ---------------------------------------------------------------------------------------------
 # Blocks
 # ---------------------------------------------------------------------------------------------
@@ -91,8 +100,12 @@ class AttentionKernel(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         document_ids: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`alibi_slopes`: ALiBi's slope of each head (`pipeline.core.model.alibi`), `sinks`:
+        the heads' sink logits, each given only by layers that have them, so a kernel without
+        them serves the others."""
         return attention(
             q,
             k,
@@ -100,6 +113,7 @@ class AttentionKernel(nn.Module):
             causal=True,
             document_ids=document_ids,
             backend=self.backend,
+            alibi_slopes=alibi_slopes,
             window=self.window,
             sinks=sinks,
         )
@@ -110,11 +124,24 @@ class AttentionKernel(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         mask: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None = None,
+        positions: tuple[torch.Tensor, torch.Tensor] | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Queries of new tokens over every cached key and value, under the cache's `mask`
-        (None: each query sees every key; the cache's mask holds a sliding window)."""
-        return attention(q, k, v, causal=False, mask=mask, backend=self.backend, sinks=sinks)
+        (None: each query sees every key; the cache's mask holds a sliding window); ALiBi's
+        bias at the cache's `positions`."""
+        return attention(
+            q,
+            k,
+            v,
+            causal=False,
+            mask=mask,
+            backend=self.backend,
+            alibi_slopes=alibi_slopes,
+            positions=positions,
+            sinks=sinks,
+        )
 
     def extra_repr(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
@@ -136,10 +163,13 @@ class Attention(nn.Module):
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
     kv_seam`) it caches each token's key (after RoPE) and value and attends over the cached ones.
 
-    Per layer (`layer`, its global index): a sliding window (`config.attention_window`), no
-    RoPE (`config.no_rope_layers`, SmolLM3); per model: an o_proj bias
-    (`config.attention_out_bias`) and attention sinks (`sinks`, one logit per query head,
-    gpt-oss; tensor parallelism splits them with their heads).
+    Positions come from RoPE, or from ALiBi's biases (`config.position_embedding`; `alibi`
+    holds the heads' slopes, which the kernel turns into biases), or from nothing ("none").
+    BLOOM and MPT add an o_proj bias (`config.attention_out_bias`) and MPT clamps q, k and v
+    (`config.clip_qkv`). Per layer (`layer`, its global index): a sliding window
+    (`config.attention_window`), no RoPE (`config.no_rope_layers`, SmolLM3); gpt-oss adds
+    attention sinks (`sinks`, one logit per query head; tensor parallelism splits them with
+    their heads).
     """
 
     kind = "gqa"
@@ -148,7 +178,6 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.qk_norm = config.qk_norm
-        self.use_rope = layer not in config.no_rope_layers
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
@@ -163,6 +192,13 @@ class Attention(nn.Module):
             if config.attention_sinks
             else None
         )
+        self.use_rope = config.position_embedding == "rope" and layer not in config.no_rope_layers
+        self.alibi = (
+            AlibiSlopes(config.num_attention_heads, config.alibi_bias_max)
+            if config.position_embedding == "alibi"
+            else None
+        )
+        self.clip_qkv = config.clip_qkv
         self.kernel = AttentionKernel(backend, config.attention_window(layer))
 
     def forward(
@@ -174,22 +210,29 @@ class Attention(nn.Module):
         cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq, -1, self.head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.use_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # Passed only when the layer has them, so a kernel without sinks serves the others.
-        sinks = {} if self.sinks is None else {"sinks": local_tensor(self.sinks)}
+        # Passed only when the layer has them, so kernels without ALiBi or sinks serve the others.
+        extra = {} if self.alibi is None else {"alibi_slopes": self.alibi(q.device)}
+        if self.sinks is not None:
+            extra["sinks"] = local_tensor(self.sinks)
         if cache is None:
-            out = self.kernel(q, k, v, document_ids, **sinks)
+            out = self.kernel(q, k, v, document_ids, **extra)
         else:  # the cache holds [batch, tokens, kv_heads, head_dim]
             k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
-            out = self.kernel.over_cache(q, k, v, cache.mask, **sinks)
+            if self.alibi is not None:
+                extra["positions"] = cache.positions
+            out = self.kernel.over_cache(q, k, v, cache.mask, **extra)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -309,14 +352,20 @@ class TransformerBlock(nn.Module):
         options = options or ModelOptions()
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
-        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attention_norm = build_norm(config, config.hidden_size)
         if config.attention_kind == "mla":
             self.attention = LatentAttention(config, options.attention_backend)
         else:
             self.attention = Attention(config, options.attention_backend, layer)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.ffn_norm = build_norm(config, config.hidden_size)
         if self.mlp_kind == "dense":
-            self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
+            self.feed_forward = FeedForward(
+                config.hidden_size,
+                config.ffn_hidden_size,
+                activation=config.activation,
+                gated=config.gated_mlp,
+                bias=config.mlp_bias,
+            )
         else:
             self.moe = MoE(
                 config.hidden_size,
@@ -337,7 +386,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         document_ids: torch.Tensor | None,
         cache: LayerKVCache | None = None,
     ) -> torch.Tensor:

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+NORM_TYPES = ("rmsnorm", "layernorm")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
+POSITION_EMBEDDINGS = ("rope", "alibi", "none")
+
 
 @dataclass
 class RopeScaling:
@@ -146,11 +150,28 @@ class ModelConfig:
     # query sees itself and the `sliding_window - 1` tokens before it); None: all full.
     layer_types: list[str] | None = None
     sliding_window: int | None = None
-    attention_out_bias: bool = False  # o_proj bias (gpt-oss)
     # One learned logit per head, an extra softmax column whose value is dropped (gpt-oss).
     attention_sinks: bool = False
     # Layers whose queries and keys get no RoPE (SmolLM3's `no_rope_layers` zeros).
     no_rope_layers: list[int] = field(default_factory=list)
+    # Block shape beyond Llama's (BLOOM, MPT): the MLP's activation (Hugging Face `hidden_act`
+    # names, `ACTIVATIONS`), gated (SwiGLU-style w2(act(w1 x) * w3 x)) or plain (w2(act(w1 x))),
+    # with biases on its linears (`mlp_bias`); an o_proj bias; RMSNorm or LayerNorm (with a bias
+    # when `norm_bias`), also after the embedding when `embedding_norm` (BLOOM's).
+    attention_out_bias: bool = False
+    activation: str = "silu"
+    gated_mlp: bool = True
+    mlp_bias: bool = False
+    norm_type: str = "rmsnorm"
+    norm_bias: bool = False
+    embedding_norm: bool = False
+    # Positions: "rope", "alibi" (linear biases on the attention scores, one slope a head:
+    # `pipeline.core.model.alibi`; `alibi_bias_max` is the largest slope exponent, MPT's
+    # `alibi_bias_max`, 8 in the ALiBi paper) or "none".
+    position_embedding: str = "rope"
+    alibi_bias_max: float = 8.0
+    # MPT's clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections.
+    clip_qkv: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -169,6 +190,7 @@ class ModelConfig:
             )
         if self.moe is not None:
             self._check_moe(self.moe)
+        self._check_block_options()
         self._check_layer_types()
 
     def _check_layer_types(self) -> None:
@@ -197,6 +219,23 @@ class ModelConfig:
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, None for full attention."""
         return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    def _check_block_options(self) -> None:
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(f"norm_type {self.norm_type!r}: one of {', '.join(NORM_TYPES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding {self.position_embedding!r}: one of "
+                f"{', '.join(POSITION_EMBEDDINGS)}"
+            )
+        if self.position_embedding != "rope" and self.mla is not None:
+            raise ValueError(
+                f"position_embedding {self.position_embedding!r} with latent attention"
+            )
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"clip_qkv must be positive, got {self.clip_qkv}")
 
     def _check_moe(self, moe: MoEConfig) -> None:
         if moe.top_k > moe.num_experts:

@@ -1,4 +1,5 @@
-"""The dense SwiGLU MLP (every dense layer, and DeepSeekMoE's shared experts) and the linear
+"""The dense MLP (every dense layer, and DeepSeekMoE's shared experts): SwiGLU by default, or
+another activation, gated or not, with or without biases (BLOOM, MPT); and the linear
 initialisation the model's blocks share."""
 
 from __future__ import annotations
@@ -6,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipeline.core.model.activations import activation_fn
 
 
 def init_linear(linear: nn.Module, std: float) -> None:
@@ -18,18 +21,36 @@ def init_linear(linear: nn.Module, std: float) -> None:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection.
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+    `activation` replaces silu (a `ModelConfig.activation` name); without `gated` there is no
+    w3 and the MLP is w2(act(w1 x)), w1 the up projection (BLOOM's and MPT's); `bias` gives
+    every linear a bias (BLOOM's)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str = "silu",
+        gated: bool = True,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.act = F.silu if activation == "silu" else activation_fn(activation)
+        self.gated = gated
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
+        if gated:
+            self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if not self.gated:
+            return self.w2(self.act(self.w1(x)))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
     def init_weights(self, std: float, out_std: float) -> None:
         init_linear(self.w1, std)
-        init_linear(self.w3, std)
+        if self.gated:
+            init_linear(self.w3, std)
         init_linear(self.w2, out_std)

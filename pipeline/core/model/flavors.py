@@ -374,6 +374,49 @@ def tiny_smollm3() -> ModelConfig:
     return config
 
 
+def tiny_bloom() -> ModelConfig:
+    """CPU-sized BLOOM: ALiBi over 6 heads (not a power of two), LayerNorms with biases (one
+    after the embedding too), a plain tanh-GeLU MLP of 4 x hidden, biases on every linear,
+    tied embeddings."""
+    return ModelConfig(
+        vocab_size=8192,
+        hidden_size=96,
+        num_layers=4,
+        num_attention_heads=6,
+        ffn_hidden_size=384,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        activation="gelu_pytorch_tanh",
+        gated_mlp=False,
+        norm_type="layernorm",
+        norm_bias=True,
+        embedding_norm=True,
+        position_embedding="alibi",
+    )
+
+
+def tiny_mpt() -> ModelConfig:
+    """CPU-sized MPT: ALiBi, LayerNorms without biases, a plain exact-GeLU MLP of 4 x hidden,
+    no biases, q/k/v clamped to +-6 (MPT's clip_qkv)."""
+    return ModelConfig(
+        vocab_size=8192,
+        hidden_size=128,
+        num_layers=4,
+        num_attention_heads=4,
+        ffn_hidden_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        activation="gelu",
+        gated_mlp=False,
+        norm_type="layernorm",
+        position_embedding="alibi",
+        clip_qkv=6.0,
+    )
+
+
 FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
@@ -394,6 +437,8 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "seed_oss_36b": seed_oss_36b,
     "tiny_gpt_oss": tiny_gpt_oss,
     "tiny_smollm3": tiny_smollm3,
+    "tiny_bloom": tiny_bloom,
+    "tiny_mpt": tiny_mpt,
 }
 
 
@@ -414,21 +459,28 @@ def num_parameters(config: ModelConfig) -> int:
         attn = h * q_dim + 2 * h * kv_dim + q_dim * h
         if c.qkv_bias:
             attn += q_dim + 2 * kv_dim
-        attn += h * c.attention_out_bias + c.num_attention_heads * c.attention_sinks
+        attn += c.num_attention_heads * c.attention_sinks
+        if c.attention_out_bias:
+            attn += h
         if c.qk_norm:
             attn += 2 * c.head_dim
     else:
         attn = _mla_linear_parameters(c) + c.mla.kv_lora_rank + (c.mla.q_lora_rank or 0)
-    dense_mlp = 3 * h * c.ffn_hidden_size
+    up = 2 if c.gated_mlp else 1  # gate and up, or up alone
+    dense_mlp = (up + 1) * h * c.ffn_hidden_size
+    if c.mlp_bias:
+        dense_mlp += up * c.ffn_hidden_size + h
     moe_mlp = 0
     if c.moe is not None:
         moe_mlp = c.moe.num_experts * (expert_parameters(c) + h + c.moe.router_bias)
         moe_mlp += 3 * h * c.expert_ffn_hidden_size * c.moe.num_shared_experts
     moe_layers = c.num_moe_layers
     mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
-    per_layer = attn + 2 * h  # two RMSNorm weights
+    norm = h * (2 if c.norm_type == "layernorm" and c.norm_bias else 1)
+    per_layer = attn + 2 * norm
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * per_layer + mlp + h
+    embeddings += norm if c.embedding_norm else 0
+    return embeddings + c.num_layers * per_layer + mlp + norm
 
 
 def expert_parameters(config: ModelConfig) -> int:
@@ -481,6 +533,6 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
         moe_width = c.expert_ffn_hidden_size * (c.moe.top_k + c.moe.num_shared_experts)
     moe_layers = c.num_moe_layers
     mean_width = (moe_layers * moe_width + (layers - moe_layers) * c.ffn_hidden_size) / layers
-    mlp = mean_width / h * 1.5
+    mlp = mean_width / h * (1.5 if c.gated_mlp else 1.0)  # three matrices, or two
     logit = c.vocab_size / (2 * layers * h)
     return 12 * layers * h * h * (attn + mlp + logit)

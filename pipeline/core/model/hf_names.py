@@ -7,6 +7,11 @@ Two HF spellings exist for mixtures of experts: the on-disk one, one tensor per 
 of transformers >= 5 modules (`mlp.gate`, fused 3-D `mlp.experts.gate_up_proj` / `down_proj`).
 Weight files (read and written by the weights package) use the on-disk names; the parity tests
 use the in-memory ones.
+
+BLOOM and MPT name everything their own way (`_FAMILY_PAIRS`) and fuse q, k and v into one
+projection, which our names call `layers.{i}.attention.wqkv` (a name of the weight files only:
+`pipeline.weights.fused_qkv` splits it into `wq`, `wk`, `wv` and back). Hub BLOOM checkpoints
+also come without the `transformer.` prefix that transformers writes.
 """
 
 from __future__ import annotations
@@ -64,6 +69,38 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.eh_proj.weight", "layers.{i}.eh_proj.weight"),
     ("model.layers.{i}.shared_head.norm.weight", "layers.{i}.head_norm.weight"),
 ]
+# Per architecture with names of its own: (HF template, our template), as `_NAME_PAIRS`.
+_FAMILY_PAIRS: dict[str, list[tuple[str, str]]] = {
+    "BloomForCausalLM": [
+        ("transformer.word_embeddings.weight", "tok_embeddings.weight"),
+        ("transformer.word_embeddings_layernorm.{p}", "embedding_norm.{p}"),
+        ("transformer.h.{i}.input_layernorm.{p}", "layers.{i}.attention_norm.{p}"),
+        ("transformer.h.{i}.self_attention.query_key_value.{p}", "layers.{i}.attention.wqkv.{p}"),
+        ("transformer.h.{i}.self_attention.dense.{p}", "layers.{i}.attention.wo.{p}"),
+        ("transformer.h.{i}.post_attention_layernorm.{p}", "layers.{i}.ffn_norm.{p}"),
+        ("transformer.h.{i}.mlp.dense_h_to_4h.{p}", "layers.{i}.feed_forward.w1.{p}"),
+        ("transformer.h.{i}.mlp.dense_4h_to_h.{p}", "layers.{i}.feed_forward.w2.{p}"),
+        ("transformer.ln_f.{p}", "norm.{p}"),
+        ("lm_head.weight", "output.weight"),
+    ],
+    "MptForCausalLM": [
+        ("transformer.wte.weight", "tok_embeddings.weight"),
+        ("transformer.blocks.{i}.norm_1.weight", "layers.{i}.attention_norm.weight"),
+        ("transformer.blocks.{i}.attn.Wqkv.weight", "layers.{i}.attention.wqkv.weight"),
+        ("transformer.blocks.{i}.attn.out_proj.weight", "layers.{i}.attention.wo.weight"),
+        ("transformer.blocks.{i}.norm_2.weight", "layers.{i}.ffn_norm.weight"),
+        ("transformer.blocks.{i}.ffn.up_proj.weight", "layers.{i}.feed_forward.w1.weight"),
+        ("transformer.blocks.{i}.ffn.down_proj.weight", "layers.{i}.feed_forward.w2.weight"),
+        ("transformer.norm_f.weight", "norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ],
+}
+# Hub BLOOM checkpoints name their tensors without the base model's prefix.
+_UNPREFIXED_BLOOM = [
+    (hf.removeprefix("transformer."), ours)
+    for hf, ours in _FAMILY_PAIRS["BloomForCausalLM"]
+    if hf.startswith("transformer.")
+]
 # What DeepSeek stores in each MTP layer as copies of the shared embedding and output layer.
 MTP_SHARED_COPIES = {
     "embed_tokens.weight": "tok_embeddings.weight",
@@ -103,8 +140,12 @@ def _regex(template: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
-_HF_TO_PIPE = [(_regex(hf), ours) for hf, ours in _NAME_PAIRS]
+_FAMILY_NAMES = [pair for pairs in _FAMILY_PAIRS.values() for pair in pairs]
+_HF_TO_PIPE = [(_regex(hf), ours) for hf, ours in _NAME_PAIRS + _FAMILY_NAMES + _UNPREFIXED_BLOOM]
 _PIPE_TO_HF = [(_regex(ours), hf) for hf, ours in _NAME_PAIRS]
+_FAMILY_PIPE_TO_HF = {
+    arch: [(_regex(ours), hf) for hf, ours in pairs] for arch, pairs in _FAMILY_PAIRS.items()
+}
 # transformers >= 5 fuses gate and up in memory: gate_up_proj [E, 2 * ffn, hidden].
 _GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 # On disk, each expert's matrices are separate tensors; ours stack them as [E, ...].
@@ -153,7 +194,15 @@ def pipe_to_hf_names(
 ) -> list[str]:
     """The on-disk Hugging Face names for our parameter `name`: one name, or for a stacked
     expert tensor (`layers.N.moe.experts.w1`) one name per expert, in expert order. MoE
-    tensors are spelled as `architecture` (Mixtral or Qwen3-MoE) spells them."""
+    tensors are spelled as `architecture` (Mixtral or Qwen3-MoE) spells them; BLOOM and MPT
+    spell every name their own way."""
+    family = _FAMILY_PIPE_TO_HF.get(architecture)
+    if family is not None:
+        for pattern, template in family:
+            m = pattern.fullmatch(name)
+            if m:
+                return [template.format(**m.groupdict())]
+        raise KeyError(f"no {architecture} name for pipe parameter {name!r}")
     module, names = _EXPERT_SPELLINGS.get(architecture, _EXPERT_SPELLINGS["MixtralForCausalLM"])
     m = _PIPE_EXPERTS.fullmatch(name)
     if m:

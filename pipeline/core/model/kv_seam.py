@@ -29,6 +29,12 @@ class LayerKVCache(Protocol):
         when each sees every one (one new token per row, all rows as long)."""
         ...
 
+    @property
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the new tokens' positions `[batch, new]`, the positions of the entries `update`
+        returns `[batch or 1, length]`): what attention biased by position (ALiBi) needs."""
+        ...
+
     def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
         """Store the new tokens' entries (`[batch, new, *entry_shape]` each) and return each
         kind's entries for every token so far, `[batch, length, *entry_shape]`, in the dtype of

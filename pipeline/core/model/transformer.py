@@ -27,12 +27,13 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from pipeline.core.model.block import ModelOptions, RMSNorm, TransformerBlock
+from pipeline.core.model.block import ModelOptions, RMSNorm, TransformerBlock, build_norm
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import init_linear
 from pipeline.core.model.kv_seam import KVCache
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.mtp import MTPLayer
+from pipeline.core.model.norms import LayerNorm
 from pipeline.core.model.rope import RotaryEmbedding
 
 # ---------------------------------------------------------------------------------------------
@@ -42,6 +43,10 @@ from pipeline.core.model.rope import RotaryEmbedding
 
 class Transformer(nn.Module):
     """Token embeddings, `num_layers` blocks, final RMSNorm; `output` projects to the vocabulary.
+
+    With `config.embedding_norm` (BLOOM) the embeddings are normalised before the first block
+    (`embedding_norm`, held with the embedding on the first pipeline stage); the norms are
+    LayerNorms when `config.norm_type` says so.
 
     `forward` returns the normalised hidden states rather than logits so the trainer can fuse the
     output projection with the loss (`pipeline.core.kernels.cross_entropy`); `logits` is the
@@ -55,11 +60,14 @@ class Transformer(nn.Module):
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size
         )
+        self.embedding_norm: RMSNorm | LayerNorm | None = (
+            build_norm(config, config.hidden_size) if config.embedding_norm else None
+        )
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(config, self.options, i) for i in range(config.num_layers)}
         )
-        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm: RMSNorm | LayerNorm | None = build_norm(config, config.hidden_size)
         self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Multi-token prediction modules by global layer index (`pipeline.core.model.mtp`); the
         # last block's output (before `norm`) is kept for them after each forward.
@@ -103,9 +111,12 @@ class Transformer(nn.Module):
         the tokens are the new ones of each row, attending to the cached earlier ones too.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.embedding_norm is not None and self.tok_embeddings is not None:
+            h = self.embedding_norm(h)
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
-        rope = self.rope(position_ids)
+        # ALiBi's biases come from the kernels' own positions (`pipeline.core.model.alibi`).
+        rope = self.rope(position_ids) if self.config.position_embedding == "rope" else None
         for index, layer in self.layers.items():
             h = layer(h, rope, document_ids, None if cache is None else cache.layer(int(index)))
         if self.mtp is not None:
@@ -141,6 +152,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             embeddings = self.tok_embeddings  # its weight is looked up when called
             yield "tok_embeddings", embeddings, lambda: nn.init.normal_(embeddings.weight, std=std)
+            if self.embedding_norm is not None:
+                yield "embedding_norm", self.embedding_norm, self.embedding_norm.init_weights
         for i, layer in self.layers.items():
             yield f"layers.{i}", layer, functools.partial(layer.init_weights, std, out_std)
         if self.norm is not None:

@@ -4,7 +4,9 @@ Layout (Megatron's causal load balancing): the sequence is cut into `2 * cp_size
 and cp rank r holds chunks r and `2 * cp_size - 1 - r`. Under a causal mask the early chunks are
 cheap and the late ones expensive, so pairing them gives every rank the same attention work.
 Everything outside attention (embeddings, norms, MLPs, the loss) is per token and needs no
-communication; RoPE needs each token's *global* position, which `cp_position_ids` gives.
+communication; RoPE needs each token's *global* position, which `cp_position_ids` gives, and
+so does ALiBi, whose biases the attention builds from the global positions of its queries and of
+the gathered keys.
 
 Attention is exact: each rank all-gathers K and V from the cp group (an autograd-aware gather
 whose backward sends each rank the summed gradient of its own K/V shard) and runs SDPA for its
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.core.kernels.attention import masked_sdpa, window_mask
+from pipeline.core.kernels.attention import alibi_sdpa, masked_sdpa, window_mask
 from pipeline.core.model.block import Attention, LatentAttention
 
 
@@ -135,6 +137,7 @@ def context_parallel_attention(
     document_ids: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole context (all-gather of K/V).
 
@@ -143,6 +146,8 @@ def context_parallel_attention(
     full-sequence attention. `document_ids` `[b, local]` (sharded the same way) restricts each
     query to earlier keys of its own document; `window` to keys fewer than `window` global
     positions back; `sinks` (`[heads]`) add one softmax logit per head (gpt-oss).
+    `alibi_slopes` (`[heads]`, this rank's heads): ALiBi's bias at the global positions of the
+    queries and keys.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -156,6 +161,8 @@ def context_parallel_attention(
     if not causal:
         if window is not None:
             raise ValueError("a sliding window is only defined for causal attention")
+        if alibi_slopes is not None:
+            raise ValueError("context-parallel ALiBi is defined for causal attention")
         return masked_sdpa(q, k_all, v_all, None, sinks)
     local = q.shape[2]
     seq_len = local * cp_size
@@ -173,6 +180,8 @@ def context_parallel_attention(
         mask = mask & (document_ids[:, :, None] == docs_all[:, None, :]).unsqueeze(1)
     if sinks is not None:
         return masked_sdpa(q, k_all, v_all, mask, sinks)
+    if alibi_slopes is not None:
+        return alibi_sdpa(q, k_all, v_all, mask, alibi_slopes, (q_pos[None], k_pos[None]))
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -199,6 +208,7 @@ class ContextParallelAttention(nn.Module):
         v: torch.Tensor,
         document_ids: torch.Tensor | None,
         sinks: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return context_parallel_attention(
             q,
@@ -210,6 +220,7 @@ class ContextParallelAttention(nn.Module):
             document_ids=document_ids,
             window=self.window,
             sinks=sinks,
+            alibi_slopes=alibi_slopes,
         )
 
     def extra_repr(self) -> str:

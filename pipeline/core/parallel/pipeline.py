@@ -85,6 +85,8 @@ def split_model(
             del model.layers[name]
     if stage_index != 0:
         model.tok_embeddings = None
+        if getattr(model, "embedding_norm", None) is not None:
+            model.embedding_norm = None
     if stage_index != num_stages - 1:
         model.norm = None
         model.output = None

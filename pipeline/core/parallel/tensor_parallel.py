@@ -10,8 +10,11 @@ norms and the shared RoPE key: the gradients reaching those from this rank's hea
 over tp where they enter the head-split projections (and at `rope_key`), so the replicated
 weights get the full gradient on every rank. Attention itself runs on local tensors: the model
 views q/k/v with -1 heads, so each rank attends over its own heads without knowing it is sharded
-(and CPU SDPA, which has no DTensor rule, still works). Attention sinks (gpt-oss, one logit per
-query head) are split with their heads; an o_proj bias is added once, after the row-wise sum.
+(and CPU SDPA, which has no DTensor rule, still works). ALiBi's slopes follow their heads:
+each rank keeps the slopes of the heads it holds (`_SplitHeads`), and so do attention sinks
+(gpt-oss, one logit per query head, a Shard(0) DTensor); an o_proj bias is added once, after the
+row-wise sum. A plain (not gated) MLP has no w3; BLOOM's embedding norm is a sequence-parallel
+norm like the others.
 
 With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
 DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
@@ -95,6 +98,7 @@ def apply_tensor_parallel(
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
+        top["embedding_norm"] = SequenceParallel()
     top = {name: style for name, style in top.items() if getattr(model, name, None) is not None}
     parallelize_module(model, tp_mesh, top)
 
@@ -188,10 +192,11 @@ def _block_plan(
         if sequence_parallel:
             plan["moe"] = _LocalTokens()
         return plan
-    prepare = _styles(block, "feed_forward.w1", "feed_forward.w3")[2]
+    up = ["feed_forward.w1", "feed_forward.w3"] if block.feed_forward.gated else ["feed_forward.w1"]
+    prepare = _styles(block, *up)[2]
     plan["feed_forward"] = prepare(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-    plan["feed_forward.w1"] = _styles(block, "feed_forward.w1")[0]()
-    plan["feed_forward.w3"] = _styles(block, "feed_forward.w3")[0]()
+    for name in up:
+        plan[name] = _styles(block, name)[0]()
     plan["feed_forward.w2"] = _styles(block, "feed_forward.w2")[1](
         output_layouts=stream, use_local_output=not keep_dtensor
     )
@@ -229,6 +234,8 @@ def _attention_plan(
     plan["attention.wo"] = _styles(block, "attention.wo")[1](
         output_layouts=stream, use_local_output=not keep_dtensor
     )
+    if block.attention.alibi is not None:
+        plan["attention.alibi"] = _SplitHeads()
     if block.attention.qk_norm:
         # Per-head norms (Qwen3) see this rank's heads `[batch, seq, heads, head_dim]`: the
         # weight is replicated, the input wrapped as sharded on the heads, so the weight's
@@ -243,6 +250,20 @@ def _attention_plan(
         input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
     )
     return plan
+
+
+class _SplitHeads(ParallelStyle):
+    """ALiBi's slopes (`pipeline.core.model.alibi.AlibiSlopes`) cut to this rank's heads: the
+    contiguous share that q's column split gives it."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        heads, tp = len(module.all_slopes), device_mesh.size()
+        if heads % tp:
+            raise ValueError(f"{heads} attention heads do not split over {tp} tensor ranks")
+        share = heads // tp
+        start = device_mesh.get_local_rank() * share
+        module.set_heads(range(start, start + share))
+        return module
 
 
 class _SumGradient(ParallelStyle):

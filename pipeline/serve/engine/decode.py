@@ -35,8 +35,8 @@ class CachedBatch:
     tokens, positions, write_slots: `[batch, new]`; read_slots `[batch, length]`: the slots of
     positions 0..length-1 of each row (padded with any slot; the mask hides them). `attend`:
     which keys each query sees, when the read slots are not positions in order (rows packed by
-    `pipeline.serve.engine.packing`); `key_positions` `[batch, length]`: the position of each
-    read slot's token then (None: 0..length-1), for sliding windows."""
+    `pipeline.serve.engine.packing`), and `key_positions` `[batch, length]` the position of each
+    read slot's token then (None: 0..length-1; ALiBi's biases and sliding windows need them)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -44,6 +44,12 @@ class CachedBatch:
     read_slots: torch.Tensor
     attend: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
+
+    def read_positions(self) -> torch.Tensor:
+        """The position of each read slot's token, `[batch or 1, length]`."""
+        if self.key_positions is not None:
+            return self.key_positions
+        return torch.arange(self.read_slots.shape[1], device=self.read_slots.device)[None]
 
     def mask(self) -> torch.Tensor | None:
         """`[batch, 1, new, length]`: query at position p sees keys at positions <= p; None when
@@ -59,9 +65,7 @@ class CachedBatch:
     def window_mask(self, window: int, mask: torch.Tensor | None) -> torch.Tensor:
         """`mask` (this batch's, None: every key) narrowed to keys fewer than `window`
         positions before each query; built from the positions alone (no host sync)."""
-        keys = self.key_positions
-        if keys is None:
-            keys = torch.arange(self.read_slots.shape[1], device=self.positions.device)[None]
+        keys = self.read_positions()
         near = ((self.positions[:, :, None] - keys[:, None, :]) < window).unsqueeze(1)
         return near if mask is None else mask & near
 
@@ -81,6 +85,10 @@ class LayerSlots:
     ) -> None:
         self.cache, self.index, self.batch, self.mask = cache, layer, batch, mask
         self.fresh = fresh
+
+    @property
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch.positions, self.batch.read_positions()
 
     def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
         self.cache.write(self.index, self.batch.write_slots, *new)

@@ -74,19 +74,19 @@ def packed_decode_batch(
     positions = torch.zeros(len(packs), width, dtype=torch.long)
     write = torch.full((len(packs), width), scratch, dtype=torch.long)
     read = torch.full((len(packs), length), scratch, dtype=torch.long)
-    keys = torch.zeros(len(packs), length, dtype=torch.long)  # each read slot's position
     mask = torch.zeros(len(packs), 1, width, length, dtype=torch.bool)
+    key_positions = torch.zeros(len(packs), length, dtype=torch.long)
     mask[:, :, :, 0] = True  # a padded query sees one key (no empty softmax)
     where_row = torch.zeros(len(rows), dtype=torch.long)
     where_col = torch.zeros(len(rows), dtype=torch.long)
     for p, (members, shared) in enumerate(packs):
         read[p, :shared] = histories[members[0]][:shared]
-        keys[p, :shared] = torch.arange(shared)
+        key_positions[p, :shared] = torch.arange(shared)
         start = shared
         for column, i in enumerate(members):
             own = histories[i][shared:]
             read[p, start : start + len(own)] = own
-            keys[p, start : start + len(own)] = torch.arange(shared, shared + len(own))
+            key_positions[p, start : start + len(own)] = torch.arange(shared, shared + len(own))
             mask[p, 0, column, :shared] = True
             mask[p, 0, column, start : start + len(own)] = True
             tokens[p, column] = rows[i].tokens[rows[i].computed]
@@ -100,7 +100,7 @@ def packed_decode_batch(
         write.to(device),
         read.to(device),
         mask.to(device),
-        keys.to(device),
+        key_positions.to(device),
     )
     return batch, where_row.to(device), where_col.to(device)
 

@@ -58,6 +58,10 @@ class StageUnion(nn.Module):
         self.parts = tuple(parts)
         self.config = parts[0].config
         self.tok_embeddings = next((p.tok_embeddings for p in parts if p.tok_embeddings), None)
+        self.embedding_norm = next(
+            (p.embedding_norm for p in parts if getattr(p, "embedding_norm", None) is not None),
+            None,
+        )
         layers = {name: layer for part in parts for name, layer in part.layers.items()}
         self.layers = nn.ModuleDict({k: layers[k] for k in sorted(layers, key=int)})
         self.norm = next((p.norm for p in parts if p.norm is not None), None)

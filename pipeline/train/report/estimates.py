@@ -263,13 +263,25 @@ def _fit_suggestions(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
     return tips
 
 
+def _block(model: ModelConfig) -> str:
+    """`, ALiBi, LayerNorm, gelu MLP` for a block other than Llama's (BLOOM, MPT), else ""."""
+    parts = []
+    if model.position_embedding != "rope":
+        parts.append("ALiBi" if model.position_embedding == "alibi" else "no positions")
+    if model.norm_type != "rmsnorm":
+        parts.append("LayerNorm")
+    if not model.gated_mlp or model.activation != "silu":
+        parts.append(f"{model.activation}{'' if model.gated_mlp else ' plain'} MLP")
+    return "".join(f", {part}" for part in parts)
+
+
 def _attention_description(model: ModelConfig) -> str:
     """`32/8 kv, head_dim 128[, q/k norm]`, or latent attention's ranks and head widths."""
     heads = model.num_attention_heads
     mla = model.mla
     if mla is None:
         norm = ", q/k norm" if model.qk_norm else ""
-        return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{norm}"
+        return f"{heads}/{model.num_kv_heads} kv, head_dim {model.head_dim}{norm}{_block(model)}"
     q = "q full rank" if mla.q_lora_rank is None else f"q rank {mla.q_lora_rank}"
     return (
         f"{heads} latent (kv rank {mla.kv_lora_rank}, {q}, qk {mla.qk_nope_head_dim}"
