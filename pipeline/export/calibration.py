@@ -23,7 +23,6 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["calibrate", "calibration_sequences"]
@@ -90,13 +89,14 @@ class _AmaxRecorder:
         return hook
 
     def expert_hidden_hook(self, key: str):
-        """Recomputes each expert's silu(x w1) * (x w3) from the experts' inputs."""
+        """Recomputes each expert's activation (silu(x w1) * (x w3), or gpt-oss's clamped one
+        with biases) from the experts' inputs."""
 
         def hook(module: nn.Module, args: tuple) -> None:
             x, tokens_per_expert = args
             groups = torch.split(x, tokens_per_expert.tolist())
             for e, group in enumerate(groups):
-                self.update(key, F.silu(group @ module.w1[e].t()) * (group @ module.w3[e].t()))
+                self.update(key, module.hidden(e, group))
 
         return hook
 

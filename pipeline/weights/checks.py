@@ -64,6 +64,16 @@ def _causal_lm_class(transformers, hf_dir: Path):
     return found if hasattr(found, "from_pretrained") else transformers.AutoModelForCausalLM
 
 
+def _first_layers(hf_dir: Path, layers: int) -> dict:
+    """from_pretrained overrides keeping the first `layers` layers, the per-layer lists of the
+    config (gpt-oss's `layer_types`, SmolLM3's `no_rope_layers`) cut to match."""
+    import json
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    per_layer = {k: config[k][:layers] for k in ("layer_types", "no_rope_layers") if config.get(k)}
+    return {"num_hidden_layers": layers, **per_layer}
+
+
 def compare_hf_logits(
     source: TensorSource,
     hf_dir: str | Path,
@@ -84,7 +94,7 @@ def compare_hf_logits(
     except ImportError as e:  # pragma: no cover - the hf extra is missing
         raise VerifyError("verifying needs transformers: pip install 'pipe-llm[hf]'") from e
     ours = model_from_source(source, layers)
-    overrides = {"num_hidden_layers": layers} if layers is not None else {}
+    overrides = _first_layers(Path(hf_dir), layers) if layers is not None else {}
     model_class = _causal_lm_class(transformers, Path(hf_dir))
     theirs = model_class.from_pretrained(hf_dir, dtype=torch.float32, **overrides).eval()
     generator = torch.Generator().manual_seed(seed)

@@ -51,6 +51,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Mistral4ForCausalLM": "mistral4",
+    "GptOssForCausalLM": "gpt_oss",
+    "SmolLM3ForCausalLM": "smollm3",
+    "SeedOssForCausalLM": "seed_oss",
     **ALIBI_ARCHITECTURES,
 }
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
@@ -68,6 +71,11 @@ _MINIMAX = "MiniMaxM2ForCausalLM"
 # scores (grouped top-k, no correction bias) with shared experts.
 _MISTRAL4 = "Mistral4ForCausalLM"
 _LATENT = (_DEEPSEEK, _MISTRAL4)  # multi-head latent attention
+_GPT_OSS = "GptOssForCausalLM"
+_SMOLLM3 = "SmolLM3ForCausalLM"
+_SEED_OSS = "SeedOssForCausalLM"
+# Architectures whose configs list each layer's attention (`layer_types`, `sliding_window`).
+_LAYER_TYPED = (_GPT_OSS, _SMOLLM3)
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -146,11 +154,12 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling | YarnScaling |
 def _yarn_from_hf(scaling: dict[str, Any], hf: dict[str, Any]) -> YarnScaling:
     """YaRN as transformers reads it: a missing `mscale` or `mscale_all_dim` is 0 (off), a
     missing `factor` is max_position_embeddings / original_max_position_embeddings."""
-    _refuse(scaling.get("attention_factor") is not None, "yarn attention_factor")
-    _refuse(scaling.get("truncate", True) is False, "yarn truncate=false")
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or hf["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
     return YarnScaling(
+        truncate=bool(scaling.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
         factor=float(factor),
         original_max_position_embeddings=original,
         beta_fast=float(scaling.get("beta_fast") or 32.0),
@@ -192,21 +201,22 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     if arch in ALIBI_ARCHITECTURES:
         return alibi_config_from_hf(hf, arch)
     _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
-    _refuse(
-        bool(hf.get("attention_bias")) and arch != _GLM,
-        "attention_bias (o_proj bias) is not supported",
-    )
+    biased = arch in (_GPT_OSS, _SMOLLM3, _SEED_OSS, _GLM)  # GLM: q/k/v biases only
+    _refuse(bool(hf.get("attention_bias")) and not biased, "attention_bias (o_proj bias)")
     _refuse(bool(hf.get("mlp_bias")), "mlp_bias is not supported")
     _refuse(hf.get("pretraining_tp", 1) != 1, "pretraining_tp != 1")
-    _check_sliding_window(hf, arch, ignore_sliding_window)
+    if arch not in _LAYER_TYPED:
+        _check_sliding_window(hf, arch, ignore_sliding_window)
     theta, scaling = rope_from_hf(hf)
-    _refuse(isinstance(scaling, YarnScaling) and arch not in _LATENT, f"yarn RoPE in {arch}")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim")
     if head_dim is None and arch == "Qwen3ForCausalLM":
         head_dim = 128  # Qwen3Config's default (Qwen3-MoE's is hidden_size / heads)
     if arch in _LATENT:
         head_dim = None  # transformers writes qk_rope_head_dim there; latent attention's own
+    if arch == _SEED_OSS and head_dim is None:
+        head_dim = 128  # SeedOssConfig's default
+    layer_types, window = _layer_types_from_hf(hf, arch)
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -219,8 +229,8 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or (arch == _GLM and bool(hf.get("attention_bias"))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch == _SMOLLM3)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or (biased and bool(hf.get("attention_bias"))),
         qk_norm=arch in (*_QWEN3, _MINIMAX) or (arch == _GLM and bool(hf.get("use_qk_norm"))),
         qk_norm_scope="projection" if arch == _MINIMAX else "head",
         partial_rotary_factor=_partial_rotary_from_hf(hf, arch),
@@ -228,6 +238,11 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
         moe=_moe_of(hf, arch),
         mla=_mla_from_hf(hf) if arch in _LATENT else None,
         init_method_std=float(hf.get("initializer_range", 0.02)),
+        layer_types=layer_types,
+        sliding_window=window,
+        attention_out_bias=_out_bias_from_hf(hf, arch),
+        attention_sinks=arch == _GPT_OSS,
+        no_rope_layers=_no_rope_layers_from_hf(hf, arch),
     )
 
 
@@ -268,12 +283,56 @@ def _partial_rotary_from_hf(hf: dict[str, Any], arch: str) -> float:
 _PARTIAL_ROTARY = (_GLM, _MINIMAX)
 
 
+def _out_bias_from_hf(hf: dict[str, Any], arch: str) -> bool:
+    """gpt-oss and SmolLM3 bias o_proj with `attention_bias`; Seed-OSS has its own key."""
+    if arch == _SEED_OSS:
+        return bool(hf.get("attention_out_bias", False))
+    return arch in (_GPT_OSS, _SMOLLM3) and bool(hf.get("attention_bias", arch == _GPT_OSS))
+
+
+def _layer_types_from_hf(hf: dict[str, Any], arch: str) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of gpt-oss (sliding and full layers alternating unless the
+    config lists them) and SmolLM3 (sliding only with `use_sliding_window`); None, None when
+    every layer is full attention."""
+    if arch not in _LAYER_TYPED:
+        return None, None
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window", 128 if arch == _GPT_OSS else None)
+    if arch == _SMOLLM3 and not (hf.get("use_sliding_window") and window is not None):
+        return None, None  # SmolLM3 slides only with use_sliding_window, whatever layer_types say
+    kinds = hf.get("layer_types")
+    if kinds is None and arch == _GPT_OSS:
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if kinds is None:  # SmolLM3's default: the layers without RoPE slide
+        no_rope = set(_no_rope_layers_from_hf(hf, arch))
+        kinds = ["sliding_attention" if i in no_rope else "full_attention" for i in range(layers)]
+    if len(kinds) != layers:
+        raise ValueError(f"unsupported Hugging Face config: layer_types has {len(kinds)} entries")
+    if all(kind == "full_attention" for kind in kinds):
+        return None, None
+    return list(kinds), window
+
+
+def _no_rope_layers_from_hf(hf: dict[str, Any], arch: str) -> list[int]:
+    """SmolLM3's layers without RoPE: the zeros of `no_rope_layers`, by default every
+    `no_rope_layer_interval`-th layer."""
+    if arch != _SMOLLM3:
+        return []
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
+    return [i for i, use_rope in enumerate(flags) if not use_rope]
+
+
 def _moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
     """Mixtral: experts in every layer; Qwen3-MoE: in the layers `decoder_sparse_step` and
     `mlp_only_layers` say, of width `moe_intermediate_size`, top-k renormalised only with
     `norm_topk_prob`. The aux-loss coefficient is carried over as is
     (docs/models.md, "The MoE load-balancing loss")."""
     aux = float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_coeff))
+    if arch == _GPT_OSS:
+        return _gpt_oss_moe_from_hf(hf, aux)
     if arch == "MixtralForCausalLM":
         return MoEConfig(
             num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], aux_loss_coeff=aux
@@ -328,6 +387,24 @@ def _minimax_moe_from_hf(hf: dict[str, Any]) -> MoEConfig:
         aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
         score_function="sigmoid",
         expert_bias=True,
+    )
+
+
+def _gpt_oss_moe_from_hf(hf: dict[str, Any], aux: float) -> MoEConfig:
+    """gpt-oss: experts in every layer, of width `intermediate_size`, with biases and the
+    clamped SwiGLU; a biased router whose top-k logits are softmaxed, which is the softmax over
+    all experts renormalised over the chosen ones (`norm_topk_prob`)."""
+    return MoEConfig(
+        num_experts=hf.get("num_local_experts", 128),
+        top_k=hf.get("num_experts_per_tok", 4),
+        ffn_hidden_size=hf["intermediate_size"],
+        aux_loss_coeff=aux,
+        norm_topk_prob=True,
+        router_bias=True,
+        expert_biases=True,
+        activation="swiglu_clamped",
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
     )
 
 
@@ -394,6 +471,19 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     elif config.partial_rotary_factor != 1.0 or _deepseek_routed(config):
         _check_deepseek_moe(config, _GLM)
         candidates = [_GLM]
+    elif config.attention_sinks or (config.moe is not None and config.moe.expert_biases):
+        _check_gpt_oss(config)
+        candidates = [_GPT_OSS]
+    elif config.layer_types is not None or config.no_rope_layers:
+        _refuse(
+            config.qk_norm or config.is_moe or not default_head_dim,
+            "per-layer windows or RoPE need SmolLM3's shape (dense, no q/k norms)",
+        )
+        _refuse(config.qkv_bias != config.attention_out_bias, "SmolLM3 biases q/k/v/o together")
+        candidates = [_SMOLLM3]
+    elif config.attention_out_bias and not config.attention_sinks:
+        _refuse(config.qk_norm or config.is_moe, "an o_proj bias with q/k norms or experts")
+        candidates = [_SEED_OSS]
     elif config.qk_norm:
         _refuse(config.qkv_bias, "q/k norms with q/k/v biases have no supported HF architecture")
         candidates = ["Qwen3MoeForCausalLM" if config.is_moe else "Qwen3ForCausalLM"]
@@ -406,24 +496,42 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
         )
         candidates = ["MixtralForCausalLM"]
     elif config.qkv_bias:
-        _refuse(not default_head_dim, "Qwen2 with head_dim != hidden_size / heads")
-        candidates = ["Qwen2ForCausalLM"]
+        candidates = ["Qwen2ForCausalLM", _SEED_OSS] if default_head_dim else [_SEED_OSS]
     else:
         candidates = ["LlamaForCausalLM", "MistralForCausalLM"]
         if not default_head_dim:
             candidates.reverse()
+        candidates += [_SEED_OSS] + ([_SMOLLM3] if default_head_dim else [])
     return preferred if preferred in candidates else candidates[0]
 
 
+def _check_gpt_oss(config: ModelConfig) -> None:
+    """Refuse models GptOssForCausalLM cannot hold exactly."""
+    moe = config.moe
+    _refuse(
+        moe is None or not config.every_layer_moe or not moe.norm_topk_prob,
+        "gpt-oss has experts in every layer, their top-k weights renormalised",
+    )
+    _refuse(
+        not (moe.router_bias and moe.expert_biases and moe.activation == "swiglu_clamped"),
+        "gpt-oss's experts have a biased router, biases and the clamped SwiGLU",
+    )
+    _refuse(
+        not (config.attention_sinks and config.qkv_bias and config.attention_out_bias),
+        "gpt-oss's attention has sinks and q/k/v/o biases",
+    )
+    _refuse(config.qk_norm or config.no_rope_layers, "gpt-oss has no q/k norms and RoPE in all")
+
+
 def _check_llama_block(config: ModelConfig) -> None:
-    """Refuse block options the RoPE architectures above cannot hold (BLOOM's and MPT's)."""
+    """Refuse block options the RoPE architectures above cannot hold (BLOOM's and MPT's; an
+    o_proj bias goes out as gpt-oss, SmolLM3 or Seed-OSS)."""
     c = config
     others = {
         f"norm_type {c.norm_type!r}": c.norm_type != "rmsnorm",
         f"activation {c.activation!r}": c.activation != "silu",
         "a plain (not gated) MLP": not c.gated_mlp,
         "MLP biases": c.mlp_bias,
-        "an o_proj bias": c.attention_out_bias,
         "an embedding norm": c.embedding_norm,
         "clip_qkv": c.clip_qkv is not None,
         f"position_embedding {c.position_embedding!r}": c.position_embedding != "rope",
@@ -514,6 +622,7 @@ def config_to_hf(
     architecture: str | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
 ) -> dict[str, Any]:
     """A Hugging Face `config.json` dict (transformers 4.x keys) for `config`.
 
@@ -566,15 +675,34 @@ def config_to_hf(
     elif arch == _MINIMAX:
         hf |= _minimax_to_hf(config)
     else:
-        hf |= _moe_to_hf(config, arch)
+        hf |= _family_to_hf(config, arch)
     hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if arch == _MISTRAL4:
         _mistral4_keys(config, hf)
-    if bos_token_id is not None:
-        hf["bos_token_id"] = bos_token_id
-    if eos_token_id is not None:
-        hf["eos_token_id"] = eos_token_id
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    # SmolLM3's and Seed-OSS's config classes default these to their tokenizers' ids: an
+    # unknown id is written as null there, and left out elsewhere.
+    keep_null = arch in (_SMOLLM3, _SEED_OSS)
+    hf |= {key: value for key, value in ids.items() if value is not None or keep_null}
     return dict(sorted(hf.items()))
+
+
+def _family_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
+    """The keys of gpt-oss, SmolLM3, Seed-OSS, and the MoE keys of the others."""
+    if arch == _GPT_OSS:
+        return _gpt_oss_to_hf(config)
+    hf = _moe_to_hf(config, arch)
+    if arch == _SMOLLM3:
+        hf |= _smollm3_to_hf(config)
+    if arch == _SEED_OSS:
+        hf |= {
+            "attention_bias": config.qkv_bias,
+            "attention_out_bias": config.attention_out_bias,
+            "head_dim": config.head_dim,
+            "mlp_bias": False,
+            "residual_dropout": 0.0,
+        }
+    return hf
 
 
 def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
@@ -599,6 +727,49 @@ def _moe_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
         "norm_topk_prob": moe.norm_topk_prob,
         "decoder_sparse_step": moe.layer_step,
         "mlp_only_layers": list(moe.dense_layers),
+    }
+
+
+def _layer_types_to_hf(config: ModelConfig) -> list[str]:
+    return list(config.layer_types or ["full_attention"] * config.num_layers)
+
+
+def _gpt_oss_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """GptOssForCausalLM's keys: every layer's attention kind, its window, the experts."""
+    moe = config.moe
+    return {
+        "head_dim": config.head_dim,
+        "attention_bias": True,
+        "layer_types": _layer_types_to_hf(config),
+        "sliding_window": config.sliding_window,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "intermediate_size": config.expert_ffn_hidden_size,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "output_router_logits": False,
+        "swiglu_limit": moe.swiglu_limit,
+        "swiglu_alpha": moe.swiglu_alpha,
+    }
+
+
+def _smollm3_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """SmolLM3ForCausalLM's keys: which layers use RoPE (1) or not (0), each layer's kind."""
+    sliding = config.layer_types is not None and "sliding_attention" in config.layer_types
+    flags = [int(i not in config.no_rope_layers) for i in range(config.num_layers)]
+    # The interval that gives these flags, when one does (transformers reads only the flags).
+    intervals = [
+        n
+        for n in range(1, config.num_layers + 2)
+        if flags == [int((i + 1) % n != 0) for i in range(config.num_layers)]
+    ]
+    return {
+        "no_rope_layers": flags,
+        "no_rope_layer_interval": intervals[0] if intervals else 4,
+        "layer_types": _layer_types_to_hf(config),
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window,
+        "attention_bias": config.qkv_bias,
+        "mlp_bias": False,
     }
 
 
@@ -705,15 +876,20 @@ def rope_scaling_to_hf(scaling: RopeScaling | YarnScaling | None) -> dict[str, A
     if scaling is None:
         return None
     if isinstance(scaling, YarnScaling):
-        return {
+        out = {
             "rope_type": "yarn",
             "factor": scaling.factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings,
             "beta_fast": scaling.beta_fast,
             "beta_slow": scaling.beta_slow,
-            "mscale": scaling.mscale,
-            "mscale_all_dim": scaling.mscale_all_dim,
         }
+        # transformers reads a missing mscale as 0 (off): gpt-oss's config has none.
+        out |= {k: getattr(scaling, k) for k in ("mscale", "mscale_all_dim") if getattr(scaling, k)}
+        if not scaling.truncate:
+            out["truncate"] = False
+        if scaling.attention_factor is not None:
+            out["attention_factor"] = scaling.attention_factor
+        return out
     return {
         "rope_type": "llama3",
         "factor": scaling.factor,

@@ -10,6 +10,11 @@ Two FP8 formats are read, the two `pipe export` writes (docs/file_layouts.md):
 - The block format of DeepSeek-V3 and transformers' `quant_method: fp8`: `M.weight_scale_inv`,
   one scale per `weight_block_size` block (the last row and column of blocks may be partial).
 
+- MXFP4 (`quant_method: mxfp4`, gpt-oss's experts): `M_blocks` `[E, out, in / 32, 16]`
+  uint8, two 4-bit e2m1 codes a byte (the low nibble first), and `M_scales` `[E, out, in / 32]`
+  uint8, one power of two per 32 values (biased by 127); `dequantize_mxfp4`. Every such value
+  is exact in bfloat16, which it is read as.
+
 compressed-tensors' pack-quantized INT4 (Kimi's experts) is `hf_int4.py`'s. Anything else that
 declares a quantization (NVFP4, INT4 AWQ, GPTQ, ...) is refused in one line naming it: its
 weights are not floats pipe can compute with.
@@ -25,7 +30,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FP8Layout", "fp8_layout", "is_fp8"]
+__all__ = [
+    "MXFP4_BLOCKS",
+    "MXFP4_SCALES",
+    "FP8Layout",
+    "dequantize_mxfp4",
+    "fp8_layout",
+    "is_fp8",
+    "is_mxfp4",
+]
 
 MODELOPT_QUANT_FILE = "hf_quant_config.json"
 _MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
@@ -71,6 +84,42 @@ class FP8Layout:
         )
 
 
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+# The 16 values of an e2m1 code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_VALUES = torch.tensor(_E2M1 + tuple(-v for v in _E2M1))
+
+
+def is_mxfp4(hf_config: dict[str, Any]) -> bool:
+    """Whether config.json declares MXFP4 weights (gpt-oss's published checkpoints)."""
+    config = hf_config.get("quantization_config")
+    return isinstance(config, dict) and config.get("quant_method") == "mxfp4"
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, name: str = "tensor"
+) -> torch.Tensor:
+    """MXFP4 `blocks` `[..., rows, groups, 16]` (uint8, two codes a byte, low nibble first)
+    and `scales` `[..., rows, groups]` (uint8 exponents biased by 127) -> bfloat16
+    `[..., rows, groups * 32]`, one leading index (expert) at a time to bound memory."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}"
+        )
+    lead_shape = blocks.shape[:-3]
+    lead = int(torch.tensor(lead_shape).prod()) if lead_shape else 1
+    blocks, scales = blocks.reshape(lead, *blocks.shape[-3:]), scales.reshape(lead, -1, 1)
+    rows, groups = blocks.shape[1], blocks.shape[2]
+    out = torch.empty(lead, rows, groups * 32, dtype=torch.bfloat16)
+    for i in range(lead):
+        codes = blocks[i].reshape(rows * groups, 16).to(torch.int64)
+        values = torch.stack((_E2M1_VALUES[codes & 0x0F], _E2M1_VALUES[codes >> 4]), dim=-1)
+        exponents = scales[i].to(torch.int32) - 127
+        values = torch.ldexp(values.reshape(rows * groups, 32), exponents.float())
+        out[i] = values.reshape(rows, groups * 32).to(torch.bfloat16)
+    return out.reshape(*lead_shape, rows, groups * 32)
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether `dtype` is one of the float8 formats checkpoints store."""
     return dtype in _FP8_DTYPES
@@ -86,6 +135,8 @@ def fp8_layout(directory: Path, hf_config: dict[str, Any]) -> FP8Layout | None:
         return None
     config = config if isinstance(config, dict) else {}
     method = config.get("quant_method", "modelopt" if nested is not None else None)
+    if method == "mxfp4":
+        return None  # not FP8: `dequantize_mxfp4`, for the tensors that have blocks and scales
     if method == "modelopt":
         algo = config.get("quant_algo") or (nested or {}).get("quant_algo")
         if algo in _MODELOPT_FP8:

@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
+from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
@@ -41,7 +42,14 @@ from pipeline.weights.hf_config import (
     text_model,
 )
 from pipeline.weights.hf_int4 import packed_int4_layout
-from pipeline.weights.hf_quantized import fp8_layout, is_fp8
+from pipeline.weights.hf_quantized import (
+    MXFP4_BLOCKS,
+    MXFP4_SCALES,
+    dequantize_mxfp4,
+    fp8_layout,
+    is_fp8,
+    is_mxfp4,
+)
 from pipeline.weights.source import TensorInfo
 
 __all__ = ["HFSource"]
@@ -99,7 +107,7 @@ class HFSource:
         }
         if self._prefix:  # the text model of a multimodal checkpoint
             self.metadata["text_model_of"] = _json_object(config_path).get("model_type")
-        for key in ("bos_token_id", "eos_token_id"):
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if hf_config.get(key) is not None:
                 self.metadata[key] = hf_config[key]
         generation_eos = _generation_eos_ids(self.directory / "generation_config.json")
@@ -108,15 +116,7 @@ class HFSource:
         tokenizer = directory_record(self.directory)
         if tokenizer is not None:
             self.metadata["tokenizer"] = tokenizer
-        self._fp8 = fp8_layout(self.directory, hf_config)
-        if self._fp8 is not None:
-            self.metadata["quantization"] = self._fp8.name
-        self._int4 = packed_int4_layout(hf_config)
-        if self._int4 is not None:
-            self.metadata["quantization"] = self._int4.name
-        self._scales: dict[str, Path] = {}  # FP8 or INT4 scales (and shapes): HF name -> file
-        self._packed: dict[str, Path] = {}  # INT4 packed weights: HF name -> file
-        self._halves: dict[str, int] = {}  # our w1 / w3 read as half 0 / 1 of a fused gate_up
+        self._quantization_layouts(hf_config)
         self._handles: dict[Path, Any] = {}
         # our name -> [(file, hf name)]: one entry, or one per expert for stacked experts
         self._locations: dict[str, list[tuple[Path, str]]] = {}
@@ -138,6 +138,26 @@ class HFSource:
         embedding = self._infos.get("tok_embeddings.weight")
         dtype = dtype_from_hf(hf_config) or (embedding.dtype if embedding else None)
         self.metadata["hf_dtype"] = str(dtype).removeprefix("torch.") if dtype else None
+
+    def _quantization_layouts(self, hf_config: dict[str, Any]) -> None:
+        """How quantized weights are laid out (FP8 scales, INT4 packs, MXFP4 blocks), and the
+        state the reads keep for them."""
+        self._fp8 = fp8_layout(self.directory, hf_config)
+        if self._fp8 is not None:
+            self.metadata["quantization"] = self._fp8.name
+        self._int4 = packed_int4_layout(hf_config)
+        if self._int4 is not None:
+            self.metadata["quantization"] = self._int4.name
+        self._scales: dict[str, Path] = {}  # FP8 or INT4 scales (and shapes): HF name -> file
+        self._packed: dict[str, Path] = {}  # INT4 packed weights: HF name -> file
+        self._halves: dict[str, int] = {}  # our w1 / w3 read as half 0 / 1 of a fused gate_up
+        self._mxfp4 = is_mxfp4(hf_config)
+        if self._mxfp4:
+            self.metadata["quantization"] = "MXFP4"
+        # MXFP4 tensors (gpt-oss's experts): HF name -> (blocks file, scales file)
+        self._mxfp4_packed: dict[str, tuple[Path, Path | None]] = {}
+        # our name -> how it is taken out of the HF tensor (gpt-oss's fused experts)
+        self._takes: dict[str, Any] = {}
 
     # -- discovery ---------------------------------------------------------------------------
 
@@ -183,6 +203,26 @@ class HFSource:
         return handle
 
     def _header(self, path: Path) -> dict[str, TensorInfo]:
+        infos = self._stored_header(path)
+        if not self._mxfp4:
+            return infos
+        out = {}
+        for name, info in infos.items():
+            if name.endswith(MXFP4_SCALES):
+                weight = name.removesuffix(MXFP4_SCALES)
+                blocks = self._mxfp4_packed.get(weight, (None, None))[0]
+                self._mxfp4_packed[weight] = (blocks, path)
+            elif name.endswith(MXFP4_BLOCKS):
+                weight = name.removesuffix(MXFP4_BLOCKS)
+                self._mxfp4_packed[weight] = (path, self._mxfp4_packed.get(weight, (None, None))[1])
+                # [E, out, in / 32, 16] packed: [E, in, out] when dequantized (HF's layout)
+                experts, rows, groups, _ = info.shape
+                out[weight] = TensorInfo((experts, groups * 32, rows), torch.bfloat16)
+            else:
+                out[name] = info
+        return out
+
+    def _stored_header(self, path: Path) -> dict[str, TensorInfo]:
         handle = self._open(path)
         if self._pickled:
             return {n: TensorInfo(tuple(t.shape), t.dtype) for n, t in handle.items()}
@@ -199,6 +239,7 @@ class HFSource:
         """our name -> {expert index or None: (file, hf name, info)}."""
         tied = self.model_config.tie_word_embeddings
         num_layers = self.model_config.num_layers
+        self._gpt_oss_experts = self.metadata["hf_architecture"] == fused_experts.GPT_OSS
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
         for path in files:
             for disk_name, info in self._header(path).items():
@@ -214,6 +255,17 @@ class HFSource:
                     self._scales[disk_name] = path
                     continue
                 if self._fp8 is not None and self._fp8.is_ignored(hf_name):
+                    continue
+                if self._gpt_oss_experts and fused_experts.split(hf_name) is not None:
+                    for name, take in fused_experts.split(hf_name):
+                        meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
+                        shape = tuple(take(meta).shape)
+                        self._takes[name] = take
+                        pieces.setdefault(name, {})[None] = (
+                            path,
+                            hf_name,
+                            TensorInfo(shape, info.dtype),
+                        )
                     continue
                 if self._int4 is not None and self._int4.is_aux(hf_name):
                     self._scales[disk_name] = path
@@ -342,8 +394,9 @@ class HFSource:
                 t = self._fp8.dequantize(t, scale, hf_name)
             parts.append(t)
         if len(parts) == 1:
+            take = self._takes.get(name)
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
-            return parts[0].clone()
+            return parts[0].clone() if take is None else take(parts[0]).contiguous()
         return torch.stack(parts)
 
     def _fused_part(self, name: str) -> torch.Tensor:
@@ -371,6 +424,16 @@ class HFSource:
         self._last_fused = None
 
     def _tensor(self, path: Path, hf_name: str) -> torch.Tensor:
+        if hf_name in self._mxfp4_packed:
+            blocks_path, scales_path = self._mxfp4_packed[hf_name]
+            blocks = self._stored(blocks_path, hf_name + MXFP4_BLOCKS)
+            scales = self._stored(scales_path, hf_name + MXFP4_SCALES)
+            return dequantize_mxfp4(blocks, scales, hf_name).transpose(1, 2)
+        return self._stored(path, hf_name)
+
+    def _stored(self, path: Path | None, hf_name: str) -> torch.Tensor:
+        if path is None:
+            raise ValueError(f"{self.directory}: {hf_name} is missing (MXFP4 needs both halves)")
         handle = self._open(path)
         try:
             return handle[hf_name] if self._pickled else handle.get_tensor(hf_name)

@@ -33,6 +33,7 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
+from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
 from pipeline.weights.fused_experts import fused_view
 from pipeline.weights.fused_qkv import with_fused_qkv
@@ -95,15 +96,62 @@ class HFShard:
         return [p for g in self.groups for p in g]
 
 
+_FUSED = "hf:"  # the name prefix of a tensor `FusedView` makes from several of ours
+
+
+class FusedView:
+    """`source` as gpt-oss's files hold it: our expert and router tensors of each layer become
+    their fused tensors (`pipeline.core.model.hf_fused_experts`), listed as `hf:<their name>`
+    where the first of their parts was; every other tensor is passed through."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        self.model_config = source.model_config
+        self.metadata = source.metadata
+        self._parts: dict[str, list[str]] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        infos = source.tensors()
+        for name, info in infos.items():
+            fused = fused_experts.fused_hf_name(name)
+            if fused is None:
+                self._infos[name] = info
+                continue
+            hf_name, parts = fused
+            key = _FUSED + hf_name
+            if key in self._infos:
+                continue
+            missing = [p for p in parts if p not in infos]
+            if missing:
+                raise ValueError(f"{hf_name} needs {', '.join(missing)}, which the source lacks")
+            metas = [torch.empty(infos[p].shape, dtype=info.dtype, device="meta") for p in parts]
+            shape = tuple(fused_experts.fuse(hf_name, metas).shape)
+            self._parts[key] = parts
+            self._infos[key] = TensorInfo(shape, info.dtype)
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        return dict(self._infos)
+
+    def read(self, name: str) -> torch.Tensor:
+        if name not in self._parts:
+            return self.source.read(name)
+        parts = [self.source.read(part) for part in self._parts[name]]
+        return fused_experts.fuse(name.removeprefix(_FUSED), parts)
+
+
 def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
 
 
 def as_written(source: TensorSource) -> TensorSource:
     """`source` as the files of its architecture lay it out: BLOOM's and MPT's fused q/k/v,
-    expert stacks joined where the architecture stores them fused
-    (`pipeline.weights.fused_experts`). Applying it twice changes nothing."""
+    gpt-oss's fused experts (`FusedView`), expert stacks joined where the architecture stores
+    them fused (Mistral 4, `pipeline.weights.fused_experts`). Applying it twice changes
+    nothing."""
+    if isinstance(source, FusedView):
+        return source
     architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
+    if architecture == fused_experts.GPT_OSS:
+        return FusedView(source)
     return fused_view(with_fused_qkv(source, architecture), architecture)
 
 
@@ -124,7 +172,10 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         out = info.dtype if name.endswith(".moe.expert_bias") else _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
-        hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
+        if name.startswith(_FUSED):
+            hf_names = [name.removeprefix(_FUSED)]
+        else:
+            hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
         if len(hf_names) == 1:
             groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
         elif info.shape[0] != len(hf_names):
@@ -313,6 +364,7 @@ def _write_configs(
         architecture=source.metadata.get("hf_architecture"),
         bos_token_id=bos,
         eos_token_id=eos,
+        pad_token_id=source.metadata.get("pad_token_id"),
     )
     write_json(tmp / "config.json", config | (config_extra or {}))
     write_json(tmp / "generation_config.json", generation_config(bos, _generation_eos(source, eos)))

@@ -27,7 +27,12 @@ def _sliced(source: TensorSource, layers: int | None) -> tuple[ModelConfig, list
     if layers is not None:
         if not 1 <= layers <= config.num_layers:
             raise ValueError(f"layers={layers}: the model has {config.num_layers} layers")
-        config = dataclasses.replace(config, num_layers=layers)
+        config = dataclasses.replace(
+            config,
+            num_layers=layers,
+            layer_types=None if config.layer_types is None else config.layer_types[:layers],
+            no_rope_layers=[i for i in config.no_rope_layers if i < layers],
+        )
     keep = [
         name
         for name in source.tensors()

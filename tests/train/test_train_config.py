@@ -26,6 +26,8 @@ RECIPES = [
     "deepseek_v3",
     "glm4_5",
     "glm4_5_air",
+    "gpt_oss_120b",
+    "gpt_oss_20b",
     "kimi_k2",
     "llama3_2_1b",
     "llama3_2_1b_muon",
@@ -42,6 +44,7 @@ RECIPES = [
     "tiny_deepseek_v3",
     "tiny_dpo",
     "tiny_glm4_moe",
+    "tiny_gpt_oss",
     "tiny_grpo",
     "tiny_grpo_sft",
     "tiny_lora",
@@ -52,6 +55,7 @@ RECIPES = [
     "tiny_qwen3",
     "tiny_qwen3_moe",
     "tiny_sft",
+    "tiny_smollm3",
 ]
 # World sizes the big recipes were written for (the node counts of their sources).
 WORLD_SIZES = {
@@ -69,6 +73,8 @@ WORLD_SIZES = {
     "glm4_5": 256,
     "minimax_m2": 128,
     "kimi_k2": 1024,
+    "gpt_oss_20b": 8,
+    "gpt_oss_120b": 32,
 }
 
 

@@ -18,6 +18,14 @@ ALiBi (`alibi_slopes`, one slope a head: `pipeline.core.model.alibi`) reaches ev
 SDPA adds the bias to its mask (a float mask, -inf where the boolean one says no), flex as a
 score modifier, flash-attn through its own `alibi_slopes`. The bias is built from `positions`
 (queries', keys'), by default the indices of the sequence.
+
+Two per-layer options reach every backend too: a sliding `window` (a query sees itself and the
+`window - 1` tokens before it, as Hugging Face's sliding-window layers do) and attention `sinks`
+(gpt-oss: one learned logit per head, an extra softmax column whose value is dropped). SDPA
+serves sinks as one more key of zeros whose additive mask is the head's sink logit
+(`masked_sdpa`); flex from its log-sum-exp (`pipeline.core.kernels.flex_attention`); flash-attn
+takes the window itself and leaves sinks to SDPA (its log-sum-exp carries no gradient). No
+family has ALiBi with either, and the two are refused together.
 """
 
 from __future__ import annotations
@@ -45,6 +53,58 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     same_doc = document_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=document_ids.device).tril()
     return (same_doc & causal).unsqueeze(1)
+
+
+def training_mask(
+    seq_len: int,
+    document_ids: torch.Tensor | None,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Boolean mask `[batch or 1, 1, seq, seq]` of causal attention within documents (when
+    `document_ids` is given) and within `window` tokens (when set)."""
+    if document_ids is not None:
+        mask = document_causal_mask(document_ids)
+    else:
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    if window is not None:
+        mask = mask & window_mask(torch.arange(seq_len, device=device), window)
+    return mask
+
+
+def window_mask(positions: torch.Tensor, window: int, keys: torch.Tensor | None = None):
+    """True where a query at `positions[i]` may see a key at `keys[j]` (default: the same
+    positions) under a sliding window: the key is fewer than `window` tokens back."""
+    keys = positions if keys is None else keys
+    return (positions[..., :, None] - keys[..., None, :]) < window
+
+
+def masked_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDPA under a boolean `mask` (None: every key), with attention `sinks` (`[heads]`, one
+    logit per query head) as an extra key of zeros whose additive mask is the sink logit: the
+    softmax then has the sink's column, and its zero value adds nothing to the output."""
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    batch, heads, queries, _ = q.shape
+    k = torch.cat((k, k.new_zeros(*k.shape[:2], 1, k.shape[3])), dim=2)
+    v = torch.cat((v, v.new_zeros(*v.shape[:2], 1, v.shape[3])), dim=2)
+    keys = k.shape[2] - 1
+    if mask is None:
+        bias = q.new_zeros(1, 1, queries, keys)
+    else:
+        bias = q.new_zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    bias = bias.expand(batch, heads, queries, keys)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, queries, 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.cat((bias, sink), dim=-1), enable_gqa=gqa
+    )
 
 
 def sequence_positions(q: torch.Tensor, k: torch.Tensor) -> Positions:
@@ -83,8 +143,18 @@ def _sdpa(
     mask: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None = None,
     positions: Positions | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    if alibi_slopes is not None and (window is not None or sinks is not None):
+        raise ValueError("ALiBi with sliding windows or sinks is not supported")
+    if window is not None or sinks is not None:
+        if mask is None and causal:
+            mask = training_mask(q.shape[2], document_ids, window, q.device)
+        elif mask is None and (document_ids is not None or window is not None):
+            raise ValueError("document masking and windows are only defined for causal attention")
+        return masked_sdpa(q, k, v, mask, sinks)
     if alibi_slopes is not None:
         if mask is None and document_ids is not None:
             if not causal:
@@ -113,7 +183,20 @@ def _flash_attn(
     mask: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None = None,
     positions: Positions | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if sinks is not None:  # flash-attn's log-sum-exp has no backward: SDPA's exact path
+        return _sdpa(
+            q,
+            k,
+            v,
+            causal=causal,
+            document_ids=document_ids,
+            mask=mask,
+            window=window,
+            sinks=sinks,
+        )
     if alibi_slopes is not None and positions is not None:
         raise ValueError("attention backend flash_attn takes no explicit positions; use sdpa")
     try:
@@ -127,8 +210,15 @@ def _flash_attn(
     # flash-attn takes [batch, seq, heads, head_dim] and handles grouped kv heads itself; its
     # ALiBi adds -slope * |i - j|, which is slope * (j - i) for the keys a causal query sees.
     slopes = None if alibi_slopes is None else alibi_slopes.float()
+    # A window of w: each query sees w - 1 keys back and none ahead.
+    window_size = (-1, -1) if window is None else (window - 1, 0)
     out = flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, alibi_slopes=slopes
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        causal=causal,
+        alibi_slopes=slopes,
+        window_size=window_size,
     )
     return out.transpose(1, 2)
 
@@ -143,6 +233,8 @@ def _flex(
     mask: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None = None,
     positions: Positions | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # Cached decoding (an explicit mask or positions) and latent attention (values narrower
     # than keys) are sdpa's: flex here serves causal training attention.
@@ -156,12 +248,17 @@ def _flex(
             mask=mask,
             alibi_slopes=alibi_slopes,
             positions=positions,
+            window=window,
+            sinks=sinks,
         )
     from pipeline.core.kernels.flex_attention import flex_attention
 
-    if alibi_slopes is None:
-        return flex_attention(q, k, v, document_ids)
-    return flex_attention(q, k, v, document_ids, alibi_slopes=alibi_slopes)
+    if alibi_slopes is not None and (window is not None or sinks is not None):
+        raise ValueError("ALiBi with sliding windows or sinks is not supported")
+    extra = {"window": window, "sinks": sinks, "alibi_slopes": alibi_slopes}
+    return flex_attention(
+        q, k, v, document_ids, **{k: v for k, v in extra.items() if v is not None}
+    )
 
 
 _BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
@@ -211,6 +308,8 @@ def attention(
     backend: str = "sdpa",
     alibi_slopes: torch.Tensor | None = None,
     positions: Positions | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention with 1/sqrt(head_dim) scaling; returns `[batch, heads, seq, head_dim]`.
 
@@ -219,7 +318,9 @@ def attention(
     boolean `mask` (`[batch, 1, q_seq, k_seq]`, True: may attend) replaces both: cached decoding,
     where the queries are the last of the keys and rows have their own lengths.
     `alibi_slopes` (`[heads]`): ALiBi's bias at `positions` (queries' `[batch or 1, q_seq]`,
-    keys' `[batch or 1, k_seq]`; default: the indices of one sequence).
+    keys' `[batch or 1, k_seq]`; default: the indices of one sequence). `window`: each query
+    sees keys fewer than `window` tokens back (with an explicit `mask`, the mask's business);
+    `sinks` (`[heads]`): one extra softmax logit per head (see the module docstring).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -229,15 +330,9 @@ def attention(
         raise ValueError(
             f"unknown attention backend {backend!r}; have {sorted(_BACKENDS)}"
         ) from None
-    if alibi_slopes is None:
-        return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask)
-    return fn(
-        q,
-        k,
-        v,
-        causal=causal,
-        document_ids=document_ids,
-        mask=mask,
-        alibi_slopes=alibi_slopes,
-        positions=positions,
-    )
+    # Only the options given, so each backend keeps the call it took before they existed.
+    options = {"alibi_slopes": alibi_slopes, "window": window, "sinks": sinks}
+    options = {name: value for name, value in options.items() if value is not None}
+    if alibi_slopes is not None:
+        options["positions"] = positions
+    return fn(q, k, v, causal=causal, document_ids=document_ids, mask=mask, **options)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.core.kernels.attention import attention
 from pipeline.core.model.alibi import AlibiSlopes
@@ -84,11 +85,14 @@ class AttentionKernel(nn.Module):
 
     A module (without parameters) so that a parallel layout swaps it in the open: context
     parallelism puts its own kernel at `Attention.kernel` (`pipeline.core.parallel.
-    context_parallel`). `over_cache` attends new tokens' queries over a KV cache's keys."""
+    context_parallel`), keeping its `window`. `over_cache` attends new tokens' queries over a
+    KV cache's keys. `window`: a sliding-window layer's window (None: full attention); `sinks`:
+    the layer's per-head sink logits, when it has them."""
 
-    def __init__(self, backend: str = "sdpa") -> None:
+    def __init__(self, backend: str = "sdpa", window: int | None = None) -> None:
         super().__init__()
         self.backend = backend
+        self.window = window
 
     def forward(
         self,
@@ -97,9 +101,11 @@ class AttentionKernel(nn.Module):
         v: torch.Tensor,
         document_ids: torch.Tensor | None,
         alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`alibi_slopes`: ALiBi's slope of each head (`pipeline.core.model.alibi`), given only
-        by layers that have them, so a kernel without ALiBi serves the others."""
+        """`alibi_slopes`: ALiBi's slope of each head (`pipeline.core.model.alibi`), `sinks`:
+        the heads' sink logits, each given only by layers that have them, so a kernel without
+        them serves the others."""
         return attention(
             q,
             k,
@@ -108,6 +114,8 @@ class AttentionKernel(nn.Module):
             document_ids=document_ids,
             backend=self.backend,
             alibi_slopes=alibi_slopes,
+            window=self.window,
+            sinks=sinks,
         )
 
     def over_cache(
@@ -118,9 +126,11 @@ class AttentionKernel(nn.Module):
         mask: torch.Tensor | None,
         alibi_slopes: torch.Tensor | None = None,
         positions: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Queries of new tokens over every cached key and value, under the cache's `mask`
-        (None: each query sees every key); ALiBi's bias at the cache's `positions`."""
+        (None: each query sees every key; the cache's mask holds a sliding window); ALiBi's
+        bias at the cache's `positions`."""
         return attention(
             q,
             k,
@@ -130,10 +140,18 @@ class AttentionKernel(nn.Module):
             backend=self.backend,
             alibi_slopes=alibi_slopes,
             positions=positions,
+            sinks=sinks,
         )
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend}"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"backend={self.backend}{window}"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` when tensor parallelism made it a DTensor (sinks split with
+    their heads), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Attention(nn.Module):
@@ -151,12 +169,15 @@ class Attention(nn.Module):
     Positions come from RoPE, or from ALiBi's biases (`config.position_embedding`; `alibi`
     holds the heads' slopes, which the kernel turns into biases), or from nothing ("none").
     BLOOM and MPT add an o_proj bias (`config.attention_out_bias`) and MPT clamps q, k and v
-    (`config.clip_qkv`).
+    (`config.clip_qkv`). Per layer (`layer`, its global index): a sliding window
+    (`config.attention_window`), no RoPE (`config.no_rope_layers`, SmolLM3); gpt-oss adds
+    attention sinks (`sinks`, one logit per query head; tensor parallelism splits them with
+    their heads).
     """
 
     kind = "gqa"
 
-    def __init__(self, config: ModelConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: ModelConfig, backend: str = "sdpa", layer: int = 0) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qk_norm = config.qk_norm
@@ -171,14 +192,19 @@ class Attention(nn.Module):
             whole = self.qk_norm_scope == "projection"
             self.q_norm = RMSNorm(q_dim if whole else config.head_dim, config.norm_eps)
             self.k_norm = RMSNorm(kv_dim if whole else config.head_dim, config.norm_eps)
-        self.use_rope = config.position_embedding == "rope"
+        self.sinks = (
+            nn.Parameter(torch.empty(config.num_attention_heads))
+            if config.attention_sinks
+            else None
+        )
+        self.use_rope = config.position_embedding == "rope" and layer not in config.no_rope_layers
         self.alibi = (
             AlibiSlopes(config.num_attention_heads, config.alibi_bias_max)
             if config.position_embedding == "alibi"
             else None
         )
         self.clip_qkv = config.clip_qkv
-        self.kernel = AttentionKernel(backend)
+        self.kernel = AttentionKernel(backend, config.attention_window(layer))
 
     def forward(
         self,
@@ -205,21 +231,25 @@ class Attention(nn.Module):
             cos_sin = rope[:2]
             q = query_scale(apply_rope(q, *cos_sin), rope)
             k = apply_rope(k, *cos_sin)
-        # Passed only when the layer has them, so kernels without ALiBi serve the others.
-        alibi = {} if self.alibi is None else {"alibi_slopes": self.alibi(q.device)}
+        # Passed only when the layer has them, so kernels without ALiBi or sinks serve the others.
+        extra = {} if self.alibi is None else {"alibi_slopes": self.alibi(q.device)}
+        if self.sinks is not None:
+            extra["sinks"] = local_tensor(self.sinks)
         if cache is None:
-            out = self.kernel(q, k, v, document_ids, **alibi)
+            out = self.kernel(q, k, v, document_ids, **extra)
         else:  # the cache holds [batch, tokens, kv_heads, head_dim]
             k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
-            if alibi:
-                alibi["positions"] = cache.positions
-            out = self.kernel.over_cache(q, k, v, cache.mask, **alibi)
+            if self.alibi is not None:
+                extra["positions"] = cache.positions
+            out = self.kernel.over_cache(q, k, v, cache.mask, **extra)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
             init_linear(linear, std)
         init_linear(self.wo, out_std)
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, mean=0.0, std=std)
         if self.qk_norm:
             self.q_norm.init_weights()
             self.k_norm.init_weights()
@@ -332,8 +362,10 @@ class TransformerBlock(nn.Module):
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
         self.attention_norm = build_norm(config, config.hidden_size)
-        attention_cls = LatentAttention if config.attention_kind == "mla" else Attention
-        self.attention = attention_cls(config, options.attention_backend)
+        if config.attention_kind == "mla":
+            self.attention = LatentAttention(config, options.attention_backend)
+        else:
+            self.attention = Attention(config, options.attention_backend, layer)
         self.ffn_norm = build_norm(config, config.hidden_size)
         if self.mlp_kind == "dense":
             self.feed_forward = FeedForward(

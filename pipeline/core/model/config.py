@@ -40,6 +40,10 @@ class YarnScaling:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
     rope_type: str = "yarn"  # tells it from `RopeScaling` in saved config dicts
+    # False: the ramp's bounds are not rounded outwards (gpt-oss's `truncate: false`).
+    truncate: bool = True
+    # Set: cos/sin are multiplied by this instead of the mscale ratio (HF `attention_factor`).
+    attention_factor: float | None = None
 
 
 @dataclass
@@ -100,6 +104,18 @@ class MoEConfig:
     num_shared_experts: int = 0  # one SwiGLU of this many experts' width sees every token
     expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
     expert_bias_update_rate: float = 1e-3
+    # gpt-oss: the router has a bias, each expert's projections have biases (gate, up, down),
+    # and the experts' activation is the clamped SwiGLU "swiglu_clamped":
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit).
+    router_bias: bool = False
+    expert_biases: bool = False
+    activation: str = "swiglu"  # or "swiglu_clamped"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+
+
+# The per-layer attention kinds `ModelConfig.layer_types` may name (Hugging Face's spelling).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -141,6 +157,14 @@ class ModelConfig:
     # mtp_loss_scaling_factor / D each (Megatron's --mtp-loss-scaling-factor). 0: none.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # Per-layer attention (Hugging Face's names): "full_attention" or "sliding_attention" (each
+    # query sees itself and the `sliding_window - 1` tokens before it); None: all full.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    # One learned logit per head, an extra softmax column whose value is dropped (gpt-oss).
+    attention_sinks: bool = False
+    # Layers whose queries and keys get no RoPE (SmolLM3's `no_rope_layers` zeros).
+    no_rope_layers: list[int] = field(default_factory=list)
     # Block shape beyond Llama's (BLOOM, MPT): the MLP's activation (Hugging Face `hidden_act`
     # names, `ACTIVATIONS`), gated (SwiGLU-style w2(act(w1 x) * w3 x)) or plain (w2(act(w1 x))),
     # with biases on its linears (`mlp_bias`); an o_proj bias; RMSNorm or LayerNorm (with a bias
@@ -193,6 +217,34 @@ class ModelConfig:
         if self.moe is not None:
             self._check_moe(self.moe)
         self._check_block_options()
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        kinds = self.layer_types
+        if kinds is not None:
+            if len(kinds) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(kinds)} entries for {self.num_layers} layers"
+                )
+            unknown = sorted(set(kinds) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types {unknown}: choose from {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in kinds and not (self.sliding_window or 0) > 0:
+                raise ValueError("sliding_attention layers need sliding_window >= 1")
+        outside = [i for i in self.no_rope_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"no_rope_layers {outside} are not layers of {self.num_layers}")
+
+    def layer_type(self, layer: int) -> str:
+        """The attention of layer `layer` (0-based): "full_attention" unless `layer_types`
+        says otherwise."""
+        if self.layer_types is None or layer >= len(self.layer_types):  # MTP modules: full
+            return "full_attention"
+        return self.layer_types[layer]
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None for full attention."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
     def _check_block_options(self) -> None:
         if self.norm_type not in NORM_TYPES:
@@ -220,6 +272,8 @@ class ModelConfig:
             raise ValueError(f"moe.aux_loss_type {moe.aux_loss_type!r}: micro_batch or sequence")
         if moe.score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"moe.score_function {moe.score_function!r}: softmax or sigmoid")
+        if moe.activation not in ("swiglu", "swiglu_clamped"):
+            raise ValueError(f"moe.activation {moe.activation!r}: swiglu or swiglu_clamped")
         if moe.num_experts % moe.num_groups or not 1 <= moe.topk_groups <= moe.num_groups:
             raise ValueError(
                 f"moe.num_groups {moe.num_groups} must divide num_experts {moe.num_experts} and "

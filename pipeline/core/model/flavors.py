@@ -238,6 +238,46 @@ def glm4_5_air() -> ModelConfig:
     )
 
 
+def _gpt_oss(num_layers: int, num_experts: int) -> ModelConfig:
+    """gpt-oss (openai/gpt-oss-20b and -120b config.json): 64 query heads of 64 over 8 kv heads
+    with q/k/v/o biases and sinks, sliding (128 tokens) and full attention alternating, YaRN
+    (factor 32 over 4096 positions, ramp not truncated), experts of width 2880 with biases and
+    the clamped SwiGLU, top-4 under a biased router."""
+    return ModelConfig(
+        vocab_size=201088,
+        hidden_size=2880,
+        num_layers=num_layers,
+        num_attention_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        ffn_hidden_size=2880,
+        norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling=YarnScaling(
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            mscale=0.0,
+            mscale_all_dim=0.0,
+            truncate=False,
+        ),
+        max_position_embeddings=131072,
+        qkv_bias=True,
+        attention_out_bias=True,
+        attention_sinks=True,
+        layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+        sliding_window=128,
+        moe=MoEConfig(
+            num_experts=num_experts,
+            top_k=4,
+            ffn_hidden_size=2880,
+            aux_loss_coeff=0.9,
+            router_bias=True,
+            expert_biases=True,
+            activation="swiglu_clamped",
+        ),
+    )
+
+
 def glm4_5() -> ModelConfig:
     """GLM-4.5 (zai-org/GLM-4.5 config.json; GLM-4.6 and 4.7 share the shape) without its
     multi-token prediction layer: GLM-4.5-Air's design at 92 layers, the first 3 dense, hidden
@@ -285,6 +325,52 @@ def minimax_m2() -> ModelConfig:
             score_function="sigmoid",
             expert_bias=True,
         ),
+    )
+
+
+def gpt_oss_20b() -> ModelConfig:
+    """gpt-oss-20b: 24 layers, 32 experts (20.9B parameters, 3.6B active)."""
+    return _gpt_oss(24, 32)
+
+
+def gpt_oss_120b() -> ModelConfig:
+    """gpt-oss-120b: 36 layers, 128 experts (116.8B parameters, 5.1B active)."""
+    return _gpt_oss(36, 128)
+
+
+def smollm3_3b() -> ModelConfig:
+    """SmolLM3-3B (HuggingFaceTB/SmolLM3-3B config.json): Llama's block with no RoPE in every
+    fourth layer, tied embeddings."""
+    return ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        num_layers=36,
+        num_attention_heads=16,
+        num_kv_heads=4,
+        ffn_hidden_size=11008,
+        norm_eps=1e-6,
+        rope_theta=5e6,
+        max_position_embeddings=65536,
+        tie_word_embeddings=True,
+        no_rope_layers=list(range(3, 36, 4)),
+    )
+
+
+def seed_oss_36b() -> ModelConfig:
+    """Seed-OSS-36B (ByteDance-Seed/Seed-OSS-36B-Base config.json): q/k/v biases, no o_proj
+    bias, 80 query heads of 128 over 8 kv heads."""
+    return ModelConfig(
+        vocab_size=155136,
+        hidden_size=5120,
+        num_layers=64,
+        num_attention_heads=80,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=27648,
+        norm_eps=1e-6,
+        rope_theta=1e7,
+        max_position_embeddings=524288,
+        qkv_bias=True,
     )
 
 
@@ -347,6 +433,45 @@ def tiny_deepseek_v3() -> ModelConfig:
         routed_scaling_factor=2.5,
         dense_layers=[0],
     )
+    return config
+
+
+def tiny_gpt_oss() -> ModelConfig:
+    """CPU-sized gpt-oss: sinks, q/k/v/o biases, sliding (window 8) and full layers alternating,
+    YaRN without truncation, 8 experts (width 64) with biases and the clamped SwiGLU, top-2."""
+    config = tiny()
+    config.head_dim = 16
+    config.rope_theta = 150000.0
+    config.rope_scaling = YarnScaling(
+        factor=4.0,
+        original_max_position_embeddings=64,
+        mscale=0.0,
+        mscale_all_dim=0.0,
+        truncate=False,
+    )
+    config.qkv_bias = config.attention_out_bias = config.attention_sinks = True
+    config.layer_types = ["sliding_attention", "full_attention"] * (config.num_layers // 2)
+    config.sliding_window = 8
+    config.moe = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=64,
+        aux_loss_coeff=1e-3,
+        router_bias=True,
+        expert_biases=True,
+        activation="swiglu_clamped",
+    )
+    return config
+
+
+def tiny_smollm3() -> ModelConfig:
+    """CPU-sized SmolLM3 with every option its config can set: no RoPE in layers 1 and 3, which
+    also slide over 8 tokens, q/k/v/o biases (untied, so pipeline stages may split it)."""
+    config = tiny()
+    config.no_rope_layers = [1, 3]
+    config.layer_types = ["full_attention", "sliding_attention"] * 2
+    config.sliding_window = 8
+    config.qkv_bias = config.attention_out_bias = True
     return config
 
 
@@ -468,6 +593,12 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_qwen3": tiny_qwen3,
     "tiny_qwen3_moe": tiny_qwen3_moe,
     "tiny_deepseek_v3": tiny_deepseek_v3,
+    "gpt_oss_20b": gpt_oss_20b,
+    "gpt_oss_120b": gpt_oss_120b,
+    "smollm3_3b": smollm3_3b,
+    "seed_oss_36b": seed_oss_36b,
+    "tiny_gpt_oss": tiny_gpt_oss,
+    "tiny_smollm3": tiny_smollm3,
     "tiny_bloom": tiny_bloom,
     "tiny_mpt": tiny_mpt,
     "tiny_glm4_moe": tiny_glm4_moe,
@@ -493,6 +624,7 @@ def num_parameters(config: ModelConfig) -> int:
         attn = h * q_dim + 2 * h * kv_dim + q_dim * h
         if c.qkv_bias:
             attn += q_dim + 2 * kv_dim
+        attn += c.num_attention_heads * c.attention_sinks
         if c.attention_out_bias:
             attn += h
         if c.qk_norm:
@@ -505,7 +637,7 @@ def num_parameters(config: ModelConfig) -> int:
         dense_mlp += up * c.ffn_hidden_size + h
     moe_mlp = 0
     if c.moe is not None:
-        moe_mlp = c.moe.num_experts * (3 * h * c.expert_ffn_hidden_size + h)
+        moe_mlp = c.moe.num_experts * (expert_parameters(c) + h + c.moe.router_bias)
         moe_mlp += 3 * h * c.expert_ffn_hidden_size * c.moe.num_shared_experts
     moe_layers = c.num_moe_layers
     mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
@@ -514,6 +646,13 @@ def num_parameters(config: ModelConfig) -> int:
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
     embeddings += norm if c.embedding_norm else 0
     return embeddings + c.num_layers * per_layer + mlp + norm
+
+
+def expert_parameters(config: ModelConfig) -> int:
+    """Parameters of one routed expert: its three projections, and their biases (gpt-oss)."""
+    h, ffn = config.hidden_size, config.expert_ffn_hidden_size
+    biases = 2 * ffn + h if config.moe is not None and config.moe.expert_biases else 0
+    return 3 * h * ffn + biases
 
 
 def _mla_linear_parameters(config: ModelConfig) -> int:

@@ -20,6 +20,8 @@ import re
 
 import torch
 
+from pipeline.core.model import hf_fused_experts as fused_experts
+
 # (HF template, our template): {i} is the layer index, {p} is `weight` or `bias`. For our -> HF
 # the first matching row wins, so on-disk spellings come before in-memory ones.
 _NAME_PAIRS: list[tuple[str, str]] = [
@@ -31,7 +33,8 @@ _NAME_PAIRS: list[tuple[str, str]] = [
     ("model.layers.{i}.self_attn.q_proj.{p}", "layers.{i}.attention.wq.{p}"),
     ("model.layers.{i}.self_attn.k_proj.{p}", "layers.{i}.attention.wk.{p}"),
     ("model.layers.{i}.self_attn.v_proj.{p}", "layers.{i}.attention.wv.{p}"),
-    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.self_attn.o_proj.{p}", "layers.{i}.attention.wo.{p}"),
+    ("model.layers.{i}.self_attn.sinks", "layers.{i}.attention.sinks"),
     ("model.layers.{i}.self_attn.q_norm.weight", "layers.{i}.attention.q_norm.weight"),
     ("model.layers.{i}.self_attn.k_norm.weight", "layers.{i}.attention.k_norm.weight"),
     ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.attention.wq_a.weight"),
@@ -253,9 +256,16 @@ def pipe_to_hf_names(
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours."""
+    """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours
+    (gpt-oss's interleaved experts: `pipeline.core.model.hf_fused_experts`)."""
     out: dict[str, torch.Tensor] = {}
+    # Qwen3-MoE's in-memory experts share gpt-oss's names; only gpt-oss has `mlp.router`.
+    gpt_oss = any(name.endswith(".mlp.router.weight") for name in hf_state)
     for name, tensor in hf_state.items():
+        pieces = fused_experts.split(name) if gpt_oss else None
+        if pieces is not None:
+            out |= {ours: take(tensor) for ours, take in pieces}
+            continue
         m = _GATE_UP.fullmatch(name)
         if m:
             gate, up = tensor.chunk(2, dim=1)

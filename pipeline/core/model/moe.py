@@ -17,7 +17,9 @@ micro-batch (each rank adds its tokens' share of the single-device loss).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,32 +29,106 @@ from torch import nn
 from pipeline.core.model.config import MoEConfig
 from pipeline.core.model.feed_forward import FeedForward
 
+EXPERT_BIASES = ("b1", "b3", "b2")
+
+
+def is_bias(name: str) -> bool:
+    """Whether the parameter `name` is a bias: a linear's `.bias`, or an expert stack's biases
+    (`experts.b1`, 2-D `[E, ffn]`, which optimizers must not take for a matrix)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf == "bias" or (module.endswith("experts") and leaf in EXPERT_BIASES)
+
 
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs with stacked weights: w1 (gate) and w3 (up) `[E, ffn, hidden]`,
-    w2 (down) `[E, hidden, ffn]`; the same layout as Hugging Face Mixtral's fused experts."""
+    w2 (down) `[E, hidden, ffn]`; the same layout as Hugging Face Mixtral's fused experts.
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int) -> None:
+    With `config.expert_biases` (gpt-oss) each projection has a bias: b1, b3 `[E, ffn]`, b2
+    `[E, hidden]`; `config.activation` "swiglu_clamped" is gpt-oss's clamped SwiGLU."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        config: MoEConfig | None = None,
+    ) -> None:
         super().__init__()
+        self.config = config or MoEConfig(num_experts=num_experts)
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        if self.config.expert_biases:
+            self.b1 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size))
+            self.b3 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size))
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size))
         # LoRA adapters of the stacks (`pipeline.core.model.lora.ExpertAdapters`), when added.
         self.lora: nn.Module | None = None
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """The stacked tensors, each `[E, ...]`: expert parallelism splits them all on dim 0."""
+        return ("w1", "w3", "w2") + (EXPERT_BIASES if self.config.expert_biases else ())
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x `[n, hidden]` sorted by expert, `tokens_per_expert[e]` rows for expert e in turn.
         The one place the expert projections are applied, whatever holds the weights."""
-        return grouped_swiglu(x, tokens_per_expert, *self.gate_up_down(), lora=self.lora)
+        return grouped_swiglu(
+            x,
+            tokens_per_expert,
+            *self.gate_up_down(),
+            lora=self.lora,
+            biases=self.biases(),
+            activation=expert_activation(self.config),
+        )
 
     def gate_up_down(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stacked weights (w1, w3, w2) of the experts this module runs."""
         return self.w1, self.w3, self.w2
 
+    def hidden(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert`'s activation of rows `x`, the input of its down projection (what FP8
+        calibration measures); no LoRA."""
+        w1, w3, _ = self.gate_up_down()
+        gate, up = x @ w1[expert].t(), x @ w3[expert].t()
+        biases = self.biases()
+        if biases is not None:
+            gate, up = gate + biases[0][expert], up + biases[1][expert]
+        return expert_activation(self.config)(gate, up)
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The stacked biases (b1, b3, b2) of the experts this module runs, None without."""
+        return (self.b1, self.b3, self.b2) if self.config.expert_biases else None
+
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, mean=0.0, std=std)
         nn.init.normal_(self.w3, mean=0.0, std=std)
         nn.init.normal_(self.w2, mean=0.0, std=out_std)
+        if self.config.expert_biases:
+            for name in EXPERT_BIASES:
+                nn.init.zeros_(getattr(self, name))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float):
+    """gpt-oss's expert activation: the gate clamped above at `limit`, the up projection to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def expert_activation(config: MoEConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The experts' gated activation, f(gate, up), that `config.activation` names."""
+    if config.activation == "swiglu_clamped":
+        return functools.partial(
+            clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha
+        )
+    return swiglu
 
 
 def grouped_swiglu(
@@ -62,10 +138,13 @@ def grouped_swiglu(
     w3: torch.Tensor,
     w2: torch.Tensor,
     lora: nn.Module | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
     """SwiGLU of each group of rows of `x` with its expert's stacked weights (see
     `GroupedExperts`): rows are grouped by expert, `tokens_per_expert[e]` rows for expert e.
-    `lora` (an `ExpertAdapters`) adds each adapted stack's low-rank update.
+    `lora` (an `ExpertAdapters`) adds each adapted stack's low-rank update; `biases` (b1, b3,
+    b2) are added to the projections; `activation(gate, up)` replaces silu(gate) * up.
 
     A plain loop over experts: simple and exact on every device. `torch._grouped_mm` would do it
     in one kernel on recent GPUs; it belongs in a kernel backend tested against this.
@@ -73,9 +152,12 @@ def grouped_swiglu(
     # One host sync to learn the group sizes; unavoidable without a grouped kernel.
     groups = torch.split(x, tokens_per_expert.tolist())
     adapters = lora.local() if lora is not None else {}
+    bias = dict(zip(("w1", "w3", "w2"), biases)) if biases is not None else {}
 
     def project(name: str, w: torch.Tensor, e: int, g: torch.Tensor) -> torch.Tensor:
         out = g @ w[e].to(g.dtype).t()  # a base stored in another dtype (LoRA)
+        if name in bias:
+            out = out + bias[name][e].to(out.dtype)
         if name not in adapters:
             return out
         a, b = adapters[name]
@@ -83,7 +165,7 @@ def grouped_swiglu(
         return out + delta.to(out.dtype)
 
     outputs = [
-        project("w2", w2, e, F.silu(project("w1", w1, e, g)) * project("w3", w3, e, g))
+        project("w2", w2, e, activation(project("w1", w1, e, g), project("w3", w3, e, g)))
         for e, g in enumerate(groups)
     ]
     return torch.cat(outputs) if outputs else x.new_empty(0, w2.shape[1])
@@ -167,8 +249,8 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.router = nn.Linear(hidden_size, config.num_experts, bias=False)
-        self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size)
+        self.router = nn.Linear(hidden_size, config.num_experts, bias=config.router_bias)
+        self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size, config)
         if config.num_shared_experts:
             shared_width = ffn_hidden_size * config.num_shared_experts
             self.shared_experts = FeedForward(hidden_size, shared_width)
@@ -309,6 +391,8 @@ class MoE(nn.Module):
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.router.weight, mean=0.0, std=std)
+        if self.router.bias is not None:
+            nn.init.zeros_(self.router.bias)
         self.experts.init_weights(std, out_std)
         if self.config.num_shared_experts:
             self.shared_experts.init_weights(std, out_std)

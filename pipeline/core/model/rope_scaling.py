@@ -17,7 +17,10 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_cos_sin_factor(scaling: YarnScaling) -> float:
-    """What cos and sin are multiplied by: mscale(factor, mscale) / mscale(factor, all_dim)."""
+    """What cos and sin are multiplied by: `attention_factor` when set, else
+    mscale(factor, mscale) / mscale(factor, all_dim)."""
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
     if scaling.mscale and scaling.mscale_all_dim:
         return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
             scaling.factor, scaling.mscale_all_dim
@@ -40,10 +43,14 @@ def _correction_dim(rotations: float, dim: int, theta: float, max_positions: int
 def yarn_inv_freq(dim: int, theta: float, scaling: YarnScaling) -> torch.Tensor:
     """Inverse frequencies `[dim // 2]`: the original ones for the fast dimensions (more than
     `beta_fast` turns over the original context), divided by `factor` for the slow ones (fewer
-    than `beta_slow`), blended linearly in between (ramp bounds rounded outwards)."""
+    than `beta_slow`), blended linearly in between (ramp bounds rounded outwards, unless
+    `truncate` is false: gpt-oss keeps them fractional)."""
     orig = scaling.original_max_position_embeddings
-    low = max(math.floor(_correction_dim(scaling.beta_fast, dim, theta, orig)), 0)
-    high = min(math.ceil(_correction_dim(scaling.beta_slow, dim, theta, orig)), dim - 1)
+    low = _correction_dim(scaling.beta_fast, dim, theta, orig)
+    high = _correction_dim(scaling.beta_slow, dim, theta, orig)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # keep the ramp's slope finite
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.core.kernels.attention import alibi_sdpa
+from pipeline.core.kernels.attention import alibi_sdpa, masked_sdpa, window_mask
 from pipeline.core.model.block import Attention, LatentAttention
 
 
@@ -135,6 +135,8 @@ def context_parallel_attention(
     *,
     causal: bool = True,
     document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole context (all-gather of K/V).
@@ -142,8 +144,10 @@ def context_parallel_attention(
     q `[b, heads, local, d]`, k/v `[b, kv_heads, local, d]` hold this rank's load-balanced
     shard (see `shard_sequence`); the result `[b, heads, local, d]` is this rank's shard of
     full-sequence attention. `document_ids` `[b, local]` (sharded the same way) restricts each
-    query to earlier keys of its own document. `alibi_slopes` (`[heads]`, this rank's heads):
-    ALiBi's bias at the global positions of the queries and keys.
+    query to earlier keys of its own document; `window` to keys fewer than `window` global
+    positions back; `sinks` (`[heads]`) add one softmax logit per head (gpt-oss).
+    `alibi_slopes` (`[heads]`, this rank's heads): ALiBi's bias at the global positions of the
+    queries and keys.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
@@ -155,9 +159,11 @@ def context_parallel_attention(
     else:
         k_all, v_all = all_gather_sequence(k, cp_group), all_gather_sequence(v, cp_group)
     if not causal:
+        if window is not None:
+            raise ValueError("a sliding window is only defined for causal attention")
         if alibi_slopes is not None:
             raise ValueError("context-parallel ALiBi is defined for causal attention")
-        return F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=gqa)
+        return masked_sdpa(q, k_all, v_all, None, sinks)
     local = q.shape[2]
     seq_len = local * cp_size
     q_pos = cp_position_ids(seq_len, cp_rank, cp_size, device=q.device)
@@ -165,11 +171,15 @@ def context_parallel_attention(
         [cp_position_ids(seq_len, r, cp_size, device=q.device) for r in range(cp_size)]
     )
     mask = (q_pos[:, None] >= k_pos[None, :])[None, None]  # [1, 1, local, seq]
+    if window is not None:
+        mask = mask & window_mask(q_pos, window, k_pos)
     if document_ids is not None:
         docs_all = (
             document_ids if cp_size == 1 else _gather_document_ids(document_ids, cp_group, cp_size)
         )
         mask = mask & (document_ids[:, :, None] == docs_all[:, None, :]).unsqueeze(1)
+    if sinks is not None:
+        return masked_sdpa(q, k_all, v_all, mask, sinks)
     if alibi_slopes is not None:
         return alibi_sdpa(q, k_all, v_all, mask, alibi_slopes, (q_pos[None], k_pos[None]))
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
@@ -177,11 +187,19 @@ def context_parallel_attention(
 
 class ContextParallelAttention(nn.Module):
     """The attention kernel of a context-parallel model (`context_parallel_attention` over
-    `cp_group`); `apply_context_parallel` puts one at each `Attention.kernel`."""
+    `cp_group`); `apply_context_parallel` puts one at each `Attention.kernel`, keeping the
+    layer's sliding `window`."""
 
-    def __init__(self, cp_group: dist.ProcessGroup | None, cp_rank: int, cp_size: int) -> None:
+    def __init__(
+        self,
+        cp_group: dist.ProcessGroup | None,
+        cp_rank: int,
+        cp_size: int,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         self.cp_group, self.cp_rank, self.cp_size = cp_group, cp_rank, cp_size
+        self.window = window
 
     def forward(
         self,
@@ -189,6 +207,7 @@ class ContextParallelAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         document_ids: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
         alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return context_parallel_attention(
@@ -199,6 +218,8 @@ class ContextParallelAttention(nn.Module):
             self.cp_rank,
             self.cp_size,
             document_ids=document_ids,
+            window=self.window,
+            sinks=sinks,
             alibi_slopes=alibi_slopes,
         )
 
@@ -218,5 +239,6 @@ def apply_context_parallel(
     """
     for module in model.modules():
         if isinstance(module, (Attention, LatentAttention)):
-            module.kernel = ContextParallelAttention(cp_group, cp_rank, cp_size)
+            window = getattr(module.kernel, "window", None)
+            module.kernel = ContextParallelAttention(cp_group, cp_rank, cp_size, window)
     return model

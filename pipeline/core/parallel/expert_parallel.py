@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from pipeline.core.model.moe import GroupedExperts, MoE
+from pipeline.core.model.moe import EXPERT_BIASES, GroupedExperts, MoE
 from pipeline.core.torch_compat import eager_before_2_13
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -210,8 +210,8 @@ class ShardedGroupedExperts(GroupedExperts):
     def __init__(self, experts: GroupedExperts, mesh: DeviceMesh, start: int, stop: int) -> None:
         num_experts, ffn, hidden = experts.w1.shape
         with torch.device("meta"):  # the parameters below replace these
-            super().__init__(num_experts, hidden, ffn)
-        for name in EXPERT_WEIGHTS:
+            super().__init__(num_experts, hidden, ffn, experts.config)
+        for name in self.parameter_names:  # the weights, and gpt-oss's biases with them
             full = getattr(experts, name)
             local = full.detach()[start:stop].clone()
             dtensor = DTensor.from_local(
@@ -236,6 +236,13 @@ class ShardedGroupedExperts(GroupedExperts):
         """This rank's shards: `GroupedExperts.forward` runs its experts on them."""
         w1, w3, w2 = (_local(getattr(self, n)) for n in EXPERT_WEIGHTS)
         return w1, w3, w2
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This rank's shards of the expert biases, None without."""
+        if not self.config.expert_biases:
+            return None
+        b1, b3, b2 = (_local(getattr(self, n)) for n in EXPERT_BIASES)
+        return b1, b3, b2
 
 
 def apply_expert_parallel(

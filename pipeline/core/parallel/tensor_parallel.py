@@ -11,8 +11,10 @@ over tp where they enter the head-split projections (and at `rope_key`), so the 
 weights get the full gradient on every rank. Attention itself runs on local tensors: the model
 views q/k/v with -1 heads, so each rank attends over its own heads without knowing it is sharded
 (and CPU SDPA, which has no DTensor rule, still works). ALiBi's slopes follow their heads:
-each rank keeps the slopes of the heads it holds (`_SplitHeads`). A plain (not gated) MLP has
-no w3; BLOOM's embedding norm is a sequence-parallel norm like the others.
+each rank keeps the slopes of the heads it holds (`_SplitHeads`), and so do attention sinks
+(gpt-oss, one logit per query head, a Shard(0) DTensor); an o_proj bias is added once, after the
+row-wise sum. A plain (not gated) MLP has no w3; BLOOM's embedding norm is a sequence-parallel
+norm like the others.
 
 With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
 DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
@@ -102,6 +104,7 @@ def apply_tensor_parallel(
 
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel, keep_dtensor))
+        _shard_sinks(block.attention, tp_mesh)
 
     tie = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if tie and model.tok_embeddings is not None and model.output is not None:
@@ -110,6 +113,17 @@ def apply_tensor_parallel(
     _place_adapters(model)
     _match_grad_layouts(model)
     return model
+
+
+def _shard_sinks(attention: nn.Module, mesh: DeviceMesh) -> None:
+    """Attention sinks (gpt-oss: one logit per query head) split with their heads: a Shard(0)
+    DTensor whose local part is this rank's heads' (the attention runs on local tensors)."""
+    sinks = getattr(attention, "sinks", None)
+    if sinks is None or isinstance(sinks, DTensor):
+        return
+    full = torch.empty(sinks.shape, device="meta") if sinks.is_meta else sinks.detach()
+    placed = distribute_tensor(full, mesh, [Shard(0)])
+    attention.sinks = nn.Parameter(placed, requires_grad=sinks.requires_grad)
 
 
 def _place_adapters(model: nn.Module) -> None:

@@ -74,6 +74,15 @@ def _quantization(options: LegacyExportOptions, moe: bool) -> dict[str, Any]:
     }
 
 
+# What the legacy rank-file format holds (frozen at TensorRT-LLM 1.3's families).
+_LEGACY_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+)
+
+
 def trtllm_config(config: ModelConfig, options: LegacyExportOptions) -> dict[str, Any]:
     """The config.json dict of an export of `config` with `options`."""
     architecture = choose_architecture(config, options.architecture)
@@ -81,6 +90,11 @@ def trtllm_config(config: ModelConfig, options: LegacyExportOptions) -> dict[str
         raise ValueError(
             f"TensorRT-LLM export of {architecture} (per-head q/k norms) is not supported yet; "
             "export Llama, Mistral, Qwen2 or Mixtral models, or convert to Hugging Face instead"
+        )
+    if architecture not in _LEGACY_ARCHITECTURES:
+        raise ValueError(
+            f"the legacy TensorRT-LLM format has no {architecture} (sinks, windows, biases or "
+            "layers without RoPE); export with --trtllm alone, or convert to Hugging Face"
         )
     out: dict[str, Any] = {
         "architecture": architecture,

@@ -10,6 +10,11 @@ family.
 A batch is `[batch, new]` tokens, each row one sequence: a prompt chunk (prefill) or one token
 (decode). Rows shorter than the longest are padded; padded positions write to the cache's scratch
 slot and are never read.
+
+Sliding-window layers (`ModelConfig.layer_types`, gpt-oss) see the same cache under a narrower
+mask: keys fewer than `window` positions before the query (`CachedBatch.window_mask`); the keys
+outside stay in the cache (nothing is evicted yet). Attention sinks need nothing here: the
+attention module passes them to its kernel with the cached keys.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class CachedBatch:
     positions 0..length-1 of each row (padded with any slot; the mask hides them). `attend`:
     which keys each query sees, when the read slots are not positions in order (rows packed by
     `pipeline.serve.engine.packing`), and `key_positions` `[batch, length]` the position of each
-    read slot's token then (None: 0..length-1; ALiBi's biases need them)."""
+    read slot's token then (None: 0..length-1; ALiBi's biases and sliding windows need them)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
@@ -56,6 +61,13 @@ class CachedBatch:
             return None
         keys = torch.arange(length, device=self.positions.device)
         return (keys[None, None, :] <= self.positions[:, :, None]).unsqueeze(1)
+
+    def window_mask(self, window: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """`mask` (this batch's, None: every key) narrowed to keys fewer than `window`
+        positions before each query; built from the positions alone (no host sync)."""
+        keys = self.read_positions()
+        near = ((self.positions[:, :, None] - keys[:, None, :]) < window).unsqueeze(1)
+        return near if mask is None else mask & near
 
 
 class LayerSlots:
@@ -87,16 +99,38 @@ class LayerSlots:
 
 class BatchSlots:
     """A `BlockKVCache` seen by one batch: the model's `KVCache` (`pipeline.core.model.kv_seam`),
-    its mask computed once for all layers (`fresh`: as `LayerSlots`')."""
+    its mask computed once for all layers, and once per window for sliding-window layers
+    (`windows`: layer -> window; `fresh`: as `LayerSlots`')."""
 
-    def __init__(self, cache: BlockKVCache, batch: CachedBatch, fresh: bool = False) -> None:
+    def __init__(
+        self,
+        cache: BlockKVCache,
+        batch: CachedBatch,
+        fresh: bool = False,
+        windows: dict[int, int] | None = None,
+    ) -> None:
         self.cache, self.batch, self.mask, self.fresh = cache, batch, batch.mask(), fresh
+        self.windows = windows or {}
+        self._windowed: dict[int, torch.Tensor] = {}
 
     def layer(self, index: int) -> LayerSlots:
-        return LayerSlots(self.cache, index, self.batch, self.mask, self.fresh)
+        window = self.windows.get(index)
+        if window is None:
+            return LayerSlots(self.cache, index, self.batch, self.mask, self.fresh)
+        if window not in self._windowed:
+            self._windowed[window] = self.batch.window_mask(window, self.mask)
+        return LayerSlots(self.cache, index, self.batch, self._windowed[window], self.fresh)
+
+
+def layer_windows(model: Transformer) -> dict[int, int]:
+    """The sliding window of each sliding-window layer of `model`, by layer index."""
+    config = model.config
+    windows = {i: config.attention_window(i) for i in range(config.num_layers)}
+    return {i: w for i, w in windows.items() if w is not None}
 
 
 @torch.no_grad()
 def forward_cached(model: Transformer, cache: BlockKVCache, batch: CachedBatch) -> torch.Tensor:
     """Hidden states `[batch, new, hidden]` after the final norm, updating the cache."""
-    return model(batch.tokens, batch.positions, cache=BatchSlots(cache, batch))
+    slots = BatchSlots(cache, batch, windows=layer_windows(model))
+    return model(batch.tokens, batch.positions, cache=slots)

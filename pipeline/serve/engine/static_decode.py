@@ -55,7 +55,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.transformer import Transformer
-from pipeline.serve.engine.decode import BatchSlots, CachedBatch
+from pipeline.serve.engine.decode import BatchSlots, CachedBatch, layer_windows
 from pipeline.serve.engine.kv_cache import BlockKVCache
 
 if TYPE_CHECKING:
@@ -267,7 +267,8 @@ class StaticDecoder:
             inputs.read_slots,
             attend=mask,
         )
-        hidden = self.model(batch.tokens, positions, cache=BatchSlots(self.cache, batch, True))
+        slots = BatchSlots(self.cache, batch, True, layer_windows(self.model))
+        hidden = self.model(batch.tokens, positions, cache=slots)
         logits = self.model.output(hidden[:, 0]).float()
         out = self._outputs.get(bucket)
         if out is None:

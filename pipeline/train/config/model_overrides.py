@@ -42,11 +42,23 @@ def lookup_flavor(name: str) -> ModelConfig:
     return FLAVORS[name]()
 
 
+def _per_layer_lists(base: ModelConfig, layers: int) -> dict[str, Any]:
+    """The flavor's per-layer lists for `layers` layers: its attention kinds repeated in their
+    order (gpt-oss's sliding and full layers keep alternating), its layers without RoPE kept
+    where they still exist."""
+    out: dict[str, Any] = {"no_rope_layers": [i for i in base.no_rope_layers if i < layers]}
+    if base.layer_types is not None:
+        kinds = base.layer_types
+        out["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    return out
+
+
 def apply_model_overrides(base: ModelConfig, section: ModelSection) -> ModelConfig:
     """`base` with the non-`None` overrides of `section` applied (a new object).
 
     `head_dim` and `num_kv_heads` are filled in by `ModelConfig.__post_init__`, so they are
-    re-derived when the fields they came from change and they were not overridden themselves.
+    re-derived when the fields they came from change and they were not overridden themselves;
+    a new `num_layers` reshapes the per-layer lists (`_per_layer_lists`).
     """
     changes: dict[str, Any] = {}
     moe_changes: dict[str, Any] = {}
@@ -63,6 +75,8 @@ def apply_model_overrides(base: ModelConfig, section: ModelSection) -> ModelConf
         derived = base.hidden_size // base.num_attention_heads
         if base.head_dim == derived:
             changes["head_dim"] = None
+    if "num_layers" in changes:
+        changes |= _per_layer_lists(base, changes["num_layers"])
     heads_changed = "num_attention_heads" in changes and "num_kv_heads" not in changes
     if heads_changed and base.num_kv_heads == base.num_attention_heads:
         changes["num_kv_heads"] = None

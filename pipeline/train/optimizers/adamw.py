@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipeline.core.model.moe import is_bias
+
 if TYPE_CHECKING:
     from pipeline.train.config.schema import TrainConfig
 
@@ -30,7 +32,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
         if not param.requires_grad:
             continue
         decay, no_decay = kinds.setdefault(_kind(param), ([], []))
-        if name.endswith(".bias") or param.ndim < 2:
+        if is_bias(name) or param.ndim < 2:
             no_decay.append(param)
         else:
             decay.append(param)

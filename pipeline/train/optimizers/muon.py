@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from pipeline.core.model.moe import is_bias
 from pipeline.train.optimizers.adamw import param_groups
 from pipeline.train.optimizers.adamw_bf16 import (
     adamw_group_step_bf16,
@@ -58,7 +59,7 @@ def is_hidden_matrix(name: str, param: Tensor) -> bool:
     """Whether Muon trains the parameter `name`: a 2-D weight or a 3-D expert stack, outside
     the embedding, output layer and router."""
     module = name.rsplit(".", 2)[-2] if "." in name else ""
-    return param.ndim in (2, 3) and not name.endswith(".bias") and module not in ADAMW_MODULES
+    return param.ndim in (2, 3) and not is_bias(name) and module not in ADAMW_MODULES
 
 
 def state_bytes_per_param(cfg: TrainConfig, model: ModelConfig) -> float:

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from pipeline.core.model.config import ModelConfig
-from pipeline.core.model.flavors import flops_per_token, num_parameters
+from pipeline.core.model.flavors import expert_parameters, flops_per_token, num_parameters
 from pipeline.train.config.schema import TrainConfig
 from pipeline.train.objectives import OBJECTIVES
 from pipeline.train.optimizers import (
@@ -129,7 +129,7 @@ def parameter_counts(model: ModelConfig) -> ParamCounts:
     embedding = model.vocab_size * h * (1 if model.tie_word_embeddings else 2)
     if model.moe is None:
         return ParamCounts(total=total, active=total, expert=0, embedding=embedding)
-    per_expert = 3 * h * model.expert_ffn_hidden_size
+    per_expert = expert_parameters(model)
     moe_layers = model.num_moe_layers  # Qwen3-MoE may keep some layers dense
     expert = moe_layers * model.moe.num_experts * per_expert
     inactive = moe_layers * (model.moe.num_experts - model.moe.top_k) * per_expert
@@ -328,10 +328,23 @@ def _model_line(cfg: TrainConfig, model: ModelConfig) -> str:
         )
     return (
         f"model        {cfg.model.flavor}: {model.num_layers} layers, hidden {model.hidden_size}, "
-        f"heads {_attention_description(model)}, "
+        f"heads {_attention_description(model)}{_attention_options(model)}, "
         f"ffn {model.ffn_hidden_size}, "
         f"vocab {model.vocab_size}{moe}"
     )
+
+
+def _attention_options(model: ModelConfig) -> str:
+    """Sliding windows, sinks and layers without RoPE, when the model has them."""
+    parts = []
+    windowed = sum(model.attention_window(i) is not None for i in range(model.num_layers))
+    if windowed:
+        parts.append(f"window {model.sliding_window} in {windowed}/{model.num_layers} layers")
+    if model.attention_sinks:
+        parts.append("sinks")
+    if model.no_rope_layers:
+        parts.append(f"no RoPE in {len(model.no_rope_layers)} layers")
+    return "".join(f", {p}" for p in parts)
 
 
 def _data_line(cfg: TrainConfig) -> str:
