@@ -394,6 +394,7 @@ class ChatBody(_Body, ToolFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         None
     )
+    include_reasoning: bool | None = True  # the reply's reasoning shown (with a parser)
     echo: bool | None = False  # the last message's text before the reply (same role)
     return_prompt_text: bool | None = False  # the rendered prompt in the answer
 

@@ -31,6 +31,7 @@ from pipeline.serve.http.openai_api import (
     TokenizeBody,
     completion_prompts,
 )
+from pipeline.serve.http.reasoning import ReasoningServing
 from pipeline.serve.http.responses import ChatWriter, CompletionWriter, respond
 from pipeline.serve.http.tokenizer_info import tokenizer_info
 from pipeline.serve.http.tool_calls import ToolServing
@@ -49,6 +50,7 @@ class ServedModel:
     codec: Codec
     metrics: ServeMetrics
     tools: ToolServing = field(default_factory=ToolServing)
+    reasoning: ReasoningServing | None = None  # --reasoning-parser
     started: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
     weights: WeightControl = field(init=False, repr=False)
@@ -59,14 +61,24 @@ class ServedModel:
         self.adapters = ServedAdapters(self.client)
 
     @classmethod
-    def of(cls, client: EngineClient, name: str, tools: ToolServing | None = None) -> "ServedModel":
-        """The model behind a started `client`, served as `name` (with `tools` options)."""
+    def of(
+        cls,
+        client: EngineClient,
+        name: str,
+        tools: ToolServing | None = None,
+        reasoning_parser: str | None = None,
+    ) -> "ServedModel":
+        """The model behind a started `client`, served as `name` (with `tools` options and the
+        reasoning parser of that name); ValueError for a parser the tokenizer cannot serve."""
         ready = client.ready
         codec = Codec(
             client.tokenizer, client.chat_template, ready.vocab_size, ready.tokenizer_path
         )
         metrics = ServeMetrics(name, lambda: client.load)
-        return cls(client, name, codec, metrics, tools or ToolServing())
+        reasoning = None
+        if reasoning_parser is not None:
+            reasoning = ReasoningServing.of(reasoning_parser, codec.encode)
+        return cls(client, name, codec, metrics, tools or ToolServing(), reasoning)
 
     @property
     def token_budget(self) -> int:
@@ -197,7 +209,11 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             extra=body.template_kwargs(),
         )
         prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
-        writer = ChatWriter(body, prompt, served.codec.token_text, tools, text)
+        reader = None
+        if served.reasoning is not None:
+            kwargs = body.template_kwargs()
+            reader = lambda: served.reasoning.reader(kwargs)  # noqa: E731 - one per choice
+        writer = ChatWriter(body, prompt, served.codec.token_text, tools, text, reader)
         return await answer(http, body, lora, [prompt], writer, "messages", "chatcmpl")
 
 

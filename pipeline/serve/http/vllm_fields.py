@@ -123,7 +123,9 @@ _BOTH: dict[str, FieldRule] = {
     "repetition_detection": _refused(
         "no n-gram repetition detector to end generation early", None, {"max_pattern_size": 4}
     ),
-    "thinking_token_budget": _refused("no reasoning parser to count thinking", None, 16),
+    "thinking_token_budget": _refused(
+        "no limit on thinking tokens (the reasoning parser splits the reply only)", None, 16
+    ),
     "stream_interval": _ignored(
         "how many tokens a streamed chunk groups: the text and tokens are the same", None, 4
     ),
@@ -154,7 +156,9 @@ _CHAT_ONLY: dict[str, FieldRule] = {
     "reasoning_effort": _served(
         "given to the chat template, with enable_thinking (false for none) unless the kwargs say"
     ),
-    "include_reasoning": _refused("no reasoning parser yet", True, False),
+    "include_reasoning": _served(
+        "false leaves out the reasoning (and its logprobs and token ids) with --reasoning-parser"
+    ),
     "echo": _served("the last message's text before the reply's, when their roles match"),
     "return_token_ids": _served("the prompt's and each choice's token ids"),
     "return_prompt_text": _served("the prompt as the chat template rendered it"),
