@@ -75,7 +75,7 @@ def test_what_counts_as_vllms_default() -> None:
     assert budget.is_default(None) and not budget.is_default(0)
     priority = vllm_fields.rule("chat", "priority")
     assert priority.is_default(0) and not priority.is_default(-1)
-    # include_reasoning (refused until the reasoning parser) is served: tests/serve/test_reasoning.py
+    # include_reasoning, refused before the reasoning parser, is served (test_reasoning.py)
     assert vllm_fields.rule("chat", "include_reasoning").status == "served"
 
 
