@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pipeline.serve.http.reasoning import REASONING_FORMATS, ReasoningServing
+from tests.builders import with_think_tokens
 
 REPLY = "<think>\nline 3 value\n</think>\n\nthe answer"
 THINKING, ANSWER = "\nline 3 value\n", "\n\nthe answer"
@@ -48,26 +49,19 @@ VLLM_SPLITS = [
     # special markers left out of the text split nothing (vLLM's, on a Hugging Face tokenizer)
     ("mistral", {}, "[THINK]line 3[/THINK]the answer", (None, "line 3the answer")),
 ]
-MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
-SPECIAL = ["<|im_start|>", "<|im_end|>", "[THINK]", "[/THINK]", "[TOOL_CALLS]"]
 
 
 @pytest.fixture(scope="module")
 def think_tokenizer(tiny_tokenizer_dir, tmp_path_factory) -> Path:
     """The tiny tokenizer with Qwen3's markers (`<think>` and `</think>` as plain added tokens,
     as Qwen3 has them) and special tokens, and Qwen3's chat template from trl."""
-    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("tokenizers")
     trl = pytest.importorskip("trl")
     template = Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja"
     if not template.exists():
         pytest.skip("trl ships no Qwen3 chat template")
-    directory = tmp_path_factory.mktemp("think_tok")
-    tok = tokenizers.Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))
-    added = tokenizers.AddedToken
-    tok.add_tokens([added(m, special=False, normalized=False) for m in MARKERS])
-    tok.add_special_tokens([added(m, special=True, normalized=False) for m in SPECIAL])
-    tok.save(str(directory / "tokenizer.json"))
-    config = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
+    directory = with_think_tokens(tiny_tokenizer_dir, tmp_path_factory.mktemp("think_tok"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
     config.update(chat_template=template.read_text(), eos_token="<|im_end|>")
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
