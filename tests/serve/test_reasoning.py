@@ -255,3 +255,26 @@ def test_the_split_equals_vllms_parser_on_the_models_tokens(client, think_tokeni
     ]
     theirs = [tuple(x or None for x in d) if d else (None, None) for d in vllm["stream"]]
     assert ours == theirs
+
+
+def test_the_responses_api_gives_a_reasoning_item(client) -> None:
+    response = client.responses.create(
+        model=client.models.list().data[0].id, input=QUESTION, temperature=0
+    )
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == THINKING
+    assert response.output_text == ANSWER
+    assert response.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(
+        client.responses.create(model=response.model, input=QUESTION, temperature=0, stream=True)
+    )
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thinking, text) == (THINKING, ANSWER)
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message"]
+    cut = client.responses.create(
+        model=response.model, input=QUESTION, temperature=0, max_output_tokens=3
+    )
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3

@@ -10,6 +10,7 @@ Prometheus' /metrics and /health.
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations as objects.
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
@@ -31,12 +32,24 @@ from pipeline.serve.http.openai_api import (
     TokenizeBody,
     completion_prompts,
 )
-from pipeline.serve.http.reasoning import ReasoningServing
+from pipeline.serve.http.reasoning import ReasoningReader, ReasoningServing
 from pipeline.serve.http.responses import ChatWriter, CompletionWriter, respond
+from pipeline.serve.http.responses_api import add_responses_routes
 from pipeline.serve.http.tokenizer_info import tokenizer_info
-from pipeline.serve.http.tool_calls import ToolServing
+from pipeline.serve.http.tool_calls import ToolReply, ToolServing
 from pipeline.serve.http.weight_control import WeightControl
 from pipeline.serve.http.weight_routes import add_weight_routes
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """What a chat body asks of the engine: its prompt's ids and text, how its reply's tool
+    calls are read (None: plain text) and a maker of reasoning readers (None: no parser)."""
+
+    prompt: list[int]
+    text: str
+    tools: ToolReply | None
+    reasoning: Callable[[], ReasoningReader] | None
 
 
 @dataclass
@@ -114,6 +127,24 @@ class ServedModel:
         `lora_name` when given), each one's stream of deltas with its latencies recorded."""
         streams = self.client.submit_group(prompt, params, lora_name)
         return [self.metrics.track(s) for s in streams]
+
+    def chat_request(self, body: ChatBody) -> "ChatRequest":
+        """A checked chat body's prompt (rendered by the chat template with the body's tools and
+        kwargs), how to read its reply's tool calls and a maker of reasoning readers."""
+        tools = self.tools.reply(body)
+        text = self.codec.chat(
+            body.messages,
+            body.add_generation_prompt is not False,
+            continue_final=bool(body.continue_final_message),
+            tools=body.tools,
+            extra=body.template_kwargs(),
+        )
+        prompt = self.truncated(body, self.codec.encode(text, body.special_tokens_wanted))
+        reader = None
+        if self.reasoning is not None:
+            kwargs, reasoning = body.template_kwargs(), self.reasoning
+            reader = lambda: reasoning.reader(kwargs)  # noqa: E731 - one per choice
+        return ChatRequest(prompt, text, tools, reader)
 
     def submitter(self, lora_name: str | None):
         """`submit` for the requests of one body, all with the adapter `lora_name`."""
@@ -199,22 +230,13 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     async def chat_completions(http: HTTPRequest, body: ChatBody):
         lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
-        tools = served.tools.reply(body)
-        continue_final = bool(body.continue_final_message)
-        text = served.codec.chat(
-            body.messages,
-            body.add_generation_prompt is not False,
-            continue_final=continue_final,
-            tools=body.tools,
-            extra=body.template_kwargs(),
+        chat = served.chat_request(body)
+        writer = ChatWriter(
+            body, chat.prompt, served.codec.token_text, chat.tools, chat.text, chat.reasoning
         )
-        prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
-        reader = None
-        if served.reasoning is not None:
-            kwargs = body.template_kwargs()
-            reader = lambda: served.reasoning.reader(kwargs)  # noqa: E731 - one per choice
-        writer = ChatWriter(body, prompt, served.codec.token_text, tools, text, reader)
-        return await answer(http, body, lora, [prompt], writer, "messages", "chatcmpl")
+        return await answer(http, body, lora, [chat.prompt], writer, "messages", "chatcmpl")
+
+    add_responses_routes(app, served, eos_ids)
 
 
 def _add_token_routes(app: FastAPI, served: ServedModel) -> None:
