@@ -45,6 +45,7 @@ IGNORED = {
     "return_token_offsets": "vLLM's render endpoints only",
     "return_mm_kwargs": "vLLM's render endpoints only",
     "stream_interval": "how streamed tokens are grouped, not which",
+    "priority": "vLLM's default first-come-first-served scheduler ignores it too",
 }
 BODY_CLASSES = {"chat": ChatBody, "completion": CompletionBody}
 

@@ -175,6 +175,7 @@ class CompletionWriter:
             job = jobs[k]
             cached[k] = delta.cached_tokens or cached[k]
             text, ids, entries = self._generated(delta.text, delta.token_ids, delta.logprobs)
+            new_ids, first = list(ids), not started[k]
             if not started[k]:
                 started[k] = True
                 echo_text, echo_ids, echo_entries = self._echo(job, delta.prompt_logprobs)
@@ -185,6 +186,9 @@ class CompletionWriter:
             choice = self._choice(
                 self.choice_index(job, job.number), text, logprobs, delta.finish_reason
             )
+            if self.body.return_token_ids:  # vLLM's: the prompt's ids on a choice's first chunk
+                choice["prompt_token_ids"] = self.prompts[job.prompt_index] if first else None
+                choice["token_ids"] = new_ids
             chunk = envelope(ident, model, "text_completion", [choice])
             yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
         if self.body.include_usage:

@@ -95,9 +95,9 @@ _BOTH: dict[str, FieldRule] = {
     "request_id": _served("the response's id carries it, as vLLM's does"),
     "user": _ignored("OpenAI's end-user id, for abuse monitoring: no effect", None, "u"),
     "session_id": _ignored("a routing hint for related requests: no effect", None, "s"),
-    "priority": _refused(
-        "pipe's scheduler is first come first served; vLLM refuses a priority it does not "
-        "schedule by",
+    "priority": _ignored(
+        "pipe's scheduler is first come first served, as vLLM's default one, which accepts and "
+        "ignores it too",
         0,
         5,
     ),
