@@ -197,26 +197,26 @@ class ReplyItems:
             return
         if thinking:
             self._open("reasoning")
-            self._event(
+            self._part(
                 "response.reasoning_text.delta",
-                item_id=self.reasoning_id,
-                output_index=self.index,
-                content_index=0,
+                self.reasoning_id,
                 delta=thinking,
             )
         if content and self.tools is None:
             self._open("message")
-            self._event(
+            self._part(
                 "response.output_text.delta",
-                item_id=self.message_id,
-                output_index=self.index,
-                content_index=0,
+                self.message_id,
                 delta=content,
                 logprobs=[],
             )
 
     def _event(self, kind: str, **fields) -> None:
         self.events.append({"type": kind, **fields})
+
+    def _part(self, kind: str, item_id: str, **fields) -> None:
+        """An event of the first content part of the item being streamed."""
+        self._event(kind, item_id=item_id, output_index=self.index, content_index=0, **fields)
 
     def _open(self, kind: str) -> None:
         if self.opened == kind:
@@ -233,11 +233,9 @@ class ReplyItems:
             part = _output_text("")
             item_id = self.message_id
         self._event("response.output_item.added", output_index=self.index, item=item)
-        self._event(
+        self._part(
             "response.content_part.added",
-            item_id=item_id,
-            output_index=self.index,
-            content_index=0,
+            item_id,
             part=part,
         )
 
@@ -246,22 +244,18 @@ class ReplyItems:
         if self.opened == "reasoning":
             item = self._reasoning_item()
             part = item["content"][0]
-            self._event(
+            self._part(
                 "response.reasoning_text.done",
-                item_id=self.reasoning_id,
-                output_index=self.index,
-                content_index=0,
+                self.reasoning_id,
                 text=part["text"],
             )
             self._done_part(self.reasoning_id, part, item)
         elif self.opened == "message":
             item = _message_item(self.message_id, self.content, "completed")
             part = item["content"][0]
-            self._event(
+            self._part(
                 "response.output_text.done",
-                item_id=self.message_id,
-                output_index=self.index,
-                content_index=0,
+                self.message_id,
                 text=self.content,
                 logprobs=[],
             )
@@ -271,11 +265,9 @@ class ReplyItems:
         self.opened = None
 
     def _done_part(self, item_id: str, part: dict, item: dict) -> None:
-        self._event(
+        self._part(
             "response.content_part.done",
-            item_id=item_id,
-            output_index=self.index,
-            content_index=0,
+            item_id,
             part=part,
         )
         self._event("response.output_item.done", output_index=self.index, item=item)
@@ -329,34 +321,26 @@ class ReplyItems:
                     )
             elif item["type"] == "message" and item["content"]:
                 part = item["content"][0]
-                self._event(
+                self._part(
                     "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
+                    item["id"],
                     part=_output_text(""),
                 )
-                self._event(
+                self._part(
                     "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
+                    item["id"],
                     delta=part["text"],
                     logprobs=[],
                 )
-                self._event(
+                self._part(
                     "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
+                    item["id"],
                     text=part["text"],
                     logprobs=[],
                 )
-                self._event(
+                self._part(
                     "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=self.index,
-                    content_index=0,
+                    item["id"],
                     part=part,
                 )
             self._event("response.output_item.done", output_index=self.index, item=item)
