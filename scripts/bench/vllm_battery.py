@@ -84,6 +84,10 @@ BATTERY: list[tuple[str, tuple[str, dict]]] = [
     ("completion suffix", _completion(suffix="end")),
     ("completion too long", _completion(max_tokens=100000)),
     ("completion beam search", _completion(use_beam_search=True, n=2)),
+    (
+        "completion beam search with penalty",
+        _completion(use_beam_search=True, n=3, length_penalty=2.0, max_tokens=6),
+    ),
     ("completion stream", _completion(stream=True)),
     ("chat", _chat()),
     ("chat system", _chat(messages=[{"role": "system", "content": "abc"}, *ASK])),
@@ -120,6 +124,7 @@ BATTERY: list[tuple[str, tuple[str, dict]]] = [
     ("chat request chat_template", _chat(chat_template="{{ messages[0]['content'] }}")),
     ("chat skip_special_tokens false", _chat(skip_special_tokens=False)),
     ("chat n 2", _chat(n=2)),
+    ("chat beam search", _chat(use_beam_search=True, n=3, length_penalty=0.5)),
     ("chat too long", _chat(max_tokens=100000)),
     ("chat priority", _chat(priority=1)),
     ("chat stream", _chat(stream=True)),

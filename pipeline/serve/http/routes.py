@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse, Response
 
 from pipeline import __version__
 from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.http.beam_search import beam_search
 from pipeline.serve.http.codec import Codec
 from pipeline.serve.http.engine_client import EngineClient
-from pipeline.serve.http.jobs import plan_jobs, submit_jobs
+from pipeline.serve.http.jobs import Generation, plan_jobs, submit_jobs
 from pipeline.serve.http.lora_routes import ServedAdapters, add_lora_routes
 from pipeline.serve.http.metrics import ServeMetrics
 from pipeline.serve.http.openai_api import (
@@ -202,6 +203,12 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         """Plan the body's jobs on `prompts`, submit them (a 400 names `param` where a prompt
         is refused) and answer through `writer`, whole or streamed, under an id of `prefix`."""
         jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
+        if body.use_beam_search:
+            generations = await beam_generations(body, lora, prompts, jobs)
+            answer = writer.whole(
+                served.response_id(body, prefix), lora or served.name, generations
+            )
+            return {**answer, "system_fingerprint": served.weights.fingerprint}
         streams = submit_jobs(served.submitter(lora), jobs, param)
         return await respond(
             writer,
@@ -213,6 +220,34 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             http.is_disconnected,
             served.weights.fingerprint,
         )
+
+    async def beam_generations(body, lora, prompts, jobs) -> list[Generation]:
+        """Each prompt's n beams (`pipeline.serve.http.beam_search`) as its jobs' generations."""
+        for name, wrong in (("stream", body.stream), ("logprobs", body.logprobs)):
+            if wrong:
+                raise APIError(f"{name} is not served with use_beam_search", param=name)
+        generations = []
+        for index, prompt in enumerate(prompts):
+            mine = [job for job in jobs if job.prompt_index == index]
+            beams = await beam_search(
+                served.submitter(lora),
+                prompt,
+                len(mine),
+                mine[0].params.max_new_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                eos_ids=eos_ids,
+                ignore_eos=bool(body.ignore_eos),
+                length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+                include_eos=bool(body.include_stop_str_in_output),
+            )
+            skip = body.skip_special_tokens is not False
+            for job, beam in zip(mine, beams):
+                shown = [t for t in beam.generated if t not in eos_ids or not skip]
+                generation = Generation(job, list(beam.generated), finish_reason=beam.finish_reason)
+                generation.text = served.codec.tokenizer.decode(shown, skip_special_tokens=skip)
+                generation.completion_tokens = len(beam.generated)
+                generations.append(generation)
+        return generations
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
