@@ -689,3 +689,26 @@ def train_briefly(config, tokens, steps: int = 150):
         optimizer.step()
         optimizer.zero_grad()
     return model.eval()
+
+
+THINK_MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+THINK_SPECIAL = ["<|im_start|>", "<|im_end|>", "[THINK]", "[/THINK]", "[TOOL_CALLS]"]
+
+
+def with_think_tokens(tokenizer_dir: Path, directory: Path) -> Path:
+    """A copy of the Hugging Face tokenizer in `tokenizer_dir` with Qwen3's reasoning and tool
+    markers as plain added tokens (as Qwen3 has them) and ChatML's and Mistral's special tokens,
+    in `directory` (the reasoning parsers' tests)."""
+    import json
+
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    added = tokenizers.AddedToken
+    tok.add_tokens([added(m, special=False, normalized=False) for m in THINK_MARKERS])
+    tok.add_special_tokens([added(m, special=True, normalized=False) for m in THINK_SPECIAL])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory

@@ -28,6 +28,8 @@ from pipeline.serve.http.lora_options import adapter_settings, lora_options
 DTYPES = ("auto", "fp32", "bf16")
 # pipeline.serve.http.tool_parsers' formats
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")
+# pipeline.serve.http.reasoning's formats
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "mistral")
 
 
 def model_options(command):
@@ -348,6 +350,14 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
     is_flag=True,
     help='Serve tool_choice "auto" (the default when a request has tools): the reply is read '
     "for calls by --tool-call-parser.",
+)
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(REASONING_PARSERS),
+    default=None,
+    help="How the model marks its thinking (vLLM's names): qwen3, deepseek_r1, glm45 "
+    "(<think>...</think>), mistral ([THINK]...[/THINK]). The reply's `reasoning` and "
+    "`reasoning_content` hold it apart from `content`.",
 )
 @click.option(
     "--access-log/--no-access-log",

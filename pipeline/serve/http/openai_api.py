@@ -107,6 +107,8 @@ class _Body(LenientModel):
     truncation_side: Literal["left", "right"] | None = None
     add_special_tokens: bool | None = None  # None: the body's default (special_tokens_wanted)
     request_id: str | None = None
+    use_beam_search: bool | None = False  # pipeline.serve.http.beam_search, n beams
+    length_penalty: float | None = 1.0  # beam search's ranking: logprob / length ** this
     return_token_ids: bool | None = False  # each choice's prompt and generated ids
     return_tokens_as_token_ids: bool | None = False  # logprobs name tokens `token_id:N`
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -394,6 +396,7 @@ class ChatBody(_Body, ToolFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         None
     )
+    include_reasoning: bool | None = True  # the reply's reasoning shown (with a parser)
     echo: bool | None = False  # the last message's text before the reply (same role)
     return_prompt_text: bool | None = False  # the rendered prompt in the answer
 

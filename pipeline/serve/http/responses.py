@@ -30,6 +30,7 @@ from pipeline.serve.http.openai_api import (
     prompt_logprobs_list,
     usage,
 )
+from pipeline.serve.http.reasoning import ReasoningReader
 from pipeline.serve.http.tool_calls import ToolReply
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ class CompletionWriter:
             job = jobs[k]
             cached[k] = delta.cached_tokens or cached[k]
             text, ids, entries = self._generated(delta.text, delta.token_ids, delta.logprobs)
+            new_ids, first = list(ids), not started[k]
             if not started[k]:
                 started[k] = True
                 echo_text, echo_ids, echo_entries = self._echo(job, delta.prompt_logprobs)
@@ -184,6 +186,9 @@ class CompletionWriter:
             choice = self._choice(
                 self.choice_index(job, job.number), text, logprobs, delta.finish_reason
             )
+            if self.body.return_token_ids:  # vLLM's: the prompt's ids on a choice's first chunk
+                choice["prompt_token_ids"] = self.prompts[job.prompt_index] if first else None
+                choice["token_ids"] = new_ids
             chunk = envelope(ident, model, "text_completion", [choice])
             yield with_usage(chunk, self.body, len(self.prompts[job.prompt_index]), generated[k])
         if self.body.include_usage:
@@ -204,13 +209,17 @@ class ChatWriter:
         token_text: Callable,
         tools: ToolReply | None = None,
         prompt_text: str = "",
+        reasoning: Callable[[], ReasoningReader] | None = None,
     ) -> None:
         """`prompt`: the prompt's token ids (`prompt_text`: as the template rendered it);
-        `tools`: how to read the reply into tool calls (None: plain text)."""
+        `tools`: how to read the reply into tool calls (None: plain text); `reasoning`: a new
+        reader of a reply's thinking per choice (None: no reasoning parser)."""
         self.body, self.prompt, self.prompt_text = body, prompt, prompt_text
         self.token_text = logprob_token_text(body, token_text)
         self.prompt_tokens = len(prompt)
-        self.tools = tools
+        self.tools, self.reasoning = tools, reasoning
+        # reasoning hidden (`include_reasoning: false`): its tokens' logprobs and ids too
+        self.hide = reasoning is not None and body.include_reasoning is False
         # vLLM's: the reply's role is the last message's when no generation prompt opens an
         # assistant turn, and `echo` writes that message's text before the reply's
         last = body.messages[-1]
@@ -220,17 +229,24 @@ class ChatWriter:
             self.echoed = message_text(last.content, len(body.messages) - 1)
 
     def _message(self, g: Generation) -> tuple[dict, str | None]:
+        text, thinking = g.text, None
+        if self.reasoning is not None:
+            thinking, text = self.reasoning().whole(g.text, g.token_ids)
+            text = text or None  # vLLM's: no content after the thinking is null
         if self.tools is None:
-            message, finish = {"role": self.role, "content": g.text}, g.finish_reason
+            message, finish = {"role": self.role, "content": text}, g.finish_reason
         else:
-            message, finish = self.tools.message(g.text, g.finish_reason)
+            message, finish = self.tools.message(text or "", g.finish_reason)
             message["role"] = self.role
+        if self.reasoning is not None:
+            shown = None if self.hide else thinking
+            message["reasoning"] = message["reasoning_content"] = shown
         if self.echoed:
             message["content"] = self.echoed + (message.get("content") or "")
         return message, finish
 
     def _logprobs(self, ids: list[int], entries: list) -> dict | None:
-        if not self.body.logprobs:
+        if not self.body.logprobs or self.hide:
             return None
         return chat_logprobs(ids, entries, self.body.top_logprobs or 0, self.token_text)
 
@@ -289,15 +305,23 @@ class ChatWriter:
             yield with_usage(envelope(ident, model, kind, [echo]), self.body, self.prompt_tokens, 0)
         generated, cached = [0] * len(jobs), [0] * len(jobs)
         tool_streams = [self.tools.stream() for _ in jobs] if self.tools else None
+        readers = [self.reasoning() for _ in jobs] if self.reasoning else None
         async for k, delta in merged_deltas(streams):
             generated[k] = delta.completion_tokens
             cached[k] = delta.cached_tokens or cached[k]
             finish_reason = delta.finish_reason
+            text, thinking = delta.text, ""
+            if readers is not None:
+                thinking, text = readers[k].push(delta.text, delta.token_ids)
+                thinking = "" if self.hide else thinking
             if tool_streams is None:
-                content = {"content": delta.text} if delta.text or not finish_reason else {}
+                content = {"content": text} if text or not (finish_reason or readers) else {}
             else:
-                content, finish_reason = tool_streams[k].delta(delta.text, finish_reason)
-                quiet = not (self.body.logprobs or self.body.return_token_ids)
+                content, finish_reason = tool_streams[k].delta(text, finish_reason)
+            if thinking:
+                content = {"reasoning": thinking, "reasoning_content": thinking, **content}
+            if tool_streams is not None or readers is not None:
+                quiet = not (self.body.logprobs or self.body.return_token_ids) or self.hide
                 if not content and finish_reason is None and quiet:
                     continue
             choice = {
@@ -306,7 +330,7 @@ class ChatWriter:
                 "logprobs": self._logprobs(delta.token_ids, delta.logprobs),
                 "finish_reason": finish_reason,
             }
-            if self.body.return_token_ids:
+            if self.body.return_token_ids and not self.hide:
                 choice["token_ids"] = list(delta.token_ids)
             chunk = envelope(ident, model, kind, [choice])
             yield with_usage(chunk, self.body, self.prompt_tokens, generated[k])

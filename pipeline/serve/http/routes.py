@@ -10,6 +10,7 @@ Prometheus' /metrics and /health.
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations as objects.
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
@@ -18,9 +19,10 @@ from fastapi.responses import JSONResponse, Response
 
 from pipeline import __version__
 from pipeline.serve.engine.sampling import SamplingParams
+from pipeline.serve.http.beam_search import beam_search
 from pipeline.serve.http.codec import Codec
 from pipeline.serve.http.engine_client import EngineClient
-from pipeline.serve.http.jobs import plan_jobs, submit_jobs
+from pipeline.serve.http.jobs import Generation, plan_jobs, submit_jobs
 from pipeline.serve.http.lora_routes import ServedAdapters, add_lora_routes
 from pipeline.serve.http.metrics import ServeMetrics
 from pipeline.serve.http.openai_api import (
@@ -31,11 +33,24 @@ from pipeline.serve.http.openai_api import (
     TokenizeBody,
     completion_prompts,
 )
+from pipeline.serve.http.reasoning import ReasoningReader, ReasoningServing
 from pipeline.serve.http.responses import ChatWriter, CompletionWriter, respond
+from pipeline.serve.http.responses_api import add_responses_routes
 from pipeline.serve.http.tokenizer_info import tokenizer_info
-from pipeline.serve.http.tool_calls import ToolServing
+from pipeline.serve.http.tool_calls import ToolReply, ToolServing
 from pipeline.serve.http.weight_control import WeightControl
 from pipeline.serve.http.weight_routes import add_weight_routes
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """What a chat body asks of the engine: its prompt's ids and text, how its reply's tool
+    calls are read (None: plain text) and a maker of reasoning readers (None: no parser)."""
+
+    prompt: list[int]
+    text: str
+    tools: ToolReply | None
+    reasoning: Callable[[], ReasoningReader] | None
 
 
 @dataclass
@@ -49,6 +64,7 @@ class ServedModel:
     codec: Codec
     metrics: ServeMetrics
     tools: ToolServing = field(default_factory=ToolServing)
+    reasoning: ReasoningServing | None = None  # --reasoning-parser
     started: int = field(default_factory=lambda: int(time.time()))
     _ids: itertools.count = field(default_factory=itertools.count, init=False, repr=False)
     weights: WeightControl = field(init=False, repr=False)
@@ -59,14 +75,24 @@ class ServedModel:
         self.adapters = ServedAdapters(self.client)
 
     @classmethod
-    def of(cls, client: EngineClient, name: str, tools: ToolServing | None = None) -> "ServedModel":
-        """The model behind a started `client`, served as `name` (with `tools` options)."""
+    def of(
+        cls,
+        client: EngineClient,
+        name: str,
+        tools: ToolServing | None = None,
+        reasoning_parser: str | None = None,
+    ) -> "ServedModel":
+        """The model behind a started `client`, served as `name` (with `tools` options and the
+        reasoning parser of that name); ValueError for a parser the tokenizer cannot serve."""
         ready = client.ready
         codec = Codec(
             client.tokenizer, client.chat_template, ready.vocab_size, ready.tokenizer_path
         )
         metrics = ServeMetrics(name, lambda: client.load)
-        return cls(client, name, codec, metrics, tools or ToolServing())
+        reasoning = None
+        if reasoning_parser is not None:
+            reasoning = ReasoningServing.of(reasoning_parser, codec.encode)
+        return cls(client, name, codec, metrics, tools or ToolServing(), reasoning)
 
     @property
     def token_budget(self) -> int:
@@ -102,6 +128,24 @@ class ServedModel:
         `lora_name` when given), each one's stream of deltas with its latencies recorded."""
         streams = self.client.submit_group(prompt, params, lora_name)
         return [self.metrics.track(s) for s in streams]
+
+    def chat_request(self, body: ChatBody) -> "ChatRequest":
+        """A checked chat body's prompt (rendered by the chat template with the body's tools and
+        kwargs), how to read its reply's tool calls and a maker of reasoning readers."""
+        tools = self.tools.reply(body)
+        text = self.codec.chat(
+            body.messages,
+            body.add_generation_prompt is not False,
+            continue_final=bool(body.continue_final_message),
+            tools=body.tools,
+            extra=body.template_kwargs(),
+        )
+        prompt = self.truncated(body, self.codec.encode(text, body.special_tokens_wanted))
+        reader = None
+        if self.reasoning is not None:
+            kwargs, reasoning = body.template_kwargs(), self.reasoning
+            reader = lambda: reasoning.reader(kwargs)  # noqa: E731 - one per choice
+        return ChatRequest(prompt, text, tools, reader)
 
     def submitter(self, lora_name: str | None):
         """`submit` for the requests of one body, all with the adapter `lora_name`."""
@@ -159,6 +203,12 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         """Plan the body's jobs on `prompts`, submit them (a 400 names `param` where a prompt
         is refused) and answer through `writer`, whole or streamed, under an id of `prefix`."""
         jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
+        if body.use_beam_search:
+            generations = await beam_generations(body, lora, prompts, jobs)
+            answer = writer.whole(
+                served.response_id(body, prefix), lora or served.name, generations
+            )
+            return {**answer, "system_fingerprint": served.weights.fingerprint}
         streams = submit_jobs(served.submitter(lora), jobs, param)
         return await respond(
             writer,
@@ -170,6 +220,34 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             http.is_disconnected,
             served.weights.fingerprint,
         )
+
+    async def beam_generations(body, lora, prompts, jobs) -> list[Generation]:
+        """Each prompt's n beams (`pipeline.serve.http.beam_search`) as its jobs' generations."""
+        for name, wrong in (("stream", body.stream), ("logprobs", body.logprobs)):
+            if wrong:
+                raise APIError(f"{name} is not served with use_beam_search", param=name)
+        generations = []
+        for index, prompt in enumerate(prompts):
+            mine = [job for job in jobs if job.prompt_index == index]
+            beams = await beam_search(
+                served.submitter(lora),
+                prompt,
+                len(mine),
+                mine[0].params.max_new_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                eos_ids=eos_ids,
+                ignore_eos=bool(body.ignore_eos),
+                length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+                include_eos=bool(body.include_stop_str_in_output),
+            )
+            skip = body.skip_special_tokens is not False
+            for job, beam in zip(mine, beams):
+                shown = [t for t in beam.generated if t not in eos_ids or not skip]
+                generation = Generation(job, list(beam.generated), finish_reason=beam.finish_reason)
+                generation.text = served.codec.tokenizer.decode(shown, skip_special_tokens=skip)
+                generation.completion_tokens = len(beam.generated)
+                generations.append(generation)
+        return generations
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
@@ -187,18 +265,13 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
     async def chat_completions(http: HTTPRequest, body: ChatBody):
         lora = served.check_model(body.model)
         body.check(served.codec.vocab_size)
-        tools = served.tools.reply(body)
-        continue_final = bool(body.continue_final_message)
-        text = served.codec.chat(
-            body.messages,
-            body.add_generation_prompt is not False,
-            continue_final=continue_final,
-            tools=body.tools,
-            extra=body.template_kwargs(),
+        chat = served.chat_request(body)
+        writer = ChatWriter(
+            body, chat.prompt, served.codec.token_text, chat.tools, chat.text, chat.reasoning
         )
-        prompt = served.truncated(body, served.codec.encode(text, body.special_tokens_wanted))
-        writer = ChatWriter(body, prompt, served.codec.token_text, tools, text)
-        return await answer(http, body, lora, [prompt], writer, "messages", "chatcmpl")
+        return await answer(http, body, lora, [chat.prompt], writer, "messages", "chatcmpl")
+
+    add_responses_routes(app, served, eos_ids)
 
 
 def _add_token_routes(app: FastAPI, served: ServedModel) -> None:

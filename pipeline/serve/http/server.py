@@ -32,12 +32,19 @@ from pipeline.serve.engine.process import EngineSpec
 from pipeline.serve.http.engine_client import EngineClient
 
 
-def create_app(client: EngineClient, model_name: str, tools=None, runtime_lora: bool = False):
+def create_app(
+    client: EngineClient,
+    model_name: str,
+    tools=None,
+    runtime_lora: bool = False,
+    reasoning_parser: str | None = None,
+):
     """The FastAPI application serving the engine behind `client` (module docstring): the engine
     client delivers on the server's event loop while it runs and is stopped when it ends.
     `tools`: the `ToolServing` options (tool-call parser), None for none. The engine's adapters
     are served by name (`pipeline.serve.http.lora_routes`), loaded and unloaded while serving when
-    `runtime_lora`."""
+    `runtime_lora`. `reasoning_parser`: vLLM's name of the model's thinking format
+    (`pipeline.serve.http.reasoning`), None for none."""
     from fastapi import FastAPI
 
     from pipeline.serve.http.http_errors import add_error_handlers
@@ -52,7 +59,7 @@ def create_app(client: EngineClient, model_name: str, tools=None, runtime_lora: 
     app = FastAPI(lifespan=lifespan)
     app.state.engine_client = client
     add_error_handlers(app)
-    served = ServedModel.of(client, model_name, tools)
+    served = ServedModel.of(client, model_name, tools, reasoning_parser)
     served.adapters.paths.update(dict(client.spec.lora_modules))
     served.adapters.runtime_updates = runtime_lora
     add_routes(app, served)
@@ -69,6 +76,7 @@ def run_server(
     tools=None,
     access_log: bool = False,
     runtime_lora: bool = False,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Take the address, load the model in the engine process, then serve until SIGTERM /
     Ctrl-C, drain the requests in flight and return. `LoadError` if the model cannot be
@@ -81,8 +89,13 @@ def run_server(
         client = EngineClient(spec, max_waiting)
         ready = client.start()
         name = model_name or ready.name
+        try:
+            app = create_app(client, name, tools, runtime_lora, reasoning_parser)
+        except ValueError:
+            client.stop()  # a parser the tokenizer cannot serve: the engine process goes too
+            raise
         config = uvicorn.Config(
-            create_app(client, name, tools, runtime_lora),
+            app,
             log_level="warning",
             access_log=access_log,
         )

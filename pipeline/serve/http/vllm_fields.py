@@ -95,14 +95,14 @@ _BOTH: dict[str, FieldRule] = {
     "request_id": _served("the response's id carries it, as vLLM's does"),
     "user": _ignored("OpenAI's end-user id, for abuse monitoring: no effect", None, "u"),
     "session_id": _ignored("a routing hint for related requests: no effect", None, "s"),
-    "priority": _refused(
-        "pipe's scheduler is first come first served; vLLM refuses a priority it does not "
-        "schedule by",
+    "priority": _ignored(
+        "pipe's scheduler is first come first served, as vLLM's default one, which accepts and "
+        "ignores it too",
         0,
         5,
     ),
-    "use_beam_search": _refused("beam search is not implemented", False, True),
-    "length_penalty": _ignored("read by beam search only, which is refused", 1.0, 2.0),
+    "use_beam_search": _served("n beams searched as vLLM's server does (not streamed)"),
+    "length_penalty": _served("beam search's ranking: summed logprob / length ** penalty"),
     "watermarking": _refused("no watermarking logits processor", None, True),
     "prompt_logprobs": _served("each prompt token's logprob, rank and alternatives (unstreamed)"),
     "logprob_token_ids": _refused("logprobs of chosen ids are not served", None, [1]),
@@ -123,7 +123,9 @@ _BOTH: dict[str, FieldRule] = {
     "repetition_detection": _refused(
         "no n-gram repetition detector to end generation early", None, {"max_pattern_size": 4}
     ),
-    "thinking_token_budget": _refused("no reasoning parser to count thinking", None, 16),
+    "thinking_token_budget": _refused(
+        "no limit on thinking tokens (the reasoning parser splits the reply only)", None, 16
+    ),
     "stream_interval": _ignored(
         "how many tokens a streamed chunk groups: the text and tokens are the same", None, 4
     ),
@@ -154,7 +156,9 @@ _CHAT_ONLY: dict[str, FieldRule] = {
     "reasoning_effort": _served(
         "given to the chat template, with enable_thinking (false for none) unless the kwargs say"
     ),
-    "include_reasoning": _refused("no reasoning parser yet", True, False),
+    "include_reasoning": _served(
+        "false leaves out the reasoning (and its logprobs and token ids) with --reasoning-parser"
+    ),
     "echo": _served("the last message's text before the reply's, when their roles match"),
     "return_token_ids": _served("the prompt's and each choice's token ids"),
     "return_prompt_text": _served("the prompt as the chat template rendered it"),

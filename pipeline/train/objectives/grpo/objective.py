@@ -101,8 +101,10 @@ class GRPO(Objective):
         else:
             self.rollout = RolloutModel(run.model, self.cfg, run.device)
         records = run.datasets[0].records
-        self.rewards = build_rewards(self.section, any("answer" in r.fields for r in records))
         self.text = load_tokenizer(self.cfg.data.tokenizer)
+        self.rewards = build_rewards(
+            self.section, any("answer" in r.fields for r in records), self.text.encode_batch
+        )
         template = load_chat_template(self.cfg.data.tokenizer)
         self.stop_ids = frozenset({self.text.eod} - {None} | eos_token_ids(template, self.text))
         if self.options.beta:

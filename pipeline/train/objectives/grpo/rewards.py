@@ -16,6 +16,12 @@ prompt given as messages, `[{"role": "assistant", "content": text}]`), and each 
 the prompts' lines as a list. It returns one float per completion, or None for one it cannot
 score (NaN here). A function that raises or returns something else is a `RewardError` naming
 the prompt's file:line. The weighted sum of the rewards is the objective's to take.
+
+A thinking policy (`grpo.reasoning_parser`, vLLM's names as in `pipe serve --reasoning-parser`)
+has each completion split as the server splits a reply: the rewards score the content without
+the reasoning (a built-in accuracy does not read a number from the thinking), a user's function
+with a `reasoning` parameter (or `**kwargs`) also gets each completion's reasoning (None where
+there is none), and the rewards named in `grpo.reasoning_rewards` see the whole completion.
 """
 
 from __future__ import annotations
@@ -128,6 +134,7 @@ class Completions:
     records: Sequence[PromptRecord]
     texts: Sequence[str]
     tokens: Sequence[Sequence[int]]
+    reasoning: Sequence[str | None] | None = None  # with grpo.reasoning_parser: each one's
 
 
 Reward = Callable[[Completions], list]
@@ -141,6 +148,8 @@ class RewardSet:
     names: list[str]
     weights: list[float]
     funcs: list[Reward]
+    reasoning: Any = None  # grpo.reasoning_parser's ReasoningServing (None: no split)
+    whole_rewards: frozenset[str] = frozenset()  # grpo.reasoning_rewards
 
     def score(
         self,
@@ -155,18 +164,32 @@ class RewardSet:
                 f"{len(records)} prompts, {len(completions)} completions and "
                 f"{len(completion_tokens)} token lists: one each per completion"
             )
-        batch = Completions(records, completions, completion_tokens)
+        whole = Completions(records, completions, completion_tokens)
+        batch = whole
+        if self.reasoning is not None:
+            splits = [
+                self.reasoning.reader(None).whole(text, list(ids))
+                for text, ids in zip(completions, completion_tokens)
+            ]
+            content = [c for _, c in splits]
+            batch = Completions(records, content, completion_tokens, [r for r, _ in splits])
         out = np.empty((len(records), len(self.funcs)), dtype=np.float64)
         for column, (name, func) in enumerate(zip(self.names, self.funcs)):
-            out[:, column] = _checked(name, func(batch), records)
+            seen = whole if name in self.whole_rewards else batch
+            out[:, column] = _checked(name, func(seen), records)
         return out
 
 
-def build_rewards(section: GRPOSection, has_answers: bool) -> RewardSet:
+def build_rewards(
+    section: GRPOSection,
+    has_answers: bool,
+    encode_batch: Callable[[list[str]], list[list[int]]] | None = None,
+) -> RewardSet:
     """The rewards `section` names (none named: accuracy when the prompts have an `answer`),
     with their weights; a ConfigError (one line naming the field) for an unknown name, a user
     function that cannot be imported, a bad format pattern or weights that do not fit.
-    `has_answers`: whether the prompts carry an `answer` field."""
+    `has_answers`: whether the prompts carry an `answer` field; `encode_batch`: the tokenizer's,
+    which `grpo.reasoning_parser` finds its markers with."""
     names = list(section.reward_funcs)
     if not names:
         if not has_answers:
@@ -183,7 +206,30 @@ def build_rewards(section: GRPOSection, has_answers: bool) -> RewardSet:
             "grpo.reward_funcs: accuracy compares with the prompts' 'answer' field, "
             "and the prompts have none"
         )
-    return RewardSet(names, _weights(section, names), [_reward(section, n) for n in names])
+    rewards = RewardSet(names, _weights(section, names), [_reward(section, n) for n in names])
+    rewards.reasoning = _reasoning(section, names, encode_batch)
+    rewards.whole_rewards = frozenset(section.reasoning_rewards)
+    return rewards
+
+
+def _reasoning(section: GRPOSection, names: list[str], encode_batch) -> Any:
+    """grpo.reasoning_parser's splitter (None when unset); a ConfigError naming the field."""
+    unknown = [n for n in section.reasoning_rewards if n not in names]
+    if unknown:
+        raise ConfigError(f"grpo.reasoning_rewards names {unknown[0]!r}, not in reward_funcs")
+    if not section.reasoning_parser:
+        if section.reasoning_rewards:
+            raise ConfigError("grpo.reasoning_rewards needs grpo.reasoning_parser")
+        return None
+    if encode_batch is None:
+        raise ConfigError("grpo.reasoning_parser needs the data's tokenizer")
+    from pipeline.serve.http.reasoning import ReasoningServing
+
+    try:
+        return ReasoningServing.of(section.reasoning_parser, lambda text: encode_batch([text])[0])
+    except ValueError as e:
+        message = str(e).replace("--reasoning-parser ", "")
+        raise ConfigError(f"grpo.reasoning_parser: {message}") from None
 
 
 def _weights(section: GRPOSection, names: list[str]) -> list[float]:
@@ -307,6 +353,8 @@ def _user_reward(name: str, func: Callable) -> Reward:
         keys = list(dict.fromkeys(k for r in batch.records for k in r.fields))
         fields = {k: [r.fields.get(k) for r in batch.records] for k in keys}
         ids = [list(t) for t in batch.tokens]
+        if batch.reasoning is not None and _takes(func, "reasoning"):
+            fields["reasoning"] = list(batch.reasoning)
         try:
             return func(prompts=prompts, completions=completions, completion_ids=ids, **fields)
         except Exception as e:  # noqa: BLE001 - a user's function's own failure, named as such
@@ -317,6 +365,17 @@ def _user_reward(name: str, func: Callable) -> Reward:
             ) from None
 
     return user_reward
+
+
+def _takes(func: Callable, name: str) -> bool:
+    """Whether `func` has a parameter `name` (a `**kwargs` takes it too)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _first_source(records: Sequence[PromptRecord]) -> str:
