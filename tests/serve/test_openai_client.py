@@ -306,12 +306,17 @@ def test_best_of_keeps_the_most_likely(client) -> None:
 
 def test_prompt_lists_and_token_ids(client, tokenizer) -> None:
     prompts = [PROMPT, "line 9: value"]
+    with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy"):
+        client.completions.create(
+            model="tiny_hf0", prompt=prompts, max_tokens=3, temperature=0, n=2
+        )
+    # top_k 1 samples greedily without being greedy sampling, which vLLM allows n > 1 of
     answer = client.completions.create(
-        model="tiny_hf0", prompt=prompts, max_tokens=3, temperature=0, n=2
+        model="tiny_hf0", prompt=prompts, max_tokens=3, n=2, extra_body={"top_k": 1}
     )
     assert [c.index for c in answer.choices] == [0, 1, 2, 3]
     texts = [c.text for c in answer.choices]
-    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # top_k 1: the most likely token
     ids = [encode(tokenizer, p) for p in prompts]
     assert answer.usage.prompt_tokens == sum(map(len, ids))
     by_ids = client.completions.create(model="tiny_hf0", prompt=ids, max_tokens=3, temperature=0)
@@ -329,8 +334,8 @@ def test_streamed_completions_match_whole_ones(client) -> None:
         "model": "tiny_hf0",
         "prompt": [PROMPT, "x"],
         "max_tokens": 5,
-        "temperature": 0,
-        "n": 2,
+        "n": 2,  # top_k 1: the most likely token, without vLLM's refusal of greedy n > 1
+        "extra_body": {"top_k": 1},
         "logprobs": 1,
     }
     whole = client.completions.create(**fields)
@@ -401,8 +406,8 @@ def test_chat_n_and_logprobs(client) -> None:
         model="tiny_hf0",
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=3,
-        temperature=0,
         n=2,
+        extra_body={"top_k": 1},  # the most likely token; vLLM refuses greedy n > 1
         logprobs=True,
         top_logprobs=2,
     )
@@ -432,8 +437,8 @@ def test_streamed_chat_deltas(client) -> None:
         "model": "tiny_hf0",
         "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 4,
-        "temperature": 0,
         "n": 2,
+        "extra_body": {"top_k": 1},  # the most likely token; vLLM refuses greedy n > 1
     }
     whole = client.chat.completions.create(**fields)
     usage = {"include_usage": True}
@@ -519,7 +524,9 @@ def test_metrics_move_with_requests(server, client) -> None:
     before = metrics(server)
     assert before[f"pipe:num_requests_running{{{model}}}"] >= 0
     assert f"pipe:num_requests_waiting{{{model}}}" in before
-    client.completions.create(model="tiny_hf0", prompt=PROMPT, max_tokens=5, temperature=0, n=2)
+    client.completions.create(
+        model="tiny_hf0", prompt=PROMPT, max_tokens=5, n=2, extra_body={"top_k": 1}
+    )
     after = metrics(server)
 
     def moved(name: str) -> float:

@@ -39,6 +39,8 @@ ERROR_TYPES = {
 }
 # JSON has no -inf: a token the model rules out reports this, as vLLM does
 LOWEST_LOGPROB = -9999.0
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
+_GREEDY_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
@@ -147,6 +149,13 @@ class _Body(LenientModel):
                 raise APIError("allowed_token_ids is empty", param="allowed_token_ids")
             for token in self.allowed_token_ids:
                 _token_id(token, vocab_size, "allowed_token_ids")
+        greedy = self.temperature is not None and self.temperature < _GREEDY_TEMPERATURE
+        if greedy and self.choices_per_prompt > 1 and not self.use_beam_search:
+            # vLLM refuses it too: n greedy choices would be n copies of one
+            raise APIError(
+                f"n must be 1 when using greedy sampling, got {self.choices_per_prompt}",
+                param="n",
+            )
         asked = self.requested_tokens()
         if self.min_tokens and asked is not None and self.min_tokens > asked:
             raise APIError(
