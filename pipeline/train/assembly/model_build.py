@@ -45,6 +45,9 @@ __all__ = [
 
 log = logging.getLogger("pipeline.train")
 
+_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""`training.dtype` as the attention-backend cache names its shapes' dtypes."""
+
 
 @dataclass
 class BuiltModel:
@@ -89,7 +92,7 @@ def attention_choice(cfg: TrainConfig, layout: ParallelDims, device: torch.devic
             heads=config.num_attention_heads // layout.tp,
             kv_heads=max(1, config.num_kv_heads // layout.tp),
             head_dim=config.head_dim,
-            dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
+            dtype=_TORCH_DTYPE_NAMES[cfg.training.dtype],
             document_masking=document_masking,
         )
     name = cfg.training.attention_backend
@@ -158,6 +161,11 @@ def build_model(
     model.train()
     if device.type == "cpu" and cfg.training.dtype == "bf16" and layout.rank == 0:
         log.warning("training.dtype = bf16 on a CPU: real bf16 compute, slower than fp32 here")
+    if device.type == "cpu" and cfg.training.dtype == "fp16" and layout.rank == 0:
+        log.warning(
+            "training.dtype = fp16 on a CPU: fp16 autocast with emulated fp16 GEMMs "
+            "(fp16-rounded inputs and outputs, fp32 products); slower than fp32 here"
+        )
     return BuiltModel(model, parts, stage_indices, num_stages)
 
 

@@ -44,9 +44,9 @@ __all__ = ["build_model_parts", "compile_enabled", "parallelize"]
 
 
 def _fsdp_param_dtype(cfg: TrainConfig) -> torch.dtype:
-    """Compute dtype of the gathered parameters: bf16 for bf16 runs (on any device; gradients
-    are still reduced in fp32), else fp32."""
-    return torch.bfloat16 if cfg.training.dtype == "bf16" else torch.float32
+    """Compute dtype of the gathered parameters: bf16 or fp16 for bf16 and fp16 runs (on any
+    device; gradients are still reduced in fp32), else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.training.dtype, torch.float32)
 
 
 def build_model_parts(

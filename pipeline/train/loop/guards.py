@@ -44,6 +44,11 @@ class NonFiniteGuard:
             self.consecutive += 1
             self.total += 1
 
+    def record_overflow(self) -> None:
+        """Note a step skipped for an fp16 gradient overflow the loss scaler is still backing
+        off from: counted in all, but neither a divergence nor the end of one."""
+        self.total += 1
+
     @property
     def should_stop(self) -> bool:
         return self.consecutive >= self.max_consecutive

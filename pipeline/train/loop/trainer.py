@@ -64,6 +64,7 @@ from pipeline.train.loop.train_step import StepResult, autocast_context, global_
 from pipeline.train.objectives import build_objective
 from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.optimizers import build_optimizer
+from pipeline.train.optimizers.loss_scaler import build_loss_scaler
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
 from pipeline.train.report.metrics import MetricsLogger, router_statistics
 from pipeline.train.report.perf import memory_gib, peak_tflops
@@ -101,6 +102,7 @@ class Trainer:
         self.model, self.step_runner, self.parts = built.model, built.runner, built.parts
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.loss_scaler = build_loss_scaler(cfg, self.device)  # fp16 only
         data = train_data.build_run_data(cfg, self.model_config)
         self.tokenizer, self.datasets = data.tokenizer, data.datasets
         self.eod_for_documents = data.eod_for_documents
@@ -205,12 +207,17 @@ class Trainer:
         self.iteration = progress.iteration
         self.consumed = {"train": progress.consumed_train, "valid": progress.consumed_valid}
         self.guard.total = progress.skipped
+        if self.loss_scaler is not None and progress.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(progress.loss_scaler)
 
     def save_checkpoint(self) -> Path | None:
         """Save the full training state at the current iteration; returns its directory (in
         the background with `checkpoint.async_save`: `RunState.save`)."""
         done = self.consumed
-        progress = Progress(self.iteration, done["train"], done["valid"], self.guard.total)
+        scaler = self.loss_scaler.state_dict() if self.loss_scaler is not None else None
+        progress = Progress(
+            self.iteration, done["train"], done["valid"], self.guard.total, loss_scaler=scaler
+        )
         return self.run_state.save(progress)
 
     def save_hf(self) -> Path:
@@ -243,6 +250,7 @@ class Trainer:
             runner=self.step_runner,
             pp_group=self.layout.pipeline_group,
             after_optimizer_step=self._after_optimizer_step,
+            loss_scaler=self.loss_scaler,
         )
 
     def train(self) -> TrainResult:
@@ -343,9 +351,20 @@ class Trainer:
         them (the scheduler stepped for every step on the host)."""
         first = self.iteration - len(window.pending) + 1
         skipped_now = 0
-        for offset, (loss, norm, skipped) in enumerate(window.read_pending()):
+        for offset, (loss, norm, skipped, scale) in enumerate(window.read_pending()):
             iteration = first + offset
             result.losses[iteration] = loss
+            if skipped and self._overflow_backing_off(loss, scale):
+                skipped_now += 1
+                self.guard.record_overflow()
+                log.warning(
+                    "iteration %d: fp16 gradients overflowed at loss scale %g: step skipped "
+                    "(%d skipped in all)",
+                    iteration,
+                    scale,
+                    self.guard.total,
+                )
+                continue
             self.guard.record(not skipped)
             self.diverged_at = self.diverged_at or (iteration if self.guard.should_stop else None)
             if skipped:
@@ -360,6 +379,13 @@ class Trainer:
                     self.guard.total,
                 )
         self.scheduler.rewind(skipped_now)
+
+    def _overflow_backing_off(self, loss: float, scale: float | None) -> bool:
+        """Whether a skipped step was an fp16 overflow (finite loss) at a scale the dynamic
+        scaler can still lower: expected, so not counted towards a divergence."""
+        if scale is None or self.loss_scaler is None or not math.isfinite(loss):
+            return False
+        return self.loss_scaler.can_back_off(scale)
 
     def _stop_if_diverged(self) -> None:
         """After too many non-finite steps in a row: save, then raise `NonFiniteStop`."""
@@ -379,6 +405,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "mem_gib": memory_gib(self.device),
             "skipped": self.guard.total,
+            **({"loss_scale": float(self.loss_scaler.scale)} if self.loss_scaler else {}),
             "iters": self.cfg.training.iters,
             **router_statistics(self.model),
             **self.objective.metrics(),

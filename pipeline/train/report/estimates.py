@@ -169,7 +169,7 @@ def estimate_memory(
     expert_local = counts.expert / (p.ep * p.pp) / max(dp * p.cp / p.ep, 1)
     params_local = dense_local + expert_local
 
-    act_bytes = 2 if cfg.training.dtype == "bf16" else 4
+    act_bytes = 2 if cfg.training.dtype in ("bf16", "fp16") else 4
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
