@@ -351,41 +351,13 @@ class Trainer:
         them (the scheduler stepped for every step on the host)."""
         first = self.iteration - len(window.pending) + 1
         skipped_now = 0
-        for offset, (loss, norm, skipped, scale) in enumerate(window.read_pending()):
+        for offset, step in enumerate(window.read_pending()):
             iteration = first + offset
-            result.losses[iteration] = loss
-            if skipped and self._overflow_backing_off(loss, scale):
-                skipped_now += 1
-                self.guard.record_overflow()
-                log.warning(
-                    "iteration %d: fp16 gradients overflowed at loss scale %g: step skipped "
-                    "(%d skipped in all)",
-                    iteration,
-                    scale,
-                    self.guard.total,
-                )
-                continue
-            self.guard.record(not skipped)
+            result.losses[iteration] = step.loss
+            self.guard.account(iteration, step, self.loss_scaler)
             self.diverged_at = self.diverged_at or (iteration if self.guard.should_stop else None)
-            if skipped:
-                skipped_now += 1
-                log.warning(
-                    "iteration %d: non-finite loss %s or grad norm %s: step skipped "
-                    "(%d in a row, %d in all)",
-                    iteration,
-                    loss,
-                    norm,
-                    self.guard.consecutive,
-                    self.guard.total,
-                )
+            skipped_now += step.skipped
         self.scheduler.rewind(skipped_now)
-
-    def _overflow_backing_off(self, loss: float, scale: float | None) -> bool:
-        """Whether a skipped step was an fp16 overflow (finite loss) at a scale the dynamic
-        scaler can still lower: expected, so not counted towards a divergence."""
-        if scale is None or self.loss_scaler is None or not math.isfinite(loss):
-            return False
-        return self.loss_scaler.can_back_off(scale)
 
     def _stop_if_diverged(self) -> None:
         """After too many non-finite steps in a row: save, then raise `NonFiniteStop`."""
