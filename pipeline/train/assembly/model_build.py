@@ -26,6 +26,7 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
+from pipeline.core.parallel.layout_rules import canonical_dp_mode
 from pipeline.train.assembly.model_parts import StageUnion, TrainableModel
 from pipeline.train.assembly.parallelize import build_model_parts, parallelize
 from pipeline.train.config.schema import ConfigError
@@ -118,7 +119,7 @@ def build_fp8_backend(
             device,
             emulate=f.emulate,
             linear_filter=f.linear_filter,
-            fsdp=layout.fsdp_degree > 1 and p.dp_mode == "fsdp",
+            fsdp=layout.fsdp_degree > 1 and canonical_dp_mode(p.dp_mode) in ("fsdp", "zero1"),
             fsdp_float8_all_gather=f.fsdp_float8_all_gather,
             tp=p.tp,
             amax_group=layout.batch_group,

@@ -41,12 +41,14 @@ from typing import Any
 
 from pipeline.common.progress import terminal_bar
 from pipeline.core.model.flavors import flops_per_token
+from pipeline.core.parallel.fsdp import gather_parameters
 from pipeline.train.assembly import train_data
 from pipeline.train.assembly.layout import (
     build_layout,
     micro_batches_per_step,
     resolve_device,
     seed_everything,
+    zero1_active,
 )
 from pipeline.train.assembly.model_build import build_fp8_backend, build_model, model_options
 from pipeline.train.assembly.model_parts import model_parts
@@ -137,6 +139,8 @@ class Trainer:
     def _after_optimizer_step(self) -> None:
         if self.fp8 is not None:
             self.fp8.after_optimizer_step(model_parts(self.model))
+        if zero1_active(self.cfg, self.layout):  # ZeRO-1: the updated parameters, whole again
+            gather_parameters(self.model)
 
     def _build_loader(self, split: int, name: str) -> Any:
         """This data-parallel rank's resumable loader of one split (None without data)."""
