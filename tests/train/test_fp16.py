@@ -135,3 +135,79 @@ def test_forced_overflow_skipped_logged_and_resumed_after_kill(
     b = records(tmp_path / "b")
     for key in ("loss", "grad_norm", "loss_scale", "skipped"):
         assert [a[s][key] for s in range(5, 9)] == [b[s][key] for s in range(5, 9)], key
+
+
+# fp16 under the parallel layouts (the layout tests' micro runs, 6 steps), against one process's
+# fp16: a forced overflow at step 2 is skipped everywhere and halves the scale (hysteresis 1),
+# which grows back after 2 finite steps; the losses agree to fp16's rounding (layouts round
+# partial sums in other places: tensor parallelism adds fp16 partial products across ranks,
+# expert parallelism gives an expert the tokens of two ranks in one fp16 GEMM, so where an
+# unforced overflow starts may differ by a factor of 2 between layouts: the scale here stays
+# below that).
+LAYOUT_FP16 = [
+    "training.dtype=fp16",
+    "training.initial_loss_scale=4096",
+    "training.hysteresis=1",
+    "training.loss_scale_window=2",
+    "training.iters=6",
+    "training.eval_interval=0",
+    "checkpoint.enable=false",
+]
+FP16_LAYOUTS = {
+    2: [
+        ("tiny", "dp2", ["parallel.dp=2"]),
+        ("tiny", "dp2_zero1", ["parallel.dp=2", "parallel.dp_mode=zero1"]),
+        ("tiny", "dp2_replicate", ["parallel.dp=2", "parallel.dp_mode=replicate"]),
+        ("tiny", "tp2", ["parallel.tp=2"]),
+        ("tiny", "pp2", ["parallel.pp=2"]),
+        ("tiny", "cp2", ["parallel.cp=2"]),
+        ("tiny_moe", "ep2", ["parallel.ep=2"]),
+    ],
+    4: [
+        ("tiny", "tp2_pp2", ["parallel.tp=2", "parallel.pp=2"]),
+        ("tiny", "dp2_tp2_zero1", ["parallel.dp=2", "parallel.tp=2", "parallel.dp_mode=zero1"]),
+    ],
+}
+FP16_REL = 5e-3
+
+
+def _fp16_run(recipe: str, run_dir: Path, *extra: str) -> dict:
+    from tests.builders import layout_sets
+
+    sets = layout_sets(recipe, run_dir, *LAYOUT_FP16, *extra)
+    trainer = Trainer(resolve_config(recipe, sets), console=False)
+    result = trainer.train()
+    return {
+        "losses": result.losses,
+        "skipped": result.skipped,
+        "scale": float(trainer.loss_scaler.scale),
+    }
+
+
+def _fp16_layout_worker(rank: int, world_size: int, tmp: Path, layouts: list) -> dict:
+    force_overflow(2)  # in this rank's process only
+    return {
+        (recipe, name): _fp16_run(recipe, tmp / f"{recipe}_{name}", *extra)
+        for recipe, name, extra in layouts
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp16_layouts_equal_one_process(tmp_path: Path, world_size: int) -> None:
+    from tests.distributed import run_distributed
+
+    layouts = FP16_LAYOUTS[world_size]
+    recipes = sorted({recipe for recipe, _, _ in layouts})
+    with pytest.MonkeyPatch.context() as patch:
+        force_overflow(2, patch.setattr)
+        reference = {r: _fp16_run(r, tmp_path / f"single_{r}") for r in recipes}
+    for ref in reference.values():  # 4096, 2048 (the overflow), 2048, 4096, 4096, 8192
+        assert (ref["skipped"], ref["scale"]) == (1, 8192.0)
+    per_rank = run_distributed(_fp16_layout_worker, world_size, tmp_path / "runs", layouts)
+    for result in per_rank:
+        for (recipe, name), run in result.items():
+            ref = reference[recipe]
+            assert (run["skipped"], run["scale"]) == (ref["skipped"], ref["scale"]), name
+            for step, loss in ref["losses"].items():
+                assert run["losses"][step] == pytest.approx(loss, rel=FP16_REL), (name, step)
