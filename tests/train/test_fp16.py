@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 
 from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
-from tests.builders import micro_sets, records, run_training_process
+from tests.builders import KILL_AFTER_SAVE, micro_sets, records, run_training_process
 
 FP16 = ["training.dtype=fp16"]
 # A scale the micro model's gradients never overflow at on their own, no hysteresis and a short
@@ -63,25 +64,11 @@ def force_overflow(iteration: int, setattr=setattr) -> None:
     setattr(lm, "token_loss", loss)
 
 
-OVERFLOW_THEN_KILL = """
-    import os, signal, sys
-    from pipeline.train.assembly.run_config import resolve_config
-    from pipeline.train.loop.trainer import Trainer
-    from tests.train.test_fp16 import force_overflow
-
-    overflow_at, kill_at, sets = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    force_overflow(overflow_at)
-    original = Trainer.save_checkpoint
-
-    def save_then_die(self):
-        path = original(self)
-        if self.iteration == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return path
-
-    Trainer.save_checkpoint = save_then_die
-    Trainer(resolve_config(None, sets), console=False).train()
-"""
+# tests.builders' run killed right after a save, with step 3's gradients overflowing.
+OVERFLOW_THEN_KILL = (
+    "from tests.train.test_fp16 import force_overflow\nforce_overflow(3)\n"
+    + textwrap.dedent(KILL_AFTER_SAVE)
+)
 
 
 def test_fp16_tracks_fp32(tmp_path: Path) -> None:
@@ -126,7 +113,7 @@ def test_forced_overflow_skipped_logged_and_resumed_after_kill(
     ]
 
     sets_b = micro_sets(tmp_path / "b", *FP16, *SMALL_SCALE, *SHORT_WINDOW)
-    proc = run_training_process(OVERFLOW_THEN_KILL, "3", "4", *sets_b)
+    proc = run_training_process(OVERFLOW_THEN_KILL, "4", "", *sets_b)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, output
     assert max(records(tmp_path / "b")) == 4
