@@ -341,9 +341,13 @@ class ParallelSection:
     last_stage_layers: int | None = None
     """Layers on the last pipeline stage (it also holds the output layer and the loss)."""
     dp_mode: str = "fsdp"
-    """fsdp: FSDP2 sharding over dp * cp; replicate: DDP-style replication (dp only)."""
+    """fsdp: FSDP2 sharding over dp * cp; replicate: DDP-style replication (dp only); zero1
+    (or Megatron's `distributed_optimizer`): parameters whole on every rank, fp32 master
+    weights, gradients and optimizer state sharded over dp * cp, one reduce-scatter and one
+    all-gather a step."""
     reshard_after_forward: bool = True
-    """FSDP: free gathered weights after forward (ZeRO-3); false keeps them to backward (ZeRO-2)."""
+    """FSDP: free gathered weights after forward (ZeRO-3); false keeps them to backward (ZeRO-2).
+    zero1 keeps them whole between steps whatever this says."""
 
 
 @dataclass

@@ -374,9 +374,22 @@ def _numerics_line(cfg: TrainConfig) -> str:
     """`numerics ...`: dtype, device, activation checkpointing, compile and FP8."""
     t = cfg.training
     return (
-        f"numerics     {t.dtype} on {t.device}, activation checkpointing "
+        f"numerics     {t.dtype}{_loss_scale_note(cfg)} on {t.device}, activation checkpointing "
         f"{t.activation_checkpointing}, compile {'auto' if t.compile is None else t.compile}, "
         f"fp8 {cfg.fp8.recipe or 'off'}"
+    )
+
+
+def _loss_scale_note(cfg: TrainConfig) -> str:
+    """fp16's loss scale, as `training` sets it (nothing for another dtype)."""
+    t = cfg.training
+    if t.dtype != "fp16":
+        return ""
+    if t.loss_scale is not None:
+        return f" (loss scale {t.loss_scale:g})"
+    return (
+        f" (loss scale dynamic from {t.initial_loss_scale:g}, min {t.min_loss_scale:g}, "
+        f"window {t.loss_scale_window}, hysteresis {t.hysteresis})"
     )
 
 
