@@ -151,3 +151,27 @@ def test_fp16_settings_refused_in_one_line(sets, message):
         cfg.validate(world_size=1)
     lines = [line for line in str(error.value).splitlines() if message in line]
     assert len(lines) == 1, str(error.value)
+
+
+def test_expected_overflows_do_not_stop_a_run():
+    """An overflow (finite loss) the dynamic scale can still back off from is counted but not
+    towards the stop; one at the minimum scale, under a constant scale or with a non-finite
+    loss is a non-finite step like any other."""
+    from pipeline.train.loop.guards import NonFiniteGuard
+    from pipeline.train.loop.loop_state import ReadStep
+
+    dynamic = DynamicLossScaler(2.0**16, 2.0**10, 1000, 2)
+    guard = NonFiniteGuard(max_consecutive=2)
+    for iteration in range(1, 5):
+        guard.account(iteration, ReadStep(3.0, float("inf"), True, 2.0**12), dynamic)
+    assert (guard.total, guard.consecutive, guard.should_stop) == (4, 0, False)
+    guard.account(5, ReadStep(3.0, float("inf"), True, 2.0**10), dynamic)  # at the floor
+    guard.account(6, ReadStep(float("nan"), float("nan"), True, 2.0**12), dynamic)
+    assert (guard.total, guard.consecutive, guard.should_stop) == (6, 2, True)
+
+    guard = NonFiniteGuard(max_consecutive=2)
+    for iteration in (1, 2):
+        guard.account(iteration, ReadStep(3.0, float("inf"), True, 8.0), ConstantLossScaler(8.0))
+    assert guard.should_stop
+    guard.account(3, ReadStep(3.0, 0.5, False, 8.0), ConstantLossScaler(8.0))
+    assert (guard.total, guard.consecutive) == (2, 0)
