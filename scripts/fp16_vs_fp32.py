@@ -43,6 +43,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="window of steps compared")
     parser.add_argument("--set", action="append", default=[], help="section.key=value, fp16 run")
     parser.add_argument("--json", help="write the losses and figures to this file")
+    parser.add_argument(
+        "--fp32-from", help="take the fp32 run from an earlier --json of the same settings"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -57,7 +60,12 @@ def main() -> None:
     runs = {}
     tmp = Path(tempfile.mkdtemp(prefix="fp16_vs_fp32_"))
     try:
+        if args.fp32_from:
+            earlier = json.loads(Path(args.fp32_from).read_text())
+            runs["fp32"] = ({int(k): v for k, v in earlier["fp32"].items()}, 0, 0.0, 0.0)
         for dtype, extra in (("fp32", []), ("fp16", args.set)):
+            if dtype in runs:
+                continue
             start = time.perf_counter()
             sets = [*common, f"training.dtype={dtype}", *extra]
             runs[dtype] = (*_run(args.recipe, sets, tmp / dtype), time.perf_counter() - start)
