@@ -190,8 +190,10 @@ def test_set_wrong_type(assignment, expected):
 
 
 def test_set_bad_choice_lists_choices():
-    with pytest.raises(ConfigError, match="training.dtype must be one of bf16, fp32; got 'fp16'"):
-        apply_set(TrainConfig(), "training.dtype=fp16")
+    with pytest.raises(
+        ConfigError, match="training.dtype must be one of bf16, fp16, fp32; got 'fp64'"
+    ):
+        apply_set(TrainConfig(), "training.dtype=fp64")
 
 
 @pytest.mark.parametrize("assignment", ["training.iters", "iters=5", "training.=5", "=5"])

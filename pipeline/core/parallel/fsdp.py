@@ -1,17 +1,29 @@
-"""Sharded (FSDP2) and replicated data parallelism for `Transformer`, plus the loss-token count
-that data parallelism needs.
+"""Sharded (FSDP2), ZeRO-1 and replicated data parallelism for `Transformer`, plus the
+loss-token count that data parallelism needs.
 
 `apply_fsdp` wraps each transformer block, then the root, with FSDP2's `fully_shard` (or, for
 `mode="replicate"`, with the FSDP2-based `replicate`, i.e. DDP whose parameters are `Replicate()`
-DTensors). It runs on a `meta`-device model; afterwards call `model.to_empty(device=...)` and
-`model.init_weights()`. The parameters become DTensors whose names and
-global shapes are those of the plain model, so DCP checkpoints re-lay out freely.
+DTensors; for `mode="zero1"`, with `fully_shard` kept unsharded between steps, see below). It
+runs on a `meta`-device model; afterwards call `model.to_empty(device=...)` and
+`model.init_weights()`. The parameters become DTensors whose names and global shapes are those
+of the plain model, so DCP checkpoints re-lay out freely.
 
 Gradients are **summed** over the data-parallel ranks, not averaged: the train step divides the
 loss by the number of loss tokens in the *global* batch (`global_token_count`), so the sum of
 the ranks' gradients is exactly the single-process gradient of the whole batch, whatever each
 rank's share of loss tokens. With FSDP's default average, dp=2 would differ from dp=1 unless
 every rank held the same number of loss tokens.
+
+ZeRO-1 (Megatron's distributed optimizer) on FSDP2's engine: the fp32 parameters FSDP2 shards
+are the master weights, and the optimizer's state is made for them, so each rank steps its
+shard of both; the compute copies (in the compute dtype) are whole on every rank. The units never
+reshard after forward; while a step's micro-batches run, their gradients accumulate whole on
+every rank (`defer_gradient_sync`: no reduction, no reshard after backward) and the last
+backward reduce-scatters them once, in fp32, onto the shards. After the optimizer step
+`gather_parameters` all-gathers the updated parameters once, and they stay whole until the next
+step's last backward. One reduce-scatter and one all-gather a step, however many micro-batches;
+the optimizer state (and its checkpoint, under the parameters' names) is FSDP2's, sharded as the
+parameters are.
 
 Why the tied embedding stays tied: `tok_embeddings` and `output` both belong to the root's
 parameter group, where FSDP2 registers one sharded parameter for both modules; `to_empty`
@@ -38,11 +50,13 @@ __all__ = [
     "apply_fsdp",
     "copy_full_weights_",
     "default_param_dtype",
+    "defer_gradient_sync",
+    "gather_parameters",
     "global_token_count",
     "mixed_precision_policy",
 ]
 
-DataParallelMode = Literal["fsdp", "replicate"]
+DataParallelMode = Literal["fsdp", "replicate", "zero1"]
 
 
 def default_param_dtype(device_type: str) -> torch.dtype | None:
@@ -98,6 +112,9 @@ def apply_fsdp(
     mode="replicate": `torch.distributed._composable.replicate_with_fsdp.replicate`, i.e. DDP
     on the FSDP2 engine: parameters are `Replicate()` DTensors and gradients are all-reduced;
     it needs a 1-D mesh.
+    mode="zero1": `fully_shard` with no unit resharding after forward (`reshard_after_forward`
+    is ignored); with `defer_gradient_sync` and `gather_parameters` around each step it is
+    ZeRO-1 (module docstring).
 
     `ignored_params` stay out of FSDP (e.g. experts already split over every data-parallel
     rank by expert parallelism). `param_dtype` None means
@@ -105,13 +122,14 @@ def apply_fsdp(
     Call on the `meta` model before `to_empty` + `init_weights`. Returns `model` (modified in
     place).
     """
-    if mode not in ("fsdp", "replicate"):
-        raise ValueError(f"mode must be 'fsdp' or 'replicate', got {mode!r}")
+    if mode not in ("fsdp", "replicate", "zero1"):
+        raise ValueError(f"mode must be 'fsdp', 'replicate' or 'zero1', got {mode!r}")
     if param_dtype is None:
         param_dtype = default_param_dtype(dp_mesh.device_type)
     policy = mixed_precision_policy(param_dtype, reduce_dtype)
-    if mode == "fsdp":
-        _shard(model, dp_mesh, policy, reshard_after_forward, ignored_params)
+    if mode != "replicate":
+        keep = reshard_after_forward and mode == "fsdp"
+        _shard(model, dp_mesh, policy, keep, ignored_params)
     else:
         if ignored_params:
             raise ValueError("mode='replicate' takes no ignored_params")
@@ -167,6 +185,28 @@ def _replicate(model: nn.Module, dp_mesh: DeviceMesh, policy: object) -> None:
     for block in _blocks(model):
         replicate(block, mesh=dp_mesh, mp_policy=policy)
     replicate(model, mesh=dp_mesh, mp_policy=policy)
+
+
+def _fsdp_units(module: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def defer_gradient_sync(model: nn.Module, last: bool) -> None:
+    """ZeRO-1's gradient accumulation: before a micro-batch's backward, tell every FSDP2 unit of
+    `model` whether it is the step's last. Before the last, gradients accumulate whole (fp32)
+    and parameters stay gathered; the last reduce-scatters the sum and reshards."""
+    for unit in _fsdp_units(model):
+        unit.set_requires_gradient_sync(last, recurse=False)
+        unit.set_reshard_after_backward(last, recurse=False)
+
+
+def gather_parameters(model: nn.Module) -> None:
+    """ZeRO-1's all-gather after the optimizer step: every FSDP2 unit of `model` gathers its
+    updated shards into whole parameters, which stay until the step's last backward."""
+    for unit in _fsdp_units(model):
+        unit.unshard()
 
 
 def global_token_count(

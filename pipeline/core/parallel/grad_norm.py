@@ -59,13 +59,20 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
+    inv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scale all gradients so their global norm is at most `max_norm`; returns the norm before
-    clipping (`inf` max_norm: measure only)."""
+    clipping (`inf` max_norm: measure only). `inv_scale` (a 0-dim tensor): the gradients are
+    those of a loss multiplied by 1 / inv_scale (fp16's loss scale); they are unscaled in the
+    same multiplication, and the norm returned and clipped is the unscaled one."""
     groups = _groups([p.grad for p in parameters if p.grad is not None])
     norm = _total_norm(groups, pp_group)
-    if max_norm != float("inf"):
+    if inv_scale is not None:
+        norm = norm * inv_scale.to(norm.device)
+    if max_norm != float("inf") or inv_scale is not None:
         for group in groups:
-            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(group[0].device)
-            torch._foreach_mul_(group, coefficient)
+            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            if inv_scale is not None:
+                coefficient = coefficient * inv_scale.to(coefficient.device)
+            torch._foreach_mul_(group, coefficient.to(group[0].device))
     return norm

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["degree_problems", "layout_problems", "model_problems", "resolve_dp"]
+__all__ = [
+    "DP_MODES",
+    "DP_MODE_ALIASES",
+    "canonical_dp_mode",
+    "degree_problems",
+    "layout_problems",
+    "model_problems",
+    "resolve_dp",
+]
 
 
 def degree_problems(
@@ -131,9 +139,13 @@ def layout_problems(
         )
     if (p.first_stage_layers is not None or p.last_stage_layers is not None) and p.pp == 1:
         problems.append("parallel.first/last_stage_layers need pp > 1")
-    if p.dp_mode not in ("fsdp", "replicate"):
-        problems.append(f"parallel.dp_mode must be fsdp or replicate, got {p.dp_mode!r}")
-    elif p.dp_mode == "replicate" and (p.cp > 1 or p.tp > 1 or p.ep > 1):
+    dp_mode = canonical_dp_mode(p.dp_mode)
+    if dp_mode not in DP_MODES:
+        problems.append(
+            f"parallel.dp_mode must be one of {', '.join(DP_MODES)} (or "
+            f"{', '.join(DP_MODE_ALIASES)}), got {p.dp_mode!r}"
+        )
+    elif dp_mode == "replicate" and (p.cp > 1 or p.tp > 1 or p.ep > 1):
         problems.append("parallel.dp_mode = replicate works with dp only (tp, cp and ep of 1)")
     if min(p.tp, p.pp, p.cp, p.ep) < 1 or p.dp == 0 or p.dp < -1:
         return problems  # the checks below divide by the degrees
@@ -153,6 +165,18 @@ def layout_problems(
             model_name=model_name,
         )
     return problems
+
+
+DP_MODES = ("fsdp", "replicate", "zero1")
+"""`parallel.dp_mode`: FSDP2's ZeRO-3 (or ZeRO-2-like), plain replication, or ZeRO-1."""
+DP_MODE_ALIASES = {"distributed_optimizer": "zero1", "distributed-optimizer": "zero1"}
+"""Other names of a mode: Megatron's `--use-distributed-optimizer` is ZeRO-1."""
+
+
+def canonical_dp_mode(name: str) -> str:
+    """`parallel.dp_mode` under its own name (an alias such as Megatron's
+    `distributed_optimizer` becomes `zero1`); an unknown name comes back as it is."""
+    return DP_MODE_ALIASES.get(name, name)
 
 
 def resolve_dp(dp: int, model_parallel: int, world_size: int | None) -> int:

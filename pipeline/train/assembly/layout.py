@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.core.parallel.dims import ParallelDims
+from pipeline.core.parallel.layout_rules import canonical_dp_mode
 from pipeline.core.parallel.process_group import (
     NoCudaDevice,
     choose_device,
@@ -37,6 +38,7 @@ __all__ = [
     "resolve_device",
     "seed_everything",
     "wants_distributed",
+    "zero1_active",
 ]
 
 log = logging.getLogger("pipeline.train")
@@ -53,6 +55,13 @@ def build_layout(cfg: TrainConfig, device: torch.device) -> tuple[ParallelDims, 
     if layout.distributed:
         log.info("parallel layout: %s", layout.describe())
     return layout, device
+
+
+def zero1_active(cfg: TrainConfig, layout: ParallelDims) -> bool:
+    """Whether the run is ZeRO-1 (`parallel.dp_mode = "zero1"` or an alias) over more than one
+    data-parallel rank: its steps defer the gradient reduction to the last micro-batch and
+    gather the parameters after the optimizer step (`pipeline.core.parallel.fsdp`)."""
+    return layout.fsdp_degree > 1 and canonical_dp_mode(cfg.parallel.dp_mode) == "zero1"
 
 
 def micro_batches_per_step(cfg: TrainConfig, layout: ParallelDims) -> int:

@@ -26,6 +26,7 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.transformer import Transformer
 from pipeline.core.parallel.dims import ParallelDims
 from pipeline.core.parallel.fsdp import copy_full_weights_
+from pipeline.core.parallel.layout_rules import canonical_dp_mode
 from pipeline.train.assembly.model_parts import StageUnion, TrainableModel
 from pipeline.train.assembly.parallelize import build_model_parts, parallelize
 from pipeline.train.config.schema import ConfigError
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("pipeline.train")
+
+_TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+"""`training.dtype` as the attention-backend cache names its shapes' dtypes."""
 
 
 @dataclass
@@ -89,7 +93,7 @@ def attention_choice(cfg: TrainConfig, layout: ParallelDims, device: torch.devic
             heads=config.num_attention_heads // layout.tp,
             kv_heads=max(1, config.num_kv_heads // layout.tp),
             head_dim=config.head_dim,
-            dtype="bfloat16" if cfg.training.dtype == "bf16" else "float32",
+            dtype=_TORCH_DTYPE_NAMES[cfg.training.dtype],
             document_masking=document_masking,
         )
     name = cfg.training.attention_backend
@@ -115,7 +119,7 @@ def build_fp8_backend(
             device,
             emulate=f.emulate,
             linear_filter=f.linear_filter,
-            fsdp=layout.fsdp_degree > 1 and p.dp_mode == "fsdp",
+            fsdp=layout.fsdp_degree > 1 and canonical_dp_mode(p.dp_mode) in ("fsdp", "zero1"),
             fsdp_float8_all_gather=f.fsdp_float8_all_gather,
             tp=p.tp,
             amax_group=layout.batch_group,
@@ -158,6 +162,11 @@ def build_model(
     model.train()
     if device.type == "cpu" and cfg.training.dtype == "bf16" and layout.rank == 0:
         log.warning("training.dtype = bf16 on a CPU: real bf16 compute, slower than fp32 here")
+    if device.type == "cpu" and cfg.training.dtype == "fp16" and layout.rank == 0:
+        log.warning(
+            "training.dtype = fp16 on a CPU: fp16 autocast with emulated fp16 GEMMs "
+            "(fp16-rounded inputs and outputs, fp32 products); slower than fp32 here"
+        )
     return BuiltModel(model, parts, stage_indices, num_stages)
 
 

@@ -17,7 +17,8 @@ and in torchtitan's order:
    the pipeline stage boundaries' input/output styles;
 4. context parallelism: each attention kernel swapped for a `ContextParallelAttention`;
 5. compile: `nn.Module.compile` of each block;
-6. FSDP2 (or replication) over dp x cp; experts over the expert-data-parallel ranks.
+6. FSDP2 (or replication, or ZeRO-1 on FSDP2) over dp x cp; experts over the
+   expert-data-parallel ranks.
 
 Every step keeps parameter names (the checkpoint's names): layers keep their global index, swaps
 keep the swapped module's children, and TP, EP and FSDP2 turn parameters into DTensors of the
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.core.parallel.dims import ParallelDims
+from pipeline.core.parallel.layout_rules import canonical_dp_mode
 from pipeline.train.config.compile_setting import compile_enabled
 
 if TYPE_CHECKING:
@@ -44,9 +46,9 @@ __all__ = ["build_model_parts", "compile_enabled", "parallelize"]
 
 
 def _fsdp_param_dtype(cfg: TrainConfig) -> torch.dtype:
-    """Compute dtype of the gathered parameters: bf16 for bf16 runs (on any device; gradients
-    are still reduced in fp32), else fp32."""
-    return torch.bfloat16 if cfg.training.dtype == "bf16" else torch.float32
+    """Compute dtype of the gathered parameters: bf16 or fp16 for bf16 and fp16 runs (on any
+    device; gradients are still reduced in fp32), else fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.training.dtype, torch.float32)
 
 
 def build_model_parts(
@@ -155,6 +157,7 @@ def _apply_data_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelD
     from pipeline.core.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
     p = cfg.parallel
+    mode = canonical_dp_mode(p.dp_mode)
     mesh = layout.fsdp_mesh
     param_dtype = _fsdp_param_dtype(cfg)
     ignored: set[torch.nn.Parameter] = set()
@@ -163,7 +166,10 @@ def _apply_data_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelD
         for moe in model.moe_layers().values():
             if edp_mesh.size() > 1:
                 policy = mixed_precision_policy(param_dtype, torch.float32)
-                fully_shard(moe.experts, mesh=edp_mesh, mp_policy=policy)
+                keep = mode == "zero1"  # ZeRO-1: whole between the step's all-gather and backward
+                fully_shard(
+                    moe.experts, mesh=edp_mesh, mp_policy=policy, reshard_after_forward=not keep
+                )
             else:
                 ignored.update(moe.experts.parameters())
     apply_fsdp(
@@ -171,6 +177,6 @@ def _apply_data_parallel(model: Transformer, cfg: TrainConfig, layout: ParallelD
         mesh,
         param_dtype=param_dtype,
         reshard_after_forward=p.reshard_after_forward,
-        mode=p.dp_mode,
+        mode=mode,
         ignored_params=ignored or None,
     )

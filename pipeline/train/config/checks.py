@@ -87,7 +87,45 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
             "checkpoint.save_hf writes with the checkpoints: checkpoint.enable is false"
         )
     problems += _lora_problems(cfg)
+    problems += _fp16_problems(cfg)
     problems += _layout_problems(cfg, world_size)
+    return problems
+
+
+def _fp16_problems(cfg: TrainConfig) -> list[str]:
+    """fp16's loss-scale settings in range (Megatron's asserts), a constant `loss_scale` only
+    with fp16, and the paths fp16 is not one of: FP8 (its high precision is bf16) and a LoRA
+    base stored in bf16."""
+    t = cfg.training
+    problems = []
+    if t.dtype != "fp16":
+        if t.loss_scale is not None:
+            problems.append(
+                f"training.loss_scale is set but training.dtype is {t.dtype}: loss scaling is "
+                "for fp16 only"
+            )
+        return problems
+    if t.loss_scale is not None and t.loss_scale <= 0:
+        problems.append(f"training.loss_scale must be positive, got {t.loss_scale}")
+    if not 0 < t.min_loss_scale <= t.initial_loss_scale:
+        problems.append(
+            f"need 0 < training.min_loss_scale ({t.min_loss_scale}) <= "
+            f"training.initial_loss_scale ({t.initial_loss_scale})"
+        )
+    if t.loss_scale_window <= 0 or t.hysteresis <= 0:
+        problems.append(
+            f"training.loss_scale_window ({t.loss_scale_window}) and training.hysteresis "
+            f"({t.hysteresis}) must be positive"
+        )
+    if cfg.fp8.recipe is not None:
+        problems.append(
+            "fp8.recipe trains beside bf16, not fp16: set training.dtype = bf16 for FP8"
+        )
+    if cfg.lora.enabled and cfg.lora.base_dtype == "bf16":
+        problems.append(
+            "lora.base_dtype = bf16 under training.dtype = fp16: keep the base in fp32 (unset "
+            "lora.base_dtype) or train in bf16"
+        )
     return problems
 
 

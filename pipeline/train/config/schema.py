@@ -200,8 +200,19 @@ class TrainingSection:
     """Log metrics every this many iterations."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto (CUDA when available), cpu or cuda."""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """Compute dtype: bf16 (fp32 master weights and optimizer state) or fp32."""
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Compute dtype: bf16 or fp16 (fp32 master weights and optimizer state; fp16 with loss
+    scaling, Megatron's `--fp16`) or fp32."""
+    loss_scale: float | None = None
+    """fp16: a constant loss scale (Megatron's `--loss-scale`); unset: the dynamic scale below."""
+    initial_loss_scale: float = 2.0**32
+    """fp16, dynamic scale: where it starts (Megatron's `--initial-loss-scale`)."""
+    min_loss_scale: float = 1.0
+    """fp16, dynamic scale: the floor it never backs off below (`--min-loss-scale`)."""
+    loss_scale_window: int = 1000
+    """fp16, dynamic scale: finite steps in a row after which it doubles (`--loss-scale-window`)."""
+    hysteresis: int = 2
+    """fp16, dynamic scale: overflowing steps in a row before it halves (`--hysteresis`)."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: none, full (every block) or selective."""
     compile: bool | None = None
@@ -336,9 +347,13 @@ class ParallelSection:
     last_stage_layers: int | None = None
     """Layers on the last pipeline stage (it also holds the output layer and the loss)."""
     dp_mode: str = "fsdp"
-    """fsdp: FSDP2 sharding over dp * cp; replicate: DDP-style replication (dp only)."""
+    """fsdp: FSDP2 sharding over dp * cp; replicate: DDP-style replication (dp only); zero1
+    (or Megatron's `distributed_optimizer`): parameters whole on every rank, fp32 master
+    weights, gradients and optimizer state sharded over dp * cp, one reduce-scatter and one
+    all-gather a step."""
     reshard_after_forward: bool = True
-    """FSDP: free gathered weights after forward (ZeRO-3); false keeps them to backward (ZeRO-2)."""
+    """FSDP: free gathered weights after forward (ZeRO-3); false keeps them to backward (ZeRO-2).
+    zero1 keeps them whole between steps whatever this says."""
 
 
 @dataclass

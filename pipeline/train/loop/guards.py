@@ -7,12 +7,20 @@ policy stays in one place and these classes are trivial to test.
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.train.loop.loop_state import ReadStep
+    from pipeline.train.optimizers.loss_scaler import LossScaler
 
 __all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard", "NonFiniteStop", "StopSignals"]
+
+log = logging.getLogger("pipeline.train")
 
 MAX_CONSECUTIVE_SKIPS = 5
 """Non-finite steps in a row after which the run saves and stops (a diverged run)."""
@@ -43,6 +51,40 @@ class NonFiniteGuard:
         else:
             self.consecutive += 1
             self.total += 1
+
+    def account(self, iteration: int, step: ReadStep, scaler: LossScaler | None) -> None:
+        """Record a step read from the device and warn about a skipped one. An fp16 overflow
+        (a finite loss) at a scale the dynamic loss scaler can still lower is expected: counted
+        in all, but neither a divergence nor the end of one."""
+        loss, norm, skipped, scale = step
+        expected = (
+            skipped
+            and scaler is not None
+            and scale is not None
+            and math.isfinite(loss)
+            and scaler.can_back_off(scale)
+        )
+        if expected:
+            self.total += 1
+            log.warning(
+                "iteration %d: fp16 gradients overflowed at loss scale %g: step skipped "
+                "(%d skipped in all)",
+                iteration,
+                scale,
+                self.total,
+            )
+            return
+        self.record(not skipped)
+        if skipped:
+            log.warning(
+                "iteration %d: non-finite loss %s or grad norm %s: step skipped "
+                "(%d in a row, %d in all)",
+                iteration,
+                loss,
+                norm,
+                self.consecutive,
+                self.total,
+            )
 
     @property
     def should_stop(self) -> bool:

@@ -11,14 +11,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from pipeline.train.loop.train_step import StepResult
 
-__all__ = ["LogWindow", "LoopState", "TrainResult"]
+__all__ = ["LogWindow", "LoopState", "ReadStep", "TrainResult"]
+
+
+class ReadStep(NamedTuple):
+    """One step's results as read from the device."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float | None
+    """fp16: the loss scale the step ran with (None without one)."""
 
 
 @dataclass
@@ -51,21 +61,19 @@ class LogWindow:
         self.tokens += tokens
         self.seconds += seconds
 
-    def read_pending(self) -> list[tuple[float, float, bool]]:
-        """(loss, grad norm, skipped) of each pending step, read from the device in one go."""
+    def read_pending(self) -> list[ReadStep]:
+        """Each pending step's loss, grad norm, skip flag and loss scale, read from the device
+        in one go."""
         if not self.pending:
             return []
-        rows = torch.stack(
-            [
-                torch.stack(
-                    [s.loss.double(), s.grad_norm.double().to(s.loss.device), s.skipped.double()]
-                )
-                for s in self.pending
-            ]
-        ).tolist()
+        rows = torch.stack([_step_row(s) for s in self.pending]).tolist()
+        scaled = [s.loss_scale is not None for s in self.pending]
         self.pending = []
-        out = [(loss, norm, bool(skipped)) for loss, norm, skipped in rows]
-        for loss, norm, skipped in out:
+        out = [
+            ReadStep(loss, norm, bool(skipped), scale if has_scale else None)
+            for (loss, norm, skipped, scale), has_scale in zip(rows, scaled, strict=True)
+        ]
+        for loss, norm, skipped, _ in out:
             if not skipped:
                 self.losses.append(loss)
                 self.grad_norms.append(norm)
@@ -85,6 +93,14 @@ class LogWindow:
         if peak_tflops is not None:
             out["mfu"] = tflops / peak_tflops
         return out
+
+
+def _step_row(step: StepResult) -> torch.Tensor:
+    """A step's loss, grad norm, skip flag and loss scale (NaN without one) as fp64 values."""
+    device = step.loss.device
+    scale = step.loss_scale if step.loss_scale is not None else torch.tensor(math.nan)
+    values = (step.loss, step.grad_norm, step.skipped, scale)
+    return torch.stack([v.double().to(device) for v in values])
 
 
 @dataclass

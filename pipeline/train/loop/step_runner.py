@@ -28,7 +28,8 @@ from typing import Protocol
 import torch
 
 from pipeline.core.parallel.dims import ParallelDims
-from pipeline.train.assembly.layout import micro_batches_per_step
+from pipeline.core.parallel.fsdp import defer_gradient_sync
+from pipeline.train.assembly.layout import micro_batches_per_step, zero1_active
 from pipeline.train.assembly.model_build import BuiltModel
 from pipeline.train.assembly.model_parts import TrainableModel
 from pipeline.train.config.schema import TrainConfig
@@ -79,9 +80,13 @@ class LocalStepRunner:
     """Runs micro-batches through the whole `model` held by this rank, one after another, the
     `objective` giving each one's loss."""
 
-    def __init__(self, model: TrainableModel, objective: Objective) -> None:
+    def __init__(
+        self, model: TrainableModel, objective: Objective, defer_sync: bool = False
+    ) -> None:
         self.model = model
         self.objective = objective
+        self.defer_sync = defer_sync
+        """ZeRO-1: gradients are reduced once, in the last micro-batch's backward."""
 
     def _loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.objective.loss(self.model, model_hidden(self.model, batch), batch)
@@ -97,7 +102,9 @@ class LocalStepRunner:
         autocast = autocast or contextlib.nullcontext()
         device = micro_batches[0]["tokens"].device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
+            if self.defer_sync:
+                defer_gradient_sync(self.model, last=index == len(micro_batches) - 1)
             with autocast:
                 loss_sum, _ = self._loss(batch)
             (loss_sum / num_tokens).backward()
@@ -147,8 +154,8 @@ def build_runner(
 ) -> StepRunner:
     """The runner of an assembled model for `objective`: `LocalStepRunner` over the whole
     model, or a `PipelineRunner` over this rank's stages under `parallel.pipeline_schedule`."""
-    if built.num_stages == 1:
-        return LocalStepRunner(built.model, objective)
+    if built.num_stages == 1:  # under a schedule, torch's stages defer ZeRO-1's reduction
+        return LocalStepRunner(built.model, objective, defer_sync=zero1_active(cfg, layout))
     return PipelineRunner(
         built.parts,
         built.stage_indices,

@@ -40,6 +40,7 @@ from pipeline.train.optimizers.nonfinite import step_unless_nonfinite
 if TYPE_CHECKING:
     from pipeline.core.kernels.fp8 import Fp8Training
     from pipeline.core.parallel.dims import ParallelDims
+    from pipeline.train.optimizers.loss_scaler import LossScaler
     from pipeline.train.optimizers.lr_scheduler import MegatronLR
 
 __all__ = [
@@ -62,16 +63,26 @@ class StepResult:
     grad_norm: torch.Tensor
     num_tokens: torch.Tensor
     skipped: torch.Tensor
+    loss_scale: torch.Tensor | None = None
+    """fp16: the loss scale this step ran with (None without one)."""
 
 
 def autocast_context(
     device: torch.device, dtype: str, fp8: Fp8Training | None = None
 ) -> contextlib.AbstractContextManager:
-    """bf16 autocast on `device` (CUDA or CPU) when `dtype` is bf16 (weights, grads and
-    optimizer state stay fp32); plain fp32 otherwise. With an FP8 backend (`Fp8Training`) its
-    own context (Transformer Engine's fp8_autocast) is entered inside, afresh on every use."""
+    """bf16 or fp16 autocast on `device` (CUDA or CPU) when `dtype` is bf16 or fp16 (weights,
+    grads and optimizer state stay fp32); plain fp32 otherwise. fp16 on a CPU emulates its
+    matrix products (`EmulatedFp16Gemms`: a CPU's fp16 GEMMs are some 60x slower than fp32).
+    With an FP8 backend (`Fp8Training`) its own context (Transformer Engine's fp8_autocast) is
+    entered inside, afresh on every use."""
     if dtype == "bf16":
         base: contextlib.AbstractContextManager = torch.autocast(device.type, torch.bfloat16)
+    elif dtype == "fp16":
+        base = torch.autocast(device.type, torch.float16)
+        if device.type == "cpu":
+            from pipeline.core.kernels.fp16_emulation import EmulatedFp16Gemms
+
+            base = _Nested(base, EmulatedFp16Gemms)
     else:
         base = contextlib.nullcontext()
     if fp8 is None:
@@ -112,6 +123,7 @@ def train_step(
     runner: StepRunner,
     pp_group: dist.ProcessGroup | None = None,
     after_optimizer_step: Callable[[], None] | None = None,
+    loss_scaler: LossScaler | None = None,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, and step unless the loss or norm is NaN/Inf.
 
@@ -122,23 +134,34 @@ def train_step(
     whose gradients are summed as `apply_fsdp` does) and reports the global loss, so every rank
     takes the same skip decision and any layout equals one device. `runner` does the forward
     and backward work with the run's objective.
+
+    With a `loss_scaler` (fp16) the loss is multiplied by its scale before backward and the
+    gradients divided by it before clipping; an overflow (a non-finite gradient norm) skips the
+    step like any non-finite one, and the scaler then updates (backs off or grows).
     """
     optimizer.zero_grad(set_to_none=True)
+    scale = loss_scaler.scale.clone() if loss_scaler is not None else None
     loss_sum, global_tokens = forward_backward(
-        model, micro_batches, autocast=autocast, dp_group=dp_group, runner=runner
+        model, micro_batches, autocast=autocast, dp_group=dp_group, runner=runner, loss_scale=scale
     )
     max_norm = clip_grad if clip_grad > 0 else float("inf")
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group)
+    inv_scale = loss_scaler.inv_scale if loss_scaler is not None else None
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm, pp_group, inv_scale=inv_scale)
     reduce_loss_sum(loss_sum, dp_group, pp_group)
     loss = loss_sum / global_tokens.clamp(min=1.0).to(loss_sum)
-    finite = torch.isfinite(loss) & torch.isfinite(grad_norm.to(loss.device))
+    finite_grads = torch.isfinite(grad_norm.to(loss.device))
+    finite = torch.isfinite(loss) & finite_grads
     step_unless_nonfinite(optimizer, finite)
+    if loss_scaler is not None:
+        loss_scaler.update(~finite_grads)
     _balance_experts(model, finite)
     if after_optimizer_step is not None:  # e.g. FP8 weight scales for the next all-gather
         after_optimizer_step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss.detach(), grad_norm.detach(), global_tokens, skipped=~finite)
+    return StepResult(
+        loss.detach(), grad_norm.detach(), global_tokens, skipped=~finite, loss_scale=scale
+    )
 
 
 def _balance_experts(model: TrainableModel, finite: torch.Tensor) -> None:
@@ -191,14 +214,18 @@ def forward_backward(
     autocast: contextlib.AbstractContextManager | None = None,
     dp_group: dist.ProcessGroup | None = None,
     runner: StepRunner,
+    loss_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate the gradients of one global batch (this rank's share) through `runner`:
     returns this rank's loss sum (0 on pipeline stages without the loss) and the global count
-    the loss is normalised by (the objective's: loss tokens, pairs), both 0-dim tensors."""
+    the loss is normalised by (the objective's: loss tokens, pairs), both 0-dim tensors. With
+    `loss_scale` the gradients are those of the loss times it (the loss sum returned is not)."""
     prepare_micro_batches(runner, micro_batches, autocast)
     local_tokens = sum(runner.objective.count(mb) for mb in micro_batches)
     global_tokens = global_token_count(local_tokens, dp_group)
     denominator = global_tokens.clamp(min=1.0).float()
+    if loss_scale is not None:  # loss / (count / scale): both runners give back the plain sum
+        denominator = denominator / loss_scale.to(denominator.device)
     loss_sum = runner.forward_backward(micro_batches, denominator, autocast)
     sum_moe_gradients(model)  # MoE layers that routed this tp rank's tokens only
     return loss_sum, global_tokens

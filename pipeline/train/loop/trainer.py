@@ -41,12 +41,14 @@ from typing import Any
 
 from pipeline.common.progress import terminal_bar
 from pipeline.core.model.flavors import flops_per_token
+from pipeline.core.parallel.fsdp import gather_parameters
 from pipeline.train.assembly import train_data
 from pipeline.train.assembly.layout import (
     build_layout,
     micro_batches_per_step,
     resolve_device,
     seed_everything,
+    zero1_active,
 )
 from pipeline.train.assembly.model_build import build_fp8_backend, build_model, model_options
 from pipeline.train.assembly.model_parts import model_parts
@@ -64,6 +66,7 @@ from pipeline.train.loop.train_step import StepResult, autocast_context, global_
 from pipeline.train.objectives import build_objective
 from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.optimizers import build_optimizer
+from pipeline.train.optimizers.loss_scaler import build_loss_scaler
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
 from pipeline.train.report.metrics import MetricsLogger, router_statistics
 from pipeline.train.report.perf import memory_gib, peak_tflops
@@ -101,6 +104,7 @@ class Trainer:
         self.model, self.step_runner, self.parts = built.model, built.runner, built.parts
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.loss_scaler = build_loss_scaler(cfg, self.device)  # fp16 only
         data = train_data.build_run_data(cfg, self.model_config)
         self.tokenizer, self.datasets = data.tokenizer, data.datasets
         self.eod_for_documents = data.eod_for_documents
@@ -135,6 +139,8 @@ class Trainer:
     def _after_optimizer_step(self) -> None:
         if self.fp8 is not None:
             self.fp8.after_optimizer_step(model_parts(self.model))
+        if zero1_active(self.cfg, self.layout):  # ZeRO-1: the updated parameters, whole again
+            gather_parameters(self.model)
 
     def _build_loader(self, split: int, name: str) -> Any:
         """This data-parallel rank's resumable loader of one split (None without data)."""
@@ -205,12 +211,17 @@ class Trainer:
         self.iteration = progress.iteration
         self.consumed = {"train": progress.consumed_train, "valid": progress.consumed_valid}
         self.guard.total = progress.skipped
+        if self.loss_scaler is not None and progress.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(progress.loss_scaler)
 
     def save_checkpoint(self) -> Path | None:
         """Save the full training state at the current iteration; returns its directory (in
         the background with `checkpoint.async_save`: `RunState.save`)."""
         done = self.consumed
-        progress = Progress(self.iteration, done["train"], done["valid"], self.guard.total)
+        scaler = self.loss_scaler.state_dict() if self.loss_scaler is not None else None
+        progress = Progress(
+            self.iteration, done["train"], done["valid"], self.guard.total, loss_scaler=scaler
+        )
         return self.run_state.save(progress)
 
     def save_hf(self) -> Path:
@@ -243,6 +254,7 @@ class Trainer:
             runner=self.step_runner,
             pp_group=self.layout.pipeline_group,
             after_optimizer_step=self._after_optimizer_step,
+            loss_scaler=self.loss_scaler,
         )
 
     def train(self) -> TrainResult:
@@ -343,22 +355,12 @@ class Trainer:
         them (the scheduler stepped for every step on the host)."""
         first = self.iteration - len(window.pending) + 1
         skipped_now = 0
-        for offset, (loss, norm, skipped) in enumerate(window.read_pending()):
+        for offset, step in enumerate(window.read_pending()):
             iteration = first + offset
-            result.losses[iteration] = loss
-            self.guard.record(not skipped)
+            result.losses[iteration] = step.loss
+            self.guard.account(iteration, step, self.loss_scaler)
             self.diverged_at = self.diverged_at or (iteration if self.guard.should_stop else None)
-            if skipped:
-                skipped_now += 1
-                log.warning(
-                    "iteration %d: non-finite loss %s or grad norm %s: step skipped "
-                    "(%d in a row, %d in all)",
-                    iteration,
-                    loss,
-                    norm,
-                    self.guard.consecutive,
-                    self.guard.total,
-                )
+            skipped_now += step.skipped
         self.scheduler.rewind(skipped_now)
 
     def _stop_if_diverged(self) -> None:
@@ -379,6 +381,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "mem_gib": memory_gib(self.device),
             "skipped": self.guard.total,
+            **({"loss_scale": float(self.loss_scaler.scale)} if self.loss_scaler else {}),
             "iters": self.cfg.training.iters,
             **router_statistics(self.model),
             **self.objective.metrics(),

@@ -16,7 +16,10 @@ memory model. The memory model is an estimate, stated so it can be checked:
 * Split: non-expert parameters over tp * pp, expert parameters over ep * pp (experts are whole
   on each tp rank: an expert tensor-parallel size of 1); then all of it sharded by FSDP over
   dp * cp (for experts, dp * cp / ep), as torchtitan's meshes do. Pipeline stages are assumed
-  equal in size.
+  equal in size. `parallel.dp_mode = "replicate"` shards nothing; `"zero1"` shards the fp32
+  weights, their gradients and the optimizer's state as FSDP does, and holds beside them whole
+  compute copies of the weights (in the compute dtype: 2 bytes for bf16/fp16, else 4) and whole
+  fp32 gradients, in which a step's micro-batches accumulate.
 * Activations per layer per token, in the compute dtype, from what backward keeps (no dropout,
   SDPA/flash attention so no seq x seq scores): the two norm inputs and outputs (4h), q, k, v and
   the attention output (2q + 2kv), and per routed expert its input copy plus gate, up and their
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.flavors import expert_parameters, flops_per_token, num_parameters
+from pipeline.core.parallel.layout_rules import canonical_dp_mode
 from pipeline.train.config.schema import TrainConfig
 from pipeline.train.objectives import OBJECTIVES
 from pipeline.train.optimizers import (
@@ -112,6 +116,8 @@ class MemoryEstimate:
     host_state: float = 0.0
     """Host memory of `optimizer.cpu_offload`: the optimizer state and torchao's pinned fp32
     copies of the trained weights and gradients (0 without offload)."""
+    optimizer_state: float = 0.0
+    """The optimizer's state on the device (part of `state`): what ZeRO shards over dp * cp."""
 
     @property
     def total_none(self) -> float:
@@ -165,11 +171,13 @@ def estimate_memory(
     dp = cfg.data_parallel_size(world_size)
     counts = parameter_counts(model)
     dense = counts.total - counts.expert
+    mode = canonical_dp_mode(p.dp_mode)
+    whole_local = dense / (p.tp * p.pp) + counts.expert / (p.ep * p.pp)
     dense_local = dense / (p.tp * p.pp) / (dp * p.cp)
     expert_local = counts.expert / (p.ep * p.pp) / max(dp * p.cp / p.ep, 1)
-    params_local = dense_local + expert_local
+    params_local = whole_local if mode == "replicate" else dense_local + expert_local
 
-    act_bytes = 2 if cfg.training.dtype == "bf16" else 4
+    act_bytes = 2 if cfg.training.dtype in ("bf16", "fp16") else 4
     h = model.hidden_size
     q = model.num_attention_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
@@ -194,6 +202,9 @@ def estimate_memory(
         base_bytes = 2 if cfg.lora.base_dtype == "bf16" else 4
         trained = lora_parameters(cfg, model) * params_local / max(counts.total, 1)
         state = params_local * base_bytes
+    if mode == "zero1":  # whole compute weights and fp32 gradients beside the shards
+        trained_whole = trained * whole_local / max(params_local, 1e-30)
+        state += whole_local * act_bytes + trained_whole * _GRAD_BYTES
     host = 0.0
     if cfg.optimizer.cpu_offload:
         host = trained * (
@@ -208,6 +219,7 @@ def estimate_memory(
         held=held,
         held_what=held_what,
         host_state=host,
+        optimizer_state=trained * state_bytes_per_param(cfg, model),
     )
 
 
@@ -394,9 +406,22 @@ def _numerics_line(cfg: TrainConfig) -> str:
     """`numerics ...`: dtype, device, activation checkpointing, compile and FP8."""
     t = cfg.training
     return (
-        f"numerics     {t.dtype} on {t.device}, activation checkpointing "
+        f"numerics     {t.dtype}{_loss_scale_note(cfg)} on {t.device}, activation checkpointing "
         f"{t.activation_checkpointing}, compile {'auto' if t.compile is None else t.compile}, "
         f"fp8 {cfg.fp8.recipe or 'off'}"
+    )
+
+
+def _loss_scale_note(cfg: TrainConfig) -> str:
+    """fp16's loss scale, as `training` sets it (nothing for another dtype)."""
+    t = cfg.training
+    if t.dtype != "fp16":
+        return ""
+    if t.loss_scale is not None:
+        return f" (loss scale {t.loss_scale:g})"
+    return (
+        f" (loss scale dynamic from {t.initial_loss_scale:g}, min {t.min_loss_scale:g}, "
+        f"window {t.loss_scale_window}, hysteresis {t.hysteresis})"
     )
 
 
@@ -451,6 +476,7 @@ def _memory_lines(cfg: TrainConfig, model: ModelConfig, mem: MemoryEstimate) -> 
         ]
     return [
         f"memory/dev   {_count(mem.params_per_device)} params -> {held}{mem.state / _GIB:.2f} GiB",
+        *_data_parallel_mode_line(cfg, mem),
         *objective,
         *host,
         f"             activations per micro batch: {mem.activations_none / _GIB:.2f} GiB "
@@ -459,6 +485,20 @@ def _memory_lines(cfg: TrainConfig, model: ModelConfig, mem: MemoryEstimate) -> 
         f"{mem.total_full / _GIB:.2f} GiB (full); excludes framework, buffers and "
         "fragmentation",
     ]
+
+
+def _data_parallel_mode_line(cfg: TrainConfig, mem: MemoryEstimate) -> list[str]:
+    """What `parallel.dp_mode` holds per device, unless it is FSDP's (every part sharded)."""
+    mode = canonical_dp_mode(cfg.parallel.dp_mode)
+    state = f"{mem.optimizer_state / _GIB:.2f} GiB of optimizer state"
+    if mode == "zero1":
+        return [
+            f"             dp_mode zero1: {state} and the fp32 weights and grads sharded over "
+            "dp * cp, plus whole compute weights and fp32 grads"
+        ]
+    if mode == "replicate":
+        return [f"             dp_mode replicate: nothing sharded ({state})"]
+    return []
 
 
 def _tokens_per_step(cfg: TrainConfig) -> int:

@@ -62,6 +62,8 @@ class Progress:
     """Validation samples taken so far."""
     skipped: int = 0
     """Steps skipped for a non-finite loss or gradient norm, in all."""
+    loss_scaler: dict[str, Any] | None = None
+    """fp16: the loss scaler's state (`LossScaler.state_dict`); None without one."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,7 @@ class RunState:
             "consumed_samples": progress.consumed_train,
             "consumed_valid_samples": progress.consumed_valid,
             "skipped_iterations": progress.skipped,
+            **({"loss_scaler": progress.loss_scaler} if progress.loss_scaler else {}),
             "config": self.cfg.to_dict(),
             "model": dataclasses.asdict(self.model_config),
             "data": {
@@ -400,6 +403,7 @@ class RunState:
             consumed_train=int(meta.get("consumed_samples", 0)),
             consumed_valid=int(meta.get("consumed_valid_samples", 0)),
             skipped=int(meta.get("skipped_iterations", 0)),
+            loss_scaler=meta.get("loss_scaler"),
         )
         log.info("resumed from %s at iteration %d", self.checkpoints.load_dir, progress.iteration)
         return progress
