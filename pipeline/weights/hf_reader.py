@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from pipeline.weights.hf_quantized import fp8_layout, is_fp8
 from pipeline.weights.source import TensorInfo
 
 __all__ = ["HFSource"]
+
+log = logging.getLogger(__name__)
 
 _FROM_SAFETENSORS = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -183,9 +186,14 @@ class HFSource:
         tied = self.model_config.tie_word_embeddings
         num_layers = self.model_config.num_layers
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
+        skipped: dict[str, int] = {}
         for path in files:
             for hf_name, info in self._header(path).items():
                 if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                part = _skipped_part(hf_name)
+                if part is not None:
+                    skipped[part] = skipped.get(part, 0) + 1
                     continue
                 if mtp_shared_copy(hf_name) is not None:
                     continue  # an MTP layer's copy of the shared embedding or output layer
@@ -206,6 +214,9 @@ class HFSource:
                         ) from None
                 name = mtp_name(name, num_layers)
                 pieces.setdefault(name, {})[index] = (path, hf_name, info)
+        if skipped:
+            counts = ", ".join(f"{n} {part} tensors" for part, n in skipped.items())
+            log.warning("%s: skipping %s; pipe reads the language model", self.directory, counts)
         return pieces
 
     def _assemble(self, pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]) -> None:
@@ -285,6 +296,16 @@ class HFSource:
             return handle[hf_name] if self._pickled else handle.get_tensor(hf_name)
         except SafetensorError as e:
             raise ValueError(f"cannot read {hf_name} from {path}: {e}") from e
+
+
+def _skipped_part(hf_name: str) -> str | None:
+    """What a tensor of Qwen3.5's image-text checkpoints is when pipe does not read it: the
+    vision tower (`model.visual.*`) or the multi-token prediction head (`mtp.*`); else None."""
+    if hf_name.startswith("model.visual."):
+        return "vision-tower"
+    if hf_name.startswith("mtp."):
+        return "multi-token-prediction"
+    return None
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

@@ -30,7 +30,12 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
-from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
+from pipeline.core.model.hf_names import (
+    MTP_SHARED_COPIES,
+    as_layer_name,
+    linear_attention_layers,
+    pipe_to_hf_names,
+)
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
 
@@ -102,6 +107,7 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         raise ValueError("source has no output.weight and tie_word_embeddings is false")
     num_experts = cfg.moe.num_experts if cfg.moe is not None else None
     architecture = choose_architecture(cfg, source.metadata.get("hf_architecture"))
+    linear = linear_attention_layers(cfg)
     groups = []
     for name, info in infos.items():
         if name == "output.weight" and cfg.tie_word_embeddings:
@@ -111,7 +117,7 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         out = info.dtype if name.endswith(".moe.expert_bias") else _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
-        hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
+        hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture, linear)
         if len(hf_names) == 1:
             groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
         elif info.shape[0] != len(hf_names):

@@ -16,6 +16,7 @@ from pipeline.core.kernels.attention import attention
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.kv_seam import LayerKVCache
+from pipeline.core.model.linear_attention import GatedDeltaNet
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
 from pipeline.core.model.rope import apply_rope, deinterleave
@@ -36,6 +37,9 @@ class ModelOptions:
     """
 
     attention_backend: str = "sdpa"
+    # The gated delta rule's kernel in linear-attention layers ("auto": flash-linear-attention's
+    # Triton kernels on a GPU where installed, else torch; "torch"; "fla").
+    linear_attention_backend: str = "auto"
     activation_checkpointing: str = "none"
     moe_aux_loss_scale: float | None = None
     moe_micro_batch_group: Any = None
@@ -49,20 +53,35 @@ class ModelOptions:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face Llama does)."""
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face Llama does).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    `unit_offset` (Qwen3-Next, Qwen3.5): the scale is 1 + weight, the weight stored
+    zero-centred and the product taken in fp32 before the cast, as those models compute it (a
+    weight rewritten to 1 + w would lose bits in bf16)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+        if self.unit_offset:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
+
+
+def model_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The model's RMSNorm over `dim` (default: hidden_size), with its eps and scale kind."""
+    return RMSNorm(dim or config.hidden_size, config.norm_eps, config.norm_unit_offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,7 +119,8 @@ class AttentionKernel(nn.Module):
 class Attention(nn.Module):
     """Multi-head attention with grouped-query kv heads, RoPE, optional q/k/v bias (Qwen2) and
     optional per-head q/k RMSNorm before RoPE (Qwen3: `q_norm`, `k_norm` over head_dim, one
-    weight shared by all heads, so tensor parallelism replicates them).
+    weight shared by all heads, so tensor parallelism replicates them) and an optional sigmoid
+    output gate (Qwen3-Next, Qwen3.5: `wq` gives each head's query and gate side by side).
 
     `kind` names the attention family for code that treats families differently (tensor
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
@@ -115,13 +135,16 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        # With an output gate, each query head's rows are [query, gate] (Hugging Face's layout).
+        self.output_gate = config.attention_output_gate
+        q_rows = 2 * q_dim if self.output_gate else q_dim
+        self.wq = nn.Linear(config.hidden_size, q_rows, bias=config.qkv_bias)
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         if self.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.q_norm = model_norm(config, config.head_dim)
+            self.k_norm = model_norm(config, config.head_dim)
         self.kernel = AttentionKernel(backend)
 
     def forward(
@@ -134,7 +157,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        q = self.wq(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.qk_norm:
@@ -145,7 +172,10 @@ class Attention(nn.Module):
         else:  # the cache holds [batch, tokens, kv_heads, head_dim]
             k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
             out = self.kernel.over_cache(q, k, v, cache.mask)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(batch, seq, -1))
+        return self.wo(out)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -250,7 +280,8 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)).
 
     The block says what it is: `attention.kind` ("gqa": `Attention`; "mla": `LatentAttention`,
-    chosen by `config.attention_kind`), and `mlp_kind` ("moe": `moe`, a `MoE`;
+    chosen by `config.attention_kind`; "linear": `GatedDeltaNet`, where `config.layer_type`
+    says "linear_attention"), and `mlp_kind` ("moe": `moe`, a `MoE`;
     "dense": `feed_forward`, a dense SwiGLU), chosen per layer by `config.mlp_kind(layer)`;
     `mlp` is whichever it has. With `options.activation_checkpointing` the block recomputes
     its activations in backward (`pipeline.core.model.recompute`)."""
@@ -262,10 +293,13 @@ class TransformerBlock(nn.Module):
         options = options or ModelOptions()
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
-        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps)
-        attention_cls = LatentAttention if config.attention_kind == "mla" else Attention
-        self.attention = attention_cls(config, options.attention_backend)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attention_norm = model_norm(config)
+        if config.layer_type(layer) == "linear_attention":
+            self.attention = GatedDeltaNet(config, options.linear_attention_backend)
+        else:
+            attention_cls = LatentAttention if config.attention_kind == "mla" else Attention
+            self.attention = attention_cls(config, options.attention_backend)
+        self.ffn_norm = model_norm(config)
         if self.mlp_kind == "dense":
             self.feed_forward = FeedForward(config.hidden_size, config.ffn_hidden_size)
         else:

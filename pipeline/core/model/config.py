@@ -96,6 +96,44 @@ class MoEConfig:
     num_shared_experts: int = 0  # one SwiGLU of this many experts' width sees every token
     expert_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
     expert_bias_update_rate: float = 1e-3
+    # The shared experts' width when it is not num_shared_experts * the experts' width
+    # (Qwen3-Next / Qwen3.5-MoE's shared_expert_intermediate_size); None: that product.
+    shared_expert_ffn_hidden_size: int | None = None
+    # Weigh the shared experts' output per token by sigmoid(a linear of the input)
+    # (Qwen3-Next / Qwen3.5-MoE's shared_expert_gate).
+    shared_expert_gate: bool = False
+
+
+@dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), the layers `layer_types` names
+    "linear_attention". Queries and keys have `num_key_heads` heads of `key_head_dim`, values
+    and the output gate `num_value_heads` of `value_head_dim` (a multiple of the key heads: each
+    key head serves num_value_heads / num_key_heads value heads); a causal depthwise conv of
+    width `conv_kernel_size` runs over the q, k, v channels. `interleaved_projections`: one
+    q/k/v/z and one b/a projection whose rows are grouped by key head (Qwen3-Next's
+    in_proj_qkvz / in_proj_ba); otherwise four projections (Qwen3.5's in_proj_qkv, _z, _b, _a).
+    """
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel_size: int = 4
+    interleaved_projections: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: queries, keys and values side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass
@@ -126,6 +164,19 @@ class ModelConfig:
     # mtp_loss_scaling_factor / D each (Megatron's --mtp-loss-scaling-factor). 0: none.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # Per-layer kind, Hugging Face's names ("full_attention", "linear_attention", ...);
+    # None: every layer full attention.
+    layer_types: list[str] | None = None
+    # RoPE rotates the first int(head_dim * factor) dimensions of each head (rotate-half
+    # pairing); the rest pass through.
+    partial_rotary_factor: float = 1.0
+    # Every RMSNorm of the model scales by (1 + weight) (Qwen3-Next, Qwen3.5), weights stored
+    # as Hugging Face stores them (zero-centred).
+    norm_unit_offset: bool = False
+    # Full attention multiplies its output by sigmoid(gate) before `wo`, the gate a second half
+    # of each query head's rows in `wq` (Qwen3-Next, Qwen3.5).
+    attention_output_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -144,6 +195,27 @@ class ModelConfig:
             )
         if self.moe is not None:
             self._check_moe(self.moe)
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        kinds = self.layer_types
+        if kinds is None:
+            return
+        if len(kinds) != self.num_layers:
+            raise ValueError(f"layer_types has {len(kinds)} entries for {self.num_layers} layers")
+        if "linear_attention" in kinds:
+            linear = self.linear_attention
+            if linear is None:
+                raise ValueError("layer_types names linear_attention but linear_attention is unset")
+            if linear.num_value_heads % linear.num_key_heads:
+                raise ValueError(
+                    f"linear_attention.num_value_heads {linear.num_value_heads} must be a "
+                    f"multiple of num_key_heads {linear.num_key_heads}"
+                )
+
+    def layer_type(self, layer: int) -> str:
+        """The kind of layer `layer` (0-based): "full_attention" unless `layer_types` says."""
+        return "full_attention" if self.layer_types is None else self.layer_types[layer]
 
     def _check_moe(self, moe: MoEConfig) -> None:
         if moe.top_k > moe.num_experts:
@@ -171,7 +243,9 @@ class ModelConfig:
     @property
     def rope_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (MLA rotates only its decoupled part)."""
-        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_moe(self) -> bool:
@@ -212,4 +286,6 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
         values["rope_scaling"] = kind(**scaling)
     if values.get("mla") is not None:
         values["mla"] = MLAConfig(**values["mla"])
+    if values.get("linear_attention") is not None:
+        values["linear_attention"] = LinearAttentionConfig(**values["linear_attention"])
     return ModelConfig(**values)

@@ -280,7 +280,7 @@ def num_parameters(config: ModelConfig) -> int:
     if c.mla is None:
         q_dim = c.num_attention_heads * c.head_dim
         kv_dim = c.num_kv_heads * c.head_dim
-        attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+        attn = h * q_dim * (2 if c.attention_output_gate else 1) + 2 * h * kv_dim + q_dim * h
         if c.qkv_bias:
             attn += q_dim + 2 * kv_dim
         if c.qk_norm:
@@ -291,12 +291,27 @@ def num_parameters(config: ModelConfig) -> int:
     moe_mlp = 0
     if c.moe is not None:
         moe_mlp = c.moe.num_experts * (3 * h * c.expert_ffn_hidden_size + h)
-        moe_mlp += 3 * h * c.expert_ffn_hidden_size * c.moe.num_shared_experts
+        shared_width = c.moe.shared_expert_ffn_hidden_size or (
+            c.expert_ffn_hidden_size * c.moe.num_shared_experts
+        )
+        moe_mlp += 3 * h * shared_width + (h if c.moe.shared_expert_gate else 0)
     moe_layers = c.num_moe_layers
     mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
-    per_layer = attn + 2 * h  # two RMSNorm weights
+    linear_layers = sum(c.layer_type(i) == "linear_attention" for i in range(c.num_layers))
+    mixers = (c.num_layers - linear_layers) * attn
+    if linear_layers:
+        mixers += linear_layers * _linear_attention_parameters(c)
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
-    return embeddings + c.num_layers * per_layer + mlp + h
+    return embeddings + mixers + c.num_layers * 2 * h + mlp + h  # two RMSNorms a layer
+
+
+def _linear_attention_parameters(config: ModelConfig) -> int:
+    """One gated DeltaNet layer's parameters: q/k/v/z/b/a projections, conv, A_log, dt_bias,
+    the gated norm and the output projection."""
+    s, h = config.linear_attention, config.hidden_size
+    projections = h * (s.conv_dim + s.value_dim + 2 * s.num_value_heads)
+    conv = s.conv_dim * s.conv_kernel_size
+    return projections + conv + 2 * s.num_value_heads + s.value_head_dim + s.value_dim * h
 
 
 def _mla_linear_parameters(config: ModelConfig) -> int:

@@ -54,6 +54,32 @@ _NAME_PAIRS: list[tuple[str, str]] = [
         "model.layers.{i}.mlp.shared_experts.down_proj.weight",
         "layers.{i}.moe.shared_experts.w2.weight",
     ),
+    # Gated DeltaNet linear attention (Qwen3.5's split projections, Qwen3-Next's fused ones).
+    ("model.layers.{i}.linear_attn.in_proj_qkv.weight", "layers.{i}.attention.wqkv.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_z.weight", "layers.{i}.attention.wz.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_b.weight", "layers.{i}.attention.wb.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_a.weight", "layers.{i}.attention.wa.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_qkvz.weight", "layers.{i}.attention.wqkvz.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_ba.weight", "layers.{i}.attention.wba.weight"),
+    ("model.layers.{i}.linear_attn.conv1d.weight", "layers.{i}.attention.conv_weight"),
+    ("model.layers.{i}.linear_attn.A_log", "layers.{i}.attention.A_log"),
+    ("model.layers.{i}.linear_attn.dt_bias", "layers.{i}.attention.dt_bias"),
+    ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.attention.norm.weight"),
+    ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.attention.wo.weight"),
+    # Qwen3-Next / Qwen3.5-MoE's one gated shared expert (written so by `pipe_to_hf_names`).
+    (
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        "layers.{i}.moe.shared_experts.w1.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        "layers.{i}.moe.shared_experts.w3.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+        "layers.{i}.moe.shared_experts.w2.weight",
+    ),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.moe.shared_expert_gate.weight"),
     # DeepSeek-V3's multi-token prediction modules (layers past num_hidden_layers; ours are
     # `mtp.{i}.*`, see `mtp_name`).
     ("model.layers.{i}.enorm.weight", "layers.{i}.enorm.weight"),
@@ -110,7 +136,13 @@ _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "MixtralForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "Qwen3MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "DeepseekV3ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "Qwen3NextForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "Qwen3_5MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
+# Architectures with one shared expert, spelled `mlp.shared_expert.*` (DeepSeek's are plural).
+_ONE_SHARED_EXPERT = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+# Qwen3.5's image-text checkpoints keep the language model under `model.language_model.`.
+_LANGUAGE_MODEL_PREFIX = "model.language_model."
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"
 )
@@ -121,10 +153,13 @@ _OURS_BY_SPELLING = {
 }
 _PIPE_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])")
 _PIPE_ROUTER = re.compile(r"layers\.(\d+)\.moe\.router\.weight")
+_PIPE_LINEAR_OUT = re.compile(r"layers\.(\d+)\.attention\.wo\.weight")
 
 
 def hf_to_pipe_name(hf_name: str) -> str:
     """Our name for a Hugging Face parameter name; KeyError if it has none."""
+    if hf_name.startswith(_LANGUAGE_MODEL_PREFIX):
+        hf_name = "model." + hf_name.removeprefix(_LANGUAGE_MODEL_PREFIX)
     for pattern, template in _HF_TO_PIPE:
         m = pattern.fullmatch(hf_name)
         if m:
@@ -145,12 +180,27 @@ def hf_expert_piece(hf_name: str) -> tuple[str, int] | None:
     return f"layers.{layer}.moe.experts.{ours}", int(expert)
 
 
+def linear_attention_layers(config) -> frozenset[int]:
+    """The layers of `config` (a `ModelConfig`) that `layer_types` makes linear attention."""
+    return frozenset(
+        i for i in range(config.num_layers) if config.layer_type(i) == "linear_attention"
+    )
+
+
 def pipe_to_hf_names(
-    name: str, num_experts: int | None = None, architecture: str = "MixtralForCausalLM"
+    name: str,
+    num_experts: int | None = None,
+    architecture: str = "MixtralForCausalLM",
+    linear_layers: frozenset[int] = frozenset(),
 ) -> list[str]:
     """The on-disk Hugging Face names for our parameter `name`: one name, or for a stacked
     expert tensor (`layers.N.moe.experts.w1`) one name per expert, in expert order. MoE
-    tensors are spelled as `architecture` (Mixtral or Qwen3-MoE) spells them."""
+    tensors are spelled as `architecture` (Mixtral or Qwen3-MoE) spells them. The output
+    projection of a layer in `linear_layers` (`linear_attention_layers`) is the linear
+    attention's `out_proj`."""
+    m = _PIPE_LINEAR_OUT.fullmatch(name)
+    if m and int(m.group(1)) in linear_layers:
+        return [f"model.layers.{m.group(1)}.linear_attn.out_proj.weight"]
     module, names = _EXPERT_SPELLINGS.get(architecture, _EXPERT_SPELLINGS["MixtralForCausalLM"])
     m = _PIPE_EXPERTS.fullmatch(name)
     if m:
@@ -165,7 +215,10 @@ def pipe_to_hf_names(
     for pattern, template in _PIPE_TO_HF:
         m = pattern.fullmatch(name)
         if m:
-            return [template.format(**m.groupdict())]
+            hf_name = template.format(**m.groupdict())
+            if architecture in _ONE_SHARED_EXPERT:
+                hf_name = hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+            return [hf_name]
     raise KeyError(f"no Hugging Face name for pipe parameter {name!r}")
 
 

@@ -74,7 +74,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Dimension i is paired with i + head_dim/2 (not with its neighbour as in Meta's original
     code), matching Hugging Face checkpoints so their q/k weights load without permutation.
+    When cos/sin are narrower than the head (`partial_rotary_factor`), only the first
+    dimensions turn, paired the same way within them; the rest pass through.
     """
+    rope_dim = cos.shape[-1]
+    if rope_dim < x.shape[-1]:  # partial rotary: the first rope_dim dimensions turn
+        turned, kept = x[..., :rope_dim], x[..., rope_dim:]
+        return torch.cat((apply_rope(turned, cos, sin), kept), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

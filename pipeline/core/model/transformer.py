@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from pipeline.core.model.block import ModelOptions, RMSNorm, TransformerBlock
+from pipeline.core.model.block import ModelOptions, RMSNorm, TransformerBlock, model_norm
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import init_linear
 from pipeline.core.model.kv_seam import KVCache
@@ -59,7 +59,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(config, self.options, i) for i in range(config.num_layers)}
         )
-        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm: RMSNorm | None = model_norm(config)
         self.output: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Multi-token prediction modules by global layer index (`pipeline.core.model.mtp`); the
         # last block's output (before `norm`) is kept for them after each forward.
