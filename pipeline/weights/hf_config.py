@@ -278,7 +278,8 @@ def _hybrid_from_hf(hf: dict[str, Any], arch: str) -> ModelConfig:
         num_attention_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or 256,
-        ffn_hidden_size=hf.get("intermediate_size", 5632),
+        # Qwen3.5-MoE has experts in every layer and no dense width: the experts' stands in.
+        ffn_hidden_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size", 5632),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=hf.get("max_position_embeddings", 32768),

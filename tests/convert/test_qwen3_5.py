@@ -241,3 +241,135 @@ def test_image_text_checkpoint_reads_its_language_model(tmp_path, caplog) -> Non
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
         assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# The published sizes
+# ---------------------------------------------------------------------------------------------
+
+_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+    "mrope_interleaved": True,
+    "mrope_section": [11, 11, 10],
+}
+_TEXT = dict(
+    vocab_size=248320,
+    head_dim=256,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    full_attention_interval=4,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    attention_bias=False,
+    initializer_range=0.02,
+    rope_parameters=_ROPE,
+)
+# Qwen/Qwen3.5-27B's and Qwen/Qwen3.5-35B-A3B's config.json (the image-text wrapper; its
+# text_config), and Qwen/Qwen3-Next-80B-A3B's.
+PUBLISHED = {
+    "qwen3_5_27b": (
+        {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "tie_word_embeddings": False,
+            "text_config": _TEXT
+            | dict(
+                model_type="qwen3_5_text",
+                hidden_size=5120,
+                intermediate_size=17408,
+                num_hidden_layers=64,
+                num_attention_heads=24,
+                num_key_value_heads=4,
+                linear_num_value_heads=48,
+            ),
+        },
+        27e9,
+    ),
+    "qwen3_5_35b_a3b": (
+        {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": False,
+            "text_config": _TEXT
+            | dict(
+                model_type="qwen3_5_moe_text",
+                hidden_size=2048,
+                num_hidden_layers=40,
+                num_attention_heads=16,
+                num_key_value_heads=2,
+                linear_num_value_heads=32,
+                num_experts=256,
+                num_experts_per_tok=8,
+                moe_intermediate_size=512,
+                shared_expert_intermediate_size=512,
+                router_aux_loss_coef=0.001,
+            ),
+        },
+        35e9,
+    ),
+    "qwen3_next_80b_a3b": (
+        _TEXT
+        | dict(
+            architectures=["Qwen3NextForCausalLM"],
+            model_type="qwen3_next",
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=5120,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            linear_num_value_heads=32,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000,
+                "partial_rotary_factor": 0.25,
+            },
+        ),
+        80e9,
+    ),
+}
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+def test_published_configs_give_the_flavors_and_their_sizes(flavor: str) -> None:
+    """Each published config.json gives our flavor, whose parameter count equals transformers'
+    language model of that config (built on meta) and the published size (to 0.5B: the
+    published figures also count the vision tower and the MTP head, which pipe does not read);
+    the `--dry-run` of its recipe prints that count."""
+    from pipeline.core.model.flavors import get_flavor, num_parameters
+    from pipeline.train.assembly.run_config import resolve_config
+    from pipeline.train.report.estimates import dry_run_report
+    from pipeline.weights.hf_config import text_model_config
+
+    hf, published = PUBLISHED[flavor]
+    ours = get_flavor(flavor)
+    assert config_from_hf(hf) == ours
+    text = text_model_config(hf)
+    arch = text["architectures"][0]
+    kwargs = {k: v for k, v in text.items() if k not in ("architectures", "model_type")}
+    config_cls = {
+        "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig,
+        "Qwen3_5MoeForCausalLM": transformers.Qwen3_5MoeTextConfig,
+        "Qwen3NextForCausalLM": transformers.Qwen3NextConfig,
+    }[arch]
+    with torch.device("meta"):
+        hf_model = getattr(transformers, arch)(config_cls(**kwargs))
+    count = num_parameters(ours)
+    assert count == sum(p.numel() for p in hf_model.parameters())
+    assert abs(count - published) < 0.5e9
+    report = dry_run_report(resolve_config(flavor), world_size=32)
+    assert any(line.startswith(f"parameters   {count:,} total") for line in report)

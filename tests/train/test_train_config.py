@@ -33,7 +33,10 @@ RECIPES = [
     "mixtral_8x7b",
     "moonlight_16b_a3b",
     "qwen3_30b_a3b",
+    "qwen3_5_27b",
+    "qwen3_5_35b_a3b",
     "qwen3_8b",
+    "qwen3_next_80b_a3b",
     "tiny",
     "tiny_deepseek_v3",
     "tiny_dpo",
@@ -43,6 +46,7 @@ RECIPES = [
     "tiny_moe",
     "tiny_muon",
     "tiny_qwen3",
+    "tiny_qwen3_5",
     "tiny_qwen3_moe",
     "tiny_sft",
 ]
@@ -56,6 +60,9 @@ WORLD_SIZES = {
     "mixtral_8x7b": 64,
     "qwen3_8b": 8,
     "qwen3_30b_a3b": 16,
+    "qwen3_5_27b": 8,
+    "qwen3_5_35b_a3b": 16,
+    "qwen3_next_80b_a3b": 32,
     "deepseek_v3": 1024,
     "moonlight_16b_a3b": 8,
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
+from pipeline.core.model.hybrid_flavors import HYBRID_FLAVORS
 
 
 def llama3_8b() -> ModelConfig:
@@ -264,6 +265,9 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "tiny_qwen3_moe": tiny_qwen3_moe,
     "tiny_deepseek_v3": tiny_deepseek_v3,
 }
+
+
+FLAVORS |= HYBRID_FLAVORS
 
 
 def get_flavor(name: str) -> ModelConfig:
