@@ -26,8 +26,10 @@ from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
     hf_to_pipe_name,
+    is_reordered,
     mtp_name,
     mtp_shared_copy,
+    reorder_from_hf,
 )
 from pipeline.tokenizer.tokenizer import directory_record
 from pipeline.weights.hf_config import (
@@ -283,6 +285,8 @@ class HFSource:
             parts.append(t)
         if len(parts) == 1:
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
+            if is_reordered(name):  # indexing copies
+                return reorder_from_hf(name, parts[0], self.model_config)
             return parts[0].clone()
         return torch.stack(parts)
 

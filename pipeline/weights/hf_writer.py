@@ -33,8 +33,10 @@ from pipeline.common.safetensors_io import (
 from pipeline.core.model.hf_names import (
     MTP_SHARED_COPIES,
     as_layer_name,
+    is_reordered,
     linear_attention_layers,
     pipe_to_hf_names,
+    reorder_to_hf,
 )
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
@@ -119,7 +121,13 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
         hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture, linear)
         if len(hf_names) == 1:
-            groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
+            make = None
+            if is_reordered(name):  # linear attention's channels, back in HF's order
+
+                def make(t: torch.Tensor, name: str = name, out: torch.dtype = out) -> torch.Tensor:
+                    return reorder_to_hf(name, t, cfg).to(out)
+
+            groups.append([HFPiece(hf_names[0], name, None, info.shape, out, make)])
         elif info.shape[0] != len(hf_names):
             raise ValueError(f"{name}: shape {info.shape} does not hold {len(hf_names)} experts")
         else:

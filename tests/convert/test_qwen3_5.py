@@ -102,7 +102,7 @@ def test_logits_and_gradients_equal_transformers(name: str) -> None:
     hf = hf_model(name)
     config = our_config(name)
     model = build(config)
-    model.load_state_dict(from_hf_state_dict(hf.state_dict()), strict=True)
+    model.load_state_dict(from_hf_state_dict(hf.state_dict(), config), strict=True)
     kinds = [layer.block_type for layer in hf.model.layers]
     assert [block.attention.kind for block in model.layers.values()] == [
         "linear" if k == "linear_attention" else "gqa" for k in kinds
@@ -118,7 +118,7 @@ def test_logits_and_gradients_equal_transformers(name: str) -> None:
 
     F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
-    hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()})
+    hf_grads = from_hf_state_dict({n: p.grad for n, p in hf.named_parameters()}, config)
     for pname, p in model.named_parameters():
         assert (p.grad - hf_grads[pname]).abs().max() < 1e-4, pname
 
@@ -131,7 +131,7 @@ def test_the_options_matter() -> None:
     tokens = _tokens()
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
-    state = from_hf_state_dict(hf.state_dict())
+    state = from_hf_state_dict(hf.state_dict(), our_config("qwen3_5_moe"))
     for field, value in (
         ("norm_unit_offset", False),
         ("partial_rotary_factor", 1.0),

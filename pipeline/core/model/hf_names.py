@@ -15,6 +15,9 @@ import re
 
 import torch
 
+from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.linear_attention import grouped_channel_order
+
 # (HF template, our template): {i} is the layer index, {p} is `weight` or `bias`. For our -> HF
 # the first matching row wins, so on-disk spellings come before in-memory ones.
 _NAME_PAIRS: list[tuple[str, str]] = [
@@ -222,8 +225,12 @@ def pipe_to_hf_names(
     raise KeyError(f"no Hugging Face name for pipe parameter {name!r}")
 
 
-def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours."""
+def from_hf_state_dict(
+    hf_state: dict[str, torch.Tensor], config: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours;
+    linear attention's conv channels and q/k/v rows are reordered (`reorder_from_hf`), which
+    needs the model's `config`."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in hf_state.items():
         m = _GATE_UP.fullmatch(name)
@@ -232,5 +239,33 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             out[f"layers.{m.group(1)}.moe.experts.w1"] = gate
             out[f"layers.{m.group(1)}.moe.experts.w3"] = up
         else:
-            out[hf_to_pipe_name(name)] = tensor
+            ours = hf_to_pipe_name(name)
+            out[ours] = reorder_from_hf(ours, tensor, config)
     return out
+
+
+# Linear attention's tensors whose channels pipe groups by key head (`grouped_channel_order`).
+_REORDERED = re.compile(r"layers\.\d+\.attention\.(wqkv\.weight|conv_weight)")
+
+
+def reorder_from_hf(name: str, tensor: torch.Tensor, config: ModelConfig | None) -> torch.Tensor:
+    """Our tensor `name` from Hugging Face's: linear attention's conv weight and Qwen3.5's
+    in_proj_qkv rows from all-queries, all-keys, all-values order to ours, grouped by key head;
+    any other tensor as it is."""
+    if not _REORDERED.fullmatch(name):
+        return tensor
+    if config is None or config.linear_attention is None:
+        raise ValueError(f"{name}: reordering linear attention's channels needs the model config")
+    return tensor[grouped_channel_order(config.linear_attention)]
+
+
+def reorder_to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The inverse of `reorder_from_hf`: Hugging Face's tensor for our `name`."""
+    if not _REORDERED.fullmatch(name):
+        return tensor
+    return tensor[grouped_channel_order(config.linear_attention).argsort()]
+
+
+def is_reordered(name: str) -> bool:
+    """Whether `reorder_from_hf` / `reorder_to_hf` change the tensor `name`."""
+    return _REORDERED.fullmatch(name) is not None

@@ -1,12 +1,16 @@
 """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): the block `layer_types` puts where it
 says "linear_attention", in place of softmax attention.
 
-From the normed input x: queries, keys and values (`wqkv`, or Qwen3-Next's head-grouped
-`wqkvz`), an output gate z (`wz`), and per value head a step size beta = sigmoid(b) (`wb`) and a
-log decay g = -exp(A_log) * softplus(a + dt_bias) (`wa`). q, k and v go through a causal
-depthwise conv with SiLU (`conv_weight`), q and k are L2-normalised per head, and the gated
-delta rule (`pipeline.core.kernels.gated_delta`) turns them into one output per value head. A
-gated RMSNorm (`norm`: rms-normalised output * weight * silu(z)) and `wo` finish.
+From the normed input x: queries, keys and values (`wqkv`), an output gate z (`wz`), and per
+value head a step size beta = sigmoid(b) (`wb`) and a log decay
+g = -exp(A_log) * softplus(a + dt_bias) (`wa`); Qwen3-Next fuses them in `wqkvz` and `wba`,
+rows grouped by key head. q, k and v go through a causal depthwise conv with SiLU
+(`conv_weight`), q and k are L2-normalised per head, and the gated delta rule
+(`pipeline.core.kernels.gated_delta`) turns them into one output per value head. A gated RMSNorm
+(`norm`: rms-normalised output * weight * silu(z)) and `wo` finish. The conv's channels, and
+the rows of `wqkv`, are grouped by key head (`grouped_channel_order`; the Hugging Face readers
+and writers reorder them), so tensor parallelism splits every tensor of the layer into
+contiguous runs of heads.
 
 Instead of a growing KV cache the layer carries, per sequence, the conv's last `width - 1`
 inputs and the rule's state `[value_heads, key_head_dim, value_head_dim]`. Packed documents
@@ -23,12 +27,33 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from pipeline.core.kernels.gated_delta import causal_conv1d, gated_delta_rule, l2_normalize
-from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.config import LinearAttentionConfig, ModelConfig
 from pipeline.core.model.feed_forward import init_linear
 
 LINEAR_ATTENTION_BACKENDS = ("auto", "torch", "fla")
+
+
+def grouped_channel_order(shape: LinearAttentionConfig) -> torch.Tensor:
+    """Where each of our conv channels (and `wqkv` rows) sits in Hugging Face's order.
+
+    Hugging Face keeps the conv's channels (and Qwen3.5's in_proj_qkv rows) as all queries, all
+    keys, all values. Ours are grouped by key head: key head h's query, its key, then the values
+    of the value heads it serves, head after head, so that tensor parallelism splits every such
+    tensor in contiguous pieces, each rank a run of key heads. `ours = theirs[order]`;
+    `theirs = ours[order.argsort()]`."""
+    per_key = shape.num_value_heads // shape.num_key_heads
+    dk, values = shape.key_head_dim, per_key * shape.value_head_dim
+    parts = []
+    for h in range(shape.num_key_heads):
+        parts += [
+            torch.arange(h * dk, (h + 1) * dk),
+            shape.key_dim + torch.arange(h * dk, (h + 1) * dk),
+            2 * shape.key_dim + torch.arange(h * values, (h + 1) * values),
+        ]
+    return torch.cat(parts)
 
 
 class LayerStateCache(Protocol):
@@ -88,6 +113,18 @@ class DocumentRows:
         return out.view(*like.shape[:2], *rows.shape[2:])
 
 
+def local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter that tensor parallelism made a DTensor: a head-sharded
+    one's local heads; a replicated one (the gated norm's weight, which every head uses) as is,
+    its gradient marked partial so that it is summed over the ranks' heads. A plain tensor as
+    it is."""
+    if not isinstance(param, DTensor):
+        return param
+    if param.placements[0].is_replicate():
+        return param.to_local(grad_placements=[Partial()])
+    return param.to_local()
+
+
 class GatedRMSNorm(nn.Module):
     """rms-normalised x * weight * silu(gate), per value head (fp32 inside, x's dtype out)."""
 
@@ -99,7 +136,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(x.dtype)
+        out = local(self.weight) * x32.to(x.dtype)
         return (out * F.silu(gate.float())).to(x.dtype)
 
     def init_weights(self) -> None:
@@ -141,35 +178,31 @@ class GatedDeltaNet(nn.Module):
         self.wo = nn.Linear(shape.value_dim, h, bias=False)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(q, k, v, z, b, a), each `[batch, tokens, this rank's channels]`."""
-        s = self.shape
+        """(the conv's input, z, b, a), each `[batch, tokens, this rank's channels]`; the conv's
+        channels grouped by key head (`grouped_channel_order`), z, b and a by value head."""
         if not self.interleaved:
-            q, k, v = self.wqkv(x).split(self._qkv_widths(), dim=-1)
-            return q, k, v, self.wz(x), self.wb(x), self.wa(x)
+            return self.wqkv(x), self.wz(x), self.wb(x), self.wa(x)
         batch, tokens, _ = x.shape
-        per_key = s.num_value_heads // s.num_key_heads
-        # Rows grouped by key head: [q, k, that head's values, that head's gates].
-        qkvz = self.wqkvz(x).view(
-            batch, tokens, -1, 2 * s.key_head_dim + 2 * per_key * s.value_head_dim
-        )
-        widths = [
-            s.key_head_dim,
-            s.key_head_dim,
-            per_key * s.value_head_dim,
-            per_key * s.value_head_dim,
-        ]
-        q, k, v, z = (t.reshape(batch, tokens, -1) for t in qkvz.split(widths, dim=-1))
-        b, a = self.wba(x).view(batch, tokens, -1, 2 * per_key).split([per_key, per_key], dim=-1)
-        return q, k, v, z, b.reshape(batch, tokens, -1), a.reshape(batch, tokens, -1)
-
-    def _qkv_widths(self) -> list[int]:
-        """This rank's q, k, v widths: the conv channels' sections (tensor parallelism splits
-        each section, so the weight's rows are a third key, a third key, value parts)."""
         s = self.shape
-        heads_here = self.A_log.shape[0]  # value heads on this rank
-        key_heads = heads_here * s.num_key_heads // s.num_value_heads
-        key = key_heads * s.key_head_dim
-        return [key, key, heads_here * s.value_head_dim]
+        per_key = s.num_value_heads // s.num_key_heads
+        conv_width = 2 * s.key_head_dim + per_key * s.value_head_dim
+        # Rows grouped by key head: [q, k, that head's values, that head's gates].
+        qkvz = self.wqkvz(x).view(batch, tokens, -1, conv_width + per_key * s.value_head_dim)
+        mixed, z = qkvz.split([conv_width, per_key * s.value_head_dim], dim=-1)
+        b, a = self.wba(x).view(batch, tokens, -1, 2 * per_key).split([per_key, per_key], dim=-1)
+        flat = (t.reshape(batch, tokens, -1) for t in (mixed, z, b, a))
+        return tuple(flat)
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The conv's output `[rows, tokens, channels]` (grouped by key head) as q and k
+        `[rows, tokens, key heads, key_head_dim]` and v `[rows, tokens, value heads,
+        value_head_dim]`."""
+        s = self.shape
+        rows, tokens, _ = mixed.shape
+        per_key = s.num_value_heads // s.num_key_heads
+        widths = [s.key_head_dim, s.key_head_dim, per_key * s.value_head_dim]
+        q, k, v = mixed.view(rows, tokens, -1, sum(widths)).split(widths, dim=-1)
+        return q, k, v.reshape(rows, tokens, -1, s.value_head_dim)
 
     def forward(
         self,
@@ -181,10 +214,9 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         s = self.shape
         batch, tokens, _ = x.shape
-        q, k, v, z, b, a = self._project(x)
-        mixed = torch.cat((q, k, v), dim=-1)
+        mixed, z, b, a = self._project(x)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = -local(self.A_log).float().exp() * F.softplus(a.float() + local(self.dt_bias))
         window = state = None
         documents = None
         if cache is not None:
@@ -193,12 +225,9 @@ class GatedDeltaNet(nn.Module):
             documents = DocumentRows.of(document_ids)
             if documents is not None:
                 mixed, beta, g = (documents.gather(t) for t in (mixed, beta, g))
-        rows, length = mixed.shape[:2]
-        mixed, window = causal_conv1d(mixed, self.conv_weight, window)
-        q, k, v = mixed.split(self._qkv_widths(), dim=-1)
-        q = l2_normalize(q.float().view(rows, length, -1, s.key_head_dim))
-        k = l2_normalize(k.float().view(rows, length, -1, s.key_head_dim))
-        v = v.reshape(rows, length, -1, s.value_head_dim)
+        mixed, window = causal_conv1d(mixed, local(self.conv_weight), window)
+        q, k, v = self._split_heads(mixed)
+        q, k = l2_normalize(q.float()), l2_normalize(k.float())
         per_key = s.num_value_heads // s.num_key_heads
         if per_key > 1:
             q, k = q.repeat_interleave(per_key, dim=2), k.repeat_interleave(per_key, dim=2)

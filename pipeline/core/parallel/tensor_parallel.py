@@ -166,6 +166,8 @@ def _block_plan(
     stream = Shard(1) if sequence_parallel else Replicate()
     if block.attention.kind == "mla":
         plan = _latent_attention_plan(block, stream, keep_dtensor)
+    elif block.attention.kind == "linear":
+        plan = _linear_attention_plan(block, stream, keep_dtensor)
     else:
         plan = _attention_plan(block, stream, keep_dtensor)
     if sequence_parallel:
@@ -230,6 +232,44 @@ def _attention_plan(
         input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
     )
     return plan
+
+
+def _linear_attention_plan(
+    block: nn.Module, stream: Shard | Replicate, keep_dtensor: bool
+) -> dict[str, ParallelStyle]:
+    """Gated DeltaNet: each rank a run of key heads and the value heads they serve. The input
+    projections column-wise (their rows, and the conv's channels, are grouped by key head, so a
+    contiguous split is a split by heads), `wo` row-wise, the conv weight, A_log and dt_bias
+    split on heads, the gated norm's weight (one for every head) replicated with its gradient
+    summed (`pipeline.core.model.linear_attention.local`)."""
+    attention = block.attention
+    names = ("wqkvz", "wba") if attention.interleaved else ("wqkv", "wz", "wb", "wa")
+    plan: dict[str, ParallelStyle] = {f"attention.{n}": ColwiseParallel() for n in names}
+    plan["attention.wo"] = RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor)
+    plan["attention.norm"] = _Placed({"weight": Replicate()})
+    plan["attention"] = _Placed(
+        {"conv_weight": Shard(0), "A_log": Shard(0), "dt_bias": Shard(0)},
+        input_layouts=(stream, None, None),
+        desired_input_layouts=(Replicate(), None, None),
+    )
+    return plan
+
+
+class _Placed(PrepareModuleInput):
+    """Lay a module's own parameters out as `placements` says (name -> placement) over tp; with
+    input layouts, also prepare its input as `PrepareModuleInput` does (to a local tensor)."""
+
+    def __init__(self, placements: dict, **input_layouts) -> None:
+        super().__init__(**input_layouts, use_local_output=True)
+        self.placements = placements
+        self.prepares_input = bool(input_layouts)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in self.placements.items():
+            param = getattr(module, name)
+            placed = distribute_tensor(param.data, device_mesh, [placement])
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        return super()._apply(module, device_mesh) if self.prepares_input else module
 
 
 class _SumGradient(ParallelStyle):
