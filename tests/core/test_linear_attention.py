@@ -189,6 +189,8 @@ class GrowingHybridCache:
     entries (`update`), linear-attention layers keep their conv window and state (`read`,
     `write`)."""
 
+    valid = None  # every row as long: no padding
+
     def __init__(self) -> None:
         self.entries: dict[int, list[torch.Tensor]] = {}
         self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

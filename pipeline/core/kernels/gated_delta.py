@@ -172,16 +172,25 @@ def gated_delta_rule(
 
 
 def causal_conv1d(
-    x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    window: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU(depthwise causal conv) of x `[batch, tokens, channels]` with weight
     `[channels, 1, width]`, the `width - 1` inputs before the first token taken from `window`
     `[batch, channels, width - 1]` (zeros when None). Returns the outputs (x's dtype) and the
-    new window: the last `width - 1` inputs, for the next call."""
+    new window: the last `width - 1` inputs, for the next call (of each row's first
+    `lengths[row]` tokens when given: rows padded at their end)."""
     width = weight.shape[-1]
     x_t = x.transpose(1, 2)
     if window is None:
         window = x_t.new_zeros(x_t.shape[0], x_t.shape[1], width - 1)
     padded = torch.cat((window.to(x_t.dtype), x_t), dim=-1)
     out = F.conv1d(padded.to(weight.dtype), weight, groups=x_t.shape[1])
-    return F.silu(out).to(x.dtype).transpose(1, 2), padded[:, :, -(width - 1) :]
+    if lengths is None:
+        new_window = padded[:, :, -(width - 1) :]
+    else:  # token t is padded[..., t + width - 1]: a row's last inputs end at its length
+        index = lengths[:, None] + torch.arange(width - 1, device=x.device)
+        new_window = padded.gather(2, index[:, None, :].expand(-1, padded.shape[1], -1))
+    return F.silu(out).to(x.dtype).transpose(1, 2), new_window

@@ -57,7 +57,12 @@ def grouped_channel_order(shape: LinearAttentionConfig) -> torch.Tensor:
 
 
 class LayerStateCache(Protocol):
-    """One linear-attention layer's state slots for the rows of one batch."""
+    """One linear-attention layer's state slots for the rows of one batch.
+
+    `valid` `[batch, new]`: which new tokens are real (rows shorter than the batch's longest
+    are padded at their end), None when all are; the state is left as it is over padding."""
+
+    valid: torch.Tensor | None
 
     def read(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(conv window `[batch, conv_channels, width - 1]`, rule state `[batch, heads,
@@ -217,15 +222,18 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         beta = b.sigmoid()
         g = -local(self.A_log).float().exp() * F.softplus(a.float() + local(self.dt_bias))
-        window = state = None
+        window = state = lengths = None
         documents = None
         if cache is not None:
             window, state = cache.read()
+            if cache.valid is not None:  # padding neither decays nor writes the state
+                beta, g = beta * cache.valid[..., None], g * cache.valid[..., None]
+                lengths = cache.valid.sum(1)
         else:
             documents = DocumentRows.of(document_ids)
             if documents is not None:
                 mixed, beta, g = (documents.gather(t) for t in (mixed, beta, g))
-        mixed, window = causal_conv1d(mixed, local(self.conv_weight), window)
+        mixed, window = causal_conv1d(mixed, local(self.conv_weight), window, lengths)
         q, k, v = self._split_heads(mixed)
         q, k = l2_normalize(q.float()), l2_normalize(k.float())
         per_key = s.num_value_heads // s.num_key_heads

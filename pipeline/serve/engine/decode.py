@@ -9,7 +9,8 @@ family.
 
 A batch is `[batch, new]` tokens, each row one sequence: a prompt chunk (prefill) or one token
 (decode). Rows shorter than the longest are padded; padded positions write to the cache's scratch
-slot and are never read.
+slot and are never read. A hybrid model's linear-attention layers read and write each row's
+state slot instead (`LayerStates`), and leave their state as it is over the padding.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class CachedBatch:
     write_slots: torch.Tensor
     read_slots: torch.Tensor
     attend: torch.Tensor | None = None
+    # A hybrid model's rows: each row's state slot `[batch]` (`pipeline.serve.engine.
+    # state_slots`) and which new tokens are real `[batch, new]` (None: all of them).
+    state_slots: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
     def mask(self) -> torch.Tensor | None:
         """`[batch, 1, new, length]`: query at position p sees keys at positions <= p; None when
@@ -73,6 +78,21 @@ class LayerSlots:
         return [t.to(dtype) for t in read]
 
 
+class LayerStates:
+    """One linear-attention layer's state slots seen by one batch: the model's
+    `LayerStateCache` (`pipeline.core.model.linear_attention`)."""
+
+    def __init__(self, cache: BlockKVCache, layer: int, batch: CachedBatch) -> None:
+        self.states, self.index, self.batch = cache.states, layer, batch
+        self.valid = batch.valid
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states.read(self.index, self.batch.state_slots)
+
+    def write(self, window: torch.Tensor, state: torch.Tensor) -> None:
+        self.states.write(self.index, self.batch.state_slots, window, state)
+
+
 class BatchSlots:
     """A `BlockKVCache` seen by one batch: the model's `KVCache` (`pipeline.core.model.kv_seam`),
     its mask computed once for all layers (`fresh`: as `LayerSlots`')."""
@@ -80,7 +100,10 @@ class BatchSlots:
     def __init__(self, cache: BlockKVCache, batch: CachedBatch, fresh: bool = False) -> None:
         self.cache, self.batch, self.mask, self.fresh = cache, batch, batch.mask(), fresh
 
-    def layer(self, index: int) -> LayerSlots:
+    def layer(self, index: int) -> LayerSlots | LayerStates:
+        states = self.cache.states
+        if states is not None and states.is_linear(index):
+            return LayerStates(self.cache, index, self.batch)
         return LayerSlots(self.cache, index, self.batch, self.mask, self.fresh)
 
 
