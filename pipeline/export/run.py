@@ -120,6 +120,14 @@ def run_export(
                     "the legacy TensorRT-LLM format has no latent attention "
                     "(DeepSeek-V3): export with --trtllm alone"
                 )
+            if source.model_config.linear_attention is not None and (
+                options.fp8 or target == "legacy"
+            ):
+                raise ExportError(
+                    "a model with linear attention (Qwen3.5, Qwen3-Next) exports to Hugging "
+                    "Face unquantized only: no FP8 format or legacy TensorRT-LLM layout here "
+                    "holds its gated DeltaNet layers"
+                )
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)

@@ -373,3 +373,31 @@ def test_published_configs_give_the_flavors_and_their_sizes(flavor: str) -> None
     assert abs(count - published) < 0.5e9
     report = dry_run_report(resolve_config(flavor), world_size=32)
     assert any(line.startswith(f"parameters   {count:,} total") for line in report)
+
+
+REFUSED = (
+    "Error: a model with linear attention (Qwen3.5, Qwen3-Next) exports to Hugging Face "
+    "unquantized only"
+)
+
+
+def test_export_for_serving_engines_and_its_refusals(hf_dir, tmp_path) -> None:
+    """`pipe export --vllm` writes the checkpoint transformers loads to the same logits; FP8 and
+    the legacy TensorRT-LLM layout are refused in one line."""
+    from click.testing import CliRunner
+
+    from pipeline.export.commands import export
+
+    directory, _ = hf_dir
+    runner = CliRunner()
+    out = tmp_path / "vllm"
+    result = runner.invoke(export, [str(directory), "--from", "hf", "--vllm", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "transformers loads it" in result.output
+    assert disk_tensors(out).keys() == disk_tensors(directory).keys()
+    for extra in (["--trtllm", "--fp8"], ["--trtllm", "--trtllm-format", "legacy"]):
+        target = tmp_path / "_".join(extra).strip("-")
+        args = [str(directory), "--from", "hf", *extra, "-o", str(target)]
+        result = runner.invoke(export, args)
+        last = result.output.strip().splitlines()[-1]
+        assert result.exit_code != 0 and last.startswith(REFUSED), result.output

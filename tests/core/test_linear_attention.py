@@ -261,3 +261,47 @@ def test_bad_layer_types_are_refused() -> None:
         hybrid_config(layer_types=["linear_attention", "full_attention"])
     with pytest.raises(ValueError, match="linear_attention is unset"):
         hybrid_config(linear_attention=None)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_recomputation_keeps_the_gradients(mode: str) -> None:
+    """Recomputing the blocks' activations (the chunked rule's triangular solves included)
+    gives the gradients of the plain run, packed documents and all."""
+    from pipeline.core.model.block import ModelOptions
+
+    config = hybrid_config()
+    tokens = torch.randint(0, 64, (2, 80), generator=torch.Generator().manual_seed(3))
+    document_ids = (torch.arange(80) >= 50).long().expand(2, -1)
+    grads = []
+    for recompute in ("none", mode):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Transformer(config, ModelOptions(activation_checkpointing=recompute))
+        model.to_empty(device="cpu")
+        model.init_weights()
+        model(tokens, document_ids=document_ids).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_flops_per_token_of_hybrid_layers() -> None:
+    """The mixer term by layer kind: a hybrid config whose layers are all full attention counts
+    as the plain model, the output gate adds its rows' matmul (6 FLOPs a weight a token), and a
+    linear layer costs what its projections, conv and delta rule do, not seq_len."""
+    from pipeline.core.model.flavors import flops_per_token
+
+    full = ["full_attention"] * 4
+    plain = hybrid_config(
+        layer_types=None, norm_unit_offset=False, attention_output_gate=False, linear_attention=None
+    )
+    as_full = hybrid_config(layer_types=full, attention_output_gate=False)
+    assert flops_per_token(as_full, 256) == pytest.approx(flops_per_token(plain, 256))
+    gated = hybrid_config(layer_types=full)
+    q_dim = 4 * 16
+    extra = flops_per_token(gated, 256) - flops_per_token(as_full, 256)
+    assert extra == pytest.approx(6 * 4 * 32 * q_dim)
+    linear = hybrid_config(layer_types=["linear_attention"] * 4)
+    # No term grows with the sequence in linear layers (the full layers' does).
+    assert flops_per_token(linear, 4096) == pytest.approx(flops_per_token(linear, 256))
+    assert flops_per_token(gated, 4096) > flops_per_token(gated, 256)

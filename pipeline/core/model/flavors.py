@@ -318,6 +318,27 @@ def _linear_attention_parameters(config: ModelConfig) -> int:
     return projections + conv + 2 * s.num_value_heads + s.value_head_dim + s.value_dim * h
 
 
+def _hybrid_mixer_macs(config: ModelConfig, seq_len: int) -> float:
+    """Multiply-adds per token of the token mixer, the mean over a hybrid model's layers. Full
+    attention: its projections (the output gate's rows in `wq` too) and the two causal matmuls
+    over seq_len / 2 keys on average. Gated DeltaNet: its projections, the conv, and per value
+    head the delta rule's three key x value products per token (decay and read, write, output)
+    plus the chunked form's scores within a chunk (64 / 2 keys on average)."""
+    c, h = config, config.hidden_size
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    gate = 2 if c.attention_output_gate else 1
+    full = h * q_dim * gate + 2 * h * kv_dim + q_dim * h + q_dim * seq_len
+    s = c.linear_attention
+    projections = h * (s.conv_dim + s.value_dim + 2 * s.num_value_heads) + s.value_dim * h
+    rule = s.num_value_heads * (
+        3 * s.key_head_dim * s.value_head_dim + 32 * (s.key_head_dim + s.value_head_dim)
+    )
+    linear = projections + s.conv_dim * s.conv_kernel_size + rule
+    kinds = [c.layer_type(i) for i in range(c.num_layers)]
+    share = kinds.count("linear_attention") / len(kinds)
+    return share * linear + (1 - share) * full
+
+
 def _mla_linear_parameters(config: ModelConfig) -> int:
     """Weights of latent attention's projections (norms excluded)."""
     h, heads, mla = config.hidden_size, config.num_attention_heads, config.mla
@@ -356,9 +377,13 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     else:
         scores = c.num_attention_heads * (c.mla.qk_head_dim + c.mla.v_head_dim) * seq_len / 2
         attn = (_mla_linear_parameters(c) + scores) / (2 * h * h)
+    if c.linear_attention is not None:
+        attn = _hybrid_mixer_macs(c, seq_len) / (2 * h * h)
     moe_width = 0
     if c.moe is not None:
         moe_width = c.expert_ffn_hidden_size * (c.moe.top_k + c.moe.num_shared_experts)
+        if c.moe.shared_expert_ffn_hidden_size:
+            moe_width += c.moe.shared_expert_ffn_hidden_size - c.expert_ffn_hidden_size
     moe_layers = c.num_moe_layers
     mean_width = (moe_layers * moe_width + (layers - moe_layers) * c.ffn_hidden_size) / layers
     mlp = mean_width / h * 1.5
