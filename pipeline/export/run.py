@@ -120,14 +120,7 @@ def run_export(
                     "the legacy TensorRT-LLM format has no latent attention "
                     "(DeepSeek-V3): export with --trtllm alone"
                 )
-            if source.model_config.linear_attention is not None and (
-                options.fp8 or target == "legacy"
-            ):
-                raise ExportError(
-                    "a model with linear attention (Qwen3.5, Qwen3-Next) exports to Hugging "
-                    "Face unquantized only: no FP8 format or legacy TensorRT-LLM layout here "
-                    "holds its gated DeltaNet layers"
-                )
+            _refuse_linear_attention(source, options, target)
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
@@ -148,6 +141,16 @@ def run_export(
         raise ExportError(str(e)) from e
     fp8 = ", FP8" if options.fp8 else ""
     return f"wrote {output} ({what}, {dtype_note}{fp8}, in {seconds:.1f} s); {verdict}"
+
+
+def _refuse_linear_attention(source: TensorSource, options: ExportOptions, target: str) -> None:
+    """ExportError for an FP8 or legacy export of a hybrid linear-attention model."""
+    if source.model_config.linear_attention is not None and (options.fp8 or target == "legacy"):
+        raise ExportError(
+            "a model with linear attention (Qwen3.5, Qwen3-Next) exports to Hugging Face "
+            "unquantized only: no FP8 format or legacy TensorRT-LLM layout here holds its "
+            "gated DeltaNet layers"
+        )
 
 
 def _options_for(target: str, options: ExportOptions) -> ExportOptions:
