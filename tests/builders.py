@@ -258,6 +258,36 @@ def load_from_source(source):
     return model
 
 
+def assert_hf_round_trip(path: Path, hf, out: Path, tokens) -> None:
+    """HF -> our source -> HF: the same tensor names and bytes, the same config; our model from
+    the reader and transformers from the written files both give `hf`'s logits of `tokens`
+    (1e-4)."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from pipeline.weights.hf_reader import HFSource
+    from pipeline.weights.hf_writer import write_hf
+    from pipeline.weights.source import InMemorySource
+
+    source = HFSource(path)
+    memory = InMemorySource(
+        source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
+    )
+    out = write_hf(memory, out, max_shard_bytes=SHARD_BYTES)
+    original, written = disk_tensors(path), disk_tensors(out)
+    assert sorted(original) == sorted(written)
+    for tensor_name, tensor in original.items():
+        assert torch.equal(written[tensor_name], tensor), tensor_name
+    assert hf_config_dict(out) == hf_config_dict(path)
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            out, attn_implementation="eager"
+        ).eval()
+        assert (reloaded(input_ids=tokens).logits - expected).abs().max() < 1e-4
+
+
 def hf_config_dict(directory: Path) -> dict:
     """transformers' view of `directory`'s config.json, without the fields that name the
     writer (version, path, dtype)."""

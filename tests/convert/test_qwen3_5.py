@@ -18,11 +18,10 @@ from safetensors.torch import save_file
 from pipeline.core.model.hf_names import from_hf_state_dict
 from pipeline.weights.hf_config import config_from_hf
 from pipeline.weights.hf_reader import HFSource
-from pipeline.weights.hf_writer import write_hf
-from pipeline.weights.source import InMemorySource
 from tests.builders import (
     SHARD_BYTES,
     VOCAB,
+    assert_hf_round_trip,
     cli_hf_round_trip,
     disk_tensors,
     hf_config_dict,
@@ -74,9 +73,12 @@ def hf_case(name: str):
     return transformers.Qwen3NextForCausalLM, config
 
 
-def hf_model(name: str):
-    """The HF model of `name`, every weight perturbed (norms off zero, decays off their init)."""
+def hf_model(name: str, **overrides):
+    """The HF model of `name` (its config's fields changed as `overrides` say), every weight
+    perturbed (norms off zero, decays off their init)."""
     hf_cls, hf_config = hf_case(name)
+    for field, value in overrides.items():
+        setattr(hf_config, field, value)
     hf_config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = hf_cls(hf_config).eval()
@@ -181,25 +183,8 @@ def test_hf_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_pa
     """HF -> our source -> HF: the same tensor names and bytes and the same config; our model
     from the reader and transformers from the written files both give the original logits."""
     path, hf = hf_dir
-    source = HFSource(path)
-    memory = InMemorySource(
-        source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
-    )
-    out = write_hf(memory, tmp_path / "out", max_shard_bytes=SHARD_BYTES)
-    original, written = disk_tensors(path), disk_tensors(out)
-    assert sorted(original) == sorted(written)
-    for tensor_name, tensor in original.items():
-        assert torch.equal(written[tensor_name], tensor), tensor_name
-    assert hf_config_dict(out) == hf_config_dict(path)
-
     tokens = _tokens()
-    with torch.no_grad():
-        expected = hf(input_ids=tokens).logits
-        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-            out, attn_implementation="eager"
-        ).eval()
-        assert (reloaded(input_ids=tokens).logits - expected).abs().max() < 1e-4
+    assert_hf_round_trip(path, hf, tmp_path / "out", tokens)
 
 
 def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:

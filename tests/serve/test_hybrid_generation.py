@@ -20,7 +20,7 @@ from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
 from pipeline.tokenizer.tokenizer import load_tokenizer
 from tests.builders import run_pipe
-from tests.convert.test_qwen3_5 import CASES, hf_case
+from tests.convert.test_qwen3_5 import CASES, hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,25 +29,14 @@ NEW = 12
 TEXTS = ["line 3: value", "line 12: value=84 abcabc", "x"]
 
 
-def _hf_model(name: str, vocab_size: int):
-    """A perturbed tiny model of `name` over `vocab_size` tokens."""
-    hf_cls, config = hf_case(name)
-    config.vocab_size = vocab_size
-    config.eos_token_id = config.bos_token_id = None
-    torch.manual_seed(0)
-    hf = hf_cls(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return hf
-
-
 @pytest.fixture(scope="module", params=CASES)
 def family(request, tmp_path_factory, tiny_tokenizer_dir):
     """(name, directory, HF model): the model saved with the tiny tokenizer beside it."""
     directory = tmp_path_factory.mktemp(request.param)
     vocab = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    hf = _hf_model(request.param, len(vocab) + 2)
+    hf = hf_model(
+        request.param, vocab_size=len(vocab) + 2, eos_token_id=None, bos_token_id=None
+    ).eval()
     hf.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_tokenizer_dir / name, directory / name)
