@@ -145,3 +145,17 @@ def test_pipe_serve_concurrent_requests_of_several_completions(family, tmp_path)
         server.stop()
     for text, (status, choices) in zip(TEXTS * 2, answers):
         assert status == 200 and choices == [expected[text]] * 2, (text, choices)
+
+
+@pytest.mark.dist
+def test_two_ranks_give_one_rank_text(family) -> None:
+    """`pipe generate --nproc-per-node 2`: the key heads (and their states) split over two gloo
+    processes give the text of one process."""
+    from tests.serve.test_generate_tp import ARGS, _generate
+
+    name, directory, _ = family
+    if name != "qwen3_next":
+        pytest.skip("one family is enough for the split")
+    alone = run_pipe("generate", directory, *ARGS).output
+    assert len(alone) > len(ARGS[1]) + 3
+    assert _generate(directory, "--nproc-per-node", "2") == alone
