@@ -8,9 +8,11 @@ their gradients summed over tp. Latent attention (DeepSeek) splits its heads the
 (`wq` or `wq_b`, `wkv_b` column-wise, `wo` row-wise) and replicates its down projections, their
 norms and the shared RoPE key: the gradients reaching those from this rank's heads are summed
 over tp where they enter the head-split projections (and at `rope_key`), so the replicated
-weights get the full gradient on every rank. Attention itself runs on local tensors: the model
-views q/k/v with -1 heads, so each rank attends over its own heads without knowing it is sharded
-(and CPU SDPA, which has no DTensor rule, still works).
+weights get the full gradient on every rank. Gated DeltaNet (linear attention) splits its key
+heads and the value heads each serves: its rows and conv channels are grouped by key head, so
+every tensor of the layer splits in contiguous pieces. Attention itself runs on local tensors:
+the model views q/k/v with -1 heads, so each rank attends over its own heads without knowing it
+is sharded (and CPU SDPA, which has no DTensor rule, still works).
 
 With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
 DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
@@ -244,8 +246,12 @@ def _linear_attention_plan(
     summed (`pipeline.core.model.linear_attention.local`)."""
     attention = block.attention
     names = ("wqkvz", "wba") if attention.interleaved else ("wqkv", "wz", "wb", "wa")
-    plan: dict[str, ParallelStyle] = {f"attention.{n}": ColwiseParallel() for n in names}
-    plan["attention.wo"] = RowwiseParallel(output_layouts=stream, use_local_output=not keep_dtensor)
+    plan: dict[str, ParallelStyle] = {
+        f"attention.{n}": _styles(block, f"attention.{n}")[0]() for n in names
+    }
+    plan["attention.wo"] = _styles(block, "attention.wo")[1](
+        output_layouts=stream, use_local_output=not keep_dtensor
+    )
     plan["attention.norm"] = _Placed({"weight": Replicate()})
     plan["attention"] = _Placed(
         {"conv_weight": Shard(0), "A_log": Shard(0), "dt_bias": Shard(0)},
