@@ -261,34 +261,6 @@ def cli_hf_round_trip(directory: Path, work: Path) -> tuple[Path, str]:
     return back, result.output
 
 
-def assert_hf_round_trip(path: Path, hf, out: Path) -> dict:
-    """HF directory `path` (saved from transformers' `hf`) -> our reader -> `write_hf(out)`:
-    the same tensor names and bytes; our model from the reader and transformers from the
-    written files both give `hf`'s logits to 1e-4. Returns the written tensors by name."""
-    import torch
-
-    from pipeline.weights.hf_reader import HFSource
-    from pipeline.weights.hf_writer import write_hf
-    from pipeline.weights.source import InMemorySource
-
-    source = HFSource(path)
-    memory = InMemorySource(
-        source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
-    )
-    write_hf(memory, out, max_shard_bytes=SHARD_BYTES)
-    original, written = disk_tensors(path), disk_tensors(out)
-    assert sorted(original) == sorted(written)
-    for tensor_name, tensor in original.items():
-        assert torch.equal(written[tensor_name], tensor), tensor_name
-    tokens = torch.randint(0, source.model_config.vocab_size, (2, SEQ), generator=torch.Generator())
-    reloaded = type(hf).from_pretrained(out, attn_implementation="eager")
-    with torch.no_grad():
-        expected = hf(input_ids=tokens).logits
-        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
-        assert (reloaded.eval()(input_ids=tokens).logits - expected).abs().max() < 1e-4
-    return written
-
-
 def load_from_source(source):
     """Our model from a `TensorSource`; a tied source lists only the embedding, so tie it here."""
     model = build_model(source.model_config)
@@ -297,6 +269,47 @@ def load_from_source(source):
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, strict=True)
     return model
+
+
+def assert_hf_round_trip(path: Path, hf, out: Path, tokens=None) -> dict:
+    """HF directory `path` (saved from transformers' `hf`) -> our reader -> `write_hf(out)`:
+    the same tensor names and bytes, the same config values; our model from the reader and
+    transformers from the written files both give `hf`'s logits of `tokens` (default: two
+    random rows) to 1e-4. Returns the written tensors by name."""
+    import torch
+
+    pytest.importorskip("transformers")
+    from pipeline.weights.hf_reader import HFSource
+    from pipeline.weights.hf_writer import write_hf
+    from pipeline.weights.source import InMemorySource
+
+    source = HFSource(path)
+    memory = InMemorySource(
+        source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
+    )
+    out = write_hf(memory, out, max_shard_bytes=SHARD_BYTES)
+    original, written = disk_tensors(path), disk_tensors(out)
+    assert sorted(original) == sorted(written)
+    for tensor_name, tensor in original.items():
+        assert torch.equal(written[tensor_name], tensor), tensor_name
+    # Every value the source config sets comes back (a writer may add keys the class ignores).
+    source_config, written_config = hf_config_dict(path), hf_config_dict(out)
+    changed = {
+        key: (value, written_config.get(key))
+        for key, value in source_config.items()
+        if value is not None and written_config.get(key) != value
+    }
+    assert not changed
+    if tokens is None:
+        vocab = source.model_config.vocab_size
+        tokens = torch.randint(0, vocab, (2, SEQ), generator=torch.Generator())
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
+        # the class itself: Mistral 4 has no AutoModelForCausalLM entry
+        reloaded = type(hf).from_pretrained(out, attn_implementation="eager").eval()
+        assert (reloaded(input_ids=tokens).logits - expected).abs().max() < 1e-4
+    return written
 
 
 def hf_config_dict(directory: Path) -> dict:

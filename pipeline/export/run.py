@@ -121,6 +121,7 @@ def run_export(
                 raise ExportError(problem)
             if target == "legacy":
                 _refuse_legacy_family(source)
+            _refuse_linear_attention(source, options, target)
             amax, calibrated, model = None, 0, None
             if options.fp8 and not (target == "hf" and uses_block_fp8(source)):
                 tokens = _calibration_tokens(calibration, source.model_config.vocab_size)
@@ -179,6 +180,16 @@ def _refuse_legacy_family(source) -> None:
         raise ExportError(
             f"the legacy TensorRT-LLM format has no {architecture} (partial RoPE, sigmoid "
             "routing): export with --trtllm alone"
+        )
+
+
+def _refuse_linear_attention(source: TensorSource, options: ExportOptions, target: str) -> None:
+    """ExportError for an FP8 or legacy export of a hybrid linear-attention model."""
+    if source.model_config.linear_attention is not None and (options.fp8 or target == "legacy"):
+        raise ExportError(
+            "a model with linear attention (Qwen3.5, Qwen3-Next) exports to Hugging Face "
+            "unquantized only: no FP8 format or legacy TensorRT-LLM layout here holds its "
+            "gated DeltaNet layers"
         )
 
 

@@ -122,15 +122,17 @@ def check_no_saturation(
 ) -> None:
     """ValueError naming the first quantized weight whose source values exceed 448 x its scale
     (per tensor, or per block in DeepSeek's format): they would have been clipped."""
-    from pipeline.core.model.hf_names import pipe_to_hf_names
+    from pipeline.core.model.hf_names import linear_attention_layers, pipe_to_hf_names
     from pipeline.weights.hf_config import choose_architecture
 
     config = source.model_config
     experts = config.moe.num_experts if config.moe is not None else None
     architecture = choose_architecture(config, source.metadata.get("hf_architecture"))
+    linear = linear_attention_layers(config)
     quantized = set(checkpoint.quantized)
     for name in source.tensors():
-        modules = [n.removesuffix(".weight") for n in pipe_to_hf_names(name, experts, architecture)]
+        hf_names = pipe_to_hf_names(name, experts, architecture, linear)
+        modules = [n.removesuffix(".weight") for n in hf_names]
         if not quantized.intersection(modules):
             continue
         tensor = source.read(name).float()

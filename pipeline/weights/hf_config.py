@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
+from pipeline.core.model.config import (
+    LinearAttentionConfig,
+    MLAConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+    YarnScaling,
+)
 from pipeline.weights.hf_alibi_families import (
     ALIBI_ARCHITECTURES,
     alibi_architecture,
@@ -55,7 +62,17 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "smollm3",
     "SeedOssForCausalLM": "seed_oss",
     **ALIBI_ARCHITECTURES,
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
+# Multimodal wrappers whose language model we read (`text_config`), and the text architecture
+# it is: the published Qwen3.5 checkpoints are image-text models.
+_TEXT_OF_MULTIMODAL = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+_HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -106,12 +123,29 @@ def _supported() -> str:
     return ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
 
 
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json dict: `hf` itself, or a multimodal wrapper's
+    `text_config` named with its text architecture (the wrapper's tie_word_embeddings kept)."""
+    archs = hf.get("architectures") or []
+    wrapper = next((a for a in archs if a in _TEXT_OF_MULTIMODAL), None)
+    if wrapper is None or not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = dict(hf["text_config"])
+    text["architectures"] = [_TEXT_OF_MULTIMODAL[wrapper]]
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
+
+
 def hf_architecture(hf: dict[str, Any]) -> str:
-    """The supported architecture a config.json dict names; ValueError listing them if none."""
+    """The supported architecture a config.json dict names (a multimodal wrapper's text
+    architecture for Qwen3.5's image-text checkpoints); ValueError listing them if none."""
     archs = hf.get("architectures") or []
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
+        if arch in _TEXT_OF_MULTIMODAL:
+            return _TEXT_OF_MULTIMODAL[arch]
     model_type = hf.get("model_type")
     for arch, mtype in SUPPORTED_ARCHITECTURES.items():
         if not archs and model_type == mtype:
@@ -197,9 +231,12 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     Raises ValueError naming the supported architectures for any other model, and for settings
     our model cannot reproduce exactly.
     """
+    hf = text_model_config(hf)
     arch = hf_architecture(hf)
     if arch in ALIBI_ARCHITECTURES:
         return alibi_config_from_hf(hf, arch)
+    if arch in _HYBRID:
+        return _hybrid_from_hf(hf, arch)
     _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
     biased = arch in (_GPT_OSS, _SMOLLM3, _SEED_OSS, _GLM)  # GLM: q/k/v biases only
     _refuse(bool(hf.get("attention_bias")) and not biased, "attention_bias (o_proj bias)")
@@ -408,6 +445,84 @@ def _gpt_oss_moe_from_hf(hf: dict[str, Any], aux: float) -> MoEConfig:
     )
 
 
+def _hybrid_from_hf(hf: dict[str, Any], arch: str) -> ModelConfig:
+    """Qwen3-Next and Qwen3.5 (dense or MoE): gated DeltaNet layers and gated full attention
+    (`layer_types`, or every `full_attention_interval`-th layer full), (1 + w) norms, q/k
+    norms, partial RoPE. Multimodal RoPE sections (`mrope_section`) are plain RoPE for text,
+    whose three position ids are equal."""
+    _refuse(hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}")
+    _refuse(bool(hf.get("attention_bias")), "attention_bias (q/k/v/o biases) in " + arch)
+    params = dict(hf.get("rope_parameters") or {})
+    for key in ("mrope_section", "mrope_interleaved"):
+        params.pop(key, None)
+    theta, scaling = rope_from_hf({**hf, "rope_parameters": params})
+    _refuse(scaling is not None, f"RoPE scaling in {arch}")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    layers = hf["num_hidden_layers"]
+    kinds = hf.get("layer_types")
+    if not kinds:
+        interval = hf.get("full_attention_interval", 4)
+        kinds = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ]
+    unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
+    _refuse(bool(unknown), f"layer_types {unknown} in {arch}")
+    linear = LinearAttentionConfig(
+        num_key_heads=hf.get("linear_num_key_heads", 16),
+        num_value_heads=hf.get("linear_num_value_heads", 32),
+        key_head_dim=hf.get("linear_key_head_dim", 128),
+        value_head_dim=hf.get("linear_value_head_dim", 128),
+        conv_kernel_size=hf.get("linear_conv_kernel_dim", 4),
+        interleaved_projections=arch == "Qwen3NextForCausalLM",
+    )
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or 256,
+        # Qwen3.5-MoE has experts in every layer and no dense width: the experts' stands in.
+        ffn_hidden_size=hf.get("intermediate_size") or hf.get("moe_intermediate_size", 5632),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=True,
+        moe=_hybrid_moe_from_hf(hf, arch),
+        init_method_std=float(hf.get("initializer_range", 0.02)),
+        layer_types=list(kinds),
+        partial_rotary_factor=float(factor),
+        norm_unit_offset=True,
+        attention_output_gate=True,
+        linear_attention=linear,
+    )
+
+
+def _hybrid_moe_from_hf(hf: dict[str, Any], arch: str) -> MoEConfig | None:
+    """Qwen3-Next's and Qwen3.5-MoE's experts: softmax top-k plus one shared expert of width
+    shared_expert_intermediate_size weighed by a sigmoid gate. Qwen3.5-MoE has experts in every
+    layer and always renormalises the top k; Qwen3-Next reads decoder_sparse_step,
+    mlp_only_layers and norm_topk_prob as Qwen3-MoE does."""
+    if arch == "Qwen3_5ForCausalLM" or not hf.get("num_experts", 512):
+        return None
+    next_model = arch == "Qwen3NextForCausalLM"
+    return MoEConfig(
+        num_experts=hf.get("num_experts", 512),
+        top_k=hf.get("num_experts_per_tok", 10),
+        ffn_hidden_size=hf.get("moe_intermediate_size", 512),
+        aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if next_model else True,
+        layer_step=hf.get("decoder_sparse_step", 1) if next_model else 1,
+        dense_layers=list(hf.get("mlp_only_layers") or []) if next_model else [],
+        num_shared_experts=1,
+        shared_expert_ffn_hidden_size=hf.get("shared_expert_intermediate_size", 512),
+        shared_expert_gate=True,
+    )
+
+
 def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
     return MLAConfig(
         kv_lora_rank=hf["kv_lora_rank"],
@@ -459,7 +574,9 @@ def choose_architecture(config: ModelConfig, preferred: str | None = None) -> st
     if config.position_embedding == "alibi":
         return alibi_architecture(config, preferred)
     _check_llama_block(config)
-    if config.mla is not None and (config.query_scale_beta or not _deepseek_routed(config)):
+    if config.linear_attention is not None or config.norm_unit_offset:
+        candidates = [_hybrid_architecture(config)]
+    elif config.mla is not None and (config.query_scale_beta or not _deepseek_routed(config)):
         _check_mistral4(config)
         candidates = [_MISTRAL4]
     elif config.mla is not None:
@@ -582,6 +699,66 @@ def _check_mistral4(config: ModelConfig) -> None:
     )
 
 
+def _hybrid_architecture(config: ModelConfig) -> str:
+    """Qwen3-Next for head-grouped linear-attention projections, else Qwen3.5 (MoE or dense);
+    refuses what those cannot hold."""
+    _refuse(
+        not (config.norm_unit_offset and config.qk_norm and config.attention_output_gate),
+        "hybrid linear-attention models need (1 + w) norms, q/k norms and the attention gate",
+    )
+    _refuse(config.qkv_bias or config.rope_scaling is not None, "hybrid with biases or scaling")
+    _refuse(config.linear_attention is None, "(1 + w) norms without linear attention")
+    moe = config.moe
+    if config.linear_attention.interleaved_projections:
+        _refuse(moe is None, "Qwen3-Next without experts")
+        return "Qwen3NextForCausalLM"
+    if moe is None:
+        return "Qwen3_5ForCausalLM"
+    _refuse(
+        not (config.every_layer_moe and moe.norm_topk_prob),
+        "Qwen3.5-MoE has experts in every layer with the top k renormalised",
+    )
+    return "Qwen3_5MoeForCausalLM"
+
+
+def _hybrid_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:
+    """The hybrid families' keys: layer kinds, linear-attention shape, RoPE (5.x's
+    rope_parameters, where partial_rotary_factor lives) and the experts."""
+    linear = config.linear_attention
+    out: dict[str, Any] = {
+        "layer_types": list(config.layer_types or []),
+        "linear_num_key_heads": linear.num_key_heads,
+        "linear_num_value_heads": linear.num_value_heads,
+        "linear_key_head_dim": linear.key_head_dim,
+        "linear_value_head_dim": linear.value_head_dim,
+        "linear_conv_kernel_dim": linear.conv_kernel_size,
+        "attention_bias": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.partial_rotary_factor,
+        },
+    }
+    moe = config.moe
+    if moe is None:
+        return out
+    out |= {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": config.expert_ffn_hidden_size,
+        "shared_expert_intermediate_size": moe.shared_expert_ffn_hidden_size,
+        "router_aux_loss_coef": moe.aux_loss_coeff,
+        "output_router_logits": False,
+    }
+    if arch == "Qwen3NextForCausalLM":
+        out |= {
+            "norm_topk_prob": moe.norm_topk_prob,
+            "decoder_sparse_step": moe.layer_step,
+            "mlp_only_layers": list(moe.dense_layers),
+        }
+    return out
+
+
 def _check_deepseek(config: ModelConfig) -> None:
     """Refuse latent-attention models DeepseekV3ForCausalLM cannot hold exactly."""
     _refuse(config.qk_norm or config.qkv_bias, "latent attention with q/k norms or biases")
@@ -668,7 +845,11 @@ def config_to_hf(
         hf["attention_bias"] = False
     # Qwen3's max_window_layers only matters with a sliding window (refused), so it is left
     # to transformers' default.
-    if arch in _LATENT:
+    if arch in _HYBRID:
+        hf["head_dim"] = config.head_dim
+        del hf["rope_theta"]
+        hf |= _hybrid_to_hf(config, arch)
+    elif arch in _LATENT:
         hf |= _deepseek_to_hf(config)
     elif arch == _GLM:
         hf |= _glm_to_hf(config)
@@ -676,7 +857,8 @@ def config_to_hf(
         hf |= _minimax_to_hf(config)
     else:
         hf |= _family_to_hf(config, arch)
-    hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
+    if arch not in _HYBRID:
+        hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if arch == _MISTRAL4:
         _mistral4_keys(config, hf)
     ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from pipeline.core.model.hf_names import (
     hf_expert_piece,
     hf_fused_gate_up,
     hf_to_pipe_name,
+    is_reordered,
     mtp_name,
     mtp_shared_copy,
+    reorder_from_hf,
 )
 from pipeline.tokenizer.tokenizer import directory_record
 from pipeline.weights.fused_qkv import FUSED_QKV_LAYOUTS, split_infos, split_qkv
@@ -53,6 +56,8 @@ from pipeline.weights.hf_quantized import (
 from pipeline.weights.source import TensorInfo
 
 __all__ = ["HFSource"]
+
+log = logging.getLogger(__name__)
 
 _FROM_SAFETENSORS = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -241,6 +246,7 @@ class HFSource:
         num_layers = self.model_config.num_layers
         self._gpt_oss_experts = self.metadata["hf_architecture"] == fused_experts.GPT_OSS
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
+        skipped: dict[str, int] = {}
         for path in files:
             for disk_name, info in self._header(path).items():
                 # A multimodal model's text weights carry a prefix; its other towers are skipped.
@@ -248,6 +254,10 @@ class HFSource:
                 if self._prefix and hf_name == disk_name:
                     continue
                 if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    continue
+                part = _skipped_part(hf_name)
+                if part is not None:
+                    skipped[part] = skipped.get(part, 0) + 1
                     continue
                 if mtp_shared_copy(hf_name) is not None:
                     continue  # an MTP layer's copy of the shared embedding or output layer
@@ -296,6 +306,9 @@ class HFSource:
                         ) from None
                 name = mtp_name(name, num_layers)
                 pieces.setdefault(name, {})[index] = (path, disk_name, info)
+        if skipped:
+            counts = ", ".join(f"{n} {part} tensors" for part, n in skipped.items())
+            log.warning("%s: skipping %s; pipe reads the language model", self.directory, counts)
         return pieces
 
     def _assemble(self, pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]) -> None:
@@ -324,7 +337,10 @@ class HFSource:
             )
 
     def _split_fused_qkv(self) -> None:
-        """List each fused q/k/v projection (BLOOM, MPT) as our `wq`, `wk`, `wv`, in its place."""
+        """List each fused q/k/v projection (BLOOM, MPT) as our `wq`, `wk`, `wv`, in its place
+        (Qwen3.5's linear attention keeps its own `wqkv`)."""
+        if self.metadata["hf_architecture"] not in FUSED_QKV_LAYOUTS:
+            return
         parts = split_infos(self._infos)
         if not parts:
             return
@@ -396,7 +412,11 @@ class HFSource:
         if len(parts) == 1:
             take = self._takes.get(name)
             # safe_open and mmap'd torch.load tensors view the file mapping: copy them out.
-            return parts[0].clone() if take is None else take(parts[0]).contiguous()
+            if take is not None:
+                return take(parts[0]).contiguous()
+            if is_reordered(name, self.model_config):  # indexing copies
+                return reorder_from_hf(name, parts[0], self.model_config)
+            return parts[0].clone()
         return torch.stack(parts)
 
     def _fused_part(self, name: str) -> torch.Tensor:
@@ -439,6 +459,16 @@ class HFSource:
             return handle[hf_name] if self._pickled else handle.get_tensor(hf_name)
         except SafetensorError as e:
             raise ValueError(f"cannot read {hf_name} from {path}: {e}") from e
+
+
+def _skipped_part(hf_name: str) -> str | None:
+    """What a tensor of Qwen3.5's image-text checkpoints is when pipe does not read it: the
+    vision tower (`model.visual.*`) or the multi-token prediction head (`mtp.*`); else None."""
+    if hf_name.startswith("model.visual."):
+        return "vision-tower"
+    if hf_name.startswith("mtp."):
+        return "multi-token-prediction"
+    return None
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

@@ -34,7 +34,14 @@ from pipeline.common.safetensors_io import (
     write_safetensors_header,
 )
 from pipeline.core.model import hf_fused_experts as fused_experts
-from pipeline.core.model.hf_names import MTP_SHARED_COPIES, as_layer_name, pipe_to_hf_names
+from pipeline.core.model.hf_names import (
+    MTP_SHARED_COPIES,
+    as_layer_name,
+    is_reordered,
+    linear_attention_layers,
+    pipe_to_hf_names,
+    reorder_to_hf,
+)
 from pipeline.weights.fused_experts import fused_view
 from pipeline.weights.fused_qkv import with_fused_qkv
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
@@ -163,6 +170,7 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         raise ValueError("source has no output.weight and tie_word_embeddings is false")
     num_experts = cfg.moe.num_experts if cfg.moe is not None else None
     architecture = choose_architecture(cfg, source.metadata.get("hf_architecture"))
+    linear = linear_attention_layers(cfg)
     groups = []
     for name, info in infos.items():
         if name == "output.weight" and cfg.tie_word_embeddings:
@@ -175,9 +183,15 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         if name.startswith(_FUSED):
             hf_names = [name.removeprefix(_FUSED)]
         else:
-            hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture)
+            hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture, linear)
         if len(hf_names) == 1:
-            groups.append([HFPiece(hf_names[0], name, None, info.shape, out)])
+            make = None
+            if is_reordered(name, cfg):  # linear attention's channels, back in HF's order
+
+                def make(t: torch.Tensor, name: str = name, out: torch.dtype = out) -> torch.Tensor:
+                    return reorder_to_hf(name, t, cfg).to(out)
+
+            groups.append([HFPiece(hf_names[0], name, None, info.shape, out, make)])
         elif info.shape[0] != len(hf_names):
             raise ValueError(f"{name}: shape {info.shape} does not hold {len(hf_names)} experts")
         else:

@@ -22,6 +22,8 @@ from pipeline.weights.source import TensorInfo, TensorSource
 if TYPE_CHECKING:
     import torch
 
+    from pipeline.core.model.config import ModelConfig
+
 __all__ = [
     "MergedLoRASource",
     "adapter_base",
@@ -82,18 +84,31 @@ class MergedLoRASource:
 
 
 def peft_tensors(
-    adapters: dict[str, torch.Tensor], num_experts: int | None, architecture: str
+    adapters: dict[str, torch.Tensor],
+    num_experts: int | None,
+    architecture: str,
+    config: ModelConfig | None = None,
 ) -> dict[str, torch.Tensor]:
     """Adapter tensors under peft's names for the transformers model of `architecture`
     (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); expert adapters one
     per expert (`...mlp.experts.3.gate_proj.lora_A.weight`), as the per-expert modules of the
-    on-disk checkpoint spell them."""
-    from pipeline.core.model.hf_names import pipe_to_hf_names
+    on-disk checkpoint spell them. With the model's `config`, linear attention's output
+    projections are named as such and the B rows of its q/k/v projection put back in
+    Hugging Face's order (`hf_names.reorder_to_hf`)."""
+    from pipeline.core.model.hf_names import (
+        is_reordered,
+        linear_attention_layers,
+        pipe_to_hf_names,
+        reorder_to_hf,
+    )
 
+    linear = linear_attention_layers(config) if config is not None else frozenset()
     out = {}
     for name, tensor in adapters.items():
         weight, ab = adapter_base(name)
-        hf_names = pipe_to_hf_names(weight, num_experts, architecture)
+        if ab == "B" and config is not None and is_reordered(weight, config):
+            tensor = reorder_to_hf(weight, tensor, config).contiguous()
+        hf_names = pipe_to_hf_names(weight, num_experts, architecture, linear)
         # An expert stack's adapters are written one expert at a time, as the on-disk
         # per-expert modules (`mlp.experts.{e}.gate_proj`) they adapt.
         pieces = [tensor] if len(hf_names) == 1 else list(tensor.unbind(0))
@@ -125,6 +140,7 @@ def write_peft(
         {n: adapters.read(n).contiguous() for n in names},
         getattr(adapters.model_config.moe, "num_experts", None),
         architecture,
+        adapters.model_config,
     )
     config = {
         "peft_type": "LORA",
@@ -152,13 +168,16 @@ def write_peft(
 _PEFT_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(\.\w+)?\.weight")
 
 
-def read_adapters(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_adapters(
+    path: str | Path, config: ModelConfig | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(settings: `rank`, `alpha`; adapter tensors under our names) of a LoRA adapter: a pipe
     adapter checkpoint, or a peft directory (`adapter_config.json` + safetensors) as
-    `write_peft` writes it. ValueError naming the file for anything else."""
+    `write_peft` writes it (`config`, the model's, reorders linear attention's q/k/v rows).
+    ValueError naming the file for anything else."""
     path = Path(path)
     if (path / "adapter_config.json").is_file():
-        return _read_peft(path)
+        return _read_peft(path, config)
     from pipeline.weights.pipe_checkpoint import PipeCheckpointSource
 
     source = PipeCheckpointSource(path)
@@ -168,13 +187,15 @@ def read_adapters(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     return record, {name: source.read(name) for name in source.tensors()}
 
 
-def _read_peft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_peft(
+    path: Path, model: ModelConfig | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     import json
 
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name
+    from pipeline.core.model.hf_names import hf_expert_piece, hf_to_pipe_name, reorder_from_hf
 
     config = json.loads((path / "adapter_config.json").read_text())
     if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("use_rslora"):
@@ -191,8 +212,10 @@ def _read_peft(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if piece is not None:  # one expert's adapter: stacked below
             experts.setdefault((piece[0], m["ab"]), {})[piece[1]] = tensor
             continue
-        base = hf_to_pipe_name(f"{m['module']}.weight").removesuffix(".weight")
-        tensors[f"{base}.lora_{m['ab']}"] = tensor
+        weight_name = hf_to_pipe_name(f"{m['module']}.weight")
+        if m["ab"] == "B":
+            tensor = reorder_from_hf(weight_name, tensor, model)
+        tensors[f"{weight_name.removesuffix('.weight')}.lora_{m['ab']}"] = tensor
     for (stack, ab), by_expert in experts.items():
         prefix, w = stack.rsplit(".", 1)
         tensors[f"{prefix}.lora.{w}_{ab}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])

@@ -33,6 +33,10 @@ keeps what it measured. Every child's output goes to `gpu_run.log`.
     muon          the optimizer step of Muon against AdamW's on the 1B shape, eager as in the
                   train step, and their states' bytes (scripts/bench/optimizer_step.py; not in
                   --quick)
+    linear_attention  gated DeltaNet's delta rule at Qwen3.5's shape in bf16: the Triton kernels
+                  of flash-linear-attention against pipe's torch chunked form (differences and
+                  speed) and that against the recurrent form (scripts/bench/linear_attention.py;
+                  not in --quick)
 
 Modes: full (`STEPS` budgets add up to <= 300 s with the install, `--quick` to <= 150 s) and
 `--dry` (a CPU at tiny sizes with emulated FP8, so CI proves the script; what a CPU cannot
@@ -677,6 +681,31 @@ def step_muon(run: Run) -> dict:
     }
 
 
+def step_linear_attention(run: Run) -> dict:
+    """Gated DeltaNet's delta rule: flash-linear-attention's Triton kernel against pipe's torch
+    chunked form (differences, speed), and that against the recurrent form, by length."""
+    result = run.work / "linear_attention.json"
+    shape = {
+        FULL: "--device cuda --dtype bf16 --lengths 4096,16384 --heads 32 --key-dim 128 "
+        "--value-dim 128",
+        QUICK: "",
+        DRY: "--device cpu --lengths 64,256 --heads 2 --key-dim 16 --value-dim 16",
+    }[run.mode]
+    argv = [PY, "scripts/bench/linear_attention.py", *shape.split(), "--fla"]
+    code, output = run.command("linear_attention", [*argv, "--json", str(result)])
+    record = _read_json(result) or {}
+    figures = record.get("results", {})
+    fla = [f.get("fla") for f in figures.values() if "fla" in f]
+    note = "Qwen3.5's linear-attention shape, bf16" if run.on_gpu else "CPU, tiny sizes"
+    if fla:
+        note += f"; fla: {fla[0]}"
+    return {
+        "status": _status(code),
+        "figures": figures,
+        "note": note + ("" if code == 0 else f"; {_last_line(output)}"),
+    }
+
+
 # In order of value: what a call cut short loses is what matters least. A full run's budgets
 # add up to its 300 s; they follow the first H200 run's wall times (gpu_tests: 17 s for 8 tests,
 # now 15, one compiled; smoke_train's first step, compiling, 10 s, more with flex attention now;
@@ -685,10 +714,11 @@ def step_muon(run: Run) -> dict:
 # call's `--only`, whose chosen steps share its whole 300 s. grpo comes before them: it is the
 # one figure issue 39 waits for. decode comes right after the bring-up: issue 48 puts decoding
 # through CUDA graphs first, and its 35 s came from smoke_train (5), train_8b_fp8 (15, whose
-# four runs already needed a second call), attention (10) and grpo (5).
+# four runs already needed a second call), attention (10) and grpo (5). linear_attention
+# (issue 51) took 4 s of gpu_tests' margin; like the tail, it runs on what is left.
 STEPS: list[Step] = [
     Step("environment", step_environment, {FULL: 12, QUICK: 12, DRY: 60}),  # install + probe
-    Step("gpu_tests", step_gpu_tests, {FULL: 42, QUICK: 30, DRY: 300}),
+    Step("gpu_tests", step_gpu_tests, {FULL: 38, QUICK: 30, DRY: 300}),
     Step("decode", step_decode, {FULL: 35, QUICK: 15, DRY: 240}),
     Step("smoke_train", step_smoke_train, {FULL: 33, QUICK: 20, DRY: 300}),
     Step("train_1b", step_train_1b, {FULL: 35, QUICK: 25, DRY: 300}),
@@ -700,6 +730,7 @@ STEPS: list[Step] = [
     Step("generate", step_generate, {FULL: 5, QUICK: 0, DRY: 180}),
     Step("lora_8b", step_lora_8b, {FULL: 2, QUICK: 0, DRY: 200}),
     Step("muon", step_muon, {FULL: 1, QUICK: 0, DRY: 120}),
+    Step("linear_attention", step_linear_attention, {FULL: 4, QUICK: 0, DRY: 120}),
 ]
 
 

@@ -17,17 +17,16 @@ from pipeline.core.model.hf_names import from_hf_state_dict
 from pipeline.core.model.moe import load_balancing_loss
 from pipeline.core.model.transformer import Transformer
 from pipeline.weights.hf_config import config_from_hf
-from pipeline.weights.hf_reader import HFSource
 from pipeline.weights.hf_writer import write_hf
 from pipeline.weights.source import InMemorySource
 from tests.builders import (
     SEQ,
     SHARD_BYTES,
     VOCAB,
+    assert_hf_round_trip,
     cli_hf_round_trip,
     disk_tensors,
     hf_config_dict,
-    load_from_source,
 )
 from tests.builders import build_model as build
 
@@ -243,25 +242,8 @@ def test_hf_round_trip_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_pa
     config; our model from the reader and transformers from the written files both give the
     original logits."""
     path, hf = hf_dir
-    source = HFSource(path)
-    memory = InMemorySource(
-        source.model_config, {n: source.read(n) for n in source.tensors()}, source.metadata
-    )
-    out = write_hf(memory, tmp_path / "out", max_shard_bytes=SHARD_BYTES)
-    original, written = disk_tensors(path), disk_tensors(out)
-    assert sorted(original) == sorted(written)
-    for tensor_name, tensor in original.items():
-        assert torch.equal(written[tensor_name], tensor), tensor_name
-    assert hf_config_dict(out) == hf_config_dict(path)
-
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(input_ids=tokens).logits
-        assert (load_from_source(source).logits(tokens) - expected).abs().max() < 1e-4
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-            out, attn_implementation="eager"
-        ).eval()
-        assert (reloaded(input_ids=tokens).logits - expected).abs().max() < 1e-4
+    assert_hf_round_trip(path, hf, tmp_path / "out", tokens)
 
 
 def test_cli_round_trip_through_a_pipe_checkpoint(hf_dir, tmp_path) -> None:

@@ -32,6 +32,7 @@ ORDER = [
     "generate",
     "lora_8b",
     "muon",
+    "linear_attention",
 ]
 
 
@@ -63,7 +64,7 @@ def test_only_and_skip_choose_steps_in_order() -> None:
     assert measure.choose_steps(None, []) == ORDER
     assert measure.choose_steps("train_1b, environment", []) == ["environment", "train_1b"]
     skipped = measure.choose_steps(None, ["memory", "generate,lora_8b", "grpo,muon"])
-    assert skipped == ORDER[:8]
+    assert skipped == [*ORDER[:8], "linear_attention"]
     assert measure.choose_steps("memory,generate", ["generate"]) == ["memory"]
 
 
@@ -71,7 +72,7 @@ def test_a_step_may_use_what_the_steps_before_it_left() -> None:
     """A full run's steps end by the sum of the budgets up to theirs: the call's last ends at
     its 300 s, and a step never eats into the budgets of those after it."""
     deadlines = measure.plan_deadlines(measure.FULL, ORDER, start=1000.0)
-    assert list(deadlines) == ORDER and deadlines["muon"] == 1300.0
+    assert list(deadlines) == ORDER and deadlines[ORDER[-1]] == 1300.0
     budgets = [step.budget[measure.FULL] for step in measure.STEPS]
     assert deadlines["train_1b"] == 1000.0 + sum(budgets[: ORDER.index("train_1b") + 1])
 
@@ -257,3 +258,16 @@ def test_the_decode_step_rehearses_on_a_cpu(tmp_path: Path) -> None:
         for way in ("eager", "static (eager on a CPU)"):
             assert entry[way]["tok_s"] > 0 and entry[way]["captured_while_timed"] == 0
     assert 40 < figures["small_56m"]["params_m"] < 70 and figures["small_56m"]["over_first_run"] > 0
+
+
+def test_the_linear_attention_step_dry_runs(tmp_path: Path) -> None:
+    """The dry run's linear-attention step times the chunked delta rule against the recurrent
+    one on a CPU (equal to 1e-5) and says why the Triton kernels were not compared there."""
+    run = measure.Run(measure.DRY, tmp_path, time.monotonic() + 120, tmp_path)
+    run.step_deadline = time.monotonic() + 120
+    result = measure.step_linear_attention(run)
+    assert result["status"] == "ok", result
+    assert sorted(result["figures"]) == ["256", "64"]
+    for figures in result["figures"].values():
+        assert figures["chunked_over_recurrent"] > 0 and figures["max_rel_diff"] < 1e-5
+    assert result["note"] == "CPU, tiny sizes; fla: not on a CPU: the Triton kernels need CUDA"

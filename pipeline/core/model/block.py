@@ -18,6 +18,7 @@ from pipeline.core.model.alibi import AlibiSlopes
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
 from pipeline.core.model.kv_seam import LayerKVCache
+from pipeline.core.model.linear_attention import GatedDeltaNet
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.norms import LayerNorm
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
@@ -39,6 +40,9 @@ class ModelOptions:
     """
 
     attention_backend: str = "sdpa"
+    # The gated delta rule's kernel in linear-attention layers ("auto": flash-linear-attention's
+    # Triton kernels on a GPU where installed, else torch; "torch"; "fla").
+    linear_attention_backend: str = "auto"
     activation_checkpointing: str = "none"
     moe_aux_loss_scale: float | None = None
     moe_micro_batch_group: Any = None
@@ -52,27 +56,39 @@ class ModelOptions:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face Llama does)."""
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face Llama does).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    `unit_offset` (Qwen3-Next, Qwen3.5): the scale is 1 + weight, the weight stored
+    zero-centred and the product taken in fp32 before the cast, as those models compute it (a
+    weight rewritten to 1 + w would lose bits in bf16)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
     def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+        if self.unit_offset:
+            nn.init.zeros_(self.weight)
+        else:
+            nn.init.ones_(self.weight)
 
 
-def build_norm(config: ModelConfig, dim: int) -> RMSNorm | LayerNorm:
-    """The model's norm over `dim` features: RMSNorm, or LayerNorm (`config.norm_type`)."""
+def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
+    """The model's norm over `dim` features (default: hidden_size): RMSNorm, with its scale
+    kind (`config.norm_unit_offset`), or LayerNorm (`config.norm_type`)."""
+    dim = dim or config.hidden_size
     if config.norm_type == "layernorm":
         return LayerNorm(dim, config.norm_eps, bias=config.norm_bias)
-    return RMSNorm(dim, config.norm_eps)
+    return RMSNorm(dim, config.norm_eps, config.norm_unit_offset)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,11 +172,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Multi-head attention with grouped-query kv heads, RoPE (over the first `rope_dim`
-    dimensions of each head), optional q/k/v bias (Qwen2, GLM-4.5) and optional q/k RMSNorm
+    dimensions of each head), optional q/k/v bias (Qwen2, GLM-4.5), optional q/k RMSNorm
     before RoPE: per head (Qwen3: `q_norm`, `k_norm` over head_dim, one weight shared by all
     heads, so tensor parallelism replicates them) or over the whole projection (MiniMax-M2:
     `qk_norm_scope` "projection", one weight per dimension of q and of k; tensor parallelism
-    replicates them too and normalises over the gathered sum of squares).
+    replicates them too and normalises over the gathered sum of squares), and an optional
+    sigmoid output gate (Qwen3-Next, Qwen3.5: `wq` gives each head's query and gate side by
+    side).
 
     `kind` names the attention family for code that treats families differently (tensor
     parallel plans, converters); "gqa" is this one. With a `cache` (`pipeline.core.model.
@@ -184,14 +202,17 @@ class Attention(nn.Module):
         self.qk_norm_scope = config.qk_norm_scope
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        # With an output gate, each query head's rows are [query, gate] (Hugging Face's layout).
+        self.output_gate = config.attention_output_gate
+        q_rows = 2 * q_dim if self.output_gate else q_dim
+        self.wq = nn.Linear(config.hidden_size, q_rows, bias=config.qkv_bias)
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
         if self.qk_norm:
             whole = self.qk_norm_scope == "projection"
-            self.q_norm = RMSNorm(q_dim if whole else config.head_dim, config.norm_eps)
-            self.k_norm = RMSNorm(kv_dim if whole else config.head_dim, config.norm_eps)
+            self.q_norm = build_norm(config, q_dim if whole else config.head_dim)
+            self.k_norm = build_norm(config, kv_dim if whole else config.head_dim)
         self.sinks = (
             nn.Parameter(torch.empty(config.num_attention_heads))
             if config.attention_sinks
@@ -216,6 +237,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        gate = None
+        if self.output_gate:  # each query head's rows are [query, gate]
+            q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(batch, seq, -1)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.qk_norm and self.qk_norm_scope == "projection":
@@ -242,7 +267,10 @@ class Attention(nn.Module):
             if self.alibi is not None:
                 extra["positions"] = cache.positions
             out = self.kernel.over_cache(q, k, v, cache.mask, **extra)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(batch, seq, -1))
+        return self.wo(out)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -349,7 +377,8 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + mlp(norm(x)).
 
     The block says what it is: `attention.kind` ("gqa": `Attention`; "mla": `LatentAttention`,
-    chosen by `config.attention_kind`), and `mlp_kind` ("moe": `moe`, a `MoE`;
+    chosen by `config.attention_kind`; "linear": `GatedDeltaNet`, where `config.layer_type`
+    says "linear_attention"), and `mlp_kind` ("moe": `moe`, a `MoE`;
     "dense": `feed_forward`, a dense SwiGLU), chosen per layer by `config.mlp_kind(layer)`;
     `mlp` is whichever it has. With `options.activation_checkpointing` the block recomputes
     its activations in backward (`pipeline.core.model.recompute`)."""
@@ -362,7 +391,9 @@ class TransformerBlock(nn.Module):
         self.mlp_kind = config.mlp_kind(layer)
         self.recompute = options.activation_checkpointing
         self.attention_norm = build_norm(config, config.hidden_size)
-        if config.attention_kind == "mla":
+        if config.layer_type(layer) == "linear_attention":
+            self.attention = GatedDeltaNet(config, options.linear_attention_backend)
+        elif config.attention_kind == "mla":
             self.attention = LatentAttention(config, options.attention_backend)
         else:
             self.attention = Attention(config, options.attention_backend, layer)

@@ -113,9 +113,48 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
 
+    # The shared experts' width when it is not num_shared_experts * the experts' width
+    # (Qwen3-Next / Qwen3.5-MoE's shared_expert_intermediate_size); None: that product.
+    shared_expert_ffn_hidden_size: int | None = None
+    # Weigh the shared experts' output per token by sigmoid(a linear of the input)
+    # (Qwen3-Next / Qwen3.5-MoE's shared_expert_gate).
+    shared_expert_gate: bool = False
+
+
+@dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5), the layers `layer_types` names
+    "linear_attention". Queries and keys have `num_key_heads` heads of `key_head_dim`, values
+    and the output gate `num_value_heads` of `value_head_dim` (a multiple of the key heads: each
+    key head serves num_value_heads / num_key_heads value heads); a causal depthwise conv of
+    width `conv_kernel_size` runs over the q, k, v channels. `interleaved_projections`: one
+    q/k/v/z and one b/a projection whose rows are grouped by key head (Qwen3-Next's
+    in_proj_qkvz / in_proj_ba); otherwise four projections (Qwen3.5's in_proj_qkv, _z, _b, _a).
+    """
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel_size: int = 4
+    interleaved_projections: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: queries, keys and values side by side."""
+        return 2 * self.key_dim + self.value_dim
+
 
 # The per-layer attention kinds `ModelConfig.layer_types` may name (Hugging Face's spelling).
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 @dataclass
@@ -157,8 +196,9 @@ class ModelConfig:
     # mtp_loss_scaling_factor / D each (Megatron's --mtp-loss-scaling-factor). 0: none.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
-    # Per-layer attention (Hugging Face's names): "full_attention" or "sliding_attention" (each
-    # query sees itself and the `sliding_window - 1` tokens before it); None: all full.
+    # Per-layer kind (Hugging Face's names): "full_attention", "sliding_attention" (each query
+    # sees itself and the `sliding_window - 1` tokens before it) or "linear_attention" (gated
+    # DeltaNet, `linear_attention`); None: all full attention.
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     # One learned logit per head, an extra softmax column whose value is dropped (gpt-oss).
@@ -183,6 +223,13 @@ class ModelConfig:
     alibi_bias_max: float = 8.0
     # MPT's clip_qkv: q, k and v are clamped to [-clip_qkv, clip_qkv] after their projections.
     clip_qkv: float | None = None
+    # Every RMSNorm of the model scales by (1 + weight) (Qwen3-Next, Qwen3.5), weights stored
+    # as Hugging Face stores them (zero-centred).
+    norm_unit_offset: bool = False
+    # Full attention multiplies its output by sigmoid(gate) before `wo`, the gate a second half
+    # of each query head's rows in `wq` (Qwen3-Next, Qwen3.5).
+    attention_output_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -231,9 +278,21 @@ class ModelConfig:
                 raise ValueError(f"layer_types {unknown}: choose from {', '.join(LAYER_TYPES)}")
             if "sliding_attention" in kinds and not (self.sliding_window or 0) > 0:
                 raise ValueError("sliding_attention layers need sliding_window >= 1")
+            if "linear_attention" in kinds:
+                self._check_linear_attention()
         outside = [i for i in self.no_rope_layers if not 0 <= i < self.num_layers]
         if outside:
             raise ValueError(f"no_rope_layers {outside} are not layers of {self.num_layers}")
+
+    def _check_linear_attention(self) -> None:
+        linear = self.linear_attention
+        if linear is None:
+            raise ValueError("layer_types names linear_attention but linear_attention is unset")
+        if linear.num_value_heads % linear.num_key_heads:
+            raise ValueError(
+                f"linear_attention.num_value_heads {linear.num_value_heads} must be a "
+                f"multiple of num_key_heads {linear.num_key_heads}"
+            )
 
     def layer_type(self, layer: int) -> str:
         """The attention of layer `layer` (0-based): "full_attention" unless `layer_types`
@@ -335,4 +394,6 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
         values["rope_scaling"] = kind(**scaling)
     if values.get("mla") is not None:
         values["mla"] = MLAConfig(**values["mla"])
+    if values.get("linear_attention") is not None:
+        values["linear_attention"] = LinearAttentionConfig(**values["linear_attention"])
     return ModelConfig(**values)

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 from pipeline.core.model.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, YarnScaling
+from pipeline.core.model.hybrid_flavors import HYBRID_FLAVORS
 
 
 def llama3_8b() -> ModelConfig:
@@ -607,6 +608,9 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
 }
 
 
+FLAVORS |= HYBRID_FLAVORS
+
+
 def get_flavor(name: str) -> ModelConfig:
     """A fresh `ModelConfig` for a named flavor (fresh, so callers may modify it)."""
     try:
@@ -621,7 +625,7 @@ def num_parameters(config: ModelConfig) -> int:
     if c.mla is None:
         q_dim = c.num_attention_heads * c.head_dim
         kv_dim = c.num_kv_heads * c.head_dim
-        attn = h * q_dim + 2 * h * kv_dim + q_dim * h
+        attn = h * q_dim * (2 if c.attention_output_gate else 1) + 2 * h * kv_dim + q_dim * h
         if c.qkv_bias:
             attn += q_dim + 2 * kv_dim
         attn += c.num_attention_heads * c.attention_sinks
@@ -638,14 +642,20 @@ def num_parameters(config: ModelConfig) -> int:
     moe_mlp = 0
     if c.moe is not None:
         moe_mlp = c.moe.num_experts * (expert_parameters(c) + h + c.moe.router_bias)
-        moe_mlp += 3 * h * c.expert_ffn_hidden_size * c.moe.num_shared_experts
+        shared_width = c.moe.shared_expert_ffn_hidden_size or (
+            c.expert_ffn_hidden_size * c.moe.num_shared_experts
+        )
+        moe_mlp += 3 * h * shared_width + (h if c.moe.shared_expert_gate else 0)
     moe_layers = c.num_moe_layers
     mlp = moe_layers * moe_mlp + (c.num_layers - moe_layers) * dense_mlp
+    linear_layers = sum(c.layer_type(i) == "linear_attention" for i in range(c.num_layers))
+    mixers = (c.num_layers - linear_layers) * attn
+    if linear_layers:
+        mixers += linear_layers * _linear_attention_parameters(c)
     norm = h * (2 if c.norm_type == "layernorm" and c.norm_bias else 1)
-    per_layer = attn + 2 * norm
     embeddings = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
     embeddings += norm if c.embedding_norm else 0
-    return embeddings + c.num_layers * per_layer + mlp + norm
+    return embeddings + mixers + c.num_layers * 2 * norm + mlp + norm  # two norms a layer
 
 
 def expert_parameters(config: ModelConfig) -> int:
@@ -653,6 +663,36 @@ def expert_parameters(config: ModelConfig) -> int:
     h, ffn = config.hidden_size, config.expert_ffn_hidden_size
     biases = 2 * ffn + h if config.moe is not None and config.moe.expert_biases else 0
     return 3 * h * ffn + biases
+
+
+def _linear_attention_parameters(config: ModelConfig) -> int:
+    """One gated DeltaNet layer's parameters: q/k/v/z/b/a projections, conv, A_log, dt_bias,
+    the gated norm and the output projection."""
+    s, h = config.linear_attention, config.hidden_size
+    projections = h * (s.conv_dim + s.value_dim + 2 * s.num_value_heads)
+    conv = s.conv_dim * s.conv_kernel_size
+    return projections + conv + 2 * s.num_value_heads + s.value_head_dim + s.value_dim * h
+
+
+def _hybrid_mixer_macs(config: ModelConfig, seq_len: int) -> float:
+    """Multiply-adds per token of the token mixer, the mean over a hybrid model's layers. Full
+    attention: its projections (the output gate's rows in `wq` too) and the two causal matmuls
+    over seq_len / 2 keys on average. Gated DeltaNet: its projections, the conv, and per value
+    head the delta rule's three key x value products per token (decay and read, write, output)
+    plus the chunked form's scores within a chunk (64 / 2 keys on average)."""
+    c, h = config, config.hidden_size
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    gate = 2 if c.attention_output_gate else 1
+    full = h * q_dim * gate + 2 * h * kv_dim + q_dim * h + q_dim * seq_len
+    s = c.linear_attention
+    projections = h * (s.conv_dim + s.value_dim + 2 * s.num_value_heads) + s.value_dim * h
+    rule = s.num_value_heads * (
+        3 * s.key_head_dim * s.value_head_dim + 32 * (s.key_head_dim + s.value_head_dim)
+    )
+    linear = projections + s.conv_dim * s.conv_kernel_size + rule
+    kinds = [c.layer_type(i) for i in range(c.num_layers)]
+    share = kinds.count("linear_attention") / len(kinds)
+    return share * linear + (1 - share) * full
 
 
 def _mla_linear_parameters(config: ModelConfig) -> int:
@@ -693,9 +733,13 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     else:
         scores = c.num_attention_heads * (c.mla.qk_head_dim + c.mla.v_head_dim) * seq_len / 2
         attn = (_mla_linear_parameters(c) + scores) / (2 * h * h)
+    if c.linear_attention is not None:
+        attn = _hybrid_mixer_macs(c, seq_len) / (2 * h * h)
     moe_width = 0
     if c.moe is not None:
         moe_width = c.expert_ffn_hidden_size * (c.moe.top_k + c.moe.num_shared_experts)
+        if c.moe.shared_expert_ffn_hidden_size:
+            moe_width += c.moe.shared_expert_ffn_hidden_size - c.expert_ffn_hidden_size
     moe_layers = c.num_moe_layers
     mean_width = (moe_layers * moe_width + (layers - moe_layers) * c.ffn_hidden_size) / layers
     mlp = mean_width / h * (1.5 if c.gated_mlp else 1.0)  # three matrices, or two

@@ -21,6 +21,8 @@ import re
 import torch
 
 from pipeline.core.model import hf_fused_experts as fused_experts
+from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.linear_attention import grouped_channel_order
 
 # (HF template, our template): {i} is the layer index, {p} is `weight` or `bias`. For our -> HF
 # the first matching row wins, so on-disk spellings come before in-memory ones.
@@ -65,6 +67,32 @@ _NAME_PAIRS: list[tuple[str, str]] = [
         "model.layers.{i}.mlp.shared_experts.down_proj.weight",
         "layers.{i}.moe.shared_experts.w2.weight",
     ),
+    # Gated DeltaNet linear attention (Qwen3.5's split projections, Qwen3-Next's fused ones).
+    ("model.layers.{i}.linear_attn.in_proj_qkv.weight", "layers.{i}.attention.wqkv.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_z.weight", "layers.{i}.attention.wz.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_b.weight", "layers.{i}.attention.wb.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_a.weight", "layers.{i}.attention.wa.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_qkvz.weight", "layers.{i}.attention.wqkvz.weight"),
+    ("model.layers.{i}.linear_attn.in_proj_ba.weight", "layers.{i}.attention.wba.weight"),
+    ("model.layers.{i}.linear_attn.conv1d.weight", "layers.{i}.attention.conv_weight"),
+    ("model.layers.{i}.linear_attn.A_log", "layers.{i}.attention.A_log"),
+    ("model.layers.{i}.linear_attn.dt_bias", "layers.{i}.attention.dt_bias"),
+    ("model.layers.{i}.linear_attn.norm.weight", "layers.{i}.attention.norm.weight"),
+    ("model.layers.{i}.linear_attn.out_proj.weight", "layers.{i}.attention.wo.weight"),
+    # Qwen3-Next / Qwen3.5-MoE's one gated shared expert (written so by `pipe_to_hf_names`).
+    (
+        "model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+        "layers.{i}.moe.shared_experts.w1.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.up_proj.weight",
+        "layers.{i}.moe.shared_experts.w3.weight",
+    ),
+    (
+        "model.layers.{i}.mlp.shared_expert.down_proj.weight",
+        "layers.{i}.moe.shared_experts.w2.weight",
+    ),
+    ("model.layers.{i}.mlp.shared_expert_gate.weight", "layers.{i}.moe.shared_expert_gate.weight"),
     # DeepSeek-V3's multi-token prediction modules (layers past num_hidden_layers; ours are
     # `mtp.{i}.*`, see `mtp_name`).
     ("model.layers.{i}.enorm.weight", "layers.{i}.enorm.weight"),
@@ -160,7 +188,13 @@ _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
     "Glm4MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
     "MiniMaxM2ForCausalLM": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
     "Mistral4ForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "Qwen3NextForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "Qwen3_5MoeForCausalLM": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
 }
+# Architectures with one shared expert, spelled `mlp.shared_expert.*` (DeepSeek's are plural).
+_ONE_SHARED_EXPERT = ("Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+# Qwen3.5's image-text checkpoints keep the language model under `model.language_model.`.
+_LANGUAGE_MODEL_PREFIX = "model.language_model."
 _DISK_EXPERT = re.compile(
     r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight"
 )
@@ -194,8 +228,13 @@ def hf_fused_gate_up(hf_name: str) -> tuple[str, str] | None:
     return f"layers.{m.group(1)}.moe.experts.w1", f"layers.{m.group(1)}.moe.experts.w3"
 
 
+_PIPE_LINEAR_OUT = re.compile(r"layers\.(\d+)\.attention\.wo\.weight")
+
+
 def hf_to_pipe_name(hf_name: str) -> str:
     """Our name for a Hugging Face parameter name; KeyError if it has none."""
+    if hf_name.startswith(_LANGUAGE_MODEL_PREFIX):
+        hf_name = "model." + hf_name.removeprefix(_LANGUAGE_MODEL_PREFIX)
     for pattern, template in _HF_TO_PIPE:
         m = pattern.fullmatch(hf_name)
         if m:
@@ -216,13 +255,24 @@ def hf_expert_piece(hf_name: str) -> tuple[str, int] | None:
     return f"layers.{layer}.moe.experts.{ours}", int(expert)
 
 
+def linear_attention_layers(config) -> frozenset[int]:
+    """The layers of `config` (a `ModelConfig`) that `layer_types` makes linear attention."""
+    return frozenset(
+        i for i in range(config.num_layers) if config.layer_type(i) == "linear_attention"
+    )
+
+
 def pipe_to_hf_names(
-    name: str, num_experts: int | None = None, architecture: str = "MixtralForCausalLM"
+    name: str,
+    num_experts: int | None = None,
+    architecture: str = "MixtralForCausalLM",
+    linear_layers: frozenset[int] = frozenset(),
 ) -> list[str]:
     """The on-disk Hugging Face names for our parameter `name`: one name, or for a stacked
     expert tensor (`layers.N.moe.experts.w1`) one name per expert, in expert order. MoE
     tensors are spelled as `architecture` (Mixtral or Qwen3-MoE) spells them; BLOOM and MPT
-    spell every name their own way."""
+    spell every name their own way. The output projection of a layer in `linear_layers`
+    (`linear_attention_layers`) is the linear attention's `out_proj`."""
     family = _FAMILY_PIPE_TO_HF.get(architecture)
     if family is not None:
         for pattern, template in family:
@@ -230,6 +280,9 @@ def pipe_to_hf_names(
             if m:
                 return [template.format(**m.groupdict())]
         raise KeyError(f"no {architecture} name for pipe parameter {name!r}")
+    m = _PIPE_LINEAR_OUT.fullmatch(name)
+    if m and int(m.group(1)) in linear_layers:
+        return [f"model.layers.{m.group(1)}.linear_attn.out_proj.weight"]
     m = _PIPE_FUSED.fullmatch(name)
     if m and architecture in FUSED_EXPERTS:
         fused = "gate_up_proj" if m.group(2) == FUSED_GATE_UP else "down_proj"
@@ -251,13 +304,20 @@ def pipe_to_hf_names(
     for pattern, template in _PIPE_TO_HF:
         m = pattern.fullmatch(name)
         if m:
-            return [template.format(**m.groupdict())]
+            hf_name = template.format(**m.groupdict())
+            if architecture in _ONE_SHARED_EXPERT:
+                hf_name = hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+            return [hf_name]
     raise KeyError(f"no Hugging Face name for pipe parameter {name!r}")
 
 
-def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(
+    hf_state: dict[str, torch.Tensor], config: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
     """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours
-    (gpt-oss's interleaved experts: `pipeline.core.model.hf_fused_experts`)."""
+    (gpt-oss's interleaved experts: `pipeline.core.model.hf_fused_experts`); linear attention's
+    conv channels and q/k/v rows are reordered (`reorder_from_hf`), which needs the model's
+    `config`."""
     out: dict[str, torch.Tensor] = {}
     # Qwen3-MoE's in-memory experts share gpt-oss's names; only gpt-oss has `mlp.router`.
     gpt_oss = any(name.endswith(".mlp.router.weight") for name in hf_state)
@@ -272,5 +332,35 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             out[f"layers.{m.group(1)}.moe.experts.w1"] = gate
             out[f"layers.{m.group(1)}.moe.experts.w3"] = up
         else:
-            out[hf_to_pipe_name(name)] = tensor
+            ours = hf_to_pipe_name(name)
+            out[ours] = reorder_from_hf(ours, tensor, config)
     return out
+
+
+# Linear attention's tensors whose channels pipe groups by key head (`grouped_channel_order`).
+_REORDERED = re.compile(r"layers\.(\d+)\.attention\.(wqkv\.weight|conv_weight)")
+
+
+def reorder_from_hf(name: str, tensor: torch.Tensor, config: ModelConfig | None) -> torch.Tensor:
+    """Our tensor `name` from Hugging Face's: linear attention's conv weight and Qwen3.5's
+    in_proj_qkv rows from all-queries, all-keys, all-values order to ours, grouped by key head;
+    any other tensor (BLOOM's fused q/k/v, also named `wqkv`, among them) as it is."""
+    if _REORDERED.fullmatch(name) and config is None:
+        raise ValueError(f"{name}: reordering linear attention's channels needs the model config")
+    if not is_reordered(name, config):
+        return tensor
+    return tensor[grouped_channel_order(config.linear_attention)]
+
+
+def reorder_to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The inverse of `reorder_from_hf`: Hugging Face's tensor for our `name`."""
+    if not is_reordered(name, config):
+        return tensor
+    return tensor[grouped_channel_order(config.linear_attention).argsort()]
+
+
+def is_reordered(name: str, config: ModelConfig) -> bool:
+    """Whether `reorder_from_hf` / `reorder_to_hf` change the tensor `name`: a linear-attention
+    layer's conv weight or q/k/v projection."""
+    m = _REORDERED.fullmatch(name)
+    return m is not None and config.layer_type(int(m.group(1))) == "linear_attention"

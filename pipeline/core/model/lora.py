@@ -16,8 +16,9 @@ adapters (`init_adapters`).
 
 Targets are the names users know: q, k, v, o (attention), gate, up, down (dense MLPs and
 shared experts), q_a, q_b, kv_a, kv_b (latent attention's down and up projections; `q` is
-latent attention's `wq` when it has no query compression) and expert_gate, expert_up,
-expert_down (the grouped experts of MoE layers). Routers, embeddings and the output layer are
+latent attention's `wq` when it has no query compression), qkv, z, qkvz, ba (gated DeltaNet's
+input projections; its output projection is `o`) and expert_gate, expert_up, expert_down (the
+grouped experts of MoE layers). Routers, embeddings and the output layer are
 never adapted (peft's "all-linear" leaves the output layer out too).
 """
 
@@ -60,6 +61,13 @@ LINEAR_TARGETS: dict[str, tuple[str, ...]] = {
     "q_b": ("attention.wq_b",),
     "kv_a": ("attention.wkv_a",),
     "kv_b": ("attention.wkv_b",),
+    # Gated DeltaNet's input projections (its output projection is `o`'s `attention.wo`):
+    # Qwen3.5's in_proj_qkv and in_proj_z, Qwen3-Next's fused in_proj_qkvz, and the b/a
+    # projections of the step sizes and decays.
+    "qkv": ("attention.wqkv",),
+    "z": ("attention.wz",),
+    "qkvz": ("attention.wqkvz",),
+    "ba": ("attention.wb", "attention.wa", "attention.wba"),
     "gate": ("feed_forward.w1", "moe.shared_experts.w1"),
     "up": ("feed_forward.w3", "moe.shared_experts.w3"),
     "down": ("feed_forward.w2", "moe.shared_experts.w2"),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.core.model.config import MoEConfig
-from pipeline.core.model.feed_forward import FeedForward
+from pipeline.core.model.feed_forward import FeedForward, init_linear
 
 EXPERT_BIASES = ("b1", "b3", "b2")
 
@@ -222,7 +222,8 @@ class MoE(nn.Module):
     when `config.num_groups` > 1; chosen on scores + `expert_bias` when it exists) -> experts.
     Outputs are each token's k expert outputs weighed by their scores (renormalised when
     `config.norm_topk_prob`, times `routed_scaling_factor`), plus `shared_experts(x)` when
-    `config.num_shared_experts` > 0.
+    `config.num_shared_experts` > 0 (weighed by sigmoid(`shared_expert_gate`(x)) when
+    `config.shared_expert_gate`: Qwen3-Next, Qwen3.5-MoE).
 
     `aux_loss_scale`: attach the aux-loss gradient with this weight (None: the caller adds
     `aux_loss` to its loss itself). `micro_batch_group`: the ranks one micro-batch's tokens are
@@ -252,8 +253,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden_size, config.num_experts, bias=config.router_bias)
         self.experts = GroupedExperts(config.num_experts, hidden_size, ffn_hidden_size, config)
         if config.num_shared_experts:
-            shared_width = ffn_hidden_size * config.num_shared_experts
+            shared_width = config.shared_expert_ffn_hidden_size or (
+                ffn_hidden_size * config.num_shared_experts
+            )
             self.shared_experts = FeedForward(hidden_size, shared_width)
+            if config.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(config.num_experts))
         self.expert_load: torch.Tensor | None = None
@@ -284,7 +289,10 @@ class MoE(nn.Module):
         if self.aux_loss is not None and self.aux_loss_scale is not None and out.requires_grad:
             out = _AttachAuxLoss.apply(out, self.aux_loss, self.aux_loss_scale)
         if self.config.num_shared_experts:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.config.shared_expert_gate:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out.reshape(shape)
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -396,6 +404,8 @@ class MoE(nn.Module):
         self.experts.init_weights(std, out_std)
         if self.config.num_shared_experts:
             self.shared_experts.init_weights(std, out_std)
+            if self.config.shared_expert_gate:
+                init_linear(self.shared_expert_gate, std)
         if self.config.expert_bias:
             nn.init.zeros_(self.expert_bias)
         self.expert_load = None

@@ -83,7 +83,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Dimension i is paired with i + rope_dim/2 (not with its neighbour as in Meta's original
     code), matching Hugging Face checkpoints so their q/k weights load without permutation.
     When cos/sin are narrower than the head (partial rotary, `rope_dim` < head_dim), only the
-    first rope_dim dimensions turn; the rest pass through.
+    first rope_dim dimensions turn, paired the same way within them; the rest pass through.
     """
     rope_dim = cos.shape[-1]
     if rope_dim < x.shape[-1]:

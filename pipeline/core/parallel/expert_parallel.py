@@ -116,6 +116,8 @@ class ExpertParallelMoE(MoE):
         self.router = moe.router
         if moe.config.num_shared_experts:  # replicated: every rank runs them on its own tokens
             self.shared_experts = moe.shared_experts
+            if moe.config.shared_expert_gate:
+                self.shared_expert_gate = moe.shared_expert_gate
         if moe.config.expert_bias:
             self.expert_bias = moe.expert_bias
         self.experts = ShardedGroupedExperts(moe.experts, mesh, *self.expert_range)

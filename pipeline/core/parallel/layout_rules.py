@@ -101,6 +101,7 @@ def model_problems(
             "model.mtp_num_layers > 0 (multi-token prediction) runs with dp and ep only; "
             "set parallel.tp, pp and cp to 1"
         )
+    problems += _linear_attention_problems(model, tp, cp)
     if cp > 1 and seq_length % (2 * cp):
         problems.append(f"data.seq_length ({seq_length}) must be divisible by 2 * cp = {2 * cp}")
     if sequence_parallel and tp > 1:
@@ -111,6 +112,27 @@ def model_problems(
                 + (f" * 2 * cp ({cp})" if cp > 1 else "")
                 + f" = {split} (sequence parallelism splits the sequence over tp)"
             )
+    return problems
+
+
+def _linear_attention_problems(model: Any, tp: int, cp: int) -> list[str]:
+    """Gated DeltaNet layers split their key heads (and the value heads each serves) over tp;
+    context parallelism would have to pass each layer's state from rank to rank in sequence
+    order, which pipe does not do."""
+    linear = getattr(model, "linear_attention", None)
+    if linear is None:
+        return []
+    problems = []
+    if linear.num_key_heads % tp:
+        problems.append(
+            f"parallel.tp ({tp}) must divide linear_attention.num_key_heads "
+            f"({linear.num_key_heads})"
+        )
+    if cp > 1:
+        problems.append(
+            "parallel.cp > 1 is not supported with linear attention: each rank's chunk of the "
+            "sequence needs the recurrent state left by the chunks before it; use tp or pp"
+        )
     return problems
 
 

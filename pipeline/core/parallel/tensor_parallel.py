@@ -8,13 +8,15 @@ their gradients summed over tp. Latent attention (DeepSeek) splits its heads the
 (`wq` or `wq_b`, `wkv_b` column-wise, `wo` row-wise) and replicates its down projections, their
 norms and the shared RoPE key: the gradients reaching those from this rank's heads are summed
 over tp where they enter the head-split projections (and at `rope_key`), so the replicated
-weights get the full gradient on every rank. Attention itself runs on local tensors: the model
-views q/k/v with -1 heads, so each rank attends over its own heads without knowing it is sharded
-(and CPU SDPA, which has no DTensor rule, still works). ALiBi's slopes follow their heads:
-each rank keeps the slopes of the heads it holds (`_SplitHeads`), and so do attention sinks
-(gpt-oss, one logit per query head, a Shard(0) DTensor); an o_proj bias is added once, after the
-row-wise sum. A plain (not gated) MLP has no w3; BLOOM's embedding norm is a sequence-parallel
-norm like the others.
+weights get the full gradient on every rank. Gated DeltaNet (linear attention) splits its key
+heads and the value heads each serves: its rows and conv channels are grouped by key head, so
+every tensor of the layer splits in contiguous pieces. Attention itself runs on local tensors:
+the model views q/k/v with -1 heads, so each rank attends over its own heads without knowing it
+is sharded (and CPU SDPA, which has no DTensor rule, still works). ALiBi's slopes follow their
+heads: each rank keeps the slopes of the heads it holds (`_SplitHeads`), and so do attention
+sinks (gpt-oss, one logit per query head, a Shard(0) DTensor); an o_proj bias is added once,
+after the row-wise sum. A plain (not gated) MLP has no w3; BLOOM's embedding norm is a
+sequence-parallel norm like the others.
 
 With sequence parallelism the residual stream between the attention and MLP sub-blocks is a
 DTensor sharded on the sequence (dim 1): norms run on 1/tp of the tokens, each sub-block
@@ -183,6 +185,8 @@ def _block_plan(
     stream = Shard(1) if sequence_parallel else Replicate()
     if block.attention.kind == "mla":
         plan = _latent_attention_plan(block, stream, keep_dtensor)
+    elif block.attention.kind == "linear":
+        plan = _linear_attention_plan(block, stream, keep_dtensor)
     else:
         plan = _attention_plan(block, stream, keep_dtensor)
     if sequence_parallel:
@@ -267,6 +271,48 @@ class _SplitHeads(ParallelStyle):
         start = device_mesh.get_local_rank() * share
         module.set_heads(range(start, start + share))
         return module
+
+
+def _linear_attention_plan(
+    block: nn.Module, stream: Shard | Replicate, keep_dtensor: bool
+) -> dict[str, ParallelStyle]:
+    """Gated DeltaNet: each rank a run of key heads and the value heads they serve. The input
+    projections column-wise (their rows, and the conv's channels, are grouped by key head, so a
+    contiguous split is a split by heads), `wo` row-wise, the conv weight, A_log and dt_bias
+    split on heads, the gated norm's weight (one for every head) replicated with its gradient
+    summed (`pipeline.core.model.linear_attention.local`)."""
+    attention = block.attention
+    names = ("wqkvz", "wba") if attention.interleaved else ("wqkv", "wz", "wb", "wa")
+    plan: dict[str, ParallelStyle] = {
+        f"attention.{n}": _styles(block, f"attention.{n}")[0]() for n in names
+    }
+    plan["attention.wo"] = _styles(block, "attention.wo")[1](
+        output_layouts=stream, use_local_output=not keep_dtensor
+    )
+    plan["attention.norm"] = _Placed({"weight": Replicate()})
+    plan["attention"] = _Placed(
+        {"conv_weight": Shard(0), "A_log": Shard(0), "dt_bias": Shard(0)},
+        input_layouts=(stream, None, None),
+        desired_input_layouts=(Replicate(), None, None),
+    )
+    return plan
+
+
+class _Placed(PrepareModuleInput):
+    """Lay a module's own parameters out as `placements` says (name -> placement) over tp; with
+    input layouts, also prepare its input as `PrepareModuleInput` does (to a local tensor)."""
+
+    def __init__(self, placements: dict, **input_layouts) -> None:
+        super().__init__(**input_layouts, use_local_output=True)
+        self.placements = placements
+        self.prepares_input = bool(input_layouts)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in self.placements.items():
+            param = getattr(module, name)
+            placed = distribute_tensor(param.data, device_mesh, [placement])
+            module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        return super()._apply(module, device_mesh) if self.prepares_input else module
 
 
 class _SumGradient(ParallelStyle):

@@ -89,22 +89,25 @@ def prompt_logprobs(
 def batch_of(rows: Rows, cache: BlockKVCache, device: torch.device) -> tuple[CachedBatch, tuple]:
     """The batch of `rows` and where each row's last new token is in it: one row each, or
     decode rows of a group packed (`pipeline.serve.engine.packing`)."""
-    if all(n == 1 for _, n in rows):
+    if all(n == 1 for _, n in rows) and cache.states is None:  # a state is per sequence
         packed = packed_decode_batch(
             [r for r, _ in rows], cache.block_size, cache.scratch_slot, device
         )
         if packed is not None:
             return packed[0], packed[1:]
     lengths = torch.tensor([n for _, n in rows], device=device)
-    return plain_batch(rows, cache.scratch_slot, device), (
+    return plain_batch(rows, cache.scratch_slot, device, cache.states is not None), (
         torch.arange(len(rows), device=device),
         lengths - 1,
     )
 
 
-def plain_batch(rows: Rows, scratch: int, device: torch.device) -> CachedBatch:
+def plain_batch(
+    rows: Rows, scratch: int, device: torch.device, states: bool = False
+) -> CachedBatch:
     """One batch row per request: its new tokens and its whole history's slots, padded (to
-    the longest row) with the cache's `scratch` slot."""
+    the longest row) with the cache's `scratch` slot; with `states` (a hybrid model), each
+    row's state slot and which of its new tokens are real."""
     new = max(n for _, n in rows)
     length = max(r.computed + n for r, n in rows)
     tokens = torch.zeros(len(rows), new, dtype=torch.long)
@@ -119,4 +122,10 @@ def plain_batch(rows: Rows, scratch: int, device: torch.device) -> CachedBatch:
         write[i, :n] = every[start:]
         read[i, : start + n] = every
     to = device
-    return CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
+    batch = CachedBatch(tokens.to(to), positions.to(to), write.to(to), read.to(to))
+    if states:
+        batch.state_slots = torch.tensor([r.state_slot for r, _ in rows], device=to)
+        counts = torch.tensor([n for _, n in rows])
+        if bool((counts < new).any()):
+            batch.valid = (torch.arange(new)[None, :] < counts[:, None]).to(to)
+    return batch

@@ -18,6 +18,9 @@ one job, all called under the engine's lock:
   `num_generations`): the leader computes the prompt, its siblings read its blocks;
 * `request`: the `Request` record and the `Event`s.
 
+A hybrid model's linear-attention layers keep a state per request instead of keys and values
+(`state_slots`): there, prefix caching is off and decoding runs eagerly.
+
 A request leaves the batch as soon as it finishes or is aborted, and its blocks return to the
 pool (or stay cached). Sampling is per request, with its own parameters and random generator;
 logit biases, penalties and log-probabilities (`pipeline.serve.engine.sampling.choose`) cost
@@ -35,6 +38,7 @@ forward pass.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -51,10 +55,13 @@ from pipeline.serve.engine.request import Event, Request
 from pipeline.serve.engine.request_checks import check_request
 from pipeline.serve.engine.sampling import SamplingParams, TokenLogprobs, choose
 from pipeline.serve.engine.scheduler import Scheduler
+from pipeline.serve.engine.state_slots import StateSlots
 from pipeline.serve.engine.static_decode import static_decoder
 
 if TYPE_CHECKING:
     from pipeline.serve.engine.structured_output import GrammarBackend
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -92,6 +99,11 @@ class Engine:
         self.cache = BlockKVCache(
             model.config, cache_blocks, block_size, dtype=param.dtype, device=param.device, tp=tp
         )
+        self.cache.states = StateSlots.for_model(model.config, max_batch, param.device, tp)
+        if self.cache.states is not None:
+            prefix_caching, static_decode, cuda_graphs = _hybrid_settings(
+                prefix_caching, static_decode, cuda_graphs
+            )
         self.max_context = max_context or model.config.max_position_embeddings
         self.grammars = grammars
         self.prefix_cache = PrefixCacheManager(self.cache, prefix_caching)
@@ -269,6 +281,24 @@ class Engine:
         request.finish_reason = reason
         self.finish_counts[reason] += 1
         self.cache.release(request.blocks)
+        if self.cache.states is not None:
+            self.cache.states.release(request.state_slot)
+            request.state_slot = None
         if request.lora_name is not None:
             self.adapters.release(request.lora_name, request.lora_slot)
         self.scheduler.remove(request)
+
+
+def _hybrid_settings(
+    prefix_caching: bool, static_decode: bool | None, cuda_graphs: bool | None
+) -> tuple[bool, bool, bool]:
+    """(prefix_caching, static_decode, cuda_graphs) for a hybrid model: a linear-attention
+    state is per sequence, not per block, so no prefix is cached; decoding runs eagerly."""
+    if prefix_caching:
+        log.info(
+            "prefix caching off: a hybrid model's linear-attention state is kept per sequence, "
+            "not per block of positions"
+        )
+    if static_decode or cuda_graphs:
+        log.warning("static decoding and CUDA graphs off: this model has linear attention")
+    return False, False, False

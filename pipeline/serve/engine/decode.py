@@ -9,7 +9,8 @@ family.
 
 A batch is `[batch, new]` tokens, each row one sequence: a prompt chunk (prefill) or one token
 (decode). Rows shorter than the longest are padded; padded positions write to the cache's scratch
-slot and are never read.
+slot and are never read. A hybrid model's linear-attention layers read and write each row's
+state slot instead (`LayerStates`), and leave their state as it is over the padding.
 
 Sliding-window layers (`ModelConfig.layer_types`, gpt-oss) see the same cache under a narrower
 mask: keys fewer than `window` positions before the query (`CachedBatch.window_mask`); the keys
@@ -44,6 +45,10 @@ class CachedBatch:
     read_slots: torch.Tensor
     attend: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
+    # A hybrid model's rows: each row's state slot `[batch]` (`pipeline.serve.engine.
+    # state_slots`) and which new tokens are real `[batch, new]` (None: all of them).
+    state_slots: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
     def read_positions(self) -> torch.Tensor:
         """The position of each read slot's token, `[batch or 1, length]`."""
@@ -97,6 +102,21 @@ class LayerSlots:
         return [t.to(dtype) for t in read]
 
 
+class LayerStates:
+    """One linear-attention layer's state slots seen by one batch: the model's
+    `LayerStateCache` (`pipeline.core.model.linear_attention`)."""
+
+    def __init__(self, cache: BlockKVCache, layer: int, batch: CachedBatch) -> None:
+        self.states, self.index, self.batch = cache.states, layer, batch
+        self.valid = batch.valid
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.states.read(self.index, self.batch.state_slots)
+
+    def write(self, window: torch.Tensor, state: torch.Tensor) -> None:
+        self.states.write(self.index, self.batch.state_slots, window, state)
+
+
 class BatchSlots:
     """A `BlockKVCache` seen by one batch: the model's `KVCache` (`pipeline.core.model.kv_seam`),
     its mask computed once for all layers, and once per window for sliding-window layers
@@ -113,7 +133,10 @@ class BatchSlots:
         self.windows = windows or {}
         self._windowed: dict[int, torch.Tensor] = {}
 
-    def layer(self, index: int) -> LayerSlots:
+    def layer(self, index: int) -> LayerSlots | LayerStates:
+        states = self.cache.states
+        if states is not None and states.is_linear(index):
+            return LayerStates(self.cache, index, self.batch)
         window = self.windows.get(index)
         if window is None:
             return LayerSlots(self.cache, index, self.batch, self.mask, self.fresh)

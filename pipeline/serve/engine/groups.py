@@ -5,9 +5,11 @@ its siblings, wait in the queue until the leader has computed all but the prompt
 then take a reference on the leader's blocks of those positions (`BlockKVCache.share`, under
 the engine's lock, so the leader finishing or aborted later frees nothing they read) and run
 only the last prompt token, as a decode row (vLLM recomputes a fully cached prompt's last
-token the same way). A sibling reserves cache for only its own positions. A leader that leaves
-before it gets that far (aborted) leaves its siblings to prefill on their own (the scheduler
-lets them go).
+token the same way). A sibling reserves cache for only its own positions. A hybrid model's
+sibling also starts from a copy of the leader's linear-attention state after that prefix
+(`pipeline.serve.engine.state_slots`), which the leader stops its prefill at for them. A
+leader that leaves before it gets that far (aborted) leaves its siblings to prefill on their
+own (the scheduler lets them go).
 """
 
 from __future__ import annotations
@@ -47,12 +49,21 @@ def share_prompt(cache: BlockKVCache, leader: Request) -> int:
     shared = len(leader.prompt) - 1
     if not leader.siblings or leader.computed < shared:
         return 0
+    states = cache.states
+    if states is not None and leader.computed > shared:
+        # A hybrid model's state is the leader's after all it computed: past the prefix.
+        for sibling in leader.siblings:
+            sibling.leader = None  # prefill alone
+        leader.siblings = []
+        return 0
     blocks = leader.blocks[: cache.blocks_needed(shared)]
     taken = 0
     for sibling in leader.siblings:
         if sibling.finished:
             continue
         cache.share(blocks)
+        if states is not None:  # linear attention's state after the prefix
+            sibling.start_state = states.snapshot(leader.state_slot)
         sibling.blocks = list(blocks)
         sibling.slots = leader.slots[:shared]
         sibling.computed = sibling.cached_tokens = shared

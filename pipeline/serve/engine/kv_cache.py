@@ -35,6 +35,7 @@ import torch
 
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.kv_sizes import kv_bytes_per_token, slot_shapes
+from pipeline.serve.engine.state_slots import StateSlots
 
 
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype, tp: int = 1) -> int:
@@ -79,13 +80,23 @@ class BlockKVCache:
         self.num_blocks = num_blocks
         self.scratch_slot = num_blocks * block_size  # padded positions write here
         slots = self.scratch_slot + 1
+        # Linear-attention layers keep a state per sequence (`state_slots`), no keys and values:
+        # their pools are empty.
         self.pools = [
             [
-                torch.zeros(slots, *shape, dtype=dtype, device=device)
+                torch.zeros(
+                    slots if config.layer_type(layer) != "linear_attention" else 0,
+                    *shape,
+                    dtype=dtype,
+                    device=device,
+                )
                 for shape in slot_shapes(config, tp)
             ]
-            for _ in range(config.num_layers)
+            for layer in range(config.num_layers)
         ]
+        # A hybrid model's per-sequence states (`pipeline.serve.engine.state_slots`), set by
+        # the engine; None without linear attention.
+        self.states: StateSlots | None = None
         self._free = list(range(num_blocks - 1, -1, -1))
         self._references = [0] * num_blocks  # sequences holding each block
         self._hash_of: dict[int, bytes] = {}  # a named (full, cached) block's chain hash

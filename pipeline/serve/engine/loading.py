@@ -117,7 +117,7 @@ def attach_adapters(model: Transformer, adapter: str | Path) -> None:
 
     try:
         with quiet_dcp():
-            record, tensors = read_adapters(adapter)
+            record, tensors = read_adapters(adapter, model.config)
         spec = LoRASpec(record["rank"], record["alpha"], 0.0, targets_of(list(tensors)))
         apply_lora(model, spec)
         missing, unexpected = model.load_state_dict(tensors, strict=False)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,6 +94,7 @@ class LoRASlots:
     _row_count: int = 0  # rows of the next forward pass
     _active_paths: frozenset[str] = frozenset()  # the linears its adapters target
     _groups: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> its rows
+    model_config: Any = None  # the served model's, for peft files of linear attention
 
     # ---- building ---------------------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class LoRASlots:
                     )
                     linear.__class__ = adapted_class(type(linear), SlotLoRA, "SlotLoRA")
                     linear.slots, linear.slot_path = slots, full
+        slots.model_config = getattr(model, "config", None)
         return slots
 
     # ---- names ------------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class LoRASlots:
 
         try:
             with quiet_dcp():
-                record, tensors = read_adapters(path)
+                record, tensors = read_adapters(path, self.model_config)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise LoRASlotError(f"{path}: {error}") from None
         rank, scaling = int(record["rank"]), float(record["alpha"]) / int(record["rank"])

@@ -47,6 +47,10 @@ class Request:
     lora_name: str | None = None  # the adapter it runs with (`pipeline.serve.engine.lora_slots`)
     lora_slot: int | None = None  # the adapter's slot, once admitted
     guide: Any = None  # with params.structured_output: its matcher (GrammarBackend.guide)
+    # A hybrid model's: its state slot once admitted, and a sibling's start (its leader's state
+    # after the shared prompt) until then (`pipeline.serve.engine.state_slots`).
+    state_slot: int | None = None
+    start_state: Any = None
 
     @property
     def finished(self) -> bool:

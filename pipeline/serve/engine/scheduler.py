@@ -10,7 +10,9 @@ cannot join blocks those behind it, so no request waits forever.
 
 Each step runs one token for every request already decoding, then at most `prefill_chunk`
 prompt tokens (a long prompt is split over several steps, so it never stalls the requests
-already generating).
+already generating). A hybrid model's request takes a state slot when admitted
+(`pipeline.serve.engine.state_slots`); a leader of siblings prefills its prompt but the last
+token first, so that they can start from its state there.
 
 The scheduler holds no lock: the engine calls it under its own.
 """
@@ -126,6 +128,11 @@ class Scheduler:
             request.slots = slots if request.slots is None else torch.cat([request.slots, slots])
             request.blocks += own
             request.admitted = time.monotonic()
+            if self.cache.states is not None:  # a hybrid model: the request's state slot
+                request.state_slot = self.cache.states.acquire()
+                if request.start_state is not None:  # a sibling: its leader's prompt state
+                    self.cache.states.restore(request.state_slot, request.start_state)
+                    request.start_state = None
             self.running.append(self.waiting.popleft())
         return taken
 
@@ -138,6 +145,8 @@ class Scheduler:
         for request in self.running:
             left = len(request.prompt) - request.computed
             if left > 1 and budget > 0:
+                if request.siblings and self.cache.states is not None:
+                    left -= 1  # stop before the last token: the siblings start from there
                 prefill.append((request, min(left, budget)))
                 budget -= prefill[-1][1]
         return decoding, prefill

@@ -30,4 +30,9 @@ def shard_for_generation(model: Transformer, mesh) -> Transformer:
     heads = config.num_attention_heads if config.attention_kind == "mla" else config.num_kv_heads
     if heads % tp:
         raise ValueError(f"{heads} attention (kv) heads do not split over {tp} ranks")
+    linear = config.linear_attention
+    if linear is not None and linear.num_key_heads % tp:
+        raise ValueError(
+            f"{linear.num_key_heads} linear-attention key heads do not split over {tp} ranks"
+        )
     return apply_tensor_parallel(model, mesh, sequence_parallel=False)

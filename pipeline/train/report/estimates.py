@@ -186,7 +186,10 @@ def estimate_memory(
         moe_mlp = model.moe.top_k * (h + 3 * model.expert_ffn_hidden_size) + model.moe.num_experts
         moe_share = model.num_moe_layers / model.num_layers
         mlp = moe_share * moe_mlp + (1 - moe_share) * mlp
-    per_token_layer = (4 * h + 2 * q + 2 * kv + mlp) / p.tp
+    mixer = 2 * q + 2 * kv
+    if model.linear_attention is not None:  # the mean over layers, full and linear attention
+        mixer = _mean_mixer_activations(model, mixer)
+    per_token_layer = (4 * h + mixer + mlp) / p.tp
     tokens = cfg.training.micro_batch_size * _sequences(cfg) * cfg.data.seq_length / p.cp
     layers_local = math.ceil(model.num_layers / p.pp)
     micro_batches = cfg.training.global_batch_size // (cfg.training.micro_batch_size * dp)
@@ -221,6 +224,23 @@ def estimate_memory(
         host_state=host,
         optimizer_state=trained * state_bytes_per_param(cfg, model),
     )
+
+
+# The chunked delta rule's chunk (`pipeline.core.kernels.gated_delta.CHUNK_SIZE`; torch-free here).
+DELTA_RULE_CHUNK = 64
+
+
+def _mean_mixer_activations(model: ModelConfig, attention: float) -> float:
+    """Per-token activations of the token mixer, averaged over the layers: `attention` for full
+    attention; for gated DeltaNet its projections (q/k/v before and after the conv, z, b, a),
+    its output, and the state kept at each chunk's end (one per 64 tokens, fp32 counted as
+    two values) instead of keys and values."""
+    s = model.linear_attention
+    state = 2 * s.num_value_heads * s.key_head_dim * s.value_head_dim / DELTA_RULE_CHUNK
+    linear = 2 * s.conv_dim + 2 * s.value_dim + 2 * s.num_value_heads + state
+    kinds = [model.layer_type(i) for i in range(model.num_layers)]
+    share = kinds.count("linear_attention") / len(kinds)
+    return share * linear + (1 - share) * attention
 
 
 def _objective_held(cfg: TrainConfig, model: ModelConfig, dp: int) -> tuple[float, str]:
@@ -347,7 +367,8 @@ def _model_line(cfg: TrainConfig, model: ModelConfig) -> str:
 
 
 def _attention_options(model: ModelConfig) -> str:
-    """Sliding windows, sinks and layers without RoPE, when the model has them."""
+    """Sliding windows, sinks, layers without RoPE and linear attention, when the model has
+    them."""
     parts = []
     windowed = sum(model.attention_window(i) is not None for i in range(model.num_layers))
     if windowed:
@@ -356,6 +377,13 @@ def _attention_options(model: ModelConfig) -> str:
         parts.append("sinks")
     if model.no_rope_layers:
         parts.append(f"no RoPE in {len(model.no_rope_layers)} layers")
+    s = model.linear_attention
+    if s is not None:
+        count = sum(model.layer_type(i) == "linear_attention" for i in range(model.num_layers))
+        parts.append(
+            f"linear attention in {count}/{model.num_layers} layers ({s.num_key_heads}/"
+            f"{s.num_value_heads} heads of {s.key_head_dim}/{s.value_head_dim})"
+        )
     return "".join(f", {p}" for p in parts)
 
 

@@ -72,11 +72,12 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
 
 def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]:
     """The rollout engine's weights (a copy unless the engine runs on the policy itself: one
-    fp32 process, not compiled; see `rollout`) and its KV cache, sized for every completion of
+    fp32 process, not compiled; see `rollout`) and its KV cache (and linear attention's
+    per-sequence states), sized for every completion of
     this rank's share of its prompts at once (a tp rank draws 1/tp of them, `split`); nothing
     with a rollout server."""
     from pipeline.core.model.flavors import num_parameters
-    from pipeline.core.model.kv_sizes import kv_bytes_per_token
+    from pipeline.core.model.kv_sizes import kv_bytes_per_token, state_bytes_per_sequence
     from pipeline.train.config.compile_setting import compile_enabled
 
     if cfg.grpo.rollout_server:  # the server holds them
@@ -90,6 +91,7 @@ def _grpo_held_bytes(cfg: TrainConfig, model: Any, dp: int) -> tuple[float, str]
     rows = prompts * cfg.grpo.num_generations
     positions = -(-cfg.data.seq_length // ROLLOUT_BLOCK) * ROLLOUT_BLOCK
     kv = rows * positions * kv_bytes_per_token(model, 2 if bf16 else 4)
+    kv += rows * state_bytes_per_sequence(model)  # linear attention's states, fp32
     what = "the KV cache" if shared else "a copy of the weights and the KV cache"
     return weights + kv, f"rollout engine ({what})"
 
