@@ -33,13 +33,13 @@ from pipeline.serve.http.openai_api import (
     TokenizeBody,
     completion_prompts,
 )
-from pipeline.serve.http.reasoning import ReasoningReader, ReasoningServing
 from pipeline.serve.http.responses import ChatWriter, CompletionWriter, respond
 from pipeline.serve.http.responses_api import add_responses_routes
 from pipeline.serve.http.tokenizer_info import tokenizer_info
 from pipeline.serve.http.tool_calls import ToolReply, ToolServing
 from pipeline.serve.http.weight_control import WeightControl
 from pipeline.serve.http.weight_routes import add_weight_routes
+from pipeline.tokenizer.reasoning import ReasoningReader, ReasoningServing
 
 
 @dataclass(frozen=True)
