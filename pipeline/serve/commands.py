@@ -28,7 +28,7 @@ from pipeline.serve.http.lora_options import adapter_settings, lora_options
 DTYPES = ("auto", "fp32", "bf16")
 # pipeline.serve.http.tool_parsers' formats
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")
-# pipeline.serve.http.reasoning's formats
+# pipeline.tokenizer.reasoning's formats
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "mistral")
 
 

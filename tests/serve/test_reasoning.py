@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.serve.http.reasoning import REASONING_FORMATS, ReasoningServing
+from pipeline.tokenizer.reasoning import REASONING_FORMATS, ReasoningServing
 from tests.builders import with_think_tokens
 
 REPLY = "<think>\nline 3 value\n</think>\n\nthe answer"

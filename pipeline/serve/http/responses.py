@@ -30,8 +30,8 @@ from pipeline.serve.http.openai_api import (
     prompt_logprobs_list,
     usage,
 )
-from pipeline.serve.http.reasoning import ReasoningReader
 from pipeline.serve.http.tool_calls import ToolReply
+from pipeline.tokenizer.reasoning import ReasoningReader
 
 log = logging.getLogger(__name__)
 

@@ -431,6 +431,81 @@ def _response(body: ResponsesBody, ident: str, model: str, created: int, **state
     }
 
 
+class ResponseRun:
+    """One POST /v1/responses being answered: its id, the reply's output items and the response
+    objects made of them, whole or as server-sent events; the finished response is stored in
+    `store` when the body asks."""
+
+    def __init__(self, body: ResponsesBody, chat, chat_body: ChatBody, model: str, store) -> None:
+        self.body, self.chat, self.model, self.store = body, chat, model, store
+        self.ident = f"resp_{body.request_id}" if body.request_id else _id("resp")
+        self.created = int(time.time())
+        messages = [m.model_dump(exclude_none=True) for m in chat_body.messages]
+        self.messages = messages[1:] if body.instructions else messages  # no instructions
+        self.reply = ReplyItems(chat, chat_body)
+        self.streamed_output: list[dict] | None = None  # the streamed reply's items, at its end
+        self.sequence = 0  # the next event's sequence_number
+
+    def response(self, **state) -> dict:
+        """The response object in `state` (status, output, usage...)."""
+        return _response(self.body, self.ident, self.model, self.created, **state)
+
+    def finished(self, finish_reason: str | None, completion_tokens: int, cached: int) -> dict:
+        """The finished response (`incomplete` when the reply reached max_output_tokens),
+        stored when the body asks."""
+        body, reply = self.body, self.reply
+        output = reply.items(finish_reason) if not body.stream else self.streamed_output
+        incomplete = finish_reason == "length"
+        response = self.response(
+            status="incomplete" if incomplete else "completed",
+            output=output,
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            usage=_usage(len(self.chat.prompt), completion_tokens, cached, reply),
+        )
+        if body.store:
+            self.store.put(response, _conversation_after(self.messages, output))
+        return response
+
+    async def whole(self, jobs, streams, is_disconnected):
+        """The unstreamed answer: the finished response, or a 499 when the client left."""
+        generations = await gather_generations(jobs, streams, is_disconnected)
+        if generations is None:
+            return error_response("client disconnected", 499)
+        g = generations[0]
+        self.reply.push(g.text, g.token_ids, stream=False)
+        return self.finished(g.finish_reason, g.completion_tokens, g.cached_tokens)
+
+    def sse(self, event: dict) -> str:
+        """`event` as a server-sent event, numbered."""
+        event = {**event, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+    def _pending_events(self):
+        """The reply's events not yet sent, as server-sent events."""
+        for event in self.reply.events:
+            yield self.sse(event)
+        self.reply.events.clear()
+
+    async def events(self, streams):
+        """The streamed answer's server-sent events, in vLLM's order."""
+        start = self.response()
+        yield self.sse({"type": "response.created", "response": start})
+        yield self.sse({"type": "response.in_progress", "response": start})
+        finish, tokens, cached = None, 0, 0
+        async for _, delta in merged_deltas(streams):
+            self.reply.push(delta.text, delta.token_ids, stream=True)
+            finish = delta.finish_reason or finish
+            tokens, cached = delta.completion_tokens, delta.cached_tokens or cached
+            for event in self._pending_events():
+                yield event
+        self.streamed_output = self.reply.finish(finish)
+        for event in self._pending_events():
+            yield event
+        completed = self.finished(finish, tokens, cached)
+        yield self.sse({"type": "response.completed", "response": completed})
+
+
 def add_responses_routes(app: FastAPI, served, eos_ids: frozenset[int]) -> None:
     """Register POST /v1/responses and GET /v1/responses/{id} on `app` for `served` (the
     routes' `ServedModel`)."""
@@ -449,65 +524,10 @@ def add_responses_routes(app: FastAPI, served, eos_ids: frozenset[int]) -> None:
             chat_body, [chat.prompt], served.token_budget, eos_ids, served.codec.encode
         )
         streams = submit_jobs(served.submitter(lora), jobs, "input")
-        ident = f"resp_{body.request_id}" if body.request_id else _id("resp")
-        model, created = lora or served.name, int(time.time())
-        messages = [m.model_dump(exclude_none=True) for m in chat_body.messages]
-        if body.instructions:
-            messages = messages[1:]
-        reply = ReplyItems(chat, chat_body)
-
-        def finished(finish_reason, completion_tokens, cached) -> dict:
-            output = reply.items(finish_reason) if not body.stream else reply_output[0]
-            incomplete = finish_reason == "length"
-            response = _response(
-                body,
-                ident,
-                model,
-                created,
-                status="incomplete" if incomplete else "completed",
-                output=output,
-                incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-                usage=_usage(len(chat.prompt), completion_tokens, cached, reply),
-            )
-            if body.store:
-                store.put(response, _conversation_after(messages, output))
-            return response
-
-        reply_output: list = [None]
+        run = ResponseRun(body, chat, chat_body, lora or served.name, store)
         if not body.stream:
-            generations = await gather_generations(jobs, streams, http.is_disconnected)
-            if generations is None:
-                return error_response("client disconnected", 499)
-            g = generations[0]
-            reply.push(g.text, g.token_ids, stream=False)
-            return finished(g.finish_reason, g.completion_tokens, g.cached_tokens)
-
-        async def events():
-            sequence = 0
-
-            def sse(event: dict) -> str:
-                nonlocal sequence
-                event = {**event, "sequence_number": sequence}
-                sequence += 1
-                return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-            start = _response(body, ident, model, created)
-            yield sse({"type": "response.created", "response": start})
-            yield sse({"type": "response.in_progress", "response": start})
-            finish, tokens, cached = None, 0, 0
-            async for _, delta in merged_deltas(streams):
-                reply.push(delta.text, delta.token_ids, stream=True)
-                finish = delta.finish_reason or finish
-                tokens, cached = delta.completion_tokens, delta.cached_tokens or cached
-                for event in reply.events:
-                    yield sse(event)
-                reply.events.clear()
-            reply_output[0] = reply.finish(finish)
-            for event in reply.events:
-                yield sse(event)
-            yield sse({"type": "response.completed", "response": finished(finish, tokens, cached)})
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+            return await run.whole(jobs, streams, http.is_disconnected)
+        return StreamingResponse(run.events(streams), media_type="text/event-stream")
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):

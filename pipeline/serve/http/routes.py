@@ -33,13 +33,13 @@ from pipeline.serve.http.openai_api import (
     TokenizeBody,
     completion_prompts,
 )
-from pipeline.serve.http.reasoning import ReasoningReader, ReasoningServing
 from pipeline.serve.http.responses import ChatWriter, CompletionWriter, respond
 from pipeline.serve.http.responses_api import add_responses_routes
 from pipeline.serve.http.tokenizer_info import tokenizer_info
 from pipeline.serve.http.tool_calls import ToolReply, ToolServing
 from pipeline.serve.http.weight_control import WeightControl
 from pipeline.serve.http.weight_routes import add_weight_routes
+from pipeline.tokenizer.reasoning import ReasoningReader, ReasoningServing
 
 
 @dataclass(frozen=True)
@@ -196,15 +196,21 @@ def _add_status_routes(app: FastAPI, served: ServedModel) -> None:
         return {"object": "list", "data": [entry, *adapters]}
 
 
-def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
-    eos_ids = served.client.ready.eos_ids
+@dataclass(frozen=True)
+class GenerationAnswers:
+    """How the generation routes answer a body once its prompts are known: its jobs planned and
+    submitted (or its beams searched) and the replies written, whole or streamed."""
 
-    async def answer(http, body, lora, prompts, writer, param: str, prefix: str):
+    served: ServedModel
+    eos_ids: frozenset[int]
+
+    async def answer(self, http, body, lora, prompts, writer, param: str, prefix: str):
         """Plan the body's jobs on `prompts`, submit them (a 400 names `param` where a prompt
         is refused) and answer through `writer`, whole or streamed, under an id of `prefix`."""
-        jobs = plan_jobs(body, prompts, served.token_budget, eos_ids, served.codec.encode)
+        served = self.served
+        jobs = plan_jobs(body, prompts, served.token_budget, self.eos_ids, served.codec.encode)
         if body.use_beam_search:
-            generations = await beam_generations(body, lora, prompts, jobs)
+            generations = await self.beam_generations(body, lora, prompts, jobs)
             answer = writer.whole(
                 served.response_id(body, prefix), lora or served.name, generations
             )
@@ -221,7 +227,7 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             served.weights.fingerprint,
         )
 
-    async def beam_generations(body, lora, prompts, jobs) -> list[Generation]:
+    async def beam_generations(self, body, lora, prompts, jobs) -> list[Generation]:
         """Each prompt's n beams (`pipeline.serve.http.beam_search`) as its jobs' generations."""
         for name, wrong in (("stream", body.stream), ("logprobs", body.logprobs)):
             if wrong:
@@ -230,24 +236,35 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         for index, prompt in enumerate(prompts):
             mine = [job for job in jobs if job.prompt_index == index]
             beams = await beam_search(
-                served.submitter(lora),
+                self.served.submitter(lora),
                 prompt,
                 len(mine),
                 mine[0].params.max_new_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
-                eos_ids=eos_ids,
+                eos_ids=self.eos_ids,
                 ignore_eos=bool(body.ignore_eos),
                 length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
                 include_eos=bool(body.include_stop_str_in_output),
             )
             skip = body.skip_special_tokens is not False
-            for job, beam in zip(mine, beams):
-                shown = [t for t in beam.generated if t not in eos_ids or not skip]
-                generation = Generation(job, list(beam.generated), finish_reason=beam.finish_reason)
-                generation.text = served.codec.tokenizer.decode(shown, skip_special_tokens=skip)
-                generation.completion_tokens = len(beam.generated)
-                generations.append(generation)
+            generations += [
+                self._beam_generation(job, beam, skip) for job, beam in zip(mine, beams)
+            ]
         return generations
+
+    def _beam_generation(self, job, beam, skip: bool) -> Generation:
+        """One beam as its job's generation, its text decoded as the body's
+        `skip_special_tokens` asks."""
+        shown = [t for t in beam.generated if t not in self.eos_ids or not skip]
+        generation = Generation(job, list(beam.generated), finish_reason=beam.finish_reason)
+        generation.text = self.served.codec.tokenizer.decode(shown, skip_special_tokens=skip)
+        generation.completion_tokens = len(beam.generated)
+        return generation
+
+
+def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
+    eos_ids = served.client.ready.eos_ids
+    answers = GenerationAnswers(served, eos_ids)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest, body: CompletionBody):
@@ -259,7 +276,7 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
             for p in completion_prompts(body.prompt)
         ]
         writer = CompletionWriter(body, prompts, served.codec.token_text)
-        return await answer(http, body, lora, prompts, writer, "prompt", "cmpl")
+        return await answers.answer(http, body, lora, prompts, writer, "prompt", "cmpl")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest, body: ChatBody):
@@ -269,7 +286,7 @@ def _add_generation_routes(app: FastAPI, served: ServedModel) -> None:
         writer = ChatWriter(
             body, chat.prompt, served.codec.token_text, chat.tools, chat.text, chat.reasoning
         )
-        return await answer(http, body, lora, [chat.prompt], writer, "messages", "chatcmpl")
+        return await answers.answer(http, body, lora, [chat.prompt], writer, "messages", "chatcmpl")
 
     add_responses_routes(app, served, eos_ids)
 

@@ -44,7 +44,7 @@ def create_app(
     `tools`: the `ToolServing` options (tool-call parser), None for none. The engine's adapters
     are served by name (`pipeline.serve.http.lora_routes`), loaded and unloaded while serving when
     `runtime_lora`. `reasoning_parser`: vLLM's name of the model's thinking format
-    (`pipeline.serve.http.reasoning`), None for none."""
+    (`pipeline.tokenizer.reasoning`), None for none."""
     from fastapi import FastAPI
 
     from pipeline.serve.http.http_errors import add_error_handlers

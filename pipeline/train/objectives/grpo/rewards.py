@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.prompt_dataset import PromptRecord
+from pipeline.tokenizer.reasoning import ReasoningServing
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.objectives.grpo.settings import GRPOSection
 
@@ -223,8 +224,6 @@ def _reasoning(section: GRPOSection, names: list[str], encode_batch) -> Any:
         return None
     if encode_batch is None:
         raise ConfigError("grpo.reasoning_parser needs the data's tokenizer")
-    from pipeline.serve.http.reasoning import ReasoningServing
-
     try:
         return ReasoningServing.of(section.reasoning_parser, lambda text: encode_batch([text])[0])
     except ValueError as e:

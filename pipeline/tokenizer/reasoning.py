@@ -1,4 +1,6 @@
-"""Reasoning models' thinking apart from their answer: `pipe serve --reasoning-parser NAME`.
+"""Reasoning models' thinking apart from their answer: `pipe serve --reasoning-parser NAME`,
+and GRPO's rewards on a thinking policy (`grpo.reasoning_parser`). Pure text and token ids,
+so the server and training both use it.
 
 A thinking model writes its reasoning between two marker tokens (`<think>` ... `</think>` for
 Qwen3, DeepSeek-R1 and GLM-4.5; `[THINK]` ... `[/THINK]` for Mistral's Magistral). With a parser
