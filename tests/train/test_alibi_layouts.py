@@ -82,6 +82,9 @@ def test_the_dry_run_names_the_block() -> None:
     from pipeline.train.report.estimates import dry_run_report
 
     bloom = dry_run_report(resolve_config("tiny", ["model.flavor=tiny_bloom"]))[0]
-    assert "heads 6/6 kv, head_dim 16, q/k/v bias, ALiBi, LayerNorm, gelu_pytorch_tanh plain MLP" in bloom
+    assert (
+        "heads 6/6 kv, head_dim 16, q/k/v bias, ALiBi, LayerNorm, gelu_pytorch_tanh plain MLP"
+        in bloom
+    )
     llama = dry_run_report(resolve_config("tiny", []))[0]
     assert "ALiBi" not in llama and "LayerNorm" not in llama and "MLP" not in llama
