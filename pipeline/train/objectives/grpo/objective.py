@@ -39,6 +39,7 @@ from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start
 from pipeline.train.objectives.grpo.loss import (
     GRPOLossOptions,
     group_advantages,
+    loss_count,
     nanstd,
     per_token_loss,
     reduce_loss,
@@ -68,6 +69,8 @@ class GRPO(Objective):
         super().__init__(cfg, spec, layout=layout)
         self.section = cfg.grpo
         self.options = GRPOLossOptions.from_section(cfg.grpo)
+        for warning in self.options.warnings():
+            log.warning("%s", warning)
         self.run: Any = None
         self.rollout: RolloutModel | RemoteRollouts | None = None
         self.reference: Any = None  # a runner whose hidden states are the frozen start's
@@ -115,12 +118,7 @@ class GRPO(Objective):
         return {key: batch[key] for key in self.batch_keys}
 
     def count(self, batch: Batch) -> torch.Tensor:
-        mask = batch["loss_mask"]
-        if self.options.loss_type == "dapo":
-            return mask.sum()
-        if self.options.loss_type == "bnpo":
-            return torch.ones((), device=mask.device)
-        return torch.tensor(float(mask.shape[0]), device=mask.device)
+        return loss_count(batch["loss_mask"], self.options.loss_type)
 
     def prepare(self, micro_batches: Sequence[Batch], runner: Any) -> None:
         """Rollouts, rewards and advantages into each micro-batch's rows (module docstring)."""

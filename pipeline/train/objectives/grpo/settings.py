@@ -26,10 +26,17 @@ class GRPOSection:
     """Nucleus sampling of the rollouts (1: off)."""
     top_k: int = 0
     """Top-k sampling of the rollouts (0: off)."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How token losses are averaged: grpo per sequence then over sequences; bnpo over the
-    tokens of each micro-batch; dr_grpo over sequences x max_completion_length (a constant);
-    dapo over the tokens of the whole global batch."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = (
+        "dapo"
+    )
+    """The loss and how token losses are averaged: the clipped ratio times the advantage, grpo
+    per sequence then over sequences; bnpo over the tokens of each micro-batch; dr_grpo over
+    sequences x max_completion_length (a constant); dapo over the tokens of the whole global
+    batch; luspo each sequence's sum, over sequences (sequence level is its paper's). cispo:
+    the ratio clipped above at epsilon_high (5.0 is its paper's) and detached, times the
+    advantage and the log-probability, averaged as dapo; sapo: a soft sigmoid gate of the
+    ratio instead of the clip, averaged as grpo; vespo: a gamma weight of the sequence's ratio
+    times the advantage and the log-probability, averaged as dapo."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: a ratio per token (GRPO); sequence: one length-normalised ratio per completion
     (GSPO)."""
@@ -39,6 +46,19 @@ class GRPOSection:
     """Upper clipping bound: 1 + epsilon_high (DAPO's clip-higher; default: epsilon)."""
     delta: float | None = None
     """Two-sided clipping: the unclipped ratio is capped at delta too (None: off)."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the gate's temperature for tokens with a non-positive advantage."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: the gate's temperature for tokens with a positive advantage."""
+    vespo_k_pos: float = 2.0
+    """vespo: the power k of the gamma weight w^k exp(-lambda w) for a non-negative advantage
+    (how hard ratios below 1 are down-weighted)."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: the decay lambda for a non-negative advantage (ratios above 1)."""
+    vespo_k_neg: float = 3.0
+    """vespo: the power k for a negative advantage."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: the decay lambda for a negative advantage."""
     beta: float = 0.0
     """Weight of the KL term to the frozen start (k3 estimator); 0 keeps no reference."""
     use_bias_correction_kl: bool = True
