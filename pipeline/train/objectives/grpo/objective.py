@@ -32,10 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy, tp_token_logprobs
+from pipeline.core.parallel.tensor_parallel import tp_linear_cross_entropy
 from pipeline.train.config.schema import ConfigError
 from pipeline.train.objectives.base import Batch, Objective
 from pipeline.train.objectives.frozen_start import ReferenceRecord, frozen_start
+from pipeline.train.objectives.grpo.correction import (
+    CorrectionOptions,
+    correction_on,
+    importance_ratio,
+    mismatch_figures,
+)
+from pipeline.train.objectives.grpo.logprobs import token_logprobs
 from pipeline.train.objectives.grpo.loss import (
     GRPOLossOptions,
     group_advantages,
@@ -71,6 +78,8 @@ class GRPO(Objective):
         self.options = GRPOLossOptions.from_section(cfg.grpo)
         for warning in self.options.warnings():
             log.warning("%s", warning)
+        self.correction = CorrectionOptions.from_section(cfg.grpo)
+        self.correct = correction_on(cfg)
         self.run: Any = None
         self.rollout: RolloutModel | RemoteRollouts | None = None
         self.reference: Any = None  # a runner whose hidden states are the frozen start's
@@ -143,8 +152,9 @@ class GRPO(Objective):
         """(summed GRPO loss, its count) of a micro-batch; the gradient through the fused
         cross-entropy weighed by the loss's derivative by each token's log-probability."""
         weight, labels, mask = model.output.weight, batch["labels"], batch["loss_mask"]
-        logps, entropy = tp_token_logprobs(hidden, weight, labels)
+        logps, entropy = token_logprobs(hidden, weight, labels)
         logps, entropy = logps.view_as(mask) * mask, entropy.view_as(mask) * mask
+        is_ratio = self._mismatch(logps.detach(), batch)
         with torch.enable_grad():
             leaf = logps.detach().requires_grad_(True)
             token_losses, stats = per_token_loss(
@@ -154,6 +164,7 @@ class GRPO(Objective):
                 batch["advantages"],
                 mask,
                 self.options,
+                is_ratio,
             )
             loss_sum, count = reduce_loss(token_losses, mask, self.options)
             slope = torch.autograd.grad(loss_sum, leaf)[0] if hidden.requires_grad else None
@@ -163,6 +174,21 @@ class GRPO(Objective):
             return loss_sum.detach(), count
         surrogate, _ = tp_linear_cross_entropy(hidden, weight, labels, -slope.to(mask.dtype))
         return loss_sum.detach() + (surrogate - surrogate.detach()), count
+
+    def _mismatch(self, logps: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """Log how far the trainer's log-probabilities of the rollouts' weights (`old_logps`,
+        else this pass's: the same weights with one iteration) are from the engine's that
+        sampled them; the correction's importance ratios when it is on (`correction`)."""
+        engine = batch.get("engine_logps")
+        if engine is None:
+            return None
+        trainer, mask = batch.get("old_logps", logps), batch["loss_mask"]
+        ratio = importance_ratio(trainer, engine, mask, self.correction) if self.correct else None
+        means, extremes = mismatch_figures(trainer, engine, mask, ratio)
+        self.figures.add_stats(means)
+        for name, value in extremes.items():
+            (self.figures.add_min if name.endswith("/min") else self.figures.add_max)(name, value)
+        return ratio
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
@@ -244,6 +270,7 @@ class GRPO(Objective):
                     s.top_p,
                     seed=completion_seed(seed, sample, g),
                     stop_token_ids=self.stop_ids,
+                    logprobs=0,  # the engine's own, for the mismatch and its correction
                 )
                 for g in range(group)
             ]
@@ -345,7 +372,7 @@ def _without_stop(completion: list[int], stop_ids: frozenset[int]) -> list[int]:
 def _token_logps(runner: Any, batch: Batch) -> torch.Tensor:
     """Each token's log-probability `[rows, seq]` (0 off the mask) by `runner`'s model."""
     module, hidden = runner.hidden_states(batch)
-    logps, _ = tp_token_logprobs(hidden, module.output.weight, batch["labels"])
+    logps, _ = token_logprobs(hidden, module.output.weight, batch["labels"])
     return logps.view_as(batch["loss_mask"]) * batch["loss_mask"]
 
 

@@ -102,6 +102,7 @@ class RemoteRollouts:
             seconds=seconds,
             prompt_tokens_computed=sum(len(prompt) for prompt, _ in rows) - cached,
             prompt_tokens_cached=cached,
+            logprobs=[_token_logprobs(choice) for choice in choices] if _asked(rows) else [],
         )
 
     def _complete(self, prompt: list[int], params: Any) -> dict:
@@ -119,6 +120,8 @@ class RemoteRollouts:
             "stop_token_ids": sorted(params.stop_token_ids),
             "return_token_ids": True,
         }
+        if params.logprobs is not None:
+            body["logprobs"] = params.logprobs
         request = urllib.request.Request(
             self.url + "/v1/completions",
             json.dumps(body).encode(),
@@ -136,6 +139,17 @@ class RemoteRollouts:
             except OSError as error:
                 raise ConfigError(f"grpo.rollout_server {self.url}: {error}") from None
         raise ConfigError(f"grpo.rollout_server {self.url}: still busy after {RETRIES} tries")
+
+
+def _asked(rows: Sequence[tuple[list[int], Any]]) -> bool:
+    return bool(rows) and rows[0][1].logprobs is not None
+
+
+def _token_logprobs(choice: dict) -> list[float]:
+    """The generated tokens' log-probabilities of an OpenAI completion choice (NaN for one the
+    server gave none)."""
+    values = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    return [float("nan") if v is None else float(v) for v in values]
 
 
 def _cached_tokens(answer: dict) -> int:

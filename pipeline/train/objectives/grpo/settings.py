@@ -89,6 +89,22 @@ class GRPOSection:
     """Log completions with their rewards at every log step."""
     num_completions_to_print: int | None = None
     """With log_completions: how many (None: every completion of the last step on rank 0)."""
+    importance_sampling_correction: Literal["auto", "on", "off"] = "auto"
+    """Weigh the loss by the ratio of the trainer's log-probabilities to the engine's that
+    sampled the completions (TRL's `vllm_importance_sampling_correction`): auto is on where the
+    two can differ (bf16 training, a rollout server) and off where they cannot (fp32, the
+    engine in the trainer). The mismatch is logged either way (`sampling/*`)."""
+    importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    """The correction's ratio per token or per completion (the product of its tokens'), clamped
+    to [clip_min, clip_max] (truncate) or set to 0 outside it (mask); TRL's
+    `vllm_importance_sampling_mode`."""
+    importance_sampling_clip_max: float | None = 3.0
+    """The correction's upper bound C_max (None: none); TRL's `vllm_importance_sampling_clip_max`
+    (`_cap` before)."""
+    importance_sampling_clip_min: float | None = None
+    """The correction's lower bound C_min (None: none)."""
     rollout_server: str = ""
     """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
     empty: pipe's engine in the training processes). The policy's weights are pushed to it
