@@ -55,6 +55,10 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
             f"grpo.reward_weights has {len(g.reward_weights)} weights for "
             f"{len(g.reward_funcs)} reward_funcs"
         )
+    if g.max_tool_calling_iterations is not None and g.max_tool_calling_iterations < 1:
+        problems.append("grpo.max_tool_calling_iterations must be at least 1 (or unset)")
+    if not g.tool_timeout > 0:
+        problems.append("grpo.tool_timeout must be > 0 seconds")
     if cfg.model.mtp_num_layers:
         problems.append("data.kind = grpo trains no multi-token prediction: model.mtp_num_layers 0")
     if g.rollout_server and cfg.lora.enabled:
@@ -119,6 +123,21 @@ SPECS = (
                 "With --grpo: a reward of your own, imported from MODULE (repeatable; adds to "
                 "grpo.reward_funcs).",
                 multiple=True,
+            ),
+            ObjectiveOption(
+                "--tool",
+                "grpo.tools",
+                "MODULE:FUNCTION",
+                "With --grpo: a tool the model may call in its rollouts (repeatable; adds to "
+                "grpo.tools).",
+                multiple=True,
+            ),
+            ObjectiveOption(
+                "--environment",
+                "grpo.environment",
+                "MODULE:CLASS",
+                "With --grpo: an environment class, one instance per rollout, whose methods are "
+                "tools (grpo.environment).",
             ),
             ObjectiveOption(
                 "--rollout-server",

@@ -92,6 +92,10 @@ class GRPO(Objective):
         self._refreshed_at: int | None = None  # the iteration the rollout weights are from
         self._window_start = time.perf_counter()
         self._examples: list[str] = []
+        self.agent: Any = None  # with tools: the multi-turn rollouts (`agent.Agent`)
+        self.tools: list[Any] = []
+        self.environment: type | None = None
+        self._environments: list[Any] = []  # instances, one per rollout of a batch, reused
 
     def records(self) -> list[Any]:
         """The frozen start, when the KL term needs one."""
@@ -113,12 +117,40 @@ class GRPO(Objective):
         else:
             self.rollout = RolloutModel(run.model, self.cfg, run.device)
         records = run.datasets[0].records
-        self.rewards = build_rewards(self.section, any("answer" in r.fields for r in records))
+        if self.section.tools or self.section.environment:
+            from pipeline.train.objectives.grpo.tools import offered_tools
+
+            self.tools, self.environment = offered_tools(self.section)
+        answers = any("answer" in r.fields for r in records)
+        self.rewards = build_rewards(self.section, answers, self.environment)
         self.text = load_tokenizer(self.cfg.data.tokenizer)
         template = load_chat_template(self.cfg.data.tokenizer)
         self.stop_ids = frozenset({self.text.eod} - {None} | eos_token_ids(template, self.text))
+        if self.section.tools or self.section.environment:
+            self.agent = self._agent(template)
         if self.options.beta:
             self.reference = frozen_start(run, self.record)
+
+    def _agent(self, template: Any) -> Any:
+        """The multi-turn rollouts of a run with tools (`agent`)."""
+        from pipeline.train.objectives.grpo.agent import Agent, choose_parser
+        from pipeline.train.objectives.grpo.data import tool_renderer
+
+        s = self.section
+        try:
+            parser = choose_parser(s.tool_call_parser, template.source(tools=True))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self._render = tool_renderer(self.cfg, template)
+        return Agent(
+            parser=parser,
+            template=template,
+            tokenizer=self.text,
+            stop_ids=self.stop_ids,
+            max_completion_length=s.max_completion_length,
+            max_iterations=s.max_tool_calling_iterations,
+            timeout=s.tool_timeout,
+        )
 
     # ---- the loop's calls -------------------------------------------------------------------
 
@@ -224,9 +256,14 @@ class GRPO(Objective):
         prompts, samples = _prompts(micro_batches)
         self._refresh_rollout()
         params = self._params(samples, group)
-        outs = generate_split(self.rollout, prompts, params, self.layout.tensor_group)
         records = [dataset.records[int(i)] for b in micro_batches for i in b["prompt_index"]]
-        rewards, per_func = self._rewards(outs, [r for r in records for _ in range(group)])
+        rows_records = [r for r in records for _ in range(group)]
+        if self.agent is None:
+            outs = generate_split(self.rollout, prompts, params, self.layout.tensor_group)
+            rewards, per_func = self._rewards(outs, rows_records)
+        else:
+            outs, extra = self._agent_rollouts(prompts, params, rows_records)
+            rewards, per_func = self._rewards(outs, rows_records, extra)
         advantages, zero_std = self._advantages(rewards, group)
         rows = rollout_rows(outs, self.cfg.data.seq_length, self.run.device)
         rows["advantages"] = advantages.to(self.run.device, torch.float32)
@@ -277,13 +314,67 @@ class GRPO(Objective):
             for sample in samples
         ]
 
-    def _rewards(self, outs: Any, records: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weighted reward `[rows]`, each function's `[rows, F]`) of the completions."""
+    def _agent_rollouts(
+        self, prompts: list[list[int]], params: list[list[Any]], records: list[Any]
+    ) -> tuple[Any, Any]:
+        """Multi-turn rollouts with tools, one environment instance each (reset on its prompt's
+        line; text it returns appended to the user turn). (Rollouts, AgentRollouts)."""
+        from pipeline.train.objectives.grpo.tools import ToolBox
+
+        flat = [p for group in params for p in group]
+        starts = [p for p, group in zip(prompts, params) for _ in group]
+        boxes = []
+        for index, record in enumerate(records):
+            environment = None
+            if self.environment is not None:
+                while len(self._environments) <= index:
+                    self._environments.append(self.environment())
+                environment = self._environments[index]
+                seen = environment.reset(prompt=record.prompt, **record.fields)
+                if seen is not None:
+                    starts[index] = self._observed(record, str(seen))
+            boxes.append(ToolBox(self.tools, environment))
+        group = self.layout.tensor_group
+
+        def generate(turn_prompts, turn_params):
+            return generate_split(self.rollout, turn_prompts, turn_params, group)
+
+        extra = self.agent.run(generate, starts, flat, boxes)
+        extra.environments = [box.environment for box in boxes] if self.environment else None
+        return extra.rollouts, extra
+
+    def _observed(self, record: Any, seen: str) -> list[int]:
+        """The prompt's tokens with an environment's `reset` text appended to its last turn."""
+        from pipeline.data.prompt_files import prompt_messages
+
+        messages = prompt_messages(record.prompt)
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + seen}
+        tokens = self.text.encode_batch([self._render(messages)])[0]
+        room = self.cfg.data.seq_length - self.section.max_completion_length
+        if len(tokens) > room:
+            raise ConfigError(
+                f"{record.source}: with the environment's reset text the prompt is "
+                f"{len(tokens)} tokens, over the {room} that data.seq_length - "
+                "grpo.max_completion_length leaves"
+            )
+        return list(tokens)
+
+    def _rewards(
+        self, outs: Any, records: list[Any], extra: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weighted reward `[rows]`, each function's `[rows, F]`) of the completions; with tools
+        (`extra`, the agent's rollouts) the built-in rewards read each one's last turn."""
         from pipeline.train.objectives.grpo.rewards import RewardError
 
-        texts = [self.text.decode(_without_stop(c, self.stop_ids)) for c in outs.completions]
+        if extra is None:
+            texts = [self.text.decode(_without_stop(c, self.stop_ids)) for c in outs.completions]
+            scoring = (records, texts, outs.completions)
+        else:
+            texts = extra.texts
+            scoring = (records, texts, outs.completions, extra.messages, extra.environments)
+            self._count_tools(extra)
         try:
-            per_func = torch.as_tensor(self.rewards.score(records, texts, outs.completions))
+            per_func = torch.as_tensor(self.rewards.score(*scoring))
         except RewardError as e:  # the user's function: one line naming it and the prompt
             raise ConfigError(str(e)) from None
         weights = torch.as_tensor(self.rewards.weights, dtype=per_func.dtype)
@@ -341,6 +432,14 @@ class GRPO(Objective):
             f.add("rollout_seconds_sum", outs.seconds, 1)
             f.add("prompt_tokens_computed", outs.prompt_tokens_computed, 1)
             f.add("prompt_tokens_cached", outs.prompt_tokens_cached, 1)
+
+    def _count_tools(self, extra: Any) -> None:
+        """TRL's `tools/call_frequency` (calls per completion) and `tools/failure_frequency`
+        (of the calls), and `tools/used`: the share of completions that called a tool."""
+        f, rows, calls = self.figures, len(extra.calls), sum(extra.calls)
+        f.add("tools/call_frequency", calls, rows)
+        f.add("tools/used", sum(1 for c in extra.calls if c), rows)
+        f.add("tools/failure_frequency", sum(extra.failures), calls)
 
     def _keep_examples(self, records: list[Any], texts: list[str], rewards: torch.Tensor) -> None:
         if self.layout.rank != 0:

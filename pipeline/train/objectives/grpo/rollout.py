@@ -64,6 +64,9 @@ class Rollouts:
     """Each completion token's log-probability under the engine that sampled it (the model's
     own, before the temperature), when the requests asked (`SamplingParams.logprobs`); empty
     otherwise."""
+    tool_masks: list[list[int]] = field(default_factory=list)
+    """With tools (`agent`): per completion token, 1 where the model wrote it, 0 in a tool
+    message (left out of the loss); empty otherwise."""
 
     @property
     def generated_tokens(self) -> int:
@@ -151,8 +154,8 @@ def rollout_rows(
 ) -> dict[str, torch.Tensor]:
     """The rollouts as training rows `[rows, seq_length]`: prompt and completion, the labels
     (the next token), the loss mask on the positions that predict a completion token (its
-    end-of-sequence token included), and positions; with the engine's log-probabilities, those
-    at the same positions as `engine_logps` (0 off the mask)."""
+    end-of-sequence token included; not a tool message's tokens, `tool_masks`), and positions;
+    with the engine's log-probabilities, those at the same positions as `engine_logps`."""
     n = len(rollouts.completions)
     tokens = torch.zeros(n, seq_length + 1, dtype=torch.long)
     mask = torch.zeros(n, seq_length, dtype=torch.float32)
@@ -161,6 +164,9 @@ def rollout_rows(
         whole = prompt + completion
         tokens[row, : len(whole)] = torch.tensor(whole)
         mask[row, len(prompt) - 1 : len(whole) - 1] = 1.0
+        if rollouts.tool_masks:
+            own = torch.tensor(rollouts.tool_masks[row], dtype=torch.float32)
+            mask[row, len(prompt) - 1 : len(whole) - 1] *= own
         if rollouts.logprobs:
             engine[row, len(prompt) - 1 : len(whole) - 1] = torch.tensor(rollouts.logprobs[row])
     positions = torch.arange(seq_length).expand(n, -1)

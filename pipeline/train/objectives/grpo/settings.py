@@ -105,6 +105,23 @@ class GRPOSection:
     (`_cap` before)."""
     importance_sampling_clip_min: float | None = None
     """The correction's lower bound C_min (None: none)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, "module:function" each (`--tool`, repeatable): typed Python
+    functions with a Google-style docstring, offered through the chat template with their JSON
+    schema (as transformers makes one). A rollout then runs over several turns: the engine
+    generates, pipe reads the calls, runs them and appends their results (TRL's `tools`)."""
+    environment: str = ""
+    """An environment class, "module:Class" (`--environment`; TRL's `environment_factory`):
+    one instance per rollout, `reset(**prompt_fields)` returning None or text appended to the
+    user turn, its public methods tools, an optional `get_reward()` a reward."""
+    max_tool_calling_iterations: int | None = None
+    """Most rounds of tool calls in one rollout (None: until a turn calls none or the
+    completion is full)."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may run; past it the call's result is an error message."""
+    tool_call_parser: str = "auto"
+    """How calls are written: hermes, llama3_json or pythonic (`pipe serve
+    --tool-call-parser`'s); auto: from the chat template's text."""
     rollout_server: str = ""
     """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
     empty: pipe's engine in the training processes). The policy's weights are pushed to it
