@@ -79,7 +79,13 @@ class GRPO(Objective):
         for warning in self.options.warnings():
             log.warning("%s", warning)
         self.correction = CorrectionOptions.from_section(cfg.grpo)
-        self.correct = correction_on(cfg)
+        self.ahead: Any = None  # with max_staleness >= 1: the batch generated ahead
+        if cfg.grpo.max_staleness:
+            from pipeline.train.objectives.grpo.ahead import RolloutsAhead
+
+            self.ahead = RolloutsAhead(cfg.grpo.max_staleness)
+        # generating ahead, the engine's log-probabilities are the old ones: no second correction
+        self.correct = correction_on(cfg) and self.ahead is None
         self.run: Any = None
         self.rollout: RolloutModel | RemoteRollouts | None = None
         self.reference: Any = None  # a runner whose hidden states are the frozen start's
@@ -215,6 +221,8 @@ class GRPO(Objective):
         if engine is None:
             return None
         trainer, mask = batch.get("old_logps", logps), batch["loss_mask"]
+        if self.ahead is not None:  # old_logps are the engine's: this pass's weights instead
+            trainer = logps
         ratio = importance_ratio(trainer, engine, mask, self.correction) if self.correct else None
         means, extremes = mismatch_figures(trainer, engine, mask, ratio)
         self.figures.add_stats(means)
@@ -254,14 +262,18 @@ class GRPO(Objective):
         dataset = self.run.datasets[1 if self._evaluating else 0]
         group = 1 if self._evaluating else self.section.num_generations
         prompts, samples = _prompts(micro_batches)
-        self._refresh_rollout()
         params = self._params(samples, group)
         records = [dataset.records[int(i)] for b in micro_batches for i in b["prompt_index"]]
         rows_records = [r for r in records for _ in range(group)]
-        if self.agent is None:
+        if self.ahead is not None and not self._evaluating:
+            outs = self._generated_ahead(prompts, samples, params)
+            rewards, per_func = self._rewards(outs, rows_records)
+        elif self.agent is None:
+            self._refresh_rollout()
             outs = generate_split(self.rollout, prompts, params, self.layout.tensor_group)
             rewards, per_func = self._rewards(outs, rows_records)
         else:
+            self._refresh_rollout()
             outs, extra = self._agent_rollouts(prompts, params, rows_records)
             rewards, per_func = self._rewards(outs, rows_records, extra)
         advantages, zero_std = self._advantages(rewards, group)
@@ -278,11 +290,47 @@ class GRPO(Objective):
             self._add_logps(batch, runner)
         return split
 
+    def _generated_ahead(self, prompts: list[list[int]], samples: list[int], params) -> Any:
+        """This step's rollouts, generated during the step before when they were (`ahead`), else
+        now; then the next step's started from the current weights."""
+        iteration, group = self.run.iteration, self.layout.tensor_group
+        outs, version, dropped = self.ahead.take(tuple(samples), iteration)
+        if outs is None:
+            self._refresh_rollout()
+            outs = generate_split(self.rollout, prompts, params, group)
+        self.figures.add("async/staleness", iteration - version, 1)
+        self.figures.add("async/stale_dropped", dropped, 1)
+        following = self._following(samples)
+        if following is not None:
+            self._refresh_rollout()  # the weights the next batch is generated from
+            prompts_next, samples_next = following
+            params_next = self._params(samples_next, self.section.num_generations)
+            self.ahead.launch(
+                tuple(samples_next),
+                iteration,
+                lambda: generate_split(self.rollout, prompts_next, params_next, None),
+            )
+        return outs
+
+    def _following(self, samples: list[int]) -> tuple[list[list[int]], list[int]] | None:
+        """The prompts and samples of this rank's share of the next global batch: each sample
+        one global batch on (None past the end of the data)."""
+        dataset, step = self.run.datasets[0], self.cfg.training.global_batch_size
+        following = [s + step for s in samples]
+        if max(following) >= len(dataset):
+            return None
+        items = [dataset[s] for s in following]
+        prompts = [item["prompt"][: int(item["prompt_length"])].tolist() for item in items]
+        return prompts, following
+
     def _refresh_rollout(self) -> None:
         """Give the rollouts the policy's weights when an optimizer step may have changed them
         since the last refresh (the iteration moved): not again for each evaluation batch,
-        nor for the training step that follows an evaluation at the same iteration."""
+        nor for the training step that follows an evaluation at the same iteration. A batch
+        being generated ahead is waited for first (it keeps the weights it began with)."""
         if self._refreshed_at != self.run.iteration:
+            if self.ahead is not None:
+                self.ahead.drain()
             self.rollout.refresh()
             self._refreshed_at = self.run.iteration
 
@@ -407,7 +455,9 @@ class GRPO(Objective):
     def _add_logps(self, batch: Batch, runner: Any) -> None:
         """The sampling weights' log-probabilities (kept for later passes) and the reference's."""
         with torch.no_grad():
-            if self.section.num_iterations > 1 and not self._evaluating:
+            if self.ahead is not None and not self._evaluating:
+                batch["old_logps"] = batch["engine_logps"]  # the weights that sampled them
+            elif self.section.num_iterations > 1 and not self._evaluating:
                 batch["old_logps"] = _token_logps(runner, batch)
             if self.reference is not None:
                 batch["ref_logps"] = _token_logps(self.reference, batch)
@@ -416,7 +466,11 @@ class GRPO(Objective):
 
     def _count_rollouts(self, outs, rewards, per_func, zero_std) -> None:
         f, rows = self.figures, len(outs.completions)
-        lengths = torch.tensor([len(c) for c in outs.completions], dtype=torch.float64)
+        # the model's own tokens (as TRL counts them): not a tool message's
+        own = outs.tool_masks or outs.completions
+        lengths = torch.tensor(
+            [sum(m) if outs.tool_masks else len(m) for m in own], dtype=torch.float64
+        )
         f.add_spread("reward", rewards)
         for name, column in zip(self.rewards.names, per_func.T):
             name = name.rsplit(":", 1)[-1]  # a user's function by its own name, as TRL logs it

@@ -124,8 +124,14 @@ class GRPOSection:
     --tool-call-parser`'s); auto: from the chat template's text."""
     rollout_server: str = ""
     """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
-    empty: pipe's engine in the training processes). The policy's weights are pushed to it
+    empty: pipe's engine in the training processes), or several, "URL1,URL2", sharing the
+    requests (one that cannot be reached is left out). The policy's weights are pushed to each
     before each batch of rollouts."""
+    max_staleness: int = 0
+    """With a rollout server: 0 generates each batch's rollouts before its step (synchronous);
+    >= 1 generates the next batch while the current one trains, each batch from the weights
+    of the step before (staleness 1), a batch older than this bound dropped and generated
+    again; the engine's log-probabilities are the old ones of the loss."""
     rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
     (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a
