@@ -115,3 +115,42 @@ def test_a_stale_or_other_batch_is_dropped():
 def test_refused_in_one_line(tmp_path, task, extra, message):  # noqa: F811
     with pytest.raises(ConfigError, match=message):
         _train(grpo_sets(tmp_path / "run", task, *extra))
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_resume_after_sigkill_with_a_server(tmp_path: Path, task: dict, staleness) -> None:  # noqa: F811
+    """Killed after saving iteration 2 and resumed: synchronous (staleness 0) it continues as
+    the uninterrupted run did; one batch ahead it resumes (its first batch generated afresh, the
+    one in flight lost with the process) and trains on."""
+    import signal
+
+    from tests.builders import kill_after_save
+
+    _train(grpo_sets(tmp_path / "start", task, "checkpoint.save_hf=final", "training.iters=1"))
+    (start,) = (tmp_path / "start" / "checkpoints" / "hf").iterdir()
+    server = Server(start, tmp_path / "serve.txt", "--max-batch", "16", "--engine-threads", "1")
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        extra = [
+            "training.iters=4",
+            "checkpoint.save_interval=2",
+            f"grpo.rollout_server={url}",
+            f"grpo.max_staleness={staleness}",
+        ]
+        run_a, run_b = tmp_path / "a", tmp_path / "b"
+        _train(grpo_sets(run_a, task, f"checkpoint.load={start}", *extra))
+        proc = kill_after_save(2, None, grpo_sets(run_b, task, f"checkpoint.load={start}", *extra))
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == -signal.SIGKILL, output
+        _train(grpo_sets(run_b, task, *extra, f"checkpoint.load={run_b / 'checkpoints'}"))
+        a, b = records(run_a), records(run_b)
+        for step in (3, 4):
+            assert b[step]["grad_norm"] > 0
+            if staleness == 0:
+                for key in ("loss", "grad_norm", "reward/mean", "completions/mean_length"):
+                    expected = pytest.approx(a[step][key], rel=1e-5, abs=1e-6)
+                    assert b[step][key] == expected, (step, key)
+        if staleness:
+            assert b[3]["async/staleness"] == 0 and b[4]["async/staleness"] == 1
+    finally:
+        server.stop()
