@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeline.train.objectives.grpo.loss import (
+    SHAPE_OPTIONS,
     GRPOLossOptions,
     gamma_weights,
     loss_count,
@@ -37,16 +38,7 @@ CLIPS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"
 
 def trl_args(options: GRPOLossOptions, accumulation: int) -> SimpleNamespace:
     """The `args` TRL's `_compute_loss` reads, the new loss types' options included."""
-    names = (
-        "delta",
-        "use_bias_correction_kl",
-        "sapo_temperature_neg",
-        "sapo_temperature_pos",
-        "vespo_k_pos",
-        "vespo_lambda_pos",
-        "vespo_k_neg",
-        "vespo_lambda_neg",
-    )
+    names = ("delta", "use_bias_correction_kl", *SHAPE_OPTIONS)
     args = {name: getattr(options, name) for name in names}
     return SimpleNamespace(steps_per_generation=accumulation, **args)
 

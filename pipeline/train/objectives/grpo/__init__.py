@@ -1,6 +1,7 @@
 """GRPO, the registry's entry `grpo` (`pipe train --grpo`): reinforcement learning with
 verifiable rewards on completions of prompts. Torch-free: the class is `objective.py` (with
-`loss.py`, `rewards.py`, `rollout.py`, `remote.py`, `split.py`, `metrics.py`), the data
+`loss.py`, `correction.py`, `logprobs.py`, `rewards.py`, `rollout.py`, `remote.py`, `ahead.py`,
+`split.py`, `agent.py`, `tools.py`, `metrics.py`), the data
 `data.py`; what the rollout engine holds in memory is estimated here, for `--dry-run`."""
 
 from __future__ import annotations
