@@ -12,6 +12,13 @@ PYTHON="${PYTHON:-python3}"
 PIPE=("$PYTHON" -m pipeline)
 OUT="${OUT:-$ROOT/runs/tools-seeds}"
 cd "$ROOT"
+# the GRPO example's recipes, resized for the tool conversations (docs/rl.md)
+SFT_SETS=(--set data.seq_length=96 --set training.iters=2000 --set training.eval_interval=1000
+          --set checkpoint.save_interval=2000)
+GRPO_SETS=(--tool pipeline.examples.tool_sums:calculator --set grpo.max_tool_calling_iterations=2
+           --set data.seq_length=96 --set grpo.max_completion_length=64 --set training.iters=60
+           --set training.micro_batch_size=8 --set training.global_batch_size=8
+           --set training.eval_iters=25)
 for seed in "${@:-0 1 2}"; do
     for s in $seed; do
         dir="$OUT/seed$s"
@@ -20,10 +27,11 @@ for seed in "${@:-0 1 2}"; do
         "$PYTHON" -m pipeline.examples.tool_sums --output "$dir/data" --seed "$s" > /dev/null
         "${PIPE[@]}" preprocess --chat --input "$dir/data/sft.jsonl" --tokenizer "$dir/data/tokenizer" \
             --output-prefix "$dir/data/sft" --workers 2 > "$dir/preprocess.log" 2>&1
-        "${PIPE[@]}" train --recipe tiny_tools_sft --sft --data "$dir/data/sft_messages_document" \
-            --device cpu --run-dir "$dir/sft" --set "training.seed=$s" > "$dir/sft.log" 2>&1
-        grpo=(train --recipe tiny_tools_grpo --grpo --load "$dir/sft/checkpoints" --finetune
-              --device cpu --set "training.seed=$s"
+        "${PIPE[@]}" train --recipe tiny_grpo_sft --sft --data "$dir/data/sft_messages_document" \
+            --device cpu --run-dir "$dir/sft" --set "training.seed=$s" "${SFT_SETS[@]}" \
+            > "$dir/sft.log" 2>&1
+        grpo=(train --recipe tiny_grpo --grpo --load "$dir/sft/checkpoints" --finetune
+              --device cpu --set "training.seed=$s" "${GRPO_SETS[@]}"
               --set "data.train_blend=$dir/data/train_prompts.jsonl"
               --set "data.valid_blend=$dir/data/heldout_prompts.jsonl"
               --set "data.tokenizer=$dir/data/tokenizer")
