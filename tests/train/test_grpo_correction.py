@@ -187,6 +187,8 @@ def test_defaults_auto_and_bad_values():
     assert section.importance_sampling_clip_max == trl["vllm_importance_sampling_clip_max"]
     assert section.importance_sampling_clip_min == trl["vllm_importance_sampling_clip_min"]
     assert CorrectionOptions.from_section(section) == CorrectionOptions()
+    unbounded = GRPOSection(importance_sampling_clip_max=float("inf"))
+    assert CorrectionOptions.from_section(unbounded).clip_max is None
 
     def cfg(dtype="fp32", server="", setting="auto"):
         grpo = GRPOSection(rollout_server=server, importance_sampling_correction=setting)

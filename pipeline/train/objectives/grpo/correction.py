@@ -51,9 +51,10 @@ class CorrectionOptions:
 
     @classmethod
     def from_section(cls, section: Any) -> CorrectionOptions:
+        high = section.importance_sampling_clip_max
         return cls(
             section.importance_sampling_mode,
-            section.importance_sampling_clip_max,
+            None if math.isinf(high) else high,  # inf: no upper bound (a None TOML cannot hold)
             section.importance_sampling_clip_min,
         )
 

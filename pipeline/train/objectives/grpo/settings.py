@@ -100,9 +100,9 @@ class GRPOSection:
     """The correction's ratio per token or per completion (the product of its tokens'), clamped
     to [clip_min, clip_max] (truncate) or set to 0 outside it (mask); TRL's
     `vllm_importance_sampling_mode`."""
-    importance_sampling_clip_max: float | None = 3.0
-    """The correction's upper bound C_max (None: none); TRL's `vllm_importance_sampling_clip_max`
-    (`_cap` before)."""
+    importance_sampling_clip_max: float = 3.0
+    """The correction's upper bound C_max (inf: none, TRL's None); TRL's
+    `vllm_importance_sampling_clip_max` (`_cap` before)."""
     importance_sampling_clip_min: float | None = None
     """The correction's lower bound C_min (None: none)."""
     tools: list[str] = field(default_factory=list)
