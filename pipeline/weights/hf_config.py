@@ -845,6 +845,17 @@ def config_to_hf(
         hf["attention_bias"] = False
     # Qwen3's max_window_layers only matters with a sliding window (refused), so it is left
     # to transformers' default.
+    _add_architecture_keys(config, arch, hf)
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    # SmolLM3's and Seed-OSS's config classes default these to their tokenizers' ids: an
+    # unknown id is written as null there, and left out elsewhere.
+    keep_null = arch in (_SMOLLM3, _SEED_OSS)
+    hf |= {key: value for key, value in ids.items() if value is not None or keep_null}
+    return dict(sorted(hf.items()))
+
+
+def _add_architecture_keys(config: ModelConfig, arch: str, hf: dict[str, Any]) -> None:
+    """Add to `hf` the keys of `arch`'s own family: its attention, experts and RoPE."""
     if arch in _HYBRID:
         hf["head_dim"] = config.head_dim
         del hf["rope_theta"]
@@ -861,12 +872,6 @@ def config_to_hf(
         hf["rope_scaling"] = rope_scaling_to_hf(config.rope_scaling)
     if arch == _MISTRAL4:
         _mistral4_keys(config, hf)
-    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
-    # SmolLM3's and Seed-OSS's config classes default these to their tokenizers' ids: an
-    # unknown id is written as null there, and left out elsewhere.
-    keep_null = arch in (_SMOLLM3, _SEED_OSS)
-    hf |= {key: value for key, value in ids.items() if value is not None or keep_null}
-    return dict(sorted(hf.items()))
 
 
 def _family_to_hf(config: ModelConfig, arch: str) -> dict[str, Any]:

@@ -267,15 +267,7 @@ class HFSource:
                 if self._fp8 is not None and self._fp8.is_ignored(hf_name):
                     continue
                 if self._gpt_oss_experts and fused_experts.split(hf_name) is not None:
-                    for name, take in fused_experts.split(hf_name):
-                        meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
-                        shape = tuple(take(meta).shape)
-                        self._takes[name] = take
-                        pieces.setdefault(name, {})[None] = (
-                            path,
-                            hf_name,
-                            TensorInfo(shape, info.dtype),
-                        )
+                    self._add_gpt_oss_experts(pieces, path, hf_name, info)
                     continue
                 if self._int4 is not None and self._int4.is_aux(hf_name):
                     self._scales[disk_name] = path
@@ -286,13 +278,7 @@ class HFSource:
                     disk_name = self._int4.weight_name(disk_name)
                 halves = hf_fused_gate_up(hf_name)
                 if halves is not None:  # one tensor, read as our w1 and w3 halves
-                    half = TensorInfo(
-                        (info.shape[0], info.shape[1] // 2, *info.shape[2:]), info.dtype
-                    )
-                    for which, name in enumerate(halves):
-                        name = mtp_name(name, num_layers)
-                        self._halves[name] = which
-                        pieces.setdefault(name, {})[None] = (path, disk_name, half)
+                    self._add_halves(pieces, halves, path, disk_name, info)
                     continue
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
@@ -310,6 +296,29 @@ class HFSource:
             counts = ", ".join(f"{n} {part} tensors" for part, n in skipped.items())
             log.warning("%s: skipping %s; pipe reads the language model", self.directory, counts)
         return pieces
+
+    def _add_gpt_oss_experts(
+        self, pieces: dict, path: Path, hf_name: str, info: TensorInfo
+    ) -> None:
+        """gpt-oss's fused expert tensor `hf_name`, listed as the parts of ours it holds."""
+        for name, take in fused_experts.split(hf_name):
+            meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
+            self._takes[name] = take
+            pieces.setdefault(name, {})[None] = (
+                path,
+                hf_name,
+                TensorInfo(tuple(take(meta).shape), info.dtype),
+            )
+
+    def _add_halves(
+        self, pieces: dict, halves: tuple[str, str], path: Path, disk_name: str, info: TensorInfo
+    ) -> None:
+        """A fused gate_up tensor (Mistral 4), listed as our w1 and w3, its two halves."""
+        half = TensorInfo((info.shape[0], info.shape[1] // 2, *info.shape[2:]), info.dtype)
+        for which, name in enumerate(halves):
+            name = mtp_name(name, self.model_config.num_layers)
+            self._halves[name] = which
+            pieces.setdefault(name, {})[None] = (path, disk_name, half)
 
     def _assemble(self, pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]) -> None:
         moe = self.model_config.moe

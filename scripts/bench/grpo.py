@@ -23,6 +23,13 @@ run's: the ratio should be close to 1, the step adding nothing to generation.
         [--set model.num_layers=4 ...] [--json FILE]
 
 On a CPU the default is a small model in fp32; `--device cuda` keeps the recipe's dtype.
+
+With `--async` it measures rollouts ahead of training instead: a `pipe serve` started here on
+the run's starting weights generates the rollouts (`grpo.rollout_server`), and the same run is
+timed synchronously (`grpo.max_staleness = 0`: each batch generated, then trained on) and one
+batch ahead (`max_staleness = 1`: the next batch generated while the current one trains);
+it prints both runs' steps per hour and their ratio. The server and the trainer share the
+machine: on a CPU they share its cores, so the overlap gains only what idle cores allow.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import sys
 import tempfile
@@ -100,41 +108,7 @@ def _measure(args: argparse.Namespace, work: Path) -> dict:
 
     prompts, tokenizer = write_task(work)
     iters = args.warmup + args.steps
-    cpu = args.device == "cpu"
-    sets = [
-        *(
-            [
-                "training.dtype=fp32",
-                "model.num_layers=4",
-                "model.hidden_size=256",
-                "model.num_attention_heads=4",
-                "model.num_kv_heads=2",
-                "model.ffn_hidden_size=768",
-                "model.vocab_size=512",
-                "data.seq_length=128",
-                "grpo.max_completion_length=64",
-                "training.global_batch_size=8",
-                "training.micro_batch_size=4",
-            ]
-            if cpu
-            else []
-        ),
-        *args.sets,
-        "data.mock=false",
-        "data.kind=grpo",
-        f"data.blend={prompts}",
-        f"data.tokenizer={tokenizer}",
-        "data.split=100,0,0",
-        "data.num_workers=0",
-        "training.eval_interval=0",
-        f"training.iters={iters}",
-        "scheduler.warmup_iters=0",
-        f"scheduler.decay_iters={iters}",
-        f"training.device={args.device}",
-        f"logging.run_dir={work / 'run'}",
-        "checkpoint.save_interval=1000",
-        'grpo.reward_funcs=["accuracy", "format"]',
-    ]
+    sets = [*_cpu_sets(args, prompts, tokenizer, work, iters), f"logging.run_dir={work / 'run'}"]
     trainer = Trainer(resolve_config(args.recipe, sets), console=False)
     objective, timer = trainer.objective, PartTimer(trainer.device)
     captured: list[dict] = []
@@ -242,6 +216,112 @@ def _engine_alone(
     return tokens / sum(seconds), seconds
 
 
+def _cpu_sets(args: argparse.Namespace, prompts: Path, tokenizer: Path, work: Path, iters: int):
+    """The bench run's settings (a small fp32 model on a CPU, as `_measure` runs)."""
+    small = [
+        "training.dtype=fp32",
+        "model.num_layers=4",
+        "model.hidden_size=256",
+        "model.num_attention_heads=4",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=768",
+        "model.vocab_size=512",
+        "data.seq_length=128",
+        "grpo.max_completion_length=64",
+        "training.global_batch_size=8",
+        "training.micro_batch_size=4",
+    ]
+    return [
+        *(small if args.device == "cpu" else []),
+        *args.sets,
+        "data.mock=false",
+        "data.kind=grpo",
+        f"data.blend={prompts}",
+        f"data.tokenizer={tokenizer}",
+        "data.split=100,0,0",
+        "data.num_workers=0",
+        "training.eval_interval=0",
+        f"training.iters={iters}",
+        "scheduler.warmup_iters=0",
+        f"scheduler.decay_iters={iters}",
+        f"training.device={args.device}",
+        "checkpoint.save_interval=1000",
+        'grpo.reward_funcs=["accuracy", "format"]',
+    ]
+
+
+def _measure_async(args: argparse.Namespace, work: Path) -> dict:
+    """Steps per hour with the rollouts on a server, synchronous and one batch ahead."""
+    import subprocess
+    import urllib.request
+
+    from pipeline.train.assembly.run_config import resolve_config
+    from pipeline.train.loop.trainer import Trainer
+
+    prompts, tokenizer = write_task(work)
+    iters = args.warmup + args.steps
+    start_sets = _cpu_sets(args, prompts, tokenizer, work, 1)
+    start_sets += [f"logging.run_dir={work / 'start'}", "checkpoint.save_hf=final"]
+    Trainer(resolve_config(args.recipe, start_sets), console=False).train()
+    (start,) = (work / "start" / "checkpoints" / "hf").iterdir()
+    port = _free_port()
+    with open(work / "serve.log", "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "serve", str(start), "--port", str(port)]
+            + ["--max-batch", "64", "--engine-threads", "1"],
+            stderr=log,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(
+                        f"pipe serve did not start: see {work / 'serve.log'}"
+                    ) from None
+                time.sleep(0.3)
+        seconds = {}
+        for staleness in (0, 1):
+            sets = _cpu_sets(args, prompts, tokenizer, work, iters)
+            sets += [
+                f"logging.run_dir={work / f'run{staleness}'}",
+                f"checkpoint.load={start}",
+                f"grpo.rollout_server={url}",
+                f"grpo.max_staleness={staleness}",
+            ]
+            trainer = Trainer(resolve_config(args.recipe, sets), console=False)
+            batches = iter(trainer.train_loader)
+            for _ in range(args.warmup):
+                trainer.train_one_step(batches)
+            began = time.perf_counter()
+            for _ in range(args.steps):
+                trainer.train_one_step(batches)
+            seconds[staleness] = (time.perf_counter() - began) / args.steps
+            if trainer.objective.ahead is not None:
+                trainer.objective.ahead.drain()
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {
+        "steps_per_hour_sync": 3600 / seconds[0],
+        "steps_per_hour_async": 3600 / seconds[1],
+        "async_over_sync": seconds[0] / seconds[1],
+    }
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="tiny")
@@ -250,7 +330,26 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--async",
+        dest="ahead",
+        action="store_true",
+        help="time rollouts on a server, synchronous against one batch ahead",
+    )
     args = parser.parse_args()
+    if args.ahead:
+        with (
+            tempfile.TemporaryDirectory(prefix="pipe_bench_grpo_") as work,
+            contextlib.redirect_stdout(sys.stderr),
+        ):
+            result = _measure_async(args, Path(work))
+        print(
+            f"steps/hour synchronous {result['steps_per_hour_sync']:,.0f}, one batch ahead "
+            f"{result['steps_per_hour_async']:,.0f}: {result['async_over_sync']:.2f}x"
+        )
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     with (
         tempfile.TemporaryDirectory(prefix="pipe_bench_grpo_") as work,
         contextlib.redirect_stdout(sys.stderr),  # the trainer's own lines stay off stdout

@@ -97,9 +97,10 @@ LAYERS = {
 }
 # One way across: GRPO's rollouts run pipe's inference engine in the training processes, or
 # on a running server that takes the new weights, so `train` may import the engine's own
-# modules of `serve` and its weight client (the server, routes and loading stay out of reach).
-# What a `train` module may take from `serve`: the engine room and the weight client.
-SERVE_FOR_TRAINING = {("engine",), ("http", "weight_client")}
+# modules of `serve`, its weight client and, for multi-turn rollouts with tools, its tool-call
+# parsers (the server, routes and loading stay out of reach).
+# What a `train` module may take from `serve`: the engine room, the weight client, the parsers.
+SERVE_FOR_TRAINING = {("engine",), ("http", "weight_client"), ("http", "tool_parsers")}
 # Above every layer: the command group and the package's own entry points.
 ENTRY_POINTS = {"cli", "__main__", "__init__"}
 # Modules that turn a command line into a run: only the same package's commands import them.

@@ -248,7 +248,7 @@ def test_options_from_section_and_bad_values():
     assert (options.epsilon_low, options.epsilon_high, options.loss_type) == (0.1, 0.1, "bnpo")
     assert GRPOLossOptions.from_section(GRPOSection(epsilon_high=0.28)).epsilon_high == 0.28
     for bad, field in [
-        (dict(loss_type="cispo"), "grpo.loss_type"),
+        (dict(loss_type="ppo"), "grpo.loss_type"),
         (dict(importance_sampling_level="tokens"), "grpo.importance_sampling_level"),
         (dict(epsilon_low=1.0), "grpo.epsilon"),
         (dict(delta=0.0), "grpo.delta"),

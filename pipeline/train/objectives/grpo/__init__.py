@@ -1,6 +1,7 @@
 """GRPO, the registry's entry `grpo` (`pipe train --grpo`): reinforcement learning with
 verifiable rewards on completions of prompts. Torch-free: the class is `objective.py` (with
-`loss.py`, `rewards.py`, `rollout.py`, `remote.py`, `split.py`, `metrics.py`), the data
+`loss.py`, `correction.py`, `logprobs.py`, `rewards.py`, `rollout.py`, `remote.py`, `ahead.py`,
+`split.py`, `agent.py`, `tools.py`, `metrics.py`), the data
 `data.py`; what the rollout engine holds in memory is estimated here, for `--dry-run`."""
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
             f"grpo.reward_weights has {len(g.reward_weights)} weights for "
             f"{len(g.reward_funcs)} reward_funcs"
         )
+    problems += _agent_problems(cfg)
     if cfg.model.mtp_num_layers:
         problems.append("data.kind = grpo trains no multi-token prediction: model.mtp_num_layers 0")
     if g.rollout_server and cfg.lora.enabled:
@@ -66,6 +68,29 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
         problems.append(
             f"grpo.rollout_cuda_graphs = {g.rollout_cuda_graphs} has no effect with "
             "grpo.rollout_server: start the server with --cuda-graphs or --no-cuda-graphs"
+        )
+    return problems
+
+
+def _agent_problems(cfg: TrainConfig) -> list[str]:
+    """The tools' and the rollouts-ahead settings that cannot run."""
+    g, problems = cfg.grpo, []
+    if g.max_tool_calling_iterations is not None and g.max_tool_calling_iterations < 1:
+        problems.append("grpo.max_tool_calling_iterations must be at least 1 (or unset)")
+    if not g.tool_timeout > 0:
+        problems.append("grpo.tool_timeout must be > 0 seconds")
+    if g.max_staleness < 0:
+        problems.append("grpo.max_staleness must be >= 0")
+    elif g.max_staleness and not g.rollout_server:
+        problems.append(
+            "grpo.max_staleness >= 1 generates ahead on a rollout server: set grpo.rollout_server"
+        )
+    elif g.max_staleness and (
+        cfg.parallel.tp > 1 or g.num_iterations > 1 or g.tools or g.environment
+    ):
+        problems.append(
+            "grpo.max_staleness >= 1 runs with parallel.tp 1, grpo.num_iterations 1 and no "
+            "tools for now"
         )
     return problems
 
@@ -121,6 +146,21 @@ SPECS = (
                 "With --grpo: a reward of your own, imported from MODULE (repeatable; adds to "
                 "grpo.reward_funcs).",
                 multiple=True,
+            ),
+            ObjectiveOption(
+                "--tool",
+                "grpo.tools",
+                "MODULE:FUNCTION",
+                "With --grpo: a tool the model may call in its rollouts (repeatable; adds to "
+                "grpo.tools).",
+                multiple=True,
+            ),
+            ObjectiveOption(
+                "--environment",
+                "grpo.environment",
+                "MODULE:CLASS",
+                "With --grpo: an environment class, one instance per rollout, whose methods are "
+                "tools (grpo.environment).",
             ),
             ObjectiveOption(
                 "--rollout-server",

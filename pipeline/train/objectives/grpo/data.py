@@ -27,12 +27,15 @@ def prompt_datasets(cfg: TrainConfig, blend: Any, tok: Any) -> list[Any]:
     d, t, passes = cfg.data, cfg.training, cfg.grpo.num_iterations
     try:
         template = load_chat_template(d.tokenizer)
+        render = partial(chat_prompt, template=template)  # the assistant's turn opened
+        if cfg.grpo.tools or cfg.grpo.environment:
+            render = tool_renderer(cfg, template)
         sets = read_prompt_splits(
             d.blend,
             d.split,
             (d.train_blend, d.valid_blend, d.test_blend),
             load_tokenizer(d.tokenizer),
-            partial(chat_prompt, template=template),  # the assistant's turn opened
+            render,
             d.seq_length - cfg.grpo.max_completion_length,
         )
     except (PromptFileError, ChatTemplateError, OSError) as e:
@@ -49,6 +52,24 @@ def prompt_datasets(cfg: TrainConfig, blend: Any, tok: Any) -> list[Any]:
         dataset.skipped = found.skipped
         datasets.append(dataset)
     return datasets
+
+
+def tool_renderer(cfg: TrainConfig, template: Any) -> Any:
+    """Prompts rendered with the tools' schemas (`grpo.tools` and the environment's methods),
+    the assistant's turn opened: what a tool-calling rollout starts from."""
+    from pipeline.train.objectives.grpo.tools import offered_schemas, offered_tools
+
+    if template is None:
+        raise ConfigError(
+            "grpo.tools and grpo.environment need a chat template that renders tools: "
+            f"{cfg.data.tokenizer} has none"
+        )
+    schemas = offered_schemas(*offered_tools(cfg.grpo))
+
+    def render(messages: list[dict]) -> str:
+        return template.render(messages, add_generation_prompt=True, tools=schemas).text
+
+    return render
 
 
 class RepeatedBatches:

@@ -1,7 +1,7 @@
 """Running figures of an objective between two log steps: sums and counts kept per name, added
 over the ranks holding other data when read, so a logged mean is the global batch's whatever
-the layout. Means (`add`), a mean with its standard deviation (`add_spread`) and maxima
-(`add_max`)."""
+the layout. Means (`add`), a mean with its standard deviation (`add_spread`), maxima
+(`add_max`) and minima (`add_min`)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ class RunningFigures:
     def add_max(self, name: str, value: Any) -> None:
         self._maxima[name] = max(self._maxima.get(name, float("-inf")), _number(value))
 
+    def add_min(self, name: str, value: Any) -> None:
+        """The least value of figure `name`, which must end in `/min` (kept as the maximum of
+        its negation, so every rank knows by the name alone to negate it back)."""
+        if not name.endswith("/min"):
+            raise ValueError(f"a minimum's name ends in /min: {name!r}")
+        self.add_max(name, -_number(value))
+
     def take(self, group: Any = None) -> dict[str, float]:
         """The figures since the last call over every rank of `group`, then reset."""
         from pipeline.core.parallel.reduce import sum_over_groups
@@ -69,7 +76,8 @@ class RunningFigures:
                 out[f"{name}/mean"] = total / n
                 variance = (squares - total * total / n) / (n - 1) if n > 1 else 0.0
                 out[f"{name}/std"] = max(variance, 0.0) ** 0.5
-        out |= self._max_over(maxima, group)
+        extremes = self._max_over(maxima, group)
+        out |= {n: -v if n.endswith("/min") else v for n, v in extremes.items()}
         self._reset()
         return out
 

@@ -26,6 +26,7 @@ there is none), and the rewards named in `grpo.reasoning_rewards` see the whole 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -136,6 +137,10 @@ class Completions:
     texts: Sequence[str]
     tokens: Sequence[Sequence[int]]
     reasoning: Sequence[str | None] | None = None  # with grpo.reasoning_parser: each one's
+    messages: Sequence[list[dict]] | None = None
+    """With tools: each completion as its messages (assistant turns and tool results)."""
+    environments: Sequence[Any] | None = None
+    """With an environment: each completion's instance."""
 
 
 Reward = Callable[[Completions], list]
@@ -157,23 +162,30 @@ class RewardSet:
         records: Sequence[PromptRecord],
         completions: Sequence[str],
         completion_tokens: Sequence[Sequence[int]],
+        messages: Sequence[list[dict]] | None = None,
+        environments: Sequence[Any] | None = None,
     ) -> np.ndarray:
         """`[N, F]` float64 rewards of N completions (completion i answers `records[i]`) by each
-        of the F rewards; NaN where a function returned None. Raises RewardError (one line)."""
+        of the F rewards; NaN where a function returned None. Raises RewardError (one line).
+        With tools, `messages` are the completions as messages (what a user's function gets,
+        as TRL hands them) and `environments` each one's environment instance."""
         if not len(records) == len(completions) == len(completion_tokens):
             raise ValueError(
                 f"{len(records)} prompts, {len(completions)} completions and "
                 f"{len(completion_tokens)} token lists: one each per completion"
             )
-        whole = Completions(records, completions, completion_tokens)
+        whole = Completions(
+            records, completions, completion_tokens, messages=messages, environments=environments
+        )
         batch = whole
         if self.reasoning is not None:
             splits = [
                 self.reasoning.reader(None).whole(text, list(ids))
                 for text, ids in zip(completions, completion_tokens)
             ]
-            content = [c for _, c in splits]
-            batch = Completions(records, content, completion_tokens, [r for r, _ in splits])
+            batch = dataclasses.replace(
+                whole, texts=[c for _, c in splits], reasoning=[r for r, _ in splits]
+            )
         out = np.empty((len(records), len(self.funcs)), dtype=np.float64)
         for column, (name, func) in enumerate(zip(self.names, self.funcs)):
             seen = whole if name in self.whole_rewards else batch
@@ -185,13 +197,24 @@ def build_rewards(
     section: GRPOSection,
     has_answers: bool,
     encode_batch: Callable[[list[str]], list[list[int]]] | None = None,
+    environment: type | None = None,
 ) -> RewardSet:
     """The rewards `section` names (none named: accuracy when the prompts have an `answer`),
     with their weights; a ConfigError (one line naming the field) for an unknown name, a user
     function that cannot be imported, a bad format pattern or weights that do not fit.
     `has_answers`: whether the prompts carry an `answer` field; `encode_batch`: the tokenizer's,
-    which `grpo.reasoning_parser` finds its markers with."""
+    which `grpo.reasoning_parser` finds its markers with. An `environment` class with a
+    `get_reward` method adds its reward, named after the class, weight 1 (as TRL)."""
     names = list(section.reward_funcs)
+    if environment is not None and callable(getattr(environment, "get_reward", None)):
+        own = _environment_reward(environment.__name__)
+        if not (names or has_answers):
+            return RewardSet([environment.__name__], [1.0], [own])
+        rewards = build_rewards(section, has_answers, encode_batch)
+        rewards.names.append(environment.__name__)
+        rewards.weights.append(1.0)
+        rewards.funcs.append(own)
+        return rewards
     if not names:
         if not has_answers:
             raise ConfigError(
@@ -255,7 +278,7 @@ def _reward(section: GRPOSection, name: str) -> Reward:
             f"grpo.reward_funcs: unknown reward {name!r} (built in: "
             f"{', '.join(BUILTIN_REWARDS)}; or a function of yours as module:function)"
         )
-    return _user_reward(name, _import_function(name))
+    return _user_reward(name, import_function(name))
 
 
 def _accuracy(batch: Completions) -> list[float]:
@@ -296,9 +319,10 @@ def _length_reward(length_target: int, max_completion_length: int) -> Reward:
 # ------------------------------------------------------------------------------ user functions
 
 
-def _import_function(name: str) -> Callable:
-    """The function "module:function" (or "file.py:function") names, imported now; a dotted
-    function name walks attributes. A ConfigError naming it when it cannot be had."""
+def import_function(name: str, field: str = "grpo.reward_funcs") -> Callable:
+    """The function (or class) "module:function" (or "file.py:function") names, imported now;
+    a dotted function name walks attributes. A ConfigError naming it and `field` when it cannot
+    be had."""
     module_name, _, attribute = name.rpartition(":")
     try:
         with _cwd_on_path():
@@ -312,10 +336,10 @@ def _import_function(name: str) -> Callable:
     except Exception as e:  # noqa: BLE001 - whatever importing user code raises is its error
         message = " ".join(str(e).split())
         raise ConfigError(
-            f"grpo.reward_funcs: cannot import {name!r} ({type(e).__name__}: {message})"
+            f"{field}: cannot import {name!r} ({type(e).__name__}: {message})"
         ) from None
     if not callable(func):
-        raise ConfigError(f"grpo.reward_funcs: {name!r} is {type(func).__name__}, not a function")
+        raise ConfigError(f"{field}: {name!r} is {type(func).__name__}, not a function")
     return func
 
 
@@ -342,6 +366,22 @@ def _cwd_on_path():
             sys.path.remove(str(Path.cwd()))
 
 
+def _environment_reward(name: str) -> Reward:
+    """The reward of an environment class `name`: each completion's instance's `get_reward()`."""
+
+    def environment_reward(batch: Completions) -> list:
+        try:
+            return [e.get_reward() for e in batch.environments]
+        except Exception as e:  # noqa: BLE001 - the user's environment's own failure
+            message = " ".join(str(e).split())
+            raise RewardError(
+                f"{_first_source(batch.records)}: reward {name}.get_reward raised "
+                f"{type(e).__name__}: {message}"
+            ) from None
+
+    return environment_reward
+
+
 def _user_reward(name: str, func: Callable) -> Reward:
     def user_reward(batch: Completions) -> list:
         prompts = [r.prompt for r in batch.records]
@@ -349,8 +389,12 @@ def _user_reward(name: str, func: Callable) -> Reward:
             [{"role": "assistant", "content": t}] if isinstance(p, list) else t
             for p, t in zip(prompts, batch.texts)
         ]
+        if batch.messages is not None:
+            completions = [list(m) for m in batch.messages]
         keys = list(dict.fromkeys(k for r in batch.records for k in r.fields))
         fields = {k: [r.fields.get(k) for r in batch.records] for k in keys}
+        if batch.environments is not None:
+            fields["environments"] = list(batch.environments)
         ids = [list(t) for t in batch.tokens]
         if batch.reasoning is not None and _takes(func, "reasoning"):
             fields["reasoning"] = list(batch.reasoning)

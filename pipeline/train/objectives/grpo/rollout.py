@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,13 @@ class Rollouts:
     seconds: float = 0.0
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
+    logprobs: list[list[float]] = field(default_factory=list)
+    """Each completion token's log-probability under the engine that sampled it (the model's
+    own, before the temperature), when the requests asked (`SamplingParams.logprobs`); empty
+    otherwise."""
+    tool_masks: list[list[int]] = field(default_factory=list)
+    """With tools (`agent`): per completion token, 1 where the model wrote it, 0 in a tool
+    message (left out of the loss); empty otherwise."""
 
     @property
     def generated_tokens(self) -> int:
@@ -104,11 +111,13 @@ class RolloutModel:
         computed, cached = engine.prompt_tokens_computed, engine.prompt_tokens_cached
         start = time.perf_counter()
         groups = [engine.add_group(list(p), group) for p, group in zip(prompts, params)]
-        with evaluation_mode(self.module), torch.autocast(self.device.type, enabled=False):
-            for _ in engine.run():
-                pass
-        seconds = time.perf_counter() - start
         rows = [request for group in groups for request in group]
+        logprobs: dict[int, list[float]] = {id(r): [] for r in rows}
+        with evaluation_mode(self.module), torch.autocast(self.device.type, enabled=False):
+            for event in engine.run():
+                if event.logprobs is not None:
+                    logprobs[id(event.request)].append(event.logprobs.token_logprob)
+        seconds = time.perf_counter() - start
         return Rollouts(
             prompts=[list(r.prompt) for r in rows],
             completions=[list(r.output) for r in rows],
@@ -116,6 +125,7 @@ class RolloutModel:
             seconds=seconds,
             prompt_tokens_computed=engine.prompt_tokens_computed - computed,
             prompt_tokens_cached=engine.prompt_tokens_cached - cached,
+            logprobs=[logprobs[id(r)] for r in rows] if rows[0].params.logprobs is not None else [],
         )
 
     def _engine(self, prompts: Sequence[list[int]], group: int, max_new: int) -> Any:
@@ -144,21 +154,31 @@ def rollout_rows(
 ) -> dict[str, torch.Tensor]:
     """The rollouts as training rows `[rows, seq_length]`: prompt and completion, the labels
     (the next token), the loss mask on the positions that predict a completion token (its
-    end-of-sequence token included), and positions."""
+    end-of-sequence token included; not a tool message's tokens, `tool_masks`), and positions;
+    with the engine's log-probabilities, those at the same positions as `engine_logps`."""
     n = len(rollouts.completions)
     tokens = torch.zeros(n, seq_length + 1, dtype=torch.long)
     mask = torch.zeros(n, seq_length, dtype=torch.float32)
+    engine = torch.zeros(n, seq_length, dtype=torch.float32)
     for row, (prompt, completion) in enumerate(zip(rollouts.prompts, rollouts.completions)):
         whole = prompt + completion
         tokens[row, : len(whole)] = torch.tensor(whole)
         mask[row, len(prompt) - 1 : len(whole) - 1] = 1.0
+        if rollouts.tool_masks:
+            own = torch.tensor(rollouts.tool_masks[row], dtype=torch.float32)
+            mask[row, len(prompt) - 1 : len(whole) - 1] *= own
+        if rollouts.logprobs:
+            engine[row, len(prompt) - 1 : len(whole) - 1] = torch.tensor(rollouts.logprobs[row])
     positions = torch.arange(seq_length).expand(n, -1)
-    return {
+    rows = {
         "tokens": tokens[:, :-1].to(device),
         "labels": tokens[:, 1:].to(device),
         "loss_mask": mask.to(device),
         "position_ids": positions.to(device),
     }
+    if rollouts.logprobs:
+        rows["engine_logps"] = engine.to(device)
+    return rows
 
 
 def _is_plain(model: torch.nn.Module) -> bool:

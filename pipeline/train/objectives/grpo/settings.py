@@ -26,10 +26,17 @@ class GRPOSection:
     """Nucleus sampling of the rollouts (1: off)."""
     top_k: int = 0
     """Top-k sampling of the rollouts (0: off)."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """How token losses are averaged: grpo per sequence then over sequences; bnpo over the
-    tokens of each micro-batch; dr_grpo over sequences x max_completion_length (a constant);
-    dapo over the tokens of the whole global batch."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = (
+        "dapo"
+    )
+    """The loss and how token losses are averaged: the clipped ratio times the advantage, grpo
+    per sequence then over sequences; bnpo over the tokens of each micro-batch; dr_grpo over
+    sequences x max_completion_length (a constant); dapo over the tokens of the whole global
+    batch; luspo each sequence's sum, over sequences (sequence level is its paper's). cispo:
+    the ratio clipped above at epsilon_high (5.0 is its paper's) and detached, times the
+    advantage and the log-probability, averaged as dapo; sapo: a soft sigmoid gate of the
+    ratio instead of the clip, averaged as grpo; vespo: a gamma weight of the sequence's ratio
+    times the advantage and the log-probability, averaged as dapo."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token: a ratio per token (GRPO); sequence: one length-normalised ratio per completion
     (GSPO)."""
@@ -39,6 +46,19 @@ class GRPOSection:
     """Upper clipping bound: 1 + epsilon_high (DAPO's clip-higher; default: epsilon)."""
     delta: float | None = None
     """Two-sided clipping: the unclipped ratio is capped at delta too (None: off)."""
+    sapo_temperature_neg: float = 1.05
+    """sapo: the gate's temperature for tokens with a non-positive advantage."""
+    sapo_temperature_pos: float = 1.0
+    """sapo: the gate's temperature for tokens with a positive advantage."""
+    vespo_k_pos: float = 2.0
+    """vespo: the power k of the gamma weight w^k exp(-lambda w) for a non-negative advantage
+    (how hard ratios below 1 are down-weighted)."""
+    vespo_lambda_pos: float = 3.0
+    """vespo: the decay lambda for a non-negative advantage (ratios above 1)."""
+    vespo_k_neg: float = 3.0
+    """vespo: the power k for a negative advantage."""
+    vespo_lambda_neg: float = 2.0
+    """vespo: the decay lambda for a negative advantage."""
     beta: float = 0.0
     """Weight of the KL term to the frozen start (k3 estimator); 0 keeps no reference."""
     use_bias_correction_kl: bool = True
@@ -77,10 +97,49 @@ class GRPOSection:
     """Log completions with their rewards at every log step."""
     num_completions_to_print: int | None = None
     """With log_completions: how many (None: every completion of the last step on rank 0)."""
+    importance_sampling_correction: Literal["auto", "on", "off"] = "auto"
+    """Weigh the loss by the ratio of the trainer's log-probabilities to the engine's that
+    sampled the completions (TRL's `vllm_importance_sampling_correction`): auto is on where the
+    two can differ (bf16 training, a rollout server) and off where they cannot (fp32, the
+    engine in the trainer). The mismatch is logged either way (`sampling/*`)."""
+    importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    """The correction's ratio per token or per completion (the product of its tokens'), clamped
+    to [clip_min, clip_max] (truncate) or set to 0 outside it (mask); TRL's
+    `vllm_importance_sampling_mode`."""
+    importance_sampling_clip_max: float = 3.0
+    """The correction's upper bound C_max (inf: none, TRL's None); TRL's
+    `vllm_importance_sampling_clip_max` (`_cap` before)."""
+    importance_sampling_clip_min: float | None = None
+    """The correction's lower bound C_min (None: none)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call, "module:function" each (`--tool`, repeatable): typed Python
+    functions with a Google-style docstring, offered through the chat template with their JSON
+    schema (as transformers makes one). A rollout then runs over several turns: the engine
+    generates, pipe reads the calls, runs them and appends their results (TRL's `tools`)."""
+    environment: str = ""
+    """An environment class, "module:Class" (`--environment`; TRL's `environment_factory`):
+    one instance per rollout, `reset(**prompt_fields)` returning None or text appended to the
+    user turn, its public methods tools, an optional `get_reward()` a reward."""
+    max_tool_calling_iterations: int | None = None
+    """Most rounds of tool calls in one rollout (None: until a turn calls none or the
+    completion is full)."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may run; past it the call's result is an error message."""
+    tool_call_parser: str = "auto"
+    """How calls are written: hermes, llama3_json or pythonic (`pipe serve
+    --tool-call-parser`'s); auto: from the chat template's text."""
     rollout_server: str = ""
     """URL of a running `pipe serve` on this machine to generate the rollouts (`--rollout-server`;
-    empty: pipe's engine in the training processes). The policy's weights are pushed to it
+    empty: pipe's engine in the training processes), or several, "URL1,URL2", sharing the
+    requests (one that cannot be reached is left out). The policy's weights are pushed to each
     before each batch of rollouts."""
+    max_staleness: int = 0
+    """With a rollout server: 0 generates each batch's rollouts before its step (synchronous);
+    >= 1 generates the next batch while the current one trains, each batch from the weights
+    of the step before (staleness 1), a batch older than this bound dropped and generated
+    again; the engine's log-probabilities are the old ones of the loss."""
     rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
     (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a

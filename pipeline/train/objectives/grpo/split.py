@@ -63,6 +63,8 @@ def gather_rollouts(own: Rollouts, group: Any, rows_per_prompt: Sequence[int]) -
         whole.prompts += part.prompts[at : at + rows]
         whole.completions += part.completions[at : at + rows]
         whole.truncated += part.truncated[at : at + rows]
+        whole.logprobs += part.logprobs[at : at + rows]
+        whole.tool_masks += part.tool_masks[at : at + rows]
         taken[i % len(parts)] += rows
     whole.prompt_tokens_computed = sum(p.prompt_tokens_computed for p in parts)
     whole.prompt_tokens_cached = sum(p.prompt_tokens_cached for p in parts)
