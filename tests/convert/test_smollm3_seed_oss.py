@@ -103,8 +103,10 @@ def _case(name: str):
     return transformers.SeedOssForCausalLM, hf, ours
 
 
-def _hf_model(name: str):
+def _hf_model(name: str, vocab_size: int = VOCAB):
+    """transformers' model of case `name` over `vocab_size` tokens, every weight perturbed."""
     cls, hf_config, _ = _case(name)
+    hf_config.vocab_size = vocab_size
     hf_config._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = cls(hf_config).eval()

@@ -2,7 +2,9 @@
 (q/k/v biases, per-head q/k norms, half of each head rotated, DeepSeek's MoE), GLM-4.5-Air (no
 q/k norms), MiniMax-M2 (q/k norms over the whole projection, partial RoPE), Kimi K2.5's text
 model (its INT4 experts dequantized on import; transformers holds the values compressed-tensors
-decompresses) and Mistral 4 (Llama 4's query scale, past its 8 original positions). Each tiny
+decompresses), Mistral 4 (Llama 4's query scale, past its 8 original positions), SmolLM3 with
+`use_sliding_window` on (a window of 5 on the layers without RoPE, q/k/v/o biases; prompts
+longer than the window) and Seed-OSS (q/k/v biases, head_dim 24 over hidden 64). Each tiny
 model shares the tiny tokenizer's vocabulary, so the same weights answer token prompts in the
 engine, text prompts in `pipe generate` and `/v1/completions` of `pipe serve`: 16 new tokens,
 several prompts, equal to transformers'. CPU, fp32."""
@@ -24,7 +26,15 @@ from tests.builders import run_pipe
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["glm45", "glm45_air", "minimax_m2", "kimi_k25_int4", "mistral4"]
+FAMILIES = [
+    "glm45",
+    "glm45_air",
+    "minimax_m2",
+    "kimi_k25_int4",
+    "mistral4",
+    "smollm3_window_bias",
+    "seed_oss",
+]
 TOKEN_PROMPTS = [[5, 17, 3], [40, 2, 71, 9, 9, 12, 60, 33, 1, 8, 77], [90], [11, 22, 33, 44]]
 TEXT_PROMPTS = ["line 3: value", "def f(x):", "line 41: value=287 abc"]
 NEW = 16
@@ -36,6 +46,12 @@ def _family(name: str, directory: Path, vocab_size: int):
         from tests.convert.test_kimi_int4 import kimi_checkpoint
 
         return kimi_checkpoint(directory, vocab_size)[1]
+    if name in ("smollm3_window_bias", "seed_oss"):
+        from tests.convert.test_smollm3_seed_oss import _hf_model as smollm3_or_seed_oss
+
+        hf = smollm3_or_seed_oss(name, vocab_size)
+        hf.save_pretrained(directory)
+        return hf
     if name == "mistral4":
         from tests.convert.test_mistral4 import _case, _hf_model
 
@@ -123,3 +139,15 @@ def test_pipe_serve_completes_as_transformers(family, tmp_path) -> None:
             assert answer["choices"][0]["text"] == expected, (name, prompt)
     finally:
         server.stop()
+
+
+def test_smollm3_prompts_outrun_its_sliding_window(tiny_tokenizer_dir) -> None:
+    """The SmolLM3 case slides, and a token prompt and a text prompt are longer than its window,
+    so the greedy checks above see keys fall out of it."""
+    from tests.convert.test_smollm3_seed_oss import _case
+
+    hf_config = _case("smollm3_window_bias")[1]
+    assert hf_config.use_sliding_window and "sliding_attention" in hf_config.layer_types
+    texts = load_tokenizer(tiny_tokenizer_dir).encode_batch(TEXT_PROMPTS)
+    longest = min(max(len(ids) for ids in texts), max(len(p) for p in TOKEN_PROMPTS))
+    assert longest > hf_config.sliding_window

@@ -12,8 +12,9 @@ parameter's gradient (sinks and expert biases included) to GRAD_ATOL + GRAD_RTOL
 * pp2: two layers (a sliding and a full one) per stage;
 * ep2: the expert biases split with their experts.
 
-`tiny_smollm3` (no RoPE in two of the layers, which also slide, q/k/v/o biases, dense) runs
-tp2, cp2 and pp2 the same way.
+`tiny_smollm3` (no RoPE in two of the layers, which also slide, q/k/v/o biases, dense) and
+`tiny_seed_oss` (q/k/v biases without an o_proj bias, head_dim 16 over a hidden size of 32 in
+4 heads) run tp2, cp2 and pp2 the same way.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ LAYOUTS = {
 
 
 SMOLLM3 = "tiny_smollm3"
-SMOLLM3_LAYOUTS = ("tp2", "cp2", "pp2")
+SEED_OSS = "tiny_seed_oss"
+DENSE_LAYOUTS = ("tp2", "cp2", "pp2")
 
 
 def _runs() -> list[tuple[str, str]]:
-    return [(RECIPE, name) for name in LAYOUTS] + [(SMOLLM3, name) for name in SMOLLM3_LAYOUTS]
+    dense = [(recipe, name) for recipe in (SMOLLM3, SEED_OSS) for name in DENSE_LAYOUTS]
+    return [(RECIPE, name) for name in LAYOUTS] + dense
 
 
 def _worker(rank: int, world_size: int, tmp: Path) -> dict:
@@ -60,15 +63,18 @@ def _worker(rank: int, world_size: int, tmp: Path) -> dict:
     return out
 
 
-def test_gpt_oss_and_smollm3_layouts_equal_one_device(tmp_path: Path) -> None:
+def test_gpt_oss_smollm3_and_seed_oss_layouts_equal_one_device(tmp_path: Path) -> None:
     references = {
         recipe: train_and_probe(recipe, layout_sets(recipe, tmp_path / f"{recipe}_single"))
-        for recipe in (RECIPE, SMOLLM3)
+        for recipe in (RECIPE, SMOLLM3, SEED_OSS)
     }
     names = set(references[RECIPE]["grads"])
     for name in ("layers.0.attention.sinks", "layers.3.moe.experts.b2", "layers.1.moe.router.bias"):
         assert name in names, name
     assert "layers.3.attention.wo.bias" in references[SMOLLM3]["grads"]
+    seed_oss = references[SEED_OSS]["grads"]
+    assert "layers.3.attention.wq.bias" in seed_oss and "layers.3.attention.wo.bias" not in seed_oss
+    assert seed_oss["layers.3.attention.wq.weight"].shape == (4 * 16, 32)
     per_rank = run_distributed(_worker, 2, tmp_path)
     for recipe, layout in _runs():
         reference = references[recipe]

@@ -58,6 +58,7 @@ RECIPES = [
     "tiny_qwen3",
     "tiny_qwen3_5",
     "tiny_qwen3_moe",
+    "tiny_seed_oss",
     "tiny_sft",
     "tiny_smollm3",
 ]

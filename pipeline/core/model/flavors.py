@@ -476,6 +476,17 @@ def tiny_smollm3() -> ModelConfig:
     return config
 
 
+def tiny_seed_oss() -> ModelConfig:
+    """CPU-sized Seed-OSS: q/k/v biases without an o_proj bias, head_dim 16 (not hidden /
+    heads), Seed-OSS-36B's norm epsilon and RoPE base; untied, so pipeline stages may split it."""
+    config = tiny()
+    config.head_dim = 16
+    config.qkv_bias = True
+    config.norm_eps = 1e-6
+    config.rope_theta = 1e7
+    return config
+
+
 def tiny_bloom() -> ModelConfig:
     """CPU-sized BLOOM: ALiBi over 6 heads (not a power of two), LayerNorms with biases (one
     after the embedding too), a plain tanh-GeLU MLP of 4 x hidden, biases on every linear,
@@ -600,6 +611,7 @@ FLAVORS: dict[str, Callable[[], ModelConfig]] = {
     "seed_oss_36b": seed_oss_36b,
     "tiny_gpt_oss": tiny_gpt_oss,
     "tiny_smollm3": tiny_smollm3,
+    "tiny_seed_oss": tiny_seed_oss,
     "tiny_bloom": tiny_bloom,
     "tiny_mpt": tiny_mpt,
     "tiny_glm4_moe": tiny_glm4_moe,
