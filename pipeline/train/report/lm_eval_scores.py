@@ -25,6 +25,8 @@ from pipeline.train.report.samples import sample_tokenizer_path
 
 log = logging.getLogger(__name__)
 
+_BATCH_ROWS = 32  # sequences per forward when scoring loglikelihoods
+
 
 def _harness_model_class():
     """lm-eval's `TemplateLM` subclass answering from a model in this process (the class is
@@ -48,18 +50,31 @@ def _harness_model_class():
 
         @torch.no_grad()
         def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
-            answers = []
-            for _key, context, continuation in requests:
-                tokens = (context + continuation)[-self.max_length :]
-                start = len(tokens) - len(continuation)  # the continuation's first position
-                ids = torch.tensor([tokens], device=self.device_)
-                logprobs = F.log_softmax(self.model.logits(ids)[0, :-1].float(), dim=-1)
-                rows = logprobs[start - 1 :]
-                targets = ids[0, start:]
-                picked = rows.gather(1, targets[:, None])[:, 0]
-                greedy = bool((rows.argmax(dim=-1) == targets).all())
-                answers.append((float(picked.sum()), greedy))
+            # sequences of one length run as one batch: no padding, so each row is what it
+            # would be alone
+            rows = [
+                self._scored_tokens(context, continuation) for _, context, continuation in requests
+            ]
+            by_length: dict[int, list[int]] = {}
+            for index, (tokens, _) in enumerate(rows):
+                by_length.setdefault(len(tokens), []).append(index)
+            answers: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+            for indices in by_length.values():
+                for first in range(0, len(indices), _BATCH_ROWS):
+                    batch = indices[first : first + _BATCH_ROWS]
+                    ids = torch.tensor([rows[i][0] for i in batch], device=self.device_)
+                    logprobs = F.log_softmax(self.model.logits(ids)[:, :-1].float(), dim=-1)
+                    for row, index in enumerate(batch):
+                        answers[index] = _continuation_score(
+                            logprobs[row], ids[row], rows[index][1]
+                        )
             return answers
+
+        def _scored_tokens(self, context: list[int], continuation: list[int]) -> tuple[list, int]:
+            """`(context + continuation)` cut on the left to `max_length`, and the position of
+            the continuation's first token in it (`pipe eval`'s `local-completions` cut)."""
+            tokens = (context + continuation)[-self.max_length :]
+            return tokens, len(tokens) - len(continuation)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             from lm_eval import utils
@@ -94,6 +109,16 @@ def _harness_model_class():
             return answers
 
     return TrainingModelLM
+
+
+def _continuation_score(
+    logprobs: torch.Tensor, ids: torch.Tensor, start: int
+) -> tuple[float, bool]:
+    """The summed log-probability of `ids[start:]` under `logprobs` (`[len(ids) - 1, vocab]`,
+    row i predicting token i + 1), and whether each of those tokens is the most likely one."""
+    rows, targets = logprobs[start - 1 :], ids[start:]
+    picked = rows.gather(1, targets[:, None])[:, 0]
+    return float(picked.sum()), bool((rows.argmax(dim=-1) == targets).all())
 
 
 class InLoopEvaluation:
