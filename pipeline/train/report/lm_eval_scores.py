@@ -29,86 +29,90 @@ _BATCH_ROWS = 32  # sequences per forward when scoring loglikelihoods
 
 
 def _harness_model_class():
-    """lm-eval's `TemplateLM` subclass answering from a model in this process (the class is
-    made here so lm-eval is imported only by runs that ask for it)."""
+    """lm-eval's `TemplateLM` answering from a model in this process (made here so lm-eval is
+    imported only by runs that ask for it)."""
     from lm_eval.api.model import TemplateLM
 
-    class TrainingModelLM(TemplateLM):
+    class TrainingModelLM(_TrainingModelAnswers, TemplateLM):
         """The harness's model: the training `Transformer` and its tokenizer."""
 
-        def __init__(self, model, tokenizer, device, max_length: int) -> None:
-            super().__init__()
-            self.model, self.tokenizer, self.device_ = model, tokenizer, device
-            self.max_length = max_length
-
-        @property
-        def eot_token_id(self) -> int:
-            return self.tokenizer.eod or 0
-
-        def tok_encode(self, string: str, **kwargs) -> list[int]:
-            return self.tokenizer.encode_batch([string])[0]
-
-        @torch.no_grad()
-        def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
-            # sequences of one length run as one batch: no padding, so each row is what it
-            # would be alone
-            rows = [
-                self._scored_tokens(context, continuation) for _, context, continuation in requests
-            ]
-            by_length: dict[int, list[int]] = {}
-            for index, (tokens, _) in enumerate(rows):
-                by_length.setdefault(len(tokens), []).append(index)
-            answers: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
-            for indices in by_length.values():
-                for first in range(0, len(indices), _BATCH_ROWS):
-                    batch = indices[first : first + _BATCH_ROWS]
-                    ids = torch.tensor([rows[i][0] for i in batch], device=self.device_)
-                    logprobs = F.log_softmax(self.model.logits(ids)[:, :-1].float(), dim=-1)
-                    for row, index in enumerate(batch):
-                        answers[index] = _continuation_score(
-                            logprobs[row], ids[row], rows[index][1]
-                        )
-            return answers
-
-        def _scored_tokens(self, context: list[int], continuation: list[int]) -> tuple[list, int]:
-            """`(context + continuation)` cut on the left to `max_length`, and the position of
-            the continuation's first token in it (`pipe eval`'s `local-completions` cut)."""
-            tokens = (context + continuation)[-self.max_length :]
-            return tokens, len(tokens) - len(continuation)
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-            from lm_eval import utils
-
-            scores = []
-            for (text,) in [r.args for r in requests]:
-                windows = utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(text),
-                    prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length - 1,
-                    context_len=1,
-                )
-                pairs = [(None, *utils.make_disjoint_window(w)) for w in windows]
-                scores.append(sum(s for s, _ in self._loglikelihood_tokens(pairs)))
-            return scores
-
-        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            from lm_eval.models.utils import handle_stop_sequences
-
-            eos = self.tokenizer.decode([self.eot_token_id])
-            answers = []
-            for context, options in [r.args for r in requests]:
-                options = dict(options)
-                stops = handle_stop_sequences(options.get("until"), eos)
-                budget = options.get("max_gen_toks", 256)
-                prompt = self.tok_encode(context)[-(self.max_length - budget) :]
-                ends = frozenset({self.tokenizer.eod} - {None})
-                output = greedy_without_cache(self.model, prompt, budget, ends, self.device_)
-                text = self.tokenizer.decode(output, skip_special_tokens=True)
-                cut = min([text.find(s) for s in stops if s and s in text], default=len(text))
-                answers.append(text[:cut])
-            return answers
-
     return TrainingModelLM
+
+
+class _TrainingModelAnswers:
+    """The answers of `TrainingModelLM` to the harness's requests (mixed in before lm-eval's
+    `TemplateLM`, which brings the requests' tokenization and the rest)."""
+
+    def __init__(self, model, tokenizer, device, max_length: int) -> None:
+        super().__init__()
+        self.model, self.tokenizer, self.device_ = model, tokenizer, device
+        self.max_length = max_length
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eod or 0
+
+    def tok_encode(self, string: str, **kwargs) -> list[int]:
+        return self.tokenizer.encode_batch([string])[0]
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
+        # sequences of one length run as one batch: no padding, so each row is what it
+        # would be alone
+        rows = [self._scored_tokens(context, continuation) for _, context, continuation in requests]
+        by_length: dict[int, list[int]] = {}
+        for index, (tokens, _) in enumerate(rows):
+            by_length.setdefault(len(tokens), []).append(index)
+        answers: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
+        for indices in by_length.values():
+            for first in range(0, len(indices), _BATCH_ROWS):
+                batch = indices[first : first + _BATCH_ROWS]
+                ids = torch.tensor([rows[i][0] for i in batch], device=self.device_)
+                logprobs = F.log_softmax(self.model.logits(ids)[:, :-1].float(), dim=-1)
+                for row, index in enumerate(batch):
+                    answers[index] = _continuation_score(logprobs[row], ids[row], rows[index][1])
+        return answers
+
+    def _scored_tokens(self, context: list[int], continuation: list[int]) -> tuple[list, int]:
+        """`(context + continuation)` cut on the left to `max_length`, and the position of
+        the continuation's first token in it (`pipe eval`'s `local-completions` cut)."""
+        tokens = (context + continuation)[-self.max_length :]
+        return tokens, len(tokens) - len(continuation)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        scores = []
+        for (text,) in [r.args for r in requests]:
+            windows = utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length - 1,
+                context_len=1,
+            )
+            pairs = [(None, *utils.make_disjoint_window(w)) for w in windows]
+            scores.append(sum(s for s, _ in self._loglikelihood_tokens(pairs)))
+        return scores
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import handle_stop_sequences
+
+        eos = self.tokenizer.decode([self.eot_token_id])
+        answers = []
+        for context, options in [r.args for r in requests]:
+            stops = handle_stop_sequences(dict(options).get("until"), eos)
+            budget = dict(options).get("max_gen_toks", 256)
+            prompt = self.tok_encode(context)[-(self.max_length - budget) :]
+            answers.append(self._greedy_text(prompt, budget, stops))
+        return answers
+
+    def _greedy_text(self, prompt: list[int], budget: int, stops: list[str]) -> str:
+        """The greedy continuation's text (special tokens skipped) before the first stop."""
+        ends = frozenset({self.tokenizer.eod} - {None})
+        output = greedy_without_cache(self.model, prompt, budget, ends, self.device_)
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        cut = min([text.find(s) for s in stops if s and s in text], default=len(text))
+        return text[:cut]
 
 
 def _continuation_score(
