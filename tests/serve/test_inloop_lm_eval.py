@@ -1,6 +1,6 @@
 """`[eval] lm_eval_tasks`: lm-eval tasks scored on the training model during `pipe train`, logged
-to metrics.jsonl, equal (1e-4) to `pipe eval` on the checkpoint saved at that iteration; local
-task files, no network."""
+to metrics.jsonl, equal (1e-4, per request too) to `pipe eval` on the last checkpoint exported to
+Hugging Face's format (`pipe export --vllm`); local task files, no network."""
 
 from __future__ import annotations
 
@@ -42,7 +42,9 @@ def test_inloop_scores_equal_pipe_eval(tmp_path, task_dir) -> None:  # noqa: F81
 
     output = tmp_path / "eval.json"
     args = ["--tasks", ",".join(TASKS), "--include-path", task_dir, "--output", output]
-    run_pipe("eval", run_dir / "checkpoints", *args, "--log-samples")
+    exported = tmp_path / "hf"
+    run_pipe("export", run_dir / "checkpoints", "--vllm", "-o", exported, "--dtype", "float32")
+    run_pipe("eval", exported, *args, "--log-samples")
     served = json.loads(output.read_text())
     for name, value in scores.items():
         _, task, metric = name.split("/")
