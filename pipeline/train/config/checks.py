@@ -42,6 +42,11 @@ def config_problems(cfg: TrainConfig, world_size: int | None) -> list[str]:
         problems.append("training.eval_interval and training.eval_iters must be >= 0")
     if t.sample_interval < 0 or t.sample_tokens <= 0:
         problems.append("training.sample_interval must be >= 0 and sample_tokens positive")
+    e = cfg.eval
+    if e.lm_eval_interval < 0 or (e.lm_eval_max_length or 1) <= 0:
+        problems.append("eval.lm_eval_interval must be >= 0 and lm_eval_max_length positive")
+    if e.lm_eval_limit is not None and e.lm_eval_limit <= 0:
+        problems.append("eval.lm_eval_limit must be positive")
     if d.seq_length <= 0:
         problems.append(f"data.seq_length must be positive, got {d.seq_length}")
     if cfg.fp8.recipe is not None:

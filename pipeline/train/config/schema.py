@@ -37,6 +37,7 @@ __all__ = [
     "LoggingSection",
     "LoraSection",
     "ModelSection",
+    "EvalSection",
     "OptimizerSection",
     "ParallelSection",
     "RecordedModel",
@@ -412,6 +413,24 @@ class LoggingSection:
     """W&B project name."""
 
 
+@dataclass
+class EvalSection:
+    """lm-eval tasks scored on the training model during the run (`pipeline.train.report.
+    lm_eval_scores`), logged as `lm_eval/<task>/<metric>` with split "valid"."""
+
+    lm_eval_tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (empty: none); the scores equal `pipe eval` on the exported checkpoint."""
+    lm_eval_interval: int = 0
+    """Score the tasks every this many iterations (0: never)."""
+    lm_eval_limit: float | None = None
+    """Documents per task (below 1: that fraction of them; None: all)."""
+    lm_eval_include_path: str | None = None
+    """A folder of task YAMLs beside lm-eval's own (`pipe eval --include-path`)."""
+    lm_eval_max_length: int | None = None
+    """Tokens per scored sequence, longer contexts cut on the left (None: the model's
+    `max_position_embeddings`, the context `pipe eval`'s engine reports)."""
+
+
 @dataclass(frozen=True)
 class RecordedModel:
     """The model config recorded by the checkpoint `checkpoint.load` resumes from, as the config
@@ -446,6 +465,7 @@ class TrainConfig:
     fp8: Fp8Section = field(default_factory=Fp8Section)
     lora: LoraSection = field(default_factory=LoraSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     contributed: dict[str, Any] = field(default_factory=lambda: _contributed_sections())
     """The sections objectives contribute (`add_section`: `[dpo]`, `[grpo]`), by name, each
     read as an attribute like the others (`cfg.grpo`)."""

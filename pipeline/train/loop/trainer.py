@@ -68,6 +68,7 @@ from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.optimizers import build_optimizer
 from pipeline.train.optimizers.loss_scaler import build_loss_scaler
 from pipeline.train.optimizers.lr_scheduler import build_scheduler
+from pipeline.train.report.lm_eval_scores import build_lm_eval
 from pipeline.train.report.metrics import MetricsLogger, router_statistics
 from pipeline.train.report.perf import memory_gib, peak_tflops
 from pipeline.train.report.samples import TrainingSamples, sample_tokenizer_path
@@ -125,6 +126,7 @@ class Trainer:
         self._signals: StopSignals | None = None
         self.metrics = self._build_logging(console)
         self.samples = self._build_samples()
+        self.lm_eval = build_lm_eval(cfg, self.model_config, self.tokenizer, self.layout.world_size)
         sequences = self.objective.spec.sequences(cfg)  # each counts in tokens/s
         self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_length * sequences
         self.flops_per_token = flops_per_token(self.model_config, cfg.data.seq_length)
@@ -281,6 +283,10 @@ class Trainer:
                         self.run_evaluation()
                     if self.samples is not None and self._due(t.sample_interval):
                         self.log_samples()
+                    if self.lm_eval is not None and self._due(self.cfg.eval.lm_eval_interval):
+                        with self.autocast:
+                            scores = self.lm_eval.scores(self.model, self.device)
+                        self.metrics.log(self.iteration, scores, split="valid")
                     if self._save_if_due(loop, signals):
                         break
                 if loop.result.stop_reason == "finished":
