@@ -94,7 +94,8 @@ def evaluate(checkpoint: str, **options: Any) -> None:
 
 def _harness_run(options: dict[str, Any]):
     """The `HarnessRun` of the command's options (popped), the task names checked first."""
-    from pipeline.serve.http.harness import HarnessRun, task_manager
+    from pipeline.common.lm_eval_tasks import task_manager
+    from pipeline.serve.http.harness import HarnessRun
 
     tasks = [t.strip() for t in options.pop("tasks").split(",") if t.strip()]
     include_path = options.pop("include_path")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pipeline.common.lm_eval_tasks import task_manager
 from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.train.config.schema import ConfigError, TrainConfig
 from pipeline.train.report.samples import sample_tokenizer_path
@@ -137,12 +138,12 @@ class InLoopEvaluation:
         include_path: str | None = None,
     ) -> None:
         try:
-            from lm_eval.tasks import TaskManager
+            import lm_eval.tasks  # noqa: F401
         except ImportError:
             raise ConfigError("eval.lm_eval_tasks needs: pip install 'pipe-llm[eval]'") from None
         from pipeline.tokenizer.tokenizer import load_tokenizer
 
-        self.manager = _task_manager(TaskManager, tasks, include_path)
+        self.manager = task_manager(tasks, include_path)
         unknown = [t for t in tasks if t not in self.manager.all_tasks]
         if unknown:
             raise ConfigError(f"eval.lm_eval_tasks: unknown lm-eval task {unknown[0]!r}")
@@ -190,16 +191,6 @@ def build_lm_eval(
     return InLoopEvaluation(
         e.lm_eval_tasks, path, max_length, e.lm_eval_limit, e.lm_eval_include_path
     )
-
-
-def _task_manager(manager_class, tasks: list[str], include_path: str | None):
-    """Only the tasks under `include_path` when they hold every task asked for (indexing the
-    harness's built-in tasks takes seconds), else those and the built-in ones."""
-    if include_path is not None:
-        local = manager_class(include_path=include_path, include_defaults=False)
-        if all(task in local.all_tasks for task in tasks):
-            return local
-    return manager_class(include_path=include_path)
 
 
 def flat_scores(results: dict[str, dict[str, Any]]) -> dict[str, float]:
