@@ -49,3 +49,30 @@ def test_auto_tool_choice_needs_a_parser(tmp_path) -> None:
     assert result.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in (
         result.stderr
     )
+
+
+def test_connections_to_the_served_socket_send_small_writes_at_once() -> None:
+    """Each accepted connection has Nagle's algorithm off (asyncio sets TCP_NODELAY only on a
+    socket that names TCP as its protocol): with it on, a streamed reply's first token waited
+    for the client's delayed ACK, about 40 ms."""
+    import asyncio
+
+    from pipeline.serve.http.startup import bind_socket
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_connect(_reader, writer) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=bind_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        value = await asyncio.wait_for(seen, 10)
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0

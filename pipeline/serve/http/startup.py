@@ -21,7 +21,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A socket bound to `host`:`port` (port 0: a free one), for uvicorn to serve on; a one-line
     click error when the address is taken or cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # The protocol is named so that each accepted connection says TCP: asyncio turns Nagle's
+    # algorithm off only on such sockets, and with it on, a reply's small writes wait for the
+    # client's delayed ACK (about 40 ms before the first streamed token, measured).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
