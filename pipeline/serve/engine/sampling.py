@@ -255,7 +255,8 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
     greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
     greedy = greedy if len(greedy) > 1 else []
     if greedy:  # one argmax and one read back for all (the first on a tie, as `greedy_token`)
-        for i, token in zip(greedy, logits[greedy].argmax(-1).tolist()):
+        chosen = logits if len(greedy) == len(rows) else logits[greedy]  # no copy when all are
+        for i, token in zip(greedy, chosen.argmax(-1).tolist()):
             tokens[i] = token
     if plain:
         temperatures = torch.tensor(
