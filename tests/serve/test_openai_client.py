@@ -246,6 +246,20 @@ def test_echo_with_and_without_logprobs(client, tokenizer) -> None:
         model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0, echo=True
     )
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    # with return_token_ids vLLM leaves the prompt's text out (its ids come back instead)
+    for stream in (False, True):
+        answer = client.completions.create(
+            model="tiny_hf0",
+            prompt=PROMPT,
+            max_tokens=2,
+            temperature=0,
+            echo=True,
+            stream=stream,
+            extra_body={"return_token_ids": True},
+        )
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+        assert chunks[0].choices[0].prompt_token_ids == encode(tokenizer, PROMPT)
     scored = client.completions.create(
         model="tiny_hf0", prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1
     )

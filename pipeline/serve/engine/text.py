@@ -73,11 +73,12 @@ class TextStream:
         return self._release(self._complete[:safe])
 
     def finish(self) -> str:
-        """Everything not yet released (the request ended for another reason)."""
+        """Everything not yet released (the request ended for another reason), but for a last
+        character left incomplete: the tokens since the text was last whole are dropped, as
+        vLLM drops them, rather than written as replacement characters."""
         if self.stopped:
             return ""
-        window = self._decode(self.ids[self._prefix :])
-        return self._release(self._complete + window[len(self._prefix_text) :])
+        return self._release(self._complete)
 
     def _release(self, upto: str) -> str:
         if len(upto) <= len(self.text):

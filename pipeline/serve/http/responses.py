@@ -115,13 +115,16 @@ class CompletionWriter:
         return job.prompt_index * self.body.choices_per_prompt + rank
 
     def _echo(self, job: Job, prompt_logprobs) -> tuple[str, list[int], list]:
-        """What echo prepends: the prompt's text, ids and logprobs (the first one None)."""
+        """What echo prepends: the prompt's text, ids and logprobs (the first one None). With
+        `return_token_ids` the text is left out, as vLLM leaves it out (the prompt comes back
+        as `prompt_token_ids` instead)."""
         if not self.body.echo:
             return "", [], []
         ids = self.prompts[job.prompt_index]
         entries = list(prompt_logprobs or [])
         entries += [None] * (len(ids) - len(entries))
-        return self.prompt_texts[job.prompt_index], ids, entries
+        text = "" if self.body.return_token_ids else self.prompt_texts[job.prompt_index]
+        return text, ids, entries
 
     def _generated(self, text: str, ids, entries) -> tuple[str, list[int], list]:
         """What the engine generated, as the answer shows it: nothing when max_tokens 0 asked
