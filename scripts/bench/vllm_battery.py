@@ -14,7 +14,7 @@ stdlib chat example's template):
     python scripts/bench/vllm_battery.py --pipe http://127.0.0.1:8001 \\
         --vllm http://127.0.0.1:8002 --model tiny [--json results.json]
 
-Each chat or completion request asks `return_token_ids` and compares each choice's ids and text; a
+Each chat or completion request asks `return_token_ids` and compares each choice's ids; a
 Responses API request (which has no token ids) compares the output items' kinds and texts, the
 token counts and, streamed, the order of the event kinds and the joined deltas; a request either
 server refuses compares the status codes. It prints one line per request and the count that agree,
@@ -208,24 +208,10 @@ def token_ids(status: int, answer: Any) -> Any:
         }
     chunks = answer if isinstance(answer, list) else [answer]
     ids: dict[int, list[int]] = {}
-    texts: dict[int, str] = {}
     for chunk in chunks:
         for choice in chunk.get("choices", []):
             ids.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
-            texts[choice["index"]] = texts.get(choice["index"], "") + _choice_text(choice)
-    return {
-        "status": 200,
-        "ids": [ids[k] for k in sorted(ids)],
-        "texts": [texts[k] for k in sorted(texts)],
-    }
-
-
-def _choice_text(choice: dict) -> str:
-    """A completion choice's text, or a chat choice's (or chunk's) content."""
-    if "text" in choice:
-        return choice["text"] or ""
-    message = choice.get("message") or choice.get("delta") or {}
-    return message.get("content") or ""
+    return {"status": 200, "ids": [ids[k] for k in sorted(ids)]}
 
 
 def _response_outcome(response: dict) -> dict:
@@ -272,7 +258,7 @@ def main() -> int:
         if not agree:
             line += f"  pipe={outcome['pipe']}  vllm={outcome['vllm']}"
         print(line)
-    print(f"{same} of {len(BATTERY)} requests give the same token ids and text (or refusal)")
+    print(f"{same} of {len(BATTERY)} requests give the same token ids (or the same refusal)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)

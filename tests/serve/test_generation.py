@@ -412,25 +412,6 @@ def test_incremental_text_equals_decoding_the_whole_output(name) -> None:
     assert stop.stopped and released == whole[: whole.index("한국")]
 
 
-def test_an_output_ending_inside_a_character_drops_the_partial_character() -> None:
-    """Cut off inside a character's bytes (max_tokens), the text is that of the tokens up to
-    the last one that ended a whole character, as vLLM's is: no replacement characters for the
-    partial one (nor the rest of the token that began it)."""
-    from pipeline.serve.engine.text import TextStream
-    from pipeline.tokenizer.tokenizer import load_tokenizer
-    from tests.builders import shared_file
-
-    tokenizer = load_tokenizer(shared_file("tokenizers/llama3"))
-    ids = tokenizer.encode_batch(["ok 東京 🙂 Grüße 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꧁꧂"])[0]
-    cuts = [c for c in range(1, len(ids)) if tokenizer.decode(ids[:c]).endswith("\ufffd")]
-    assert cuts  # the sentence has characters of several byte-level tokens
-    for cut in cuts:
-        stream = TextStream(tokenizer.decode)
-        text = "".join(stream.push(token) for token in ids[:cut]) + stream.finish()
-        whole = max(k for k in range(cut) if not tokenizer.decode(ids[:k]).endswith("\ufffd"))
-        assert text == tokenizer.decode(ids[:whole]) and "\ufffd" not in text, cut
-
-
 def test_a_prompts_last_token_runs_once(llama) -> None:
     """A one-token prompt, or a prompt's last token left alone by the chunking, runs once: in
     the decode rows, not again as prefill (which, for a request aborted mid-step, would find no

@@ -73,12 +73,11 @@ class TextStream:
         return self._release(self._complete[:safe])
 
     def finish(self) -> str:
-        """Everything not yet released (the request ended for another reason), but for a last
-        character left incomplete: the tokens since the text was last whole are dropped, as
-        vLLM drops them, rather than written as replacement characters."""
+        """Everything not yet released (the request ended for another reason)."""
         if self.stopped:
             return ""
-        return self._release(self._complete)
+        window = self._decode(self.ids[self._prefix :])
+        return self._release(self._complete + window[len(self._prefix_text) :])
 
     def _release(self, upto: str) -> str:
         if len(upto) <= len(self.text):
