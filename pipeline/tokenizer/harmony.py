@@ -56,6 +56,7 @@ class _Message:
     def __init__(self) -> None:
         self.header: list[int] = []
         self.body: list[int] = []
+        self.role = "assistant"  # the reply's own role unless a header names another
         self.channel: str | None = None
         self.recipient: str | None = None
         self.shown = ""  # the body's text sent so far
@@ -105,8 +106,8 @@ class HarmonyReader:
         self.finish()
         parts: dict[str, list[str]] = {"reasoning": [], "content": []}
         for message in self.done:
-            kind = self._kind(message)
-            if kind in parts and message.shown:
+            kind = self._kind(message)  # another role's message is streamed, not kept
+            if kind in parts and message.shown and message.role == "assistant":
                 parts[kind].append(message.shown)
         return "\n".join(parts["reasoning"]) or None, "\n".join(parts["content"])
 
@@ -141,9 +142,11 @@ class HarmonyReader:
         the recipient in one place or the other, the type left out."""
         header = self._raw_text(self.message.header).split("<|constrain|>")[0]
         role, _, channel = header.partition("<|channel|>")
+        channel = channel.split("<|")[0]  # harmony's: up to the next marker
         recipient = re.search(r"to=(\S+)", channel) or re.search(r"to=(\S+)", role)
         self.message.channel = channel.split(" to=")[0].split()[0] if channel.split() else None
         self.message.recipient = recipient.group(1) if recipient else None
+        self.message.role = role.replace("<|start|>", "").split(" to=")[0].strip() or "assistant"
         self.state = _BODY
 
     def _complete(self) -> None:

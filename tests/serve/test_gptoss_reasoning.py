@@ -178,11 +178,11 @@ def client(harmony_model, tmp_path_factory):
     server.stop()
 
 
-def _ask(client, stream: bool = False, **extra):
+def _ask(client, stream: bool = False, max_tokens: int = 40, **extra):
     return client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=QUESTION,
-        max_tokens=40,
+        max_tokens=max_tokens,
         temperature=0,
         stream=stream,
         extra_body=extra,
@@ -215,3 +215,32 @@ def test_the_responses_api_counts_gpt_oss_reasoning(client, harmony_model) -> No
     assert response.output_text == ANSWER
     # the analysis body's tokens, as vLLM counts them (the markers and headers left out)
     assert response.usage.output_tokens_details.reasoning_tokens == thinking_tokens
+
+
+def test_a_reply_cut_inside_a_header_comes_back_raw(client, harmony_model) -> None:
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(harmony_model / "tokenizer.json"))
+    written = f"<|channel|>analysis<|message|>{THINKING}<|end|><|start|>assistant"
+    cut = len(tok.encode(written, add_special_tokens=False).ids)
+    # vLLM's recovery: the unfinished message's tokens, as text with the markers, are content
+    answer = _ask(client, max_tokens=cut)
+    message = answer.choices[0].message
+    assert (message.reasoning_content, message.content) == (THINKING, "<|start|>assistant")
+    assert answer.choices[0].finish_reason == "length"
+    chunks = [c.choices[0] for c in _ask(client, stream=True, max_tokens=cut) if c.choices]
+    assert chunks[-1].delta.content == "<|start|>assistant"
+    assert chunks[-1].finish_reason == "length"
+    thinking = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks)
+    assert thinking == THINKING
+    response = client.responses.create(
+        model=answer.model, input=QUESTION, temperature=0, max_output_tokens=cut
+    )
+    assert response.output_text == "<|start|>assistant"
+    events = list(
+        client.responses.create(
+            model=answer.model, input=QUESTION, temperature=0, max_output_tokens=cut, stream=True
+        )
+    )
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "<|start|>assistant"
