@@ -725,3 +725,37 @@ def with_think_tokens(tokenizer_dir: Path, directory: Path) -> Path:
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+def llama_answering(prompt: list[int], reply: list[int], vocab_size: int, eos_id: int):
+    """A tiny Hugging Face Llama trained on one conversation (`prompt` then `reply`, token ids)
+    until greedy decoding writes `reply` back: a served model whose output is known (the
+    reasoning parsers' server tests)."""
+    import torch
+    import transformers
+
+    ids = torch.tensor([prompt + reply])
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    labels = ids.clone()
+    labels[0, : len(prompt)] = -100
+    for _ in range(300):
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    return model

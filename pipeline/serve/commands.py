@@ -29,7 +29,7 @@ DTYPES = ("auto", "fp32", "bf16")
 # pipeline.serve.http.tool_parsers' formats
 TOOL_CALL_PARSERS = ("llama3_json", "hermes", "pythonic")
 # pipeline.tokenizer.reasoning's formats
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "mistral", "openai_gptoss", "gpt_oss")
 
 
 def model_options(command):
@@ -356,7 +356,8 @@ def engine_spec(checkpoint: str, options: dict[str, Any]):
     type=click.Choice(REASONING_PARSERS),
     default=None,
     help="How the model marks its thinking (vLLM's names): qwen3, deepseek_r1, glm45 "
-    "(<think>...</think>), mistral ([THINK]...[/THINK]). The reply's `reasoning` and "
+    "(<think>...</think>), mistral ([THINK]...[/THINK]), openai_gptoss (alias gpt_oss: "
+    "gpt-oss's harmony analysis/final channels). The reply's `reasoning` and "
     "`reasoning_content` hold it apart from `content`.",
 )
 @click.option(

@@ -18,6 +18,8 @@ does:
   in the content for the tool parser); GLM drops the whitespace that ends the reasoning.
 - `deepseek_r1`: starts inside the reasoning whatever the kwargs say.
 - `mistral`: starts in the content; `[THINK]` opens the reasoning, `[/THINK]` closes it.
+- `openai_gptoss` (alias `gpt_oss`): gpt-oss's harmony channels, read from the reply's token
+  ids (pipeline/tokenizer/harmony.py).
 
 Unfinished thinking (no end marker before the reply stops) is all reasoning, no content.
 """
@@ -27,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from pipeline.tokenizer.harmony import HarmonyServing
 
 _REASONING, _CONTENT = "reasoning", "content"
 
@@ -43,6 +47,7 @@ class ReasoningFormat:
     implicit_end: str | None = None  # a marker that ends the reasoning and stays in content
     trim_reasoning_end: bool = False  # whitespace before the end marker dropped
     empty_reasoning: bool = False  # "" (not null) for a reasoning closed with nothing in it
+    harmony: bool = False  # gpt-oss's harmony messages, read from token ids (harmony.py)
 
 
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
@@ -50,6 +55,8 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
     "deepseek_r1": ReasoningFormat(("<think>",), ("</think>",), empty_reasoning=True),
     "glm45": ReasoningFormat(("<think>",), ("</think>",), switch=True, trim_reasoning_end=True),
     "mistral": ReasoningFormat(("[THINK]", "<think>"), ("[/THINK]", "</think>"), False),
+    "openai_gptoss": ReasoningFormat(("<|channel|>",), ("<|end|>",), harmony=True),
+    "gpt_oss": ReasoningFormat(("<|channel|>",), ("<|end|>",), harmony=True),  # an alias
 }
 
 
@@ -66,13 +73,21 @@ class ReasoningServing:
     end_id: int
 
     @classmethod
-    def of(cls, name: str, encode: Callable[[str], list[int]]) -> ReasoningServing:
-        """The parser `name` over a tokenizer whose `encode` gives a text's token ids."""
+    def of(
+        cls,
+        name: str,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> ReasoningServing | HarmonyServing:
+        """The parser `name` over a tokenizer whose `encode` gives a text's token ids (and whose
+        `decode` gives token ids' text: gpt-oss's harmony parser reads the ids)."""
         if name not in REASONING_FORMATS:
             raise ValueError(
                 f"--reasoning-parser {name!r}: choose from {', '.join(REASONING_FORMATS)}"
             )
         form = REASONING_FORMATS[name]
+        if form.harmony:
+            return HarmonyServing(name, encode, decode)
         start, end = _single_token(form.start, encode), _single_token(form.end, encode)
         if start is None or end is None:
             raise ValueError(
@@ -164,6 +179,11 @@ class ReasoningReader:
                 break
             if self.state == _REASONING and token not in markers:
                 self.reasoning_tokens += 1
+
+    def finish(self) -> str:
+        """The content the reply's end adds (none: the marker formats send all as it comes;
+        harmony's reader recovers a cut header here)."""
+        return ""
 
     def whole(self, text: str, ids: list[int]) -> tuple[str | None, str]:
         """(reasoning, content) of an unstreamed reply: null reasoning when there is none."""

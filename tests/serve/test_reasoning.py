@@ -17,10 +17,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipeline.tokenizer.reasoning import REASONING_FORMATS, ReasoningServing
-from tests.builders import with_think_tokens
+from tests.builders import llama_answering, with_think_tokens
 
 REPLY = "<think>\nline 3 value\n</think>\n\nthe answer"
 THINKING, ANSWER = "\nline 3 value\n", "\n\nthe answer"
@@ -118,34 +117,11 @@ def _render(directory: Path, messages: list[dict], **kwargs) -> str:
 def thinking_model(think_tokenizer, tmp_path_factory) -> Path:
     """A tiny Llama that answers QUESTION (under Qwen3's template) with REPLY: trained on that
     one conversation until greedy decoding writes it back."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     tok, encode = _encoder(think_tokenizer)
     prompt = encode(_render(think_tokenizer, QUESTION))
     reply = encode(REPLY + "<|im_end|>")
-    ids = torch.tensor([prompt + reply])
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=encode("<|im_end|>")[0],
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    labels = ids.clone()
-    labels[0, : len(prompt)] = -100
-    for _ in range(300):
-        loss = model(input_ids=ids, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
+    model = llama_answering(prompt, reply, tok.get_vocab_size(), encode("<|im_end|>")[0])
     directory = tmp_path_factory.mktemp("thinking_model")
     model.save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json"):

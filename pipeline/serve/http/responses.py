@@ -316,6 +316,8 @@ class ChatWriter:
             text, thinking = delta.text, ""
             if readers is not None:
                 thinking, text = readers[k].push(delta.text, delta.token_ids)
+                if finish_reason is not None:
+                    text += readers[k].finish()
                 thinking = "" if self.hide else thinking
             if tool_streams is None:
                 content = {"content": text} if text or not (finish_reason or readers) else {}

@@ -187,9 +187,11 @@ class ReplyItems:
         self.opened: str | None = None  # the item being streamed: "reasoning" or "message"
         self.index = 0  # output_index of the item being streamed
 
-    def push(self, text: str, ids: list[int], stream: bool) -> None:
-        """A delta of the reply (its events too when `stream`)."""
+    def push(self, text: str, ids: list[int], stream: bool, last: bool = False) -> None:
+        """A delta of the reply (its events too when `stream`); `last`: the reply ends here."""
         thinking, content = self.reader.push(text, ids) if self.reader else ("", text)
+        if last and self.reader:
+            content += self.reader.finish()
         thinking = "" if self.hide else thinking
         self.reasoning += thinking
         self.content += content
@@ -472,7 +474,7 @@ class ResponseRun:
         if generations is None:
             return error_response("client disconnected", 499)
         g = generations[0]
-        self.reply.push(g.text, g.token_ids, stream=False)
+        self.reply.push(g.text, g.token_ids, stream=False, last=True)
         return self.finished(g.finish_reason, g.completion_tokens, g.cached_tokens)
 
     def sse(self, event: dict) -> str:
@@ -494,7 +496,8 @@ class ResponseRun:
         yield self.sse({"type": "response.in_progress", "response": start})
         finish, tokens, cached = None, 0, 0
         async for _, delta in merged_deltas(streams):
-            self.reply.push(delta.text, delta.token_ids, stream=True)
+            last = delta.finish_reason is not None
+            self.reply.push(delta.text, delta.token_ids, stream=True, last=last)
             finish = delta.finish_reason or finish
             tokens, cached = delta.completion_tokens, delta.cached_tokens or cached
             for event in self._pending_events():

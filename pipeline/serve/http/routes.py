@@ -91,7 +91,7 @@ class ServedModel:
         metrics = ServeMetrics(name, lambda: client.load)
         reasoning = None
         if reasoning_parser is not None:
-            reasoning = ReasoningServing.of(reasoning_parser, codec.encode)
+            reasoning = ReasoningServing.of(reasoning_parser, codec.encode, codec.decode)
         return cls(client, name, codec, metrics, tools or ToolServing(), reasoning)
 
     @property

@@ -130,7 +130,7 @@ class GRPO(Objective):
         self.text = load_tokenizer(self.cfg.data.tokenizer)
         answers = any("answer" in r.fields for r in records)
         self.rewards = build_rewards(
-            self.section, answers, self.text.encode_batch, self.environment
+            self.section, answers, self.text.encode_batch, self.environment, self.text.decode
         )
         template = load_chat_template(self.cfg.data.tokenizer)
         self.stop_ids = frozenset({self.text.eod} - {None} | eos_token_ids(template, self.text))

@@ -198,19 +198,21 @@ def build_rewards(
     has_answers: bool,
     encode_batch: Callable[[list[str]], list[list[int]]] | None = None,
     environment: type | None = None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> RewardSet:
     """The rewards `section` names (none named: accuracy when the prompts have an `answer`),
     with their weights; a ConfigError (one line naming the field) for an unknown name, a user
     function that cannot be imported, a bad format pattern or weights that do not fit.
     `has_answers`: whether the prompts carry an `answer` field; `encode_batch`: the tokenizer's,
-    which `grpo.reasoning_parser` finds its markers with. An `environment` class with a
+    which `grpo.reasoning_parser` finds its markers with (and `decode`, which gpt-oss's harmony
+    parser reads message bodies with). An `environment` class with a
     `get_reward` method adds its reward, named after the class, weight 1 (as TRL)."""
     names = list(section.reward_funcs)
     if environment is not None and callable(getattr(environment, "get_reward", None)):
         own = _environment_reward(environment.__name__)
         if not (names or has_answers):
             return RewardSet([environment.__name__], [1.0], [own])
-        rewards = build_rewards(section, has_answers, encode_batch)
+        rewards = build_rewards(section, has_answers, encode_batch, decode=decode)
         rewards.names.append(environment.__name__)
         rewards.weights.append(1.0)
         rewards.funcs.append(own)
@@ -231,12 +233,12 @@ def build_rewards(
             "and the prompts have none"
         )
     rewards = RewardSet(names, _weights(section, names), [_reward(section, n) for n in names])
-    rewards.reasoning = _reasoning(section, names, encode_batch)
+    rewards.reasoning = _reasoning(section, names, encode_batch, decode)
     rewards.whole_rewards = frozenset(section.reasoning_rewards)
     return rewards
 
 
-def _reasoning(section: GRPOSection, names: list[str], encode_batch) -> Any:
+def _reasoning(section: GRPOSection, names: list[str], encode_batch, decode=None) -> Any:
     """grpo.reasoning_parser's splitter (None when unset); a ConfigError naming the field."""
     unknown = [n for n in section.reasoning_rewards if n not in names]
     if unknown:
@@ -248,7 +250,8 @@ def _reasoning(section: GRPOSection, names: list[str], encode_batch) -> Any:
     if encode_batch is None:
         raise ConfigError("grpo.reasoning_parser needs the data's tokenizer")
     try:
-        return ReasoningServing.of(section.reasoning_parser, lambda text: encode_batch([text])[0])
+        encode = lambda text: encode_batch([text])[0]  # noqa: E731
+        return ReasoningServing.of(section.reasoning_parser, encode, decode)
     except ValueError as e:
         message = str(e).replace("--reasoning-parser ", "")
         raise ConfigError(f"grpo.reasoning_parser: {message}") from None

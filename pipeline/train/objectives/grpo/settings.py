@@ -87,9 +87,9 @@ class GRPOSection:
     limit itself)."""
     reasoning_parser: str = ""
     """The policy's thinking format, by vLLM's --reasoning-parser name (qwen3, deepseek_r1,
-    glm45, mistral): the rewards score each completion's content without its reasoning, and a
-    user's function with a `reasoning` parameter also gets the reasoning. Empty: rewards see the
-    whole completion."""
+    glm45, mistral, openai_gptoss for gpt-oss's harmony channels): the rewards score each
+    completion's content without its reasoning, and a user's function with a `reasoning`
+    parameter also gets the reasoning. Empty: rewards see the whole completion."""
     reasoning_rewards: list[str] = field(default_factory=list)
     """With reasoning_parser: the rewards (names as in reward_funcs) that score the whole
     completion, reasoning included (a think-format reward, say)."""
