@@ -100,7 +100,12 @@ class HFSource:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-        hf_config, self._prefix = text_model(_json_object(config_path))
+        wrapper = _json_object(config_path)
+        text, self._prefix = text_model(wrapper)
+        # A wrapper whose text weights carry a prefix (Kimi K2.5) is read from its text model;
+        # Qwen3.5's, whose names need none, as it is: its own ids, dtype and quantization
+        # (`config_from_hf` and `hf_architecture` see its text model through it).
+        hf_config = text if self._prefix else wrapper
         self.hf_config = hf_config
         self.model_config: ModelConfig = config_from_hf(
             hf_config, ignore_sliding_window=ignore_sliding_window
@@ -110,7 +115,7 @@ class HFSource:
             "hf_architecture": hf_architecture(hf_config),
         }
         if self._prefix:  # the text model of a multimodal checkpoint
-            self.metadata["text_model_of"] = _json_object(config_path).get("model_type")
+            self.metadata["text_model_of"] = wrapper.get("model_type")
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if hf_config.get(key) is not None:
                 self.metadata[key] = hf_config[key]
