@@ -66,12 +66,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "Qwen3NextForCausalLM": "qwen3_next",
 }
-# Multimodal wrappers whose language model we read (`text_config`), and the text architecture
-# it is: the published Qwen3.5 checkpoints are image-text models.
-_TEXT_OF_MULTIMODAL = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
 _HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Architectures whose configs say `use_sliding_window` (the window is off unless it is true).
 _OPTIONAL_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -96,26 +90,36 @@ _LAYER_TYPED = (_GPT_OSS, _SMOLLM3)
 _DEFAULT_ROPE_THETA = 10000.0
 
 
-# Multimodal wrappers whose text model pipe reads: model_type -> (the text model's
-# architecture, the prefix of its weights' names). Kimi K2.5's text model is Kimi K2's
-# DeepseekV3ForCausalLM; its vision tower and projector are left out.
-_TEXT_MODELS = {"kimi_k25": ("DeepseekV3ForCausalLM", "language_model.")}
+# Multimodal wrappers whose text model (`text_config`) pipe reads, by the wrapper's architecture
+# or model_type: (the text model's architecture, the prefix of its weights' names on disk,
+# the wrapper's keys its config takes when it has none of its own). Kimi K2.5 keeps the whole
+# text model, lm_head too, under `language_model.` (its vision tower and projector are left
+# out). Qwen3.5's image-text checkpoints keep it under `model.language_model.` with `lm_head`
+# at the top: names the Hugging Face name map reads as they are (`hf_names.hf_to_pipe_name`),
+# so there is no prefix to strip, and its wrapper config reads as its text model's.
+_TEXT_MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "kimi_k25": ("DeepseekV3ForCausalLM", "language_model.", ("quantization_config",)),
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "", ("tie_word_embeddings",)),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "", ("tie_word_embeddings",)),
+}
 
 
 def text_model(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """(config.json dict of the model pipe reads, the prefix of its weights' names): the dict
-    itself and "" for a text model; a multimodal wrapper's `text_config` (with the wrapper's
-    `quantization_config` when the text config has none) and its text weights' prefix."""
-    known = _TEXT_MODELS.get(hf.get("model_type"))
-    if known is None:
+    """(config.json dict of the model pipe reads, the prefix its weights' names carry on disk):
+    the dict itself and "" for a text model; for a multimodal wrapper (`_TEXT_MODELS`), its
+    `text_config` named with the text architecture and taking the wrapper's keys it lacks."""
+    archs = hf.get("architectures") or []
+    wrapper = next((a for a in archs if a in _TEXT_MODELS), hf.get("model_type"))
+    if wrapper not in _TEXT_MODELS:
         return hf, ""
-    architecture, prefix = known
+    architecture, prefix, inherited = _TEXT_MODELS[wrapper]
     text = hf.get("text_config")
     if not isinstance(text, dict):
-        raise ValueError(f"config.json: a {hf.get('model_type')} config without a text_config")
+        raise ValueError(f"config.json: a {wrapper} config without a text_config")
     text = dict(text, architectures=[architecture])
-    if "quantization_config" in hf:
-        text.setdefault("quantization_config", hf["quantization_config"])
+    for key in inherited:
+        if key in hf:
+            text.setdefault(key, hf[key])
     return text, prefix
 
 
@@ -124,17 +128,8 @@ def _supported() -> str:
 
 
 def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config.json dict: `hf` itself, or a multimodal wrapper's
-    `text_config` named with its text architecture (the wrapper's tie_word_embeddings kept)."""
-    archs = hf.get("architectures") or []
-    wrapper = next((a for a in archs if a in _TEXT_OF_MULTIMODAL), None)
-    if wrapper is None or not isinstance(hf.get("text_config"), dict):
-        return hf
-    text = dict(hf["text_config"])
-    text["architectures"] = [_TEXT_OF_MULTIMODAL[wrapper]]
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return text
+    """The language model's config.json dict (`text_model`'s)."""
+    return text_model(hf)[0]
 
 
 def hf_architecture(hf: dict[str, Any]) -> str:
@@ -144,8 +139,8 @@ def hf_architecture(hf: dict[str, Any]) -> str:
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
-        if arch in _TEXT_OF_MULTIMODAL:
-            return _TEXT_OF_MULTIMODAL[arch]
+        if arch in _TEXT_MODELS:
+            return _TEXT_MODELS[arch][0]
     model_type = hf.get("model_type")
     for arch, mtype in SUPPORTED_ARCHITECTURES.items():
         if not archs and model_type == mtype:

@@ -25,11 +25,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pipeline.common.safetensors_io import SAFETENSORS_DTYPES
-from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.hf_fused_experts import layout_of, split
 from pipeline.core.model.hf_names import (
     hf_expert_piece,
-    hf_fused_gate_up,
     hf_to_pipe_name,
     is_reordered,
     mtp_name,
@@ -101,7 +100,12 @@ class HFSource:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-        hf_config, self._prefix = text_model(_json_object(config_path))
+        wrapper = _json_object(config_path)
+        text, self._prefix = text_model(wrapper)
+        # A wrapper whose text weights carry a prefix (Kimi K2.5) is read from its text model;
+        # Qwen3.5's, whose names need none, as it is: its own ids, dtype and quantization
+        # (`config_from_hf` and `hf_architecture` see its text model through it).
+        hf_config = text if self._prefix else wrapper
         self.hf_config = hf_config
         self.model_config: ModelConfig = config_from_hf(
             hf_config, ignore_sliding_window=ignore_sliding_window
@@ -111,7 +115,7 @@ class HFSource:
             "hf_architecture": hf_architecture(hf_config),
         }
         if self._prefix:  # the text model of a multimodal checkpoint
-            self.metadata["text_model_of"] = _json_object(config_path).get("model_type")
+            self.metadata["text_model_of"] = wrapper.get("model_type")
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if hf_config.get(key) is not None:
                 self.metadata[key] = hf_config[key]
@@ -155,13 +159,12 @@ class HFSource:
             self.metadata["quantization"] = self._int4.name
         self._scales: dict[str, Path] = {}  # FP8 or INT4 scales (and shapes): HF name -> file
         self._packed: dict[str, Path] = {}  # INT4 packed weights: HF name -> file
-        self._halves: dict[str, int] = {}  # our w1 / w3 read as half 0 / 1 of a fused gate_up
         self._mxfp4 = is_mxfp4(hf_config)
         if self._mxfp4:
             self.metadata["quantization"] = "MXFP4"
         # MXFP4 tensors (gpt-oss's experts): HF name -> (blocks file, scales file)
         self._mxfp4_packed: dict[str, tuple[Path, Path | None]] = {}
-        # our name -> how it is taken out of the HF tensor (gpt-oss's fused experts)
+        # our name -> how it is taken out of the HF tensor (fused experts: gpt-oss, Mistral 4)
         self._takes: dict[str, Any] = {}
 
     # -- discovery ---------------------------------------------------------------------------
@@ -244,7 +247,7 @@ class HFSource:
         """our name -> {expert index or None: (file, hf name, info)}."""
         tied = self.model_config.tie_word_embeddings
         num_layers = self.model_config.num_layers
-        self._gpt_oss_experts = self.metadata["hf_architecture"] == fused_experts.GPT_OSS
+        layout = layout_of(self.metadata["hf_architecture"])
         pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]] = {}
         skipped: dict[str, int] = {}
         for path in files:
@@ -266,8 +269,9 @@ class HFSource:
                     continue
                 if self._fp8 is not None and self._fp8.is_ignored(hf_name):
                     continue
-                if self._gpt_oss_experts and fused_experts.split(hf_name) is not None:
-                    self._add_gpt_oss_experts(pieces, path, hf_name, info)
+                fused = split(hf_name, layout)
+                if fused is not None:  # one tensor, read as the parts of ours it holds
+                    self._add_fused(pieces, fused, path, disk_name, info)
                     continue
                 if self._int4 is not None and self._int4.is_aux(hf_name):
                     self._scales[disk_name] = path
@@ -276,10 +280,6 @@ class HFSource:
                     info = self._packed_info(path, disk_name)
                     hf_name = self._int4.weight_name(hf_name)
                     disk_name = self._int4.weight_name(disk_name)
-                halves = hf_fused_gate_up(hf_name)
-                if halves is not None:  # one tensor, read as our w1 and w3 halves
-                    self._add_halves(pieces, halves, path, disk_name, info)
-                    continue
                 expert = hf_expert_piece(hf_name)
                 if expert is not None:
                     name, index = expert
@@ -297,28 +297,17 @@ class HFSource:
             log.warning("%s: skipping %s; pipe reads the language model", self.directory, counts)
         return pieces
 
-    def _add_gpt_oss_experts(
-        self, pieces: dict, path: Path, hf_name: str, info: TensorInfo
+    def _add_fused(
+        self, pieces: dict, fused: list, path: Path, disk_name: str, info: TensorInfo
     ) -> None:
-        """gpt-oss's fused expert tensor `hf_name`, listed as the parts of ours it holds."""
-        for name, take in fused_experts.split(hf_name):
-            meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
-            self._takes[name] = take
-            pieces.setdefault(name, {})[None] = (
-                path,
-                hf_name,
-                TensorInfo(tuple(take(meta).shape), info.dtype),
-            )
-
-    def _add_halves(
-        self, pieces: dict, halves: tuple[str, str], path: Path, disk_name: str, info: TensorInfo
-    ) -> None:
-        """A fused gate_up tensor (Mistral 4), listed as our w1 and w3, its two halves."""
-        half = TensorInfo((info.shape[0], info.shape[1] // 2, *info.shape[2:]), info.dtype)
-        for which, name in enumerate(halves):
+        """A fused expert tensor (gpt-oss's, Mistral 4's gate_up), listed as the parts of ours
+        it holds (`split`'s)."""
+        meta = torch.empty(info.shape, dtype=info.dtype, device="meta")
+        for name, take in fused:
             name = mtp_name(name, self.model_config.num_layers)
-            self._halves[name] = which
-            pieces.setdefault(name, {})[None] = (path, disk_name, half)
+            self._takes[name] = take
+            part = TensorInfo(tuple(take(meta).shape), info.dtype)
+            pieces.setdefault(name, {})[None] = (path, disk_name, part)
 
     def _assemble(self, pieces: dict[str, dict[int | None, tuple[Path, str, TensorInfo]]]) -> None:
         moe = self.model_config.moe
@@ -411,8 +400,6 @@ class HFSource:
                 parts.append(self._dequantized_int4(packed_name))
                 continue
             t = self._tensor(path, hf_name)
-            if name in self._halves:
-                t = t.chunk(2, dim=1)[self._halves[name]].contiguous()
             if is_fp8(t.dtype) and self._fp8 is not None:
                 scale_name = self._fp8.scale_name(hf_name)
                 scale = self._tensor(self._scales[scale_name], scale_name)

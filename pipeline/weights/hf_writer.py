@@ -33,7 +33,6 @@ from pipeline.common.safetensors_io import (
     tensor_bytes,
     write_safetensors_header,
 )
-from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.hf_names import (
     MTP_SHARED_COPIES,
     as_layer_name,
@@ -42,7 +41,7 @@ from pipeline.core.model.hf_names import (
     pipe_to_hf_names,
     reorder_to_hf,
 )
-from pipeline.weights.fused_experts import fused_view
+from pipeline.weights.fused_experts import HF_NAMED, fused_view
 from pipeline.weights.fused_qkv import with_fused_qkv
 from pipeline.weights.hf_config import choose_architecture, config_to_hf, generation_config
 from pipeline.weights.source import TensorInfo, TensorSource
@@ -103,62 +102,15 @@ class HFShard:
         return [p for g in self.groups for p in g]
 
 
-_FUSED = "hf:"  # the name prefix of a tensor `FusedView` makes from several of ours
-
-
-class FusedView:
-    """`source` as gpt-oss's files hold it: our expert and router tensors of each layer become
-    their fused tensors (`pipeline.core.model.hf_fused_experts`), listed as `hf:<their name>`
-    where the first of their parts was; every other tensor is passed through."""
-
-    def __init__(self, source: TensorSource) -> None:
-        self.source = source
-        self.model_config = source.model_config
-        self.metadata = source.metadata
-        self._parts: dict[str, list[str]] = {}
-        self._infos: dict[str, TensorInfo] = {}
-        infos = source.tensors()
-        for name, info in infos.items():
-            fused = fused_experts.fused_hf_name(name)
-            if fused is None:
-                self._infos[name] = info
-                continue
-            hf_name, parts = fused
-            key = _FUSED + hf_name
-            if key in self._infos:
-                continue
-            missing = [p for p in parts if p not in infos]
-            if missing:
-                raise ValueError(f"{hf_name} needs {', '.join(missing)}, which the source lacks")
-            metas = [torch.empty(infos[p].shape, dtype=info.dtype, device="meta") for p in parts]
-            shape = tuple(fused_experts.fuse(hf_name, metas).shape)
-            self._parts[key] = parts
-            self._infos[key] = TensorInfo(shape, info.dtype)
-
-    def tensors(self) -> dict[str, TensorInfo]:
-        return dict(self._infos)
-
-    def read(self, name: str) -> torch.Tensor:
-        if name not in self._parts:
-            return self.source.read(name)
-        parts = [self.source.read(part) for part in self._parts[name]]
-        return fused_experts.fuse(name.removeprefix(_FUSED), parts)
-
-
 def _out_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
 
 
 def as_written(source: TensorSource) -> TensorSource:
     """`source` as the files of its architecture lay it out: BLOOM's and MPT's fused q/k/v,
-    gpt-oss's fused experts (`FusedView`), expert stacks joined where the architecture stores
-    them fused (Mistral 4, `pipeline.weights.fused_experts`). Applying it twice changes
-    nothing."""
-    if isinstance(source, FusedView):
-        return source
+    gpt-oss's and Mistral 4's fused experts (`pipeline.weights.fused_experts`). Applying it
+    twice changes nothing."""
     architecture = choose_architecture(source.model_config, source.metadata.get("hf_architecture"))
-    if architecture == fused_experts.GPT_OSS:
-        return FusedView(source)
     return fused_view(with_fused_qkv(source, architecture), architecture)
 
 
@@ -180,8 +132,8 @@ def _groups(source: TensorSource, dtype: torch.dtype | None) -> list[list[HFPiec
         out = info.dtype if name.endswith(".moe.expert_bias") else _out_dtype(info, dtype)
         if out not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: dtype {out} has no safetensors encoding")
-        if name.startswith(_FUSED):
-            hf_names = [name.removeprefix(_FUSED)]
+        if name.startswith(HF_NAMED):
+            hf_names = [name.removeprefix(HF_NAMED)]
         else:
             hf_names = pipe_to_hf_names(as_layer_name(name), num_experts, architecture, linear)
         if len(hf_names) == 1:

@@ -20,8 +20,14 @@ import re
 
 import torch
 
-from pipeline.core.model import hf_fused_experts as fused_experts
 from pipeline.core.model.config import ModelConfig
+from pipeline.core.model.hf_fused_experts import (
+    FUSED_EXPERTS,
+    FUSED_GATE_UP,
+    HALVES,
+    INTERLEAVED,
+    split,
+)
 from pipeline.core.model.linear_attention import grouped_channel_order
 
 # (HF template, our template): {i} is the layer index, {p} is `weight` or `bias`. For our -> HF
@@ -177,8 +183,6 @@ _PIPE_TO_HF = [(_regex(ours), hf) for hf, ours in _NAME_PAIRS]
 _FAMILY_PIPE_TO_HF = {
     arch: [(_regex(ours), hf) for hf, ours in pairs] for arch, pairs in _FAMILY_PAIRS.items()
 }
-# transformers >= 5 fuses gate and up in memory: gate_up_proj [E, 2 * ffn, hidden].
-_GATE_UP = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj")
 # On disk, each expert's matrices are separate tensors; ours stack them as [E, ...].
 # Per architecture: (module holding router and experts, expert tensor name of our w1, w3, w2).
 _EXPERT_SPELLINGS: dict[str, tuple[str, dict[str, str]]] = {
@@ -210,23 +214,7 @@ _PIPE_EXPERT_BIAS = re.compile(r"layers\.(\d+)\.moe\.expert_bias")
 _BIAS_ON_BLOCK = ("MiniMaxM2ForCausalLM",)
 
 
-# Architectures whose experts are stored as transformers >= 5 holds them (Mistral 4): one
-# `mlp.experts.gate_up_proj` [E, 2 * ffn, hidden] (gate rows, then up rows, per expert) and one
-# `mlp.experts.down_proj` [E, hidden, ffn] a layer; no per-expert spelling exists for them.
-FUSED_EXPERTS = ("Mistral4ForCausalLM",)
-# Our name of the [E, 2 * ffn, hidden] stack of w1 and w3 that such a layer is written from.
-FUSED_GATE_UP = "w13"
 _PIPE_FUSED = re.compile(r"layers\.(\d+)\.moe\.experts\.(w13|w2)")
-
-
-def hf_fused_gate_up(hf_name: str) -> tuple[str, str] | None:
-    """(our w1, our w3 name) for a fused `model.layers.{i}.mlp.experts.gate_up_proj`
-    (their halves along dim 1), else None."""
-    m = _GATE_UP.fullmatch(hf_name)
-    if m is None:
-        return None
-    return f"layers.{m.group(1)}.moe.experts.w1", f"layers.{m.group(1)}.moe.experts.w3"
-
 
 _PIPE_LINEAR_OUT = re.compile(r"layers\.(\d+)\.attention\.wo\.weight")
 
@@ -315,22 +303,17 @@ def from_hf_state_dict(
     hf_state: dict[str, torch.Tensor], config: ModelConfig | None = None
 ) -> dict[str, torch.Tensor]:
     """Rename (and split fused expert gate/up) an in-memory Hugging Face state dict into ours
-    (gpt-oss's interleaved experts: `pipeline.core.model.hf_fused_experts`); linear attention's
-    conv channels and q/k/v rows are reordered (`reorder_from_hf`), which needs the model's
-    `config`."""
+    (`pipeline.core.model.hf_fused_experts`: gpt-oss's interleaved, others' halves); linear
+    attention's conv channels and q/k/v rows are reordered (`reorder_from_hf`), which needs the
+    model's `config`."""
     out: dict[str, torch.Tensor] = {}
     # Qwen3-MoE's in-memory experts share gpt-oss's names; only gpt-oss has `mlp.router`.
     gpt_oss = any(name.endswith(".mlp.router.weight") for name in hf_state)
+    layout = INTERLEAVED if gpt_oss else HALVES
     for name, tensor in hf_state.items():
-        pieces = fused_experts.split(name) if gpt_oss else None
+        pieces = split(name, layout)
         if pieces is not None:
             out |= {ours: take(tensor) for ours, take in pieces}
-            continue
-        m = _GATE_UP.fullmatch(name)
-        if m:
-            gate, up = tensor.chunk(2, dim=1)
-            out[f"layers.{m.group(1)}.moe.experts.w1"] = gate
-            out[f"layers.{m.group(1)}.moe.experts.w3"] = up
         else:
             ours = hf_to_pipe_name(name)
             out[ours] = reorder_from_hf(ours, tensor, config)
