@@ -1,10 +1,13 @@
 """The trainer's token log-probabilities for GRPO, computed as the rollout engine computes its
 own where the output layer is whole on this rank: a chunk of logits at a time, each through
 `log_softmax`, the same kernel the engine samples behind (`pipeline.serve.engine.sampling`).
-With the same hidden states (fp32, one device: the engine's cached decoding and the training
-pass agree to the bit) the two log-probabilities are then equal, and the rollout/trainer
-mismatch is exactly 0 (`correction`). A vocabulary-parallel output layer (tensor parallelism)
-takes `tp_token_logprobs`, which combines the shards' partial sums."""
+Given the same hidden states the two log-probabilities are then equal (`log_softmax` gives a row
+the same result whatever the rows around it). The hidden states themselves are not the same to
+the bit: in fp32 on one device the engine's cached decoding and the training pass run attention
+(one query over the cache against a causal pass over the sequence) and, with fewer than four
+rows, GEMMs through other kernels, so the mismatch there is rounding (docs/rl.md), not 0. A
+vocabulary-parallel output layer (tensor parallelism) takes `tp_token_logprobs`, which combines
+the shards' partial sums."""
 
 from __future__ import annotations
 
