@@ -230,3 +230,16 @@ def test_fp32_rollouts_on_the_trainers_shapes_agree_to_the_bit(tmp_path, task): 
         assert same[step]["sampling/sampling_logp_difference/max"] == 0.0
         assert same[step]["sampling/kl"] == 0.0
     assert max(own[step]["sampling/sampling_logp_difference/max"] for step in (1, 2, 3)) > 0
+
+
+def test_trainer_shapes_setting_and_its_refusals(tmp_path, task):  # noqa: F811
+    from pipeline.train.assembly.run_config import resolve_config
+    from pipeline.train.config.schema import ConfigError
+
+    sets = grpo_sets(tmp_path, task)
+    assert resolve_config(None, sets).grpo.rollout_trainer_shapes == "auto"
+    with pytest.raises(ConfigError, match="rollout_trainer_shapes"):
+        resolve_config(None, [*sets, "grpo.rollout_trainer_shapes=yes"])
+    remote = [*sets, "grpo.rollout_server=http://127.0.0.1:1"]
+    with pytest.raises(ConfigError, match="rollout_trainer_shapes = on has no effect"):
+        resolve_config(None, [*remote, "grpo.rollout_trainer_shapes=on"])

@@ -2,10 +2,11 @@
 own where the output layer is whole on this rank: a chunk of logits at a time, each through
 `log_softmax`, the same kernel the engine samples behind (`pipeline.serve.engine.sampling`).
 Given the same hidden states the two log-probabilities are then equal (`log_softmax` gives a row
-the same result whatever the rows around it). The hidden states themselves are not the same to
-the bit: in fp32 on one device the engine's cached decoding and the training pass run attention
-(one query over the cache against a causal pass over the sequence) and, with fewer than four
-rows, GEMMs through other kernels, so the mismatch there is rounding (docs/rl.md), not 0. A
+the same result whatever the rows around it). On its own shapes the engine's
+hidden states are not the training pass's to the bit (attention of one query over the cache
+against a causal pass over the row, and GEMMs of fewer than four rows, run other kernels), so
+where it runs on the fp32 policy itself on a CPU it decodes on the training pass's shapes
+(`invariant`) and the mismatch is 0; elsewhere it is fp32 rounding or more (docs/rl.md). A
 vocabulary-parallel output layer (tensor parallelism) takes `tp_token_logprobs`, which combines
 the shards' partial sums."""
 
