@@ -18,6 +18,10 @@ kernels in a loop bound by kernel launches; the first GPU run measured rollouts 
 0.85x the engine alone), while the copy is cast once per step, when refreshed, and its KV cache
 is bf16: half the bytes.
 
+In fp32 with the engine on the policy itself on a CPU the decoding runs on the training pass's
+shapes (`invariant`, `grpo.rollout_trainer_shapes`): the engine samples from the logits the
+training pass computes, bit for bit, and its log-probabilities are the trainer's.
+
 Sampling is reproducible whatever the layout: completion `g` of the prompt at global sample
 index `s` draws from its own generator, seeded by (training.seed, s, g) (`completion_seed`). A
 step's rollouts are thus a function of the weights and the samples alone: one process, tensor
