@@ -217,3 +217,29 @@ def test_fp32_in_the_trainer_agrees_to_rounding_and_bf16_is_corrected(tmp_path, 
         low = bf16[step]["sampling/importance_sampling_ratio/min"]
         assert 0 < low <= bf16[step]["sampling/importance_sampling_ratio/mean"]
         assert bf16[step]["sampling/importance_sampling_ratio/max"] < 3.0
+
+
+def test_fp32_rollouts_on_the_trainers_shapes_agree_to_the_bit(tmp_path, task):  # noqa: F811
+    # fp32, the engine on the policy itself on a CPU: with the rollouts decoded on the training
+    # pass's shapes (the default there) the engine's log-probabilities, from its own cached
+    # decoding, are the trainer's bit for bit; on the engine's own shapes they are not
+    _train(grpo_sets(tmp_path / "same", task))
+    _train(grpo_sets(tmp_path / "own", task, "grpo.rollout_trainer_shapes=off"))
+    same, own = records(tmp_path / "same"), records(tmp_path / "own")
+    for step in (1, 2, 3):
+        assert same[step]["sampling/sampling_logp_difference/max"] == 0.0
+        assert same[step]["sampling/kl"] == 0.0
+    assert max(own[step]["sampling/sampling_logp_difference/max"] for step in (1, 2, 3)) > 0
+
+
+def test_trainer_shapes_setting_and_its_refusals(tmp_path, task):  # noqa: F811
+    from pipeline.train.assembly.run_config import resolve_config
+    from pipeline.train.config.schema import ConfigError
+
+    sets = grpo_sets(tmp_path, task)
+    assert resolve_config(None, sets).grpo.rollout_trainer_shapes == "auto"
+    with pytest.raises(ConfigError, match="rollout_trainer_shapes"):
+        resolve_config(None, [*sets, "grpo.rollout_trainer_shapes=yes"])
+    remote = [*sets, "grpo.rollout_server=http://127.0.0.1:1"]
+    with pytest.raises(ConfigError, match="rollout_trainer_shapes = on has no effect"):
+        resolve_config(None, [*remote, "grpo.rollout_trainer_shapes=on"])

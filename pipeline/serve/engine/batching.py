@@ -33,13 +33,15 @@ def forward_rows(
     rows: Rows,
     adapters: LoRASlots | None = None,
     decoder: StaticDecoder | None = None,
+    pack: bool = True,
 ) -> tuple[torch.Tensor, list[int], dict[int, list[TokenLogprobs]]]:
     """Run `rows` through the model, writing their keys and values to `cache`. Returns the float
     logits `[ready, vocab]` of the rows whose prompt is done after this step (they sample a
     token), those rows' indices, and the prompt log-probabilities of the rows that ask, by row
     index. Decode rows (each with one token left to run, so every one samples and none has a
     prompt token left to score) go through `decoder` when given; a one-token prompt chunk
-    (`prefill_chunk=1`) has more to run, so it never does."""
+    (`prefill_chunk=1`) has more to run, so it never does. `pack`: decode rows of a group may
+    be packed into one batch row (`batch_of`)."""
     if decoder is not None and all(
         r.computed + n == len(r.tokens) == r.computed + 1 for r, n in rows
     ):
@@ -48,7 +50,7 @@ def forward_rows(
             list(range(len(rows))),
             {},
         )
-    batch, where = batch_of(rows, cache, cache.pools[0][0].device)
+    batch, where = batch_of(rows, cache, cache.pools[0][0].device, pack)
     if adapters is not None:
         adapters.select(
             batch_row_slots(
@@ -86,10 +88,12 @@ def prompt_logprobs(
     return found
 
 
-def batch_of(rows: Rows, cache: BlockKVCache, device: torch.device) -> tuple[CachedBatch, tuple]:
+def batch_of(
+    rows: Rows, cache: BlockKVCache, device: torch.device, pack: bool = True
+) -> tuple[CachedBatch, tuple]:
     """The batch of `rows` and where each row's last new token is in it: one row each, or
-    decode rows of a group packed (`pipeline.serve.engine.packing`)."""
-    if all(n == 1 for _, n in rows) and cache.states is None:  # a state is per sequence
+    (with `pack`) decode rows of a group packed (`pipeline.serve.engine.packing`)."""
+    if pack and all(n == 1 for _, n in rows) and cache.states is None:  # state: per sequence
         packed = packed_decode_batch(
             [r for r, _ in rows], cache.block_size, cache.scratch_slot, device
         )

@@ -120,6 +120,9 @@ class Engine:
         self.prompt_tokens_computed = 0  # prompt positions run through the model, so far
         self.prompt_tokens_cached = 0  # prompt positions read from another request's cache
         self.adapters = None  # `LoRASlots` when the engine serves adapters by name
+        # decode rows of a group packed into one batch row (`packing`); off where each row's
+        # keys must be its own, in order (GRPO's trainer-shaped rollouts, `grpo.invariant`)
+        self.pack_decode = True
         self.decoder = static_decoder(
             model,
             self.cache,
@@ -242,7 +245,7 @@ class Engine:
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
         logits, ready, prompt_logprobs = forward_rows(
-            self.model, self.cache, rows, self.adapters, self.decoder
+            self.model, self.cache, rows, self.adapters, self.decoder, self.pack_decode
         )
         sampled = [rows[i][0] for i in ready]
         if self.grammars is not None:

@@ -69,6 +69,11 @@ def _grpo_problems(cfg: TrainConfig) -> list[str]:
             f"grpo.rollout_cuda_graphs = {g.rollout_cuda_graphs} has no effect with "
             "grpo.rollout_server: start the server with --cuda-graphs or --no-cuda-graphs"
         )
+    if g.rollout_server and g.rollout_trainer_shapes == "on":
+        problems.append(
+            "grpo.rollout_trainer_shapes = on has no effect with grpo.rollout_server (another "
+            "process decodes): leave it auto"
+        )
     return problems
 
 

@@ -1,10 +1,14 @@
 """The trainer's token log-probabilities for GRPO, computed as the rollout engine computes its
 own where the output layer is whole on this rank: a chunk of logits at a time, each through
 `log_softmax`, the same kernel the engine samples behind (`pipeline.serve.engine.sampling`).
-With the same hidden states (fp32, one device: the engine's cached decoding and the training
-pass agree to the bit) the two log-probabilities are then equal, and the rollout/trainer
-mismatch is exactly 0 (`correction`). A vocabulary-parallel output layer (tensor parallelism)
-takes `tp_token_logprobs`, which combines the shards' partial sums."""
+Given the same hidden states the two log-probabilities are then equal (`log_softmax` gives a row
+the same result whatever the rows around it). On its own shapes the engine's
+hidden states are not the training pass's to the bit (attention of one query over the cache
+against a causal pass over the row, and GEMMs of fewer than four rows, run other kernels), so
+where it runs on the fp32 policy itself on a CPU it decodes on the training pass's shapes
+(`invariant`) and the mismatch is 0; elsewhere it is fp32 rounding or more (docs/rl.md). A
+vocabulary-parallel output layer (tensor parallelism) takes `tp_token_logprobs`, which combines
+the shards' partial sums."""
 
 from __future__ import annotations
 

@@ -18,6 +18,10 @@ kernels in a loop bound by kernel launches; the first GPU run measured rollouts 
 0.85x the engine alone), while the copy is cast once per step, when refreshed, and its KV cache
 is bf16: half the bytes.
 
+In fp32 with the engine on the policy itself on a CPU the decoding runs on the training pass's
+shapes (`invariant`, `grpo.rollout_trainer_shapes`): the engine samples from the logits the
+training pass computes, bit for bit, and its log-probabilities are the trainer's.
+
 Sampling is reproducible whatever the layout: completion `g` of the prompt at global sample
 index `s` draws from its own generator, seeded by (training.seed, s, g) (`completion_seed`). A
 step's rollouts are thus a function of the weights and the samples alone: one process, tensor
@@ -27,6 +31,7 @@ would have (the sampling state is the iteration, which the checkpoint holds).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +42,7 @@ import torch
 
 from pipeline.train.objectives.base import evaluation_mode
 from pipeline.train.objectives.grpo import ROLLOUT_BLOCK
+from pipeline.train.objectives.grpo.invariant import trainer_shapes
 
 __all__ = ["Rollouts", "RolloutModel", "completion_seed", "named_full_tensors", "rollout_rows"]
 
@@ -83,6 +89,13 @@ class RolloutModel:
         self.shared = self.dtype == torch.float32 and _is_plain(policy)
         self.module = policy if self.shared else _plain_copy(policy, cfg, device, self.dtype)
         self.cuda_graphs = {"auto": None, "on": True, "off": False}[cfg.grpo.rollout_cuda_graphs]
+        shapes = cfg.grpo.rollout_trainer_shapes
+        # the training rows' length: the keys every attention call over the cache is padded to
+        self.trainer_shapes = (
+            cfg.data.seq_length
+            if shapes == "on" or (shapes == "auto" and self.shared and device.type == "cpu")
+            else None
+        )
         self.engine: Any = None
 
     @torch.no_grad()
@@ -113,7 +126,11 @@ class RolloutModel:
         groups = [engine.add_group(list(p), group) for p, group in zip(prompts, params)]
         rows = [request for group in groups for request in group]
         logprobs: dict[int, list[float]] = {id(r): [] for r in rows}
-        with evaluation_mode(self.module), torch.autocast(self.device.type, enabled=False):
+        with (
+            evaluation_mode(self.module),
+            torch.autocast(self.device.type, enabled=False),
+            self._shapes(),
+        ):
             for event in engine.run():
                 if event.logprobs is not None:
                     logprobs[id(event.request)].append(event.logprobs.token_logprob)
@@ -127,6 +144,12 @@ class RolloutModel:
             prompt_tokens_cached=engine.prompt_tokens_cached - cached,
             logprobs=[logprobs[id(r)] for r in rows] if rows[0].params.logprobs is not None else [],
         )
+
+    def _shapes(self) -> Any:
+        """The training pass's shapes for the decoding (`invariant`), when they are asked."""
+        if self.trainer_shapes is None:
+            return contextlib.nullcontext()
+        return trainer_shapes(self.module, self.trainer_shapes)
 
     def _engine(self, prompts: Sequence[list[int]], group: int, max_new: int) -> Any:
         """An engine big enough for every completion of `prompts` at once (kept while it is)."""
@@ -146,6 +169,7 @@ class RolloutModel:
                 max_waiting=rows,
                 cuda_graphs=self.cuda_graphs,
             )
+            self.engine.pack_decode = self.trainer_shapes is None  # each row's keys in order
         return self.engine
 
 
