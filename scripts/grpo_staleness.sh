@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GRPO walk-through's task with the rollouts on a `pipe serve` (docs/rl.md, "Rollouts ahead
-# of training"): for each seed, the example task and the SFT start, then the same GRPO run twice
-# against a server started on the SFT weights, synchronous (`grpo.max_staleness=0`) and one batch
-# ahead (`max_staleness=1`), and a line per seed with both runs' final held-out accuracy, their
-# gap and their wall times.
+# The GRPO walk-through's task with the rollouts on a `pipe serve`
+# (docs/rl.md, "Rollouts ahead of training"): for each seed, the example task and the SFT
+# start, then the same GRPO run twice against a server started on the SFT weights, synchronous
+# (`grpo.max_staleness=0`) and one batch ahead (`max_staleness=1`), and a line per seed with
+# both runs' final held-out accuracy, their gap and their wall times.
 #
 #   bash scripts/grpo_staleness.sh [SEED ...]          (default: 0; runs under runs/grpo-staleness)
 set -euo pipefail
