@@ -93,7 +93,7 @@ class RolloutModel:
         # the training rows' length: the keys every attention call over the cache is padded to
         self.trainer_shapes = (
             cfg.data.seq_length
-            if shapes == "on" or (shapes == "auto" and self.shared and device.type == "cpu")
+            if shapes == "on" or (shapes == "auto" and self.shared and _one_cpu_thread(device))
             else None
         )
         self.engine: Any = None
@@ -203,6 +203,12 @@ def rollout_rows(
     if rollouts.logprobs:
         rows["engine_logps"] = engine.to(device)
     return rows
+
+
+def _one_cpu_thread(device: torch.device) -> bool:
+    """A CPU run on one thread: the only setting where torch's products give a row the same bits
+    from four rows up (with more threads the rows are split among them by the shape)."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
 
 
 def _is_plain(model: torch.nn.Module) -> bool:

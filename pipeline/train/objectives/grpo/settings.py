@@ -144,7 +144,8 @@ class GRPOSection:
     """Decode the rollouts on the training pass's shapes (`grpo.invariant`: GEMMs of at least
     four rows, attention over the training rows' length), so that the engine's log-probabilities
     equal the trainer's to the bit; auto: on where that holds, the engine running on the fp32
-    policy itself on a CPU. Off: the engine's own shapes (fp32 rounding apart)."""
+    policy itself on a CPU with one thread (more threads split a product's rows by its shape).
+    Off: the engine's own shapes (fp32 rounding apart)."""
     rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
     (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a
