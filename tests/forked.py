@@ -10,7 +10,9 @@ environment and working directory as they are at that moment, as a spawned one w
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,20 @@ from typing import Any
 import torch.multiprocessing as mp
 
 # Imported once by the fork server rather than by every process.
-PRELOAD = ["torch", "torch.distributed", "pipeline.train.loop.trainer", "tests.builders"]
+# `pipe serve`'s front end (tests/serve/test_server.py's `Server`) is forked too; without
+# fastapi its modules are skipped (the fork server passes over a preload that cannot import).
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "pipeline.train.loop.trainer",
+    "tests.builders",
+    "pipeline.cli",
+    "fastapi",
+    "uvicorn",
+    "pipeline.serve.http.server",
+    "pipeline.serve.http.startup",
+    "pipeline.serve.http.tool_calls",
+]
 
 
 def fork_server() -> Any:
@@ -44,13 +59,13 @@ def take_parent_state(environ: dict[str, str], cwd: str) -> None:
     os.chdir(cwd)
 
 
-def _run_code(code: str, args: tuple[str, ...], parent: tuple, log: str) -> None:
-    """Run `code` as `python -c code *args` would, stdout and stderr into `log`."""
+def _run_code(code: str, args: tuple[str, ...], parent: tuple, log: str, errors: str) -> None:
+    """Run `code` as `python -c code *args` would, stdout into `log` and stderr into `errors`."""
     take_parent_state(*parent)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for target, path in ((1, log), (2, errors)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, target)
+        os.close(fd)
     sys.argv = ["-c", *args]
     exec(compile(code, "<run_forked>", "exec"), {"__name__": "__main__"})
     sys.stdout.flush()
@@ -59,15 +74,24 @@ def _run_code(code: str, args: tuple[str, ...], parent: tuple, log: str) -> None
 
 class ForkedRun:
     """A process running Python code, forked from the fork server, with the part of the
-    `subprocess.Popen` surface the tests use: `poll`, `send_signal`, `kill`, `communicate`,
-    `returncode` and `stdout` (its output so far; stderr goes there too)."""
+    `subprocess.Popen` surface the tests use: `poll`, `send_signal`, `terminate`, `kill`,
+    `wait`, `communicate`, `returncode` and `stdout` (its output so far; stderr goes there too
+    unless `stderr` names a file of its own, which is then appended to)."""
 
-    def __init__(self, code: str, args: tuple[str, ...], cwd: Path, env: dict[str, str]):
+    def __init__(
+        self,
+        code: str,
+        args: tuple[str, ...],
+        cwd: Path,
+        env: dict[str, str],
+        stderr: Path | None = None,
+    ):
         handle, self._log = tempfile.mkstemp(prefix="forked-", suffix=".log")
         os.close(handle)
         self.stdout = open(self._log, encoding="utf-8", errors="replace")  # noqa: SIM115
+        errors = self._log if stderr is None else str(stderr)
         self._process = fork_server().Process(
-            target=_run_code, args=(code, args, (env, str(cwd)), self._log)
+            target=_run_code, args=(code, args, (env, str(cwd)), self._log, errors)
         )
         self._process.start()
         self.pid = self._process.pid
@@ -84,8 +108,24 @@ class ForkedRun:
         if self._process.exitcode is None:
             os.kill(self.pid, signum)
 
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         self._process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status once ended (TimeoutExpired after `timeout` s), as Popen's `wait`."""
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired("run_forked", timeout)
+        return self._process.exitcode
+
+    def discard_output(self) -> None:
+        """Close and remove the file of its output (a run whose output nobody reads)."""
+        self.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._log)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, None]:
         """Wait for the end (TimeoutExpired after `timeout` s); return (all the output, None)."""
@@ -98,7 +138,10 @@ class ForkedRun:
         return output, None
 
 
-def run_forked(code: str, *args: str, cwd: Path, env: dict[str, str]) -> ForkedRun:
+def run_forked(
+    code: str, *args: str, cwd: Path, env: dict[str, str], stderr: Path | None = None
+) -> ForkedRun:
     """`python -c code *args` in `cwd` under `env`, forked from the fork server: pipe's training
-    modules already imported (not for a test of what a fresh interpreter imports)."""
-    return ForkedRun(textwrap.dedent(code), args, cwd, env)
+    modules already imported (not for a test of what a fresh interpreter imports); stderr into
+    the file `stderr` when given, else with stdout."""
+    return ForkedRun(textwrap.dedent(code), args, cwd, env, stderr)

@@ -96,11 +96,20 @@ def _hf_greedy(hf, prompt: list[int], eos: frozenset[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+# transformers' text continuations by (model directory, prompt): the `pipe generate` and the
+# `pipe serve` checks of a family compare against the same ones, so each is generated once.
+_HF_TEXTS: dict[tuple[Path, str], str] = {}
+
+
 def _hf_text(hf, directory: Path, prompt: str) -> str:
-    tokenizer = load_tokenizer(directory)
-    ids = tokenizer.encode_batch([prompt])[0]
-    new = _hf_greedy(hf, ids, open_generator(directory).eos_ids)
-    return tokenizer.decode([t for t in new if t not in open_generator(directory).eos_ids])
+    """transformers' greedy continuation of the text `prompt`, decoded without the end ids."""
+    key = (directory, prompt)
+    if key not in _HF_TEXTS:
+        tokenizer = load_tokenizer(directory)
+        eos = open_generator(directory).eos_ids
+        new = _hf_greedy(hf, tokenizer.encode_batch([prompt])[0], eos)
+        _HF_TEXTS[key] = tokenizer.decode([t for t in new if t not in eos])
+    return _HF_TEXTS[key]
 
 
 def test_engine_greedy_equals_transformers(family) -> None:

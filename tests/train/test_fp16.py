@@ -179,16 +179,26 @@ def _fp16_layout_worker(rank: int, world_size: int, tmp: Path, layouts: list) ->
     }
 
 
+@pytest.fixture(scope="module")
+def fp16_reference(tmp_path_factory) -> dict:
+    """Each recipe of FP16_LAYOUTS trained in one process (step 2 overflowing), once for both
+    world sizes."""
+    tmp = tmp_path_factory.mktemp("fp16_single")
+    recipes = sorted({recipe for layouts in FP16_LAYOUTS.values() for recipe, _, _ in layouts})
+    with pytest.MonkeyPatch.context() as patch:
+        force_overflow(2, patch.setattr)
+        return {r: _fp16_run(r, tmp / f"single_{r}") for r in recipes}
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_fp16_layouts_equal_one_process(tmp_path: Path, world_size: int) -> None:
+def test_fp16_layouts_equal_one_process(
+    tmp_path: Path, fp16_reference: dict, world_size: int
+) -> None:
     from tests.distributed import run_distributed
 
     layouts = FP16_LAYOUTS[world_size]
-    recipes = sorted({recipe for recipe, _, _ in layouts})
-    with pytest.MonkeyPatch.context() as patch:
-        force_overflow(2, patch.setattr)
-        reference = {r: _fp16_run(r, tmp_path / f"single_{r}") for r in recipes}
+    reference = {recipe: fp16_reference[recipe] for recipe, _, _ in layouts}
     for ref in reference.values():  # 4096, 2048 (the overflow), 2048, 4096, 4096, 8192
         assert (ref["skipped"], ref["scale"]) == (1, 8192.0)
     per_rank = run_distributed(_fp16_layout_worker, world_size, tmp_path / "runs", layouts)

@@ -32,16 +32,22 @@ def broken(prompts, completions, **kwargs):
 """
 
 
+def write_task(directory: Path, tokenizer_dir: Path) -> dict:
+    """The prompts (a held-out tenth), the tokenizer and the reward module of a micro run, the
+    prompts and the rewards written in `directory`."""
+    prompts = [{"prompt": f"line {i}: value=", "answer": str(i * 7)} for i in range(40)]
+    (directory / "rewards.py").write_text(REWARDS)
+    return {
+        "prompts": write_jsonl(directory / "prompts.jsonl", prompts),
+        "tokenizer": tokenizer_dir,
+        "reward": f"{directory / 'rewards.py'}:digits",
+    }
+
+
 @pytest.fixture
 def task(tmp_path: Path, tiny_tokenizer_dir: Path) -> dict:
     """The prompts (a held-out tenth), the tokenizer and the reward module of a micro run."""
-    prompts = [{"prompt": f"line {i}: value=", "answer": str(i * 7)} for i in range(40)]
-    (tmp_path / "rewards.py").write_text(REWARDS)
-    return {
-        "prompts": write_jsonl(tmp_path / "prompts.jsonl", prompts),
-        "tokenizer": tiny_tokenizer_dir,
-        "reward": f"{tmp_path / 'rewards.py'}:digits",
-    }
+    return write_task(tmp_path, tiny_tokenizer_dir)
 
 
 def grpo_sets(run_dir: Path, task: dict, *extra: str) -> list[str]:
@@ -86,10 +92,10 @@ def _train(sets: list[str]):
     return Trainer(resolve_config(None, sets), console=False).train()
 
 
-def test_a_step_has_rollouts_rewards_and_a_gradient(tmp_path: Path, task: dict) -> None:
-    result = _train(grpo_sets(tmp_path / "run", task))
+def test_a_step_has_rollouts_rewards_and_a_gradient(grpo_default_run) -> None:
+    result, run = grpo_default_run
     assert result.stop_reason == "finished"
-    train, valid = records(tmp_path / "run"), records(tmp_path / "run", "valid")
+    train, valid = records(run), records(run, "valid")
     for step in (1, 2, 3):
         figures = train[step]
         assert figures["grad_norm"] > 0

@@ -27,9 +27,8 @@ from tests.serve.test_server import Server  # noqa: E402
 FIGURES = ("reward/mean", "rewards/digits/std", "completions/mean_length", "entropy", "loss")
 
 
-def test_ahead_and_two_servers_one_dead(tmp_path: Path, task: dict, caplog) -> None:  # noqa: F811
-    _train(grpo_sets(tmp_path / "start", task, "checkpoint.save_hf=final", "training.iters=1"))
-    (start,) = (tmp_path / "start" / "checkpoints" / "hf").iterdir()
+def test_ahead_and_two_servers_one_dead(tmp_path: Path, task: dict, grpo_start, caplog) -> None:  # noqa: F811
+    start = grpo_start
     server = Server(start, tmp_path / "serve.txt", "--max-batch", "16", "--engine-threads", "1")
     try:
         url, load = f"http://127.0.0.1:{server.port}", f"checkpoint.load={start}"
@@ -121,7 +120,12 @@ def test_refused_in_one_line(tmp_path, task, extra, message):  # noqa: F811
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-def test_resume_after_sigkill_with_a_server(tmp_path: Path, task: dict, staleness) -> None:  # noqa: F811
+def test_resume_after_sigkill_with_a_server(
+    tmp_path: Path,
+    task: dict,  # noqa: F811
+    grpo_start: Path,
+    staleness: int,
+) -> None:
     """Killed after saving iteration 2 and resumed: synchronous (staleness 0) it continues as
     the uninterrupted run did; one batch ahead it resumes (its first batch generated afresh, the
     one in flight lost with the process) and trains on."""
@@ -129,8 +133,7 @@ def test_resume_after_sigkill_with_a_server(tmp_path: Path, task: dict, stalenes
 
     from tests.builders import kill_after_save
 
-    _train(grpo_sets(tmp_path / "start", task, "checkpoint.save_hf=final", "training.iters=1"))
-    (start,) = (tmp_path / "start" / "checkpoints" / "hf").iterdir()
+    start = grpo_start
     server = Server(start, tmp_path / "serve.txt", "--max-batch", "16", "--engine-threads", "1")
     try:
         url = f"http://127.0.0.1:{server.port}"

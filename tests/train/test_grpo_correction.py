@@ -203,10 +203,13 @@ def test_defaults_auto_and_bad_values():
         CorrectionOptions(clip_min=3.0, clip_max=2.0)
 
 
-def test_fp32_in_the_trainer_agrees_to_rounding_and_bf16_is_corrected(tmp_path, task):  # noqa: F811
-    _train(grpo_sets(tmp_path / "fp32", task))
+def test_fp32_in_the_trainer_agrees_to_rounding_and_bf16_is_corrected(
+    tmp_path,
+    task,  # noqa: F811
+    grpo_default_run,
+):
     _train(grpo_sets(tmp_path / "bf16", task, "training.dtype=bf16"))
-    fp32, bf16 = records(tmp_path / "fp32"), records(tmp_path / "bf16")
+    fp32, bf16 = records(grpo_default_run[1]), records(tmp_path / "bf16")
     for step in (1, 2, 3):
         # fp32, one device: the engine's decoding and the training pass differ only in the
         # order of fp32 sums (kernels of other shapes), never by more than a few ulps

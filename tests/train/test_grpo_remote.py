@@ -22,9 +22,12 @@ from tests.serve.test_server import Server  # noqa: E402
 FIGURES = ("reward/mean", "rewards/digits/std", "completions/mean_length", "entropy", "loss")
 
 
-def test_rollouts_on_a_server_equal_rollouts_in_the_trainer(tmp_path: Path, task: dict) -> None:  # noqa: F811
-    _train(grpo_sets(tmp_path / "start", task, "checkpoint.save_hf=final", "training.iters=1"))
-    (start,) = (tmp_path / "start" / "checkpoints" / "hf").iterdir()
+def test_rollouts_on_a_server_equal_rollouts_in_the_trainer(
+    tmp_path: Path,
+    task: dict,  # noqa: F811
+    grpo_start: Path,
+) -> None:
+    start = grpo_start
     server = Server(start, tmp_path / "serve.txt", "--max-batch", "16", "--engine-threads", "1")
     try:
         url = f"http://127.0.0.1:{server.port}"
