@@ -95,7 +95,9 @@ def test_grpo_rollouts_equal_transformers(family) -> None:
     _, directory, hf = family
     model = open_generator(directory).model
     cfg = SimpleNamespace(
-        training=SimpleNamespace(dtype="fp32"), grpo=SimpleNamespace(rollout_cuda_graphs="auto")
+        training=SimpleNamespace(dtype="fp32"),
+        data=SimpleNamespace(seq_length=64),
+        grpo=SimpleNamespace(rollout_cuda_graphs="auto", rollout_trainer_shapes="auto"),
     )
     rollout = RolloutModel(model, cfg, torch.device("cpu"))
     params = [[SamplingParams(max_new_tokens=NEW, greedy=True)] * 2 for _ in PROMPTS]
