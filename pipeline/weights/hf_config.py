@@ -127,11 +127,6 @@ def _supported() -> str:
     return ", ".join(f"{a} ({t})" for a, t in SUPPORTED_ARCHITECTURES.items())
 
 
-def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config.json dict (`text_model`'s)."""
-    return text_model(hf)[0]
-
-
 def hf_architecture(hf: dict[str, Any]) -> str:
     """The supported architecture a config.json dict names (a multimodal wrapper's text
     architecture for Qwen3.5's image-text checkpoints); ValueError listing them if none."""
@@ -226,7 +221,7 @@ def config_from_hf(hf: dict[str, Any], *, ignore_sliding_window: bool = False) -
     Raises ValueError naming the supported architectures for any other model, and for settings
     our model cannot reproduce exactly.
     """
-    hf = text_model_config(hf)
+    hf, _prefix = text_model(hf)
     arch = hf_architecture(hf)
     if arch in ALIBI_ARCHITECTURES:
         return alibi_config_from_hf(hf, arch)

@@ -338,12 +338,12 @@ def test_published_configs_give_the_flavors_and_their_sizes(flavor: str) -> None
     from pipeline.core.model.flavors import get_flavor, num_parameters
     from pipeline.train.assembly.run_config import resolve_config
     from pipeline.train.report.estimates import dry_run_report
-    from pipeline.weights.hf_config import text_model_config
+    from pipeline.weights.hf_config import text_model
 
     hf, published = PUBLISHED[flavor]
     ours = get_flavor(flavor)
     assert config_from_hf(hf) == ours
-    text = text_model_config(hf)
+    text, _prefix = text_model(hf)
     arch = text["architectures"][0]
     kwargs = {k: v for k, v in text.items() if k not in ("architectures", "model_type")}
     config_cls = {

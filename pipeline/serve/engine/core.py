@@ -75,7 +75,10 @@ class Engine:
     (`pipeline.serve.engine.structured_output`; None: requests that ask for it are refused);
     prefix_caching: keep and reuse full blocks (module docstring); cuda_graphs: decode steps
     replayed from CUDA graphs (None: on a CUDA device), static_decode: their static-shape step
-    even without graphs (None: with graphs; `pipeline.serve.engine.static_decode`)."""
+    even without graphs (None: with graphs; `pipeline.serve.engine.static_decode`); pack_decode:
+    decode rows of a group packed into one batch row (`pipeline.serve.engine.packing`), off where
+    each row's keys must be its own and in order (GRPO's trainer-shaped rollouts,
+    `pipeline.train.objectives.grpo.invariant`)."""
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class Engine:
         prefix_caching: bool = True,
         cuda_graphs: bool | None = None,
         static_decode: bool | None = None,
+        pack_decode: bool = True,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -120,9 +124,7 @@ class Engine:
         self.prompt_tokens_computed = 0  # prompt positions run through the model, so far
         self.prompt_tokens_cached = 0  # prompt positions read from another request's cache
         self.adapters = None  # `LoRASlots` when the engine serves adapters by name
-        # decode rows of a group packed into one batch row (`packing`); off where each row's
-        # keys must be its own, in order (GRPO's trainer-shaped rollouts, `grpo.invariant`)
-        self.pack_decode = True
+        self.pack_decode = pack_decode
         self.decoder = static_decoder(
             model,
             self.cache,

@@ -168,8 +168,8 @@ class RolloutModel:
                 prefill_chunk=4096,
                 max_waiting=rows,
                 cuda_graphs=self.cuda_graphs,
+                pack_decode=self.trainer_shapes is None,  # else each row's keys in order
             )
-            self.engine.pack_decode = self.trainer_shapes is None  # each row's keys in order
         return self.engine
 
 
