@@ -18,6 +18,7 @@ from pipeline.core.model.transformer import Transformer
 from pipeline.serve.engine.decode import CachedBatch, forward_cached
 from pipeline.serve.engine.kv_cache import BlockKVCache
 from pipeline.serve.engine.packing import batch_row_slots, packed_decode_batch
+from pipeline.serve.engine.resident_rows import ResidentRows
 from pipeline.serve.engine.sampling import TokenLogprobs, token_logprobs
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def forward_rows(
     adapters: LoRASlots | None = None,
     decoder: StaticDecoder | None = None,
     pack: bool = True,
+    resident: ResidentRows | None = None,
 ) -> tuple[torch.Tensor, list[int], dict[int, list[TokenLogprobs]]]:
     """Run `rows` through the model, writing their keys and values to `cache`. Returns the float
     logits `[ready, vocab]` of the rows whose prompt is done after this step (they sample a
@@ -41,7 +43,8 @@ def forward_rows(
     index. Decode rows (each with one token left to run, so every one samples and none has a
     prompt token left to score) go through `decoder` when given; a one-token prompt chunk
     (`prefill_chunk=1`) has more to run, so it never does. `pack`: decode rows of a group may
-    be packed into one batch row (`batch_of`)."""
+    be packed into one batch row (`batch_of`); `resident`: decode rows otherwise attend over
+    their resident rows, in those rows' order."""
     if decoder is not None and all(
         r.computed + n == len(r.tokens) == r.computed + 1 for r, n in rows
     ):
@@ -50,21 +53,27 @@ def forward_rows(
             list(range(len(rows))),
             {},
         )
-    batch, where = batch_of(rows, cache, cache.pools[0][0].device, pack)
+    batch, where, order = batch_of(rows, cache, cache.pools[0][0].device, pack, resident)
+    in_batch = rows if order is None else [rows[i] for i in order]
     if adapters is not None:
         adapters.select(
             batch_row_slots(
-                [request.lora_slot for request, _ in rows], where[0], batch.tokens.shape[0]
+                [request.lora_slot for request, _ in in_batch], where[0], batch.tokens.shape[0]
             )
         )
     hidden = forward_cached(model, cache, batch)
     logits = model.output(hidden[where]).float()
     ready = [
-        i for i, (request, new) in enumerate(rows) if request.computed + new == len(request.tokens)
+        i
+        for i, (request, new) in enumerate(in_batch)
+        if request.computed + new == len(request.tokens)
     ]
     if len(ready) < len(rows):
         logits = logits[ready]
-    return logits, ready, prompt_logprobs(model, rows, hidden)
+    found = prompt_logprobs(model, in_batch, hidden)
+    if order is not None:  # decode rows only: no prompt log-probabilities
+        ready = [order[i] for i in ready]
+    return logits, ready, found
 
 
 def prompt_logprobs(
@@ -89,20 +98,50 @@ def prompt_logprobs(
 
 
 def batch_of(
-    rows: Rows, cache: BlockKVCache, device: torch.device, pack: bool = True
-) -> tuple[CachedBatch, tuple]:
-    """The batch of `rows` and where each row's last new token is in it: one row each, or
-    (with `pack`) decode rows of a group packed (`pipeline.serve.engine.packing`)."""
-    if pack and all(n == 1 for _, n in rows) and cache.states is None:  # state: per sequence
+    rows: Rows,
+    cache: BlockKVCache,
+    device: torch.device,
+    pack: bool = True,
+    resident: ResidentRows | None = None,
+) -> tuple[CachedBatch, tuple, list[int] | None]:
+    """The batch of `rows`, where each row's last new token is in it, and the order of `rows`
+    in it (None: as given): one row each, (with `pack`) decode rows of a group packed
+    (`pipeline.serve.engine.packing`), or (with `resident`) decode rows over their resident
+    rows (`pipeline.serve.engine.resident_rows`)."""
+    decoding = all(n == 1 for _, n in rows) and cache.states is None  # state: per sequence
+    if pack and decoding:
         packed = packed_decode_batch(
             [r for r, _ in rows], cache.block_size, cache.scratch_slot, device
         )
         if packed is not None:
-            return packed[0], packed[1:]
+            return packed[0], packed[1:], None
+    order = None
+    if resident is not None and decoding:
+        order = resident.arrange([request for request, _ in rows])
+    if order is not None:
+        batch = resident_batch([rows[i][0] for i in order], resident, device)
+        first = torch.zeros(len(rows), dtype=torch.long, device=device)
+        return batch, (torch.arange(len(rows), device=device), first), order
     lengths = torch.tensor([n for _, n in rows], device=device)
-    return plain_batch(rows, cache.scratch_slot, device, cache.states is not None), (
-        torch.arange(len(rows), device=device),
-        lengths - 1,
+    return (
+        plain_batch(rows, cache.scratch_slot, device, cache.states is not None),
+        (torch.arange(len(rows), device=device), lengths - 1),
+        None,
+    )
+
+
+def resident_batch(requests: Sequence[Any], resident: ResidentRows, device) -> CachedBatch:
+    """One decode token per request, in `resident`'s row order, attending over those rows."""
+    tokens = [request.tokens[request.computed] for request in requests]
+    positions = [request.computed for request in requests]
+    write = torch.stack([request.slots[request.computed] for request in requests])
+    return CachedBatch(
+        torch.tensor(tokens, device=device)[:, None],
+        torch.tensor(positions, device=device)[:, None],
+        write.to(device)[:, None],
+        None,
+        resident=resident,
+        key_length=resident.length,
     )
 
 

@@ -53,6 +53,7 @@ from pipeline.serve.engine.kv_cache import BlockKVCache
 from pipeline.serve.engine.prefix_cache import PrefixCacheManager
 from pipeline.serve.engine.request import Event, Request
 from pipeline.serve.engine.request_checks import check_request
+from pipeline.serve.engine.resident_rows import ResidentRows
 from pipeline.serve.engine.sampling import SamplingParams, TokenLogprobs, choose
 from pipeline.serve.engine.scheduler import Scheduler
 from pipeline.serve.engine.state_slots import StateSlots
@@ -78,7 +79,10 @@ class Engine:
     even without graphs (None: with graphs; `pipeline.serve.engine.static_decode`); pack_decode:
     decode rows of a group packed into one batch row (`pipeline.serve.engine.packing`), off where
     each row's keys must be its own and in order (GRPO's trainer-shaped rollouts,
-    `pipeline.train.objectives.grpo.invariant`)."""
+    `pipeline.train.objectives.grpo.invariant`); resident_decode: decoding requests' keys and
+    values also kept row by row, at most the cache's size again, so an eager decode step
+    attends over them in place instead of gathering them from the blocks
+    (`pipeline.serve.engine.resident_rows`; None: on a CPU)."""
 
     def __init__(
         self,
@@ -96,6 +100,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         static_decode: bool | None = None,
         pack_decode: bool = True,
+        resident_decode: bool | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -134,6 +139,11 @@ class Engine:
             cuda_graphs=cuda_graphs,
             static_decode=static_decode,
         )
+        if resident_decode is None:
+            resident_decode = self.device.type == "cpu"
+        self.resident = None
+        if resident_decode and self.decoder is None and self.cache.states is None:
+            self.resident = ResidentRows(self.cache, max_batch, self.cache.pool_bytes)
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -247,7 +257,13 @@ class Engine:
     def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
         """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
         logits, ready, prompt_logprobs = forward_rows(
-            self.model, self.cache, rows, self.adapters, self.decoder, self.pack_decode
+            self.model,
+            self.cache,
+            rows,
+            self.adapters,
+            self.decoder,
+            self.pack_decode,
+            self.resident,
         )
         sampled = [rows[i][0] for i in ready]
         if self.grammars is not None:

@@ -27,6 +27,7 @@ import torch
 
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.engine.kv_cache import BlockKVCache
+from pipeline.serve.engine.resident_rows import ResidentRows
 
 
 @dataclass
@@ -34,7 +35,9 @@ class CachedBatch:
     """Where a batch's tokens go and what they see.
 
     tokens, positions, write_slots: `[batch, new]`; read_slots `[batch, length]`: the slots of
-    positions 0..length-1 of each row (padded with any slot; the mask hides them). `attend`:
+    positions 0..length-1 of each row (padded with any slot; the mask hides them), or, when the
+    rows attend over resident rows (`resident`, `pipeline.serve.engine.resident_rows`), None and
+    `key_length` the longest row's length. `attend`:
     which keys each query sees, when the read slots are not positions in order (rows packed by
     `pipeline.serve.engine.packing`), and `key_positions` `[batch, length]` the position of each
     read slot's token then (None: 0..length-1; ALiBi's biases and sliding windows need them)."""
@@ -42,26 +45,33 @@ class CachedBatch:
     tokens: torch.Tensor
     positions: torch.Tensor
     write_slots: torch.Tensor
-    read_slots: torch.Tensor
+    read_slots: torch.Tensor | None
     attend: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
     # A hybrid model's rows: each row's state slot `[batch]` (`pipeline.serve.engine.
     # state_slots`) and which new tokens are real `[batch, new]` (None: all of them).
     state_slots: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    resident: ResidentRows | None = None
+    key_length: int = 0
+
+    @property
+    def length(self) -> int:
+        """Keys each row attends over (its history padded to the longest row's)."""
+        return self.key_length if self.read_slots is None else self.read_slots.shape[1]
 
     def read_positions(self) -> torch.Tensor:
         """The position of each read slot's token, `[batch or 1, length]`."""
         if self.key_positions is not None:
             return self.key_positions
-        return torch.arange(self.read_slots.shape[1], device=self.read_slots.device)[None]
+        return torch.arange(self.length, device=self.positions.device)[None]
 
     def mask(self) -> torch.Tensor | None:
         """`[batch, 1, new, length]`: query at position p sees keys at positions <= p; None when
         that is every key (one new token per row, all rows as long: the common decode step)."""
         if self.attend is not None:
             return self.attend
-        length = self.read_slots.shape[1]
+        length = self.length
         if self.positions.shape[1] == 1 and bool((self.positions == length - 1).all()):
             return None
         keys = torch.arange(length, device=self.positions.device)
@@ -98,7 +108,11 @@ class LayerSlots:
     def update(self, *new: torch.Tensor) -> Sequence[torch.Tensor]:
         self.cache.write(self.index, self.batch.write_slots, *new)
         dtype = new[0].dtype
-        read = self.cache.read(self.index, self.batch.read_slots, fresh=self.fresh)
+        resident = self.batch.resident
+        if resident is not None:
+            read = resident.update(self.index, self.batch.positions[:, 0], *new)
+        else:
+            read = self.cache.read(self.index, self.batch.read_slots, fresh=self.fresh)
         return [t.to(dtype) for t in read]
 
 

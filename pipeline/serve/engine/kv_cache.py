@@ -119,6 +119,11 @@ class BlockKVCache:
         return len(self._free) + len(self._evictable)
 
     @property
+    def pool_bytes(self) -> int:
+        """The bytes of every layer's pools."""
+        return sum(pool.numel() * pool.element_size() for pools in self.pools for pool in pools)
+
+    @property
     def cached_blocks(self) -> int:
         """Blocks named by a hash (held or not)."""
         return len(self._block_of)

@@ -1,0 +1,142 @@
+"""Decoding requests' keys and values kept row by row, so a decode step attends over them in place.
+
+The block cache (`pipeline.serve.engine.kv_cache`) scatters a sequence over blocks; to attend,
+each layer of each step gathers every row's whole history into one tensor, then attention reads
+that copy. On a CPU the gather costs about as much as the attention itself (a 32-row step of the
+56M benchmark model: 4.7 ms of index_select and 5 ms of attention in a 27 ms step), and it is
+the same rows each step, one token longer. vLLM's CPU attention reads the blocks in place with
+its own kernel; this module gets there with torch's own attention instead: each decoding
+request also owns one row of a per-layer tensor `[rows, capacity, *entry]` holding its entries
+at their positions, a step writes only its new token there (beside the block cache, which stays
+the record for prefix caching and prefill), and attention reads `[:batch, :length]` as a view.
+
+Rows stay packed at the front, so a step's batch is always rows 0..n-1 in row order (`arrange`
+gives the order): a request that stops decoding leaves a hole that the last row moves into (one
+row's copy), and a new request, or one whose row is out of date (a step it ran in another batch
+shape), fills its row from the blocks once (one row's gather). Padding and stale entries past
+a row's length are hidden by the causal mask, as the gathered batch's are.
+
+The rows cost memory beside the block cache: `rows x capacity` positions of every layer, the
+capacity growing with the longest running request. When that would exceed `budget_bytes`, the
+step gathers as before and the rows are dropped (`arrange` returns None), to be refilled when
+the batch fits again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipeline.serve.engine.kv_cache import BlockKVCache
+
+CAPACITY_STEP = 256  # positions: capacity grows in these steps, so it is rarely reallocated
+
+
+class ResidentRows:
+    """Per-layer rows of the decoding requests' entries (module docstring): `max_rows` rows
+    (the engine's batch), at most `budget_bytes` in all."""
+
+    def __init__(self, cache: BlockKVCache, max_rows: int, budget_bytes: int) -> None:
+        self.cache, self.max_rows, self.budget_bytes = cache, max_rows, budget_bytes
+        # Per layer, per kind of entry: `[rows, capacity, *entry]`, rows and capacity growing
+        # with the batch; none for layers without keys and values (linear attention keeps
+        # states instead).
+        self.buffers: list[list[torch.Tensor]] = [[] for _ in cache.pools]
+        self.rows = 0  # rows allocated
+        self.capacity = 0  # positions each row holds
+        self.requests: list[Any] = []  # the request in each row, rows packed at the front
+        self.lengths: list[int] = []  # positions held by each row
+        self.length = 0  # the longest row's, this step
+        self.steps = self.fills = self.moves = 0  # steps run over the rows; rows filled, moved
+        self.position_bytes = sum(
+            pool[0].numel() * pool.element_size() for pools in cache.pools for pool in pools
+        )
+
+    def arrange(self, requests: Sequence[Any]) -> list[int] | None:
+        """Make rows 0..n-1 hold `requests` (this step's decode rows: each with `computed`
+        positions in the cache and one new token) and return the order of `requests` row by
+        row; None when the rows would not fit in the budget (the step gathers instead)."""
+        self.length = max(request.computed for request in requests) + 1
+        if not self._fits(len(requests), self.length):
+            self.requests, self.lengths = [], []
+            return None
+        current = {id(request) for request in requests}
+        kept = [
+            row
+            for row, request in enumerate(self.requests)
+            if id(request) in current and self.lengths[row] == request.computed
+        ]
+        self._compact(kept)
+        held = {id(request) for request in self.requests}
+        for request in requests:
+            if id(request) not in held:
+                self._fill(request)
+        self.lengths = [n + 1 for n in self.lengths]  # the step writes each row's next position
+        self.steps += 1
+        index = {id(request): i for i, request in enumerate(requests)}
+        return [index[id(request)] for request in self.requests]
+
+    def update(self, layer: int, positions: torch.Tensor, *new: torch.Tensor) -> list[torch.Tensor]:
+        """Write the new tokens' entries (`[rows, 1, *entry]` each, rows in `arrange`'s order)
+        at their `positions` `[rows]`; return each kind's `[rows, length, *entry]` view."""
+        rows = positions.shape[0]
+        at = torch.arange(rows, device=positions.device) * self.capacity + positions
+        out = []
+        for buffer, value in zip(self.buffers[layer], new):
+            entry = buffer.shape[2:]
+            flat = buffer.view(-1, *entry)
+            flat.index_copy_(0, at, value.reshape(rows, *entry).to(buffer.dtype))
+            out.append(buffer[:rows, : self.length])
+        return out
+
+    # ---- rows -------------------------------------------------------------------------------
+
+    def _fits(self, rows: int, positions: int) -> bool:
+        """Whether `rows` rows of `positions` fit the budget, growing the buffers if they must
+        (rows to a power of two up to `max_rows`, positions to a multiple of CAPACITY_STEP)."""
+        if rows <= self.rows and positions <= self.capacity:
+            return True
+        rows = max(self.rows, min(self.max_rows, 1 << (rows - 1).bit_length()))
+        capacity = max(self.capacity, -(-positions // CAPACITY_STEP) * CAPACITY_STEP)
+        if rows * capacity * self.position_bytes > self.budget_bytes:
+            return False
+        self._grow(rows, capacity)
+        return True
+
+    def _grow(self, rows: int, capacity: int) -> None:
+        """Reallocate every layer's buffers at `rows x capacity`, keeping what rows hold."""
+        held, longest = len(self.requests), max(self.lengths, default=0)
+        for layer, pools in enumerate(self.cache.pools):
+            old = self.buffers[layer]
+            self.buffers[layer] = [
+                pool.new_zeros(rows, capacity, *pool.shape[1:]) for pool in pools if pool.shape[0]
+            ]
+            for buffer, before in zip(self.buffers[layer], old):
+                buffer[:held, :longest] = before[:held, :longest]
+        self.rows, self.capacity = rows, capacity
+
+    def _compact(self, kept: list[int]) -> None:
+        """Keep only rows `kept` (ascending), moving the last kept rows into the holes."""
+        keep = set(kept)
+        holes = [row for row in range(len(kept)) if row not in keep]
+        movers = [row for row in reversed(kept) if row >= len(kept)]
+        for hole, row in zip(holes, movers):
+            for kinds in self.buffers:
+                for buffer in kinds:
+                    buffer[hole, : self.lengths[row]] = buffer[row, : self.lengths[row]]
+            self.requests[hole], self.lengths[hole] = self.requests[row], self.lengths[row]
+            self.moves += 1
+        del self.requests[len(kept) :], self.lengths[len(kept) :]
+
+    def _fill(self, request: Any) -> None:
+        """Give `request` the next row, filled with its positions so far from the blocks."""
+        row, length = len(self.requests), request.computed
+        slots = request.slots[:length]
+        for kinds, pools in zip(self.buffers, self.cache.pools):
+            for buffer, pool in zip(kinds, [pool for pool in pools if pool.shape[0]]):
+                torch.index_select(pool, 0, slots, out=buffer[row, :length])
+        self.requests.append(request)
+        self.lengths.append(length)
+        self.fills += 1
