@@ -3,8 +3,9 @@ the model, and the logits of the rows whose prompt is done.
 
 A step's decode rows go through the static-shape decoder when the engine has one
 (`pipeline.serve.engine.static_decode`: padded to a bucket, replayed from a CUDA graph on a GPU);
-otherwise, and for prompt chunks always, the rows become one batch here: one row each, or the
-decode rows of a group packed (`pipeline.serve.engine.packing`), run eagerly.
+otherwise, and for prompt chunks always, the rows become one batch here: one row each, the
+decode rows of a group packed (`pipeline.serve.engine.packing`), or decode rows over their
+resident rows (`pipeline.serve.engine.resident_rows`, on a CPU), run eagerly.
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ def batch_of(
     )
 
 
-def resident_batch(requests: Sequence[Any], resident: ResidentRows, device) -> CachedBatch:
+def resident_batch(
+    requests: Sequence[Any], resident: ResidentRows, device: torch.device
+) -> CachedBatch:
     """One decode token per request, in `resident`'s row order, attending over those rows."""
     tokens = [request.tokens[request.computed] for request in requests]
     positions = [request.computed for request in requests]

@@ -4,8 +4,9 @@ The model runs its own modules (`Transformer.forward` with a cache, `pipeline.co
 kv_seam`); this module only says where a batch's entries go and what its tokens see. Each
 attention layer hands over its new tokens' entries, which are written to their slots of the
 `BlockKVCache` first; then each row's whole history is read back and attended to under a causal
-mask by position. `tests/serve` checks this path against transformers' `generate` for every
-family.
+mask by position. Decode rows over resident rows (`pipeline.serve.engine.resident_rows`) read
+their history in place there instead of out of the blocks. `tests/serve` checks this path
+against transformers' `generate` for every family.
 
 A batch is `[batch, new]` tokens, each row one sequence: a prompt chunk (prefill) or one token
 (decode). Rows shorter than the longest are padded; padded positions write to the cache's scratch
