@@ -262,11 +262,8 @@ class Attention(nn.Module):
             extra["sinks"] = local_tensor(self.sinks)
         if cache is None:
             out = self.kernel(q, k, v, document_ids, **extra)
-        else:  # the cache holds [batch, tokens, kv_heads, head_dim]
-            k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
-            if self.alibi is not None:
-                extra["positions"] = cache.positions
-            out = self.kernel.over_cache(q, k, v, cache.mask, **extra)
+        else:
+            out = cache.attend(self.kernel.over_cache, q, k, v, **extra)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(batch, seq, -1))

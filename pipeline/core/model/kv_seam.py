@@ -4,8 +4,11 @@ Training passes no cache: each attention module attends over the keys and values
 is given. A generation engine (`pipeline.serve`) passes a `KVCache` through
 `Transformer.forward`: each attention module then hands its layer's cache what it keeps per token
 for the new tokens, gets back every token's entries for each row so far (the new ones included),
-and attends over those under the cache's mask. The model's own modules run either way; the cache
-only stores and gathers tensors, so decoding holds no second copy of the attention math.
+and attends over those under the cache's mask. Grouped-query attention hands over its queries and
+its kernel too (`attend`), so that a cache whose batch is not a rectangle (an engine's decode rows
+and a prompt chunk run as one row of tokens) can call the kernel on each part. The model's own
+modules run either way; the cache only stores and gathers tensors and picks the parts, so
+decoding holds no second copy of the attention math.
 
 What a layer keeps per token is the attention's business: grouped-query attention its keys (after
 RoPE) and values, `[kv_heads, head_dim]` each; latent attention its normalised latent
@@ -14,7 +17,7 @@ RoPE) and values, `[kv_heads, head_dim]` each; latent attention its normalised l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +42,22 @@ class LayerKVCache(Protocol):
         """Store the new tokens' entries (`[batch, new, *entry_shape]` each) and return each
         kind's entries for every token so far, `[batch, length, *entry_shape]`, in the dtype of
         `new`."""
+        ...
+
+    def attend(
+        self,
+        kernel: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        **extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """The new tokens' attention over every token so far: store the new keys and values
+        `k`, `v` (`[batch, kv_heads, new, head_dim]`, as `update`), then `kernel` (the layer's
+        `AttentionKernel.over_cache`) of the queries `q` `[batch, heads, new, head_dim]` over
+        them under `mask`, with the layer's `extra` options (ALiBi's slopes, sinks; ALiBi's
+        `positions` added here). A cache whose new tokens are not one rectangle (decode rows
+        beside a prompt chunk in one row of tokens) calls the kernel once per part."""
         ...
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipeline.core.model.transformer import Transformer
-from pipeline.serve.engine.decode import CachedBatch, forward_cached
+from pipeline.serve.engine.decode import CachedBatch, MixedBatch, forward_cached
 from pipeline.serve.engine.kv_cache import BlockKVCache
 from pipeline.serve.engine.packing import batch_row_slots, packed_decode_batch
 from pipeline.serve.engine.resident_rows import ResidentRows
@@ -37,6 +37,7 @@ def forward_rows(
     decoder: StaticDecoder | None = None,
     pack: bool = True,
     resident: ResidentRows | None = None,
+    mixed: int = 0,
 ) -> tuple[torch.Tensor, list[int], dict[int, list[TokenLogprobs]]]:
     """Run `rows` through the model, writing their keys and values to `cache`. Returns the float
     logits `[ready, vocab]` of the rows whose prompt is done after this step (they sample a
@@ -45,7 +46,8 @@ def forward_rows(
     prompt token left to score) go through `decoder` when given; a one-token prompt chunk
     (`prefill_chunk=1`) has more to run, so it never does. `pack`: decode rows of a group may
     be packed into one batch row (`batch_of`); `resident`: decode rows otherwise attend over
-    their resident rows, in those rows' order."""
+    their resident rows, in those rows' order; `mixed`: the first `mixed` rows are decode rows
+    and the rest prompt chunks, all run in one pass (`mixed_batch`; see `can_mix`)."""
     if decoder is not None and all(
         r.computed + n == len(r.tokens) == r.computed + 1 for r, n in rows
     ):
@@ -54,7 +56,11 @@ def forward_rows(
             list(range(len(rows))),
             {},
         )
-    batch, where, order = batch_of(rows, cache, cache.pools[0][0].device, pack, resident)
+    device = cache.pools[0][0].device
+    if mixed:
+        batch, where, order = mixed_batch(rows, mixed, resident, cache.scratch_slot, device)
+    else:
+        batch, where, order = batch_of(rows, cache, device, pack, resident)
     in_batch = rows if order is None else [rows[i] for i in order]
     if adapters is not None:
         adapters.select(
@@ -71,8 +77,9 @@ def forward_rows(
     ]
     if len(ready) < len(rows):
         logits = logits[ready]
-    found = prompt_logprobs(model, in_batch, hidden)
-    if order is not None:  # decode rows only: no prompt log-probabilities
+    # (resident and mixed rows never ask for prompt log-probabilities)
+    found = {} if order is not None else prompt_logprobs(model, in_batch, hidden)
+    if order is not None:
         ready = [order[i] for i in ready]
     return logits, ready, found
 
@@ -129,6 +136,37 @@ def batch_of(
         (torch.arange(len(rows), device=device), lengths - 1),
         None,
     )
+
+
+def can_mix(decoding: Rows, prefill: Rows, resident: ResidentRows | None, plain: bool) -> bool:
+    """Whether a step's decode rows and prompt chunks can run as one pass (`mixed_batch`):
+    with resident rows (a CPU engine) that fit, no group's decode rows to pack, no prompt
+    asking for its log-probabilities, and `plain` (the model's attention is grouped-query
+    attention throughout, and no adapters are served)."""
+    if not (plain and decoding and prefill and resident is not None):
+        return False
+    requests = [request for request, _ in decoding]
+    return (
+        len({request.group for request in requests}) == len(requests)
+        and not any(request.params.prompt_logprobs is not None for request, _ in prefill)
+        and resident.fits(requests)
+    )
+
+
+def mixed_batch(
+    rows: Rows, decoding: int, resident: ResidentRows, scratch: int, device: torch.device
+) -> tuple[MixedBatch, tuple, list[int]]:
+    """The first `decoding` rows (decode rows, over their resident rows) and each later one (a
+    prompt chunk, a batch of its own) as one row of tokens; where each row's last token is in
+    it; the rows' order in it (the resident rows' order, then the chunks')."""
+    order = resident.arrange([request for request, _ in rows[:decoding]])  # fits: `can_mix`
+    order += range(decoding, len(rows))
+    parts = [resident_batch([rows[i][0] for i in order[:decoding]], resident, device)]
+    parts += [plain_batch([rows[i]], scratch, device) for i in order[decoding:]]
+    chunks = torch.tensor([n for _, n in rows[decoding:]])
+    columns = torch.cat([torch.arange(decoding), decoding + chunks.cumsum(0) - 1])
+    first = torch.zeros(len(rows), dtype=torch.long, device=device)
+    return MixedBatch(parts), (first, columns.to(device)), order
 
 
 def resident_batch(

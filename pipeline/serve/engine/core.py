@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeline.core.model.transformer import Transformer
-from pipeline.serve.engine.batching import forward_rows
+from pipeline.serve.engine.batching import can_mix, forward_rows
 from pipeline.serve.engine.groups import share_prompt
 from pipeline.serve.engine.kv_cache import BlockKVCache
 from pipeline.serve.engine.prefix_cache import PrefixCacheManager
@@ -82,7 +82,9 @@ class Engine:
     `pipeline.train.objectives.grpo.invariant`); resident_decode: decoding requests' keys and
     values also kept row by row, at most the cache's size again, so an eager decode step
     attends over them in place instead of gathering them from the blocks
-    (`pipeline.serve.engine.resident_rows`; None: on a CPU)."""
+    (`pipeline.serve.engine.resident_rows`; None: on a CPU); mix_prompts: with resident rows,
+    a step's decode rows and prompt chunks run as one pass of the model (vLLM's mixed batches:
+    the weights are read once for both; `batching.can_mix` says when)."""
 
     def __init__(
         self,
@@ -101,6 +103,7 @@ class Engine:
         static_decode: bool | None = None,
         pack_decode: bool = True,
         resident_decode: bool | None = None,
+        mix_prompts: bool = True,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -144,6 +147,10 @@ class Engine:
         self.resident = None
         if resident_decode and self.decoder is None and self.cache.states is None:
             self.resident = ResidentRows(self.cache, max_batch, self.cache.pool_bytes)
+        # Decode rows and prompt chunks in one pass need every attention to hand its kernel to
+        # the cache (latent attention reads its cache itself).
+        self.mix = mix_prompts and model.config.mla is None
+        self.mixed_steps = 0  # steps that ran decode rows and prompt chunks in one pass
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -248,14 +255,19 @@ class Engine:
         with self._lock:
             self.prompt_tokens_cached += self.scheduler.admit(self.adapters)
             decoding, prefill = self.scheduler.rows()
+        if can_mix(decoding, prefill, self.resident, self.adapters is None and self.mix):
+            self.mixed_steps += 1
+            return self._advance(decoding + prefill, mixed=len(decoding))
         events = []
         for rows in (decoding, prefill):
             if rows:
                 events += self._advance(rows)
         return events
 
-    def _advance(self, rows: list[tuple[Request, int]]) -> list[Event]:
-        """Run `rows` (request, new tokens) through the model; sample where a prompt is done."""
+    def _advance(self, rows: list[tuple[Request, int]], mixed: int = 0) -> list[Event]:
+        """Run `rows` (request, new tokens) through the model; sample where a prompt is done.
+        `mixed`: the first `mixed` rows are decode rows run in one pass with the prompt chunks
+        after them (`batching.mixed_batch`)."""
         logits, ready, prompt_logprobs = forward_rows(
             self.model,
             self.cache,
@@ -264,6 +276,7 @@ class Engine:
             self.decoder,
             self.pack_decode,
             self.resident,
+            mixed,
         )
         sampled = [rows[i][0] for i in ready]
         if self.grammars is not None:

@@ -21,7 +21,7 @@ attention module passes them to its kernel with the cached keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +116,19 @@ class LayerSlots:
             read = self.cache.read(self.index, self.batch.read_slots, fresh=self.fresh)
         return [t.to(dtype) for t in read]
 
+    def attend(
+        self,
+        kernel: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        **extra: torch.Tensor,
+    ) -> torch.Tensor:
+        k, v = (t.transpose(1, 2) for t in self.update(k.transpose(1, 2), v.transpose(1, 2)))
+        if "alibi_slopes" in extra:
+            extra["positions"] = self.positions
+        return kernel(q, k, v, self.mask, **extra)
+
 
 class LayerStates:
     """One linear-attention layer's state slots seen by one batch: the model's
@@ -160,6 +173,61 @@ class BatchSlots:
         return LayerSlots(self.cache, index, self.batch, self._windowed[window], self.fresh)
 
 
+@dataclass
+class MixedBatch:
+    """Batches run as one row of tokens: `parts` (an engine step's decode rows, then each
+    prompt chunk as a batch of one row), their tokens and positions laid end to end,
+    `[1, total]`. Every product sees all of the step's tokens at once; attention runs part by
+    part (`MixedSlots`)."""
+
+    parts: list[CachedBatch]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.cat([part.tokens.reshape(-1) for part in self.parts])[None]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.cat([part.positions.reshape(-1) for part in self.parts])[None]
+
+
+class MixedSlots:
+    """A `MixedBatch`'s cache: the model's `KVCache`, one `BatchSlots` per part."""
+
+    def __init__(self, cache: BlockKVCache, batch: MixedBatch, windows: dict[int, int]) -> None:
+        self.parts = [BatchSlots(cache, part, windows=windows) for part in batch.parts]
+
+    def layer(self, index: int) -> MixedLayerSlots:
+        return MixedLayerSlots([part.layer(index) for part in self.parts])
+
+
+class MixedLayerSlots:
+    """One layer of a `MixedBatch`: each part's new tokens are cut out of the one row, stored
+    and attended over by that part's `LayerSlots`, and the outputs laid end to end again."""
+
+    def __init__(self, parts: list[LayerSlots]) -> None:
+        self.parts = parts
+
+    def attend(
+        self,
+        kernel: Callable[..., torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        **extra: torch.Tensor,
+    ) -> torch.Tensor:
+        outs, start = [], 0
+        for part in self.parts:
+            rows, new = part.batch.tokens.shape
+            end = start + rows * new
+            # [1, heads, total, dim] -> this part's [rows, heads, new, dim]
+            cut = [t[0, :, start:end].unflatten(1, (rows, new)).transpose(0, 1) for t in (q, k, v)]
+            out = part.attend(kernel, *cut, **extra)
+            outs.append(out.transpose(0, 1).flatten(1, 2))
+            start = end
+        return torch.cat(outs, dim=1)[None]
+
+
 def layer_windows(model: Transformer) -> dict[int, int]:
     """The sliding window of each sliding-window layer of `model`, by layer index."""
     config = model.config
@@ -168,7 +236,12 @@ def layer_windows(model: Transformer) -> dict[int, int]:
 
 
 @torch.no_grad()
-def forward_cached(model: Transformer, cache: BlockKVCache, batch: CachedBatch) -> torch.Tensor:
+def forward_cached(
+    model: Transformer, cache: BlockKVCache, batch: CachedBatch | MixedBatch
+) -> torch.Tensor:
     """Hidden states `[batch, new, hidden]` after the final norm, updating the cache."""
-    slots = BatchSlots(cache, batch, windows=layer_windows(model))
+    if isinstance(batch, MixedBatch):
+        slots = MixedSlots(cache, batch, layer_windows(model))
+    else:
+        slots = BatchSlots(cache, batch, windows=layer_windows(model))
     return model(batch.tokens, batch.positions, cache=slots)

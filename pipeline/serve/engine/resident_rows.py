@@ -59,7 +59,7 @@ class ResidentRows:
         positions in the cache and one new token) and return the order of `requests` row by
         row; None when the rows would not fit in the budget (the step gathers instead)."""
         self.length = max(request.computed for request in requests) + 1
-        if not self._fits(len(requests), self.length):
+        if not self._fits(requests):
             self.requests, self.lengths = [], []
             return None
         current = {id(request) for request in requests}
@@ -93,16 +93,25 @@ class ResidentRows:
 
     # ---- rows -------------------------------------------------------------------------------
 
-    def _fits(self, rows: int, positions: int) -> bool:
-        """Whether `rows` rows of `positions` fit the budget, growing the buffers if they must
-        (rows to a power of two up to `max_rows`, positions to a multiple of CAPACITY_STEP)."""
-        if rows <= self.rows and positions <= self.capacity:
-            return True
+    def fits(self, requests: Sequence[Any]) -> bool:
+        """Whether rows for `requests` (as `arrange` takes them) fit the budget."""
+        rows, capacity = self._size(requests)
+        return rows * capacity * self.position_bytes <= self.budget_bytes
+
+    def _size(self, requests: Sequence[Any]) -> tuple[int, int]:
+        """The rows and capacity the buffers need for `requests`: rows to a power of two up to
+        `max_rows`, positions to a multiple of CAPACITY_STEP, never fewer than now."""
+        rows, positions = len(requests), max(request.computed for request in requests) + 1
         rows = max(self.rows, min(self.max_rows, 1 << (rows - 1).bit_length()))
-        capacity = max(self.capacity, -(-positions // CAPACITY_STEP) * CAPACITY_STEP)
-        if rows * capacity * self.position_bytes > self.budget_bytes:
+        return rows, max(self.capacity, -(-positions // CAPACITY_STEP) * CAPACITY_STEP)
+
+    def _fits(self, requests: Sequence[Any]) -> bool:
+        """`fits`, growing the buffers if they must."""
+        if not self.fits(requests):
             return False
-        self._grow(rows, capacity)
+        rows, capacity = self._size(requests)
+        if (rows, capacity) != (self.rows, self.capacity):
+            self._grow(rows, capacity)
         return True
 
     def _grow(self, rows: int, capacity: int) -> None:
