@@ -17,7 +17,7 @@ from pipeline.core.kernels.attention import attention
 from pipeline.core.model.alibi import AlibiSlopes
 from pipeline.core.model.config import ModelConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
-from pipeline.core.model.kv_seam import LayerKVCache
+from pipeline.core.model.kv_seam import LayerKVCache, attend
 from pipeline.core.model.linear_attention import GatedDeltaNet
 from pipeline.core.model.moe import MoE
 from pipeline.core.model.norms import LayerNorm
@@ -263,7 +263,7 @@ class Attention(nn.Module):
         if cache is None:
             out = self.kernel(q, k, v, document_ids, **extra)
         else:
-            out = cache.attend(self.kernel.over_cache, q, k, v, **extra)
+            out = attend(cache, self.kernel.over_cache, q, k, v, **extra)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(batch, seq, -1))

@@ -6,7 +6,8 @@ is given. A generation engine (`pipeline.serve`) passes a `KVCache` through
 for the new tokens, gets back every token's entries for each row so far (the new ones included),
 and attends over those under the cache's mask. Grouped-query attention hands over its queries and
 its kernel too (`attend`), so that a cache whose batch is not a rectangle (an engine's decode rows
-and a prompt chunk run as one row of tokens) can call the kernel on each part. The model's own
+and a prompt chunk run as one row of tokens) can call the kernel on each part: such a cache has
+an `attend` method of its own. The model's own
 modules run either way; the cache only stores and gathers tensors and picks the parts, so
 decoding holds no second copy of the attention math.
 
@@ -44,22 +45,6 @@ class LayerKVCache(Protocol):
         `new`."""
         ...
 
-    def attend(
-        self,
-        kernel: Callable[..., torch.Tensor],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        **extra: torch.Tensor,
-    ) -> torch.Tensor:
-        """The new tokens' attention over every token so far: store the new keys and values
-        `k`, `v` (`[batch, kv_heads, new, head_dim]`, as `update`), then `kernel` (the layer's
-        `AttentionKernel.over_cache`) of the queries `q` `[batch, heads, new, head_dim]` over
-        them under `mask`, with the layer's `extra` options (ALiBi's slopes, sinks; ALiBi's
-        `positions` added here). A cache whose new tokens are not one rectangle (decode rows
-        beside a prompt chunk in one row of tokens) calls the kernel once per part."""
-        ...
-
 
 class KVCache(Protocol):
     """Cached keys and values of the model's layers for one batch (module docstring)."""
@@ -67,3 +52,26 @@ class KVCache(Protocol):
     def layer(self, index: int) -> LayerKVCache:
         """The view of layer `index` (its global layer index)."""
         ...
+
+
+def attend(
+    cache: LayerKVCache,
+    kernel: Callable[..., torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    **extra: torch.Tensor,
+) -> torch.Tensor:
+    """The new tokens' attention over every token so far: store the new keys and values `k`,
+    `v` (`[batch, kv_heads, new, head_dim]`) in `cache`, then `kernel` (the layer's
+    `AttentionKernel.over_cache`) of the queries `q` `[batch, heads, new, head_dim]` over them
+    under the cache's mask, with the layer's `extra` options (ALiBi's slopes, sinks; ALiBi's
+    `positions` added here). A cache with an `attend` method of its own (one that runs its
+    batch in parts) is handed the whole call."""
+    own = getattr(cache, "attend", None)
+    if own is not None:
+        return own(kernel, q, k, v, **extra)
+    k, v = (t.transpose(1, 2) for t in cache.update(k.transpose(1, 2), v.transpose(1, 2)))
+    if "alibi_slopes" in extra:
+        extra["positions"] = cache.positions
+    return kernel(q, k, v, cache.mask, **extra)

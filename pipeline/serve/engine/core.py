@@ -142,15 +142,20 @@ class Engine:
             cuda_graphs=cuda_graphs,
             static_decode=static_decode,
         )
-        if resident_decode is None:
-            resident_decode = self.device.type == "cpu"
-        self.resident = None
-        if resident_decode and self.decoder is None and self.cache.states is None:
-            self.resident = ResidentRows(self.cache, max_batch, self.cache.pool_bytes)
+        self.resident = self._resident_rows(resident_decode, max_batch)
         # Decode rows and prompt chunks in one pass need every attention to hand its kernel to
         # the cache (latent attention reads its cache itself).
         self.mix = mix_prompts and model.config.mla is None
         self.mixed_steps = 0  # steps that ran decode rows and prompt chunks in one pass
+
+    def _resident_rows(self, resident_decode: bool | None, max_batch: int) -> ResidentRows | None:
+        """The decoding requests' resident rows (`resident_decode`; None: on a CPU), where
+        decoding is eager and every layer keeps keys and values."""
+        if resident_decode is None:
+            resident_decode = self.device.type == "cpu"
+        if resident_decode and self.decoder is None and self.cache.states is None:
+            return ResidentRows(self.cache, max_batch, self.cache.pool_bytes)
+        return None
 
     # ---- requests in and out ----------------------------------------------------------------
 

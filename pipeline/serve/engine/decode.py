@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.core.model.kv_seam import attend
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.engine.kv_cache import BlockKVCache
 from pipeline.serve.engine.resident_rows import ResidentRows
@@ -115,19 +116,6 @@ class LayerSlots:
         else:
             read = self.cache.read(self.index, self.batch.read_slots, fresh=self.fresh)
         return [t.to(dtype) for t in read]
-
-    def attend(
-        self,
-        kernel: Callable[..., torch.Tensor],
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        **extra: torch.Tensor,
-    ) -> torch.Tensor:
-        k, v = (t.transpose(1, 2) for t in self.update(k.transpose(1, 2), v.transpose(1, 2)))
-        if "alibi_slopes" in extra:
-            extra["positions"] = self.positions
-        return kernel(q, k, v, self.mask, **extra)
 
 
 class LayerStates:
@@ -222,7 +210,7 @@ class MixedLayerSlots:
             end = start + rows * new
             # [1, heads, total, dim] -> this part's [rows, heads, new, dim]
             cut = [t[0, :, start:end].unflatten(1, (rows, new)).transpose(0, 1) for t in (q, k, v)]
-            out = part.attend(kernel, *cut, **extra)
+            out = attend(part, kernel, *cut, **extra)
             outs.append(out.transpose(0, 1).flatten(1, 2))
             start = end
         return torch.cat(outs, dim=1)[None]
