@@ -759,3 +759,18 @@ def llama_answering(prompt: list[int], reply: list[int], vocab_size: int, eos_id
         if loss.item() < 1e-3:
             break
     return model
+
+
+def served_text(
+    tokenizer_dir: Path, prompt: list[int], output: list[int], skip_special_tokens: bool = True
+) -> str:
+    """The text vLLM serves for `output` after `prompt`: the `tokenizers` library's
+    `DecodeStream` (what vLLM's detokenizer steps), primed with the prompt, over the output's
+    ids; a character the output leaves incomplete at its end is never written."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    stream = DecodeStream(ids=list(prompt), skip_special_tokens=skip_special_tokens)
+    pieces = (stream.step(tokenizer, token) for token in output)
+    return "".join(piece for piece in pieces if piece is not None)

@@ -40,7 +40,12 @@ def run_generation(
         tp=gen.tp,
         cuda_graphs=cuda_graphs,
     )
-    texts = {engine.add(ids, params): RequestText(gen.decode, params, ids) for ids in encoded}
+    # The whole output's `tokenizer.decode` text, a character cut at the end included (what
+    # transformers prints); `pipe serve` writes vLLM's text, which leaves that one out.
+    texts = {
+        engine.add(ids, params): RequestText(gen.decode, params, ids, keep_partial=True)
+        for ids in encoded
+    }
     streaming = len(prompts) == 1
     if streaming:
         echo(shown[0], nl=False)

@@ -22,7 +22,7 @@ from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
 from pipeline.tokenizer.tokenizer import load_tokenizer
-from tests.builders import run_pipe
+from tests.builders import run_pipe, served_text
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,20 +96,24 @@ def _hf_greedy(hf, prompt: list[int], eos: frozenset[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-# transformers' text continuations by (model directory, prompt): the `pipe generate` and the
+# transformers' continuations by (model directory, prompt): the `pipe generate` and the
 # `pipe serve` checks of a family compare against the same ones, so each is generated once.
-_HF_TEXTS: dict[tuple[Path, str], str] = {}
+_HF_IDS: dict[tuple[Path, str], tuple[list[int], list[int]]] = {}
+
+
+def _hf_ids(hf, directory: Path, prompt: str) -> tuple[list[int], list[int]]:
+    """The text `prompt`'s ids and transformers' greedy continuation, without the end ids."""
+    key = (directory, prompt)
+    if key not in _HF_IDS:
+        ids = load_tokenizer(directory).encode_batch([prompt])[0]
+        eos = open_generator(directory).eos_ids
+        _HF_IDS[key] = ids, [t for t in _hf_greedy(hf, ids, eos) if t not in eos]
+    return _HF_IDS[key]
 
 
 def _hf_text(hf, directory: Path, prompt: str) -> str:
-    """transformers' greedy continuation of the text `prompt`, decoded without the end ids."""
-    key = (directory, prompt)
-    if key not in _HF_TEXTS:
-        tokenizer = load_tokenizer(directory)
-        eos = open_generator(directory).eos_ids
-        new = _hf_greedy(hf, tokenizer.encode_batch([prompt])[0], eos)
-        _HF_TEXTS[key] = tokenizer.decode([t for t in new if t not in eos])
-    return _HF_TEXTS[key]
+    """transformers' greedy continuation of the text `prompt`, as `tokenizer.decode` writes it."""
+    return load_tokenizer(directory).decode(_hf_ids(hf, directory, prompt)[1])
 
 
 def test_engine_greedy_equals_transformers(family) -> None:
@@ -144,7 +148,7 @@ def test_pipe_serve_completes_as_transformers(family, tmp_path) -> None:
             body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0}
             status, _, answer = server.post("/v1/completions", body)
             assert status == 200, answer
-            expected = _hf_text(hf, directory, prompt)
+            expected = served_text(directory, *_hf_ids(hf, directory, prompt))
             assert answer["choices"][0]["text"] == expected, (name, prompt)
     finally:
         server.stop()

@@ -412,6 +412,33 @@ def test_incremental_text_equals_decoding_the_whole_output(name) -> None:
     assert stop.stopped and released == whole[: whole.index("한국")]
 
 
+@pytest.mark.parametrize("name", ["llama2", "llama3"])
+def test_an_output_cut_inside_a_character_is_vllms_text_or_decodes_text(name) -> None:
+    """Cut off inside a character (max_tokens), the text is vLLM's by default: the `tokenizers`
+    library's DecodeStream, which vLLM's detokenizer steps, after the same prompt; with
+    `keep_partial` it is `tokenizer.decode`'s, U+FFFD and all (lm-eval's `hf` model)."""
+    from pipeline.serve.engine.text import TextStream
+    from pipeline.tokenizer.tokenizer import load_tokenizer
+    from tests.builders import served_text, shared_file
+
+    directory = shared_file(f"tokenizers/{name}")
+    tokenizer = load_tokenizer(directory)
+    prompt, *output = tokenizer.encode_batch(["ask: ok 東京 🙂 Grüße 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꧁꧂"])[0]
+    cuts = [c for c in range(1, len(output)) if tokenizer.decode(output[:c]).endswith("\ufffd")]
+    assert len(cuts) > 3  # characters of several byte pieces
+    # SentencePiece's byte fallback (llama2) decodes a run of byte pieces that is not whole
+    # UTF-8 as one U+FFFD per piece, the whole characters before the cut included, which the
+    # stream has released as text already: `keep_partial` is held to llama3's decode only.
+    keeps = (False, True) if name == "llama3" else (False,)
+    for cut in range(1, len(output) + 1):
+        for keep in keeps:
+            stream = TextStream(tokenizer.decode, context=[prompt], keep_partial=keep)
+            text = "".join(stream.push(token) for token in output[:cut]) + stream.finish()
+            whole = tokenizer.decode([prompt, *output[:cut]])[len(tokenizer.decode([prompt])) :]
+            expected = whole if keep else served_text(directory, [prompt], output[:cut])
+            assert text == expected, (cut, keep)
+
+
 def test_a_prompts_last_token_runs_once(llama) -> None:
     """A one-token prompt, or a prompt's last token left alone by the chunking, runs once: in
     the decode rows, not again as prefill (which, for a request aborted mid-step, would find no

@@ -17,7 +17,7 @@ from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
 from pipeline.tokenizer.tokenizer import load_tokenizer
-from tests.builders import run_pipe
+from tests.builders import run_pipe, served_text
 from tests.convert.test_gpt_oss import WINDOW, _case, _hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -103,8 +103,9 @@ def test_pipe_serve_completes_with_transformers_text(gpt_oss_dir, tmp_path) -> N
             body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0}
             status, _, answer = server.post("/v1/completions", body)
             assert status == 200, answer
-            text = answer["choices"][0]["text"]
-            assert text == _transformers_text(directory, hf, prompt), prompt
+            ids = load_tokenizer(directory).encode_batch([prompt])[0]
+            expected = served_text(directory, ids, _hf_greedy(hf, ids))
+            assert answer["choices"][0]["text"] == expected, prompt
     finally:
         server.stop()
 

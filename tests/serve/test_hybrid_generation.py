@@ -19,7 +19,7 @@ from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
 from pipeline.tokenizer.tokenizer import load_tokenizer
-from tests.builders import run_pipe
+from tests.builders import run_pipe, served_text
 from tests.convert.test_qwen3_5 import CASES, hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +132,11 @@ def test_pipe_serve_concurrent_requests_of_several_completions(family, tmp_path)
     name, directory, hf = family
     if name != "qwen3_5_moe":
         pytest.skip("the server is the same for every family; one is enough")
-    expected = {text: _hf_text(directory, hf, text, 8) for text in TEXTS}
+    tokenizer = load_tokenizer(directory)
+    expected = {}
+    for text in TEXTS:
+        ids = tokenizer.encode_batch([text])[0]
+        expected[text] = served_text(directory, ids, _hf_greedy(hf, ids, 8))
     server = Server(directory, tmp_path / "stderr.txt", "--max-batch", "8", "--block-size", "8")
     try:
 

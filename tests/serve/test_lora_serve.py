@@ -23,7 +23,7 @@ from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from pipeline.weights.formats import open_source
 from pipeline.weights.pipe_checkpoint import write_pipe_checkpoint
-from tests.builders import run_pipe
+from tests.builders import run_pipe, served_text
 from tests.serve.test_server import Server
 
 transformers = pytest.importorskip("transformers")
@@ -81,7 +81,8 @@ def exported(tiny_hf_dir, tmp_path_factory):
 
 
 def peft_greedy(hf_dir: Path, adapter: Path | None, prompt: str) -> str:
-    """transformers (+ peft with `adapter`) greedy continuation of `prompt`."""
+    """transformers (+ peft with `adapter`) greedy continuation of `prompt`, its text as vLLM
+    (and `pipe serve`) write it."""
     from pipeline.tokenizer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(hf_dir)
@@ -97,7 +98,7 @@ def peft_greedy(hf_dir: Path, adapter: Path | None, prompt: str) -> str:
             do_sample=False,
             pad_token_id=0,
         )
-    return tokenizer.decode(out[0, ids.shape[1] :].tolist())
+    return served_text(hf_dir, ids[0].tolist(), out[0, ids.shape[1] :].tolist())
 
 
 def test_auto_peft_loads_the_export_with_pipes_logits(tiny_hf_dir, exported, tmp_path) -> None:

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.builders import served_text
 from tests.serve.test_server import Server
 
 openai = pytest.importorskip("openai")
@@ -415,20 +416,26 @@ def test_chat_accepts_what_clients_send(client, tokenizer) -> None:
     assert answer.usage.prompt_tokens == len(encode(tokenizer, prompt))
 
 
-def test_chat_n_and_logprobs(client) -> None:
+def test_chat_n_and_logprobs(client, tiny_hf_dir, hf_tokenizer) -> None:
     answer = client.chat.completions.create(
         model="tiny_hf0",
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=3,
         n=2,
-        extra_body={"top_k": 1},  # the most likely token; vLLM refuses greedy n > 1
         logprobs=True,
         top_logprobs=2,
+        # top_k 1: the most likely token (vLLM refuses greedy n > 1)
+        extra_body={"top_k": 1, "return_token_ids": True},
     )
     assert [c.index for c in answer.choices] == [0, 1]
     content = answer.choices[0].logprobs.content
-    assert len(content) == 3
-    assert "".join(t.token for t in content) == answer.choices[0].message.content
+    ids = answer.choices[0].token_ids
+    assert len(content) == 3 and len(ids) == 3
+    # each token's own text, and the reply's as vLLM writes the ids (a character left
+    # incomplete at the end is not written)
+    assert [t.token for t in content] == [hf_tokenizer.decode([token]) for token in ids]
+    expected = served_text(tiny_hf_dir, answer.prompt_token_ids, ids)
+    assert answer.choices[0].message.content == expected
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.bytes == list(entry.token.encode())
@@ -835,7 +842,7 @@ def test_request_id_names_the_response(server) -> None:
         assert body["id"].endswith("-abc")
 
 
-def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
+def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer, tiny_hf_dir) -> None:
     """Chat's `return_token_ids` (the ids decode to the reply, the prompt's are /tokenize's),
     `echo` (the last message's text first, when the reply takes its role) and
     `return_tokens_as_token_ids`, whole and streamed."""
@@ -844,7 +851,8 @@ def test_chat_token_ids_echo_and_token_id_names(server, hf_tokenizer) -> None:
     status, body = raw(server, "POST", "/v1/chat/completions", {**fields, "return_token_ids": True})
     choice = body["choices"][0]
     assert status == 200 and len(choice["token_ids"]) == 4
-    assert hf_tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    expected = served_text(tiny_hf_dir, body["prompt_token_ids"], choice["token_ids"])
+    assert choice["message"]["content"] == expected
     tokenized = raw(server, "POST", "/tokenize", {"messages": messages})[1]["tokens"]
     assert body["prompt_token_ids"] == tokenized and "prompt_text" not in body
     with_text = {**fields, "return_prompt_text": True}

@@ -34,13 +34,18 @@ class TextStream:
         stop: Sequence[str] = (),
         context: Sequence[int] = (),
         include_stop: bool = False,
+        keep_partial: bool = False,
     ) -> None:
         """`context`: the ids before the output (the prompt's last few), so that the first
         token's text is what it adds after them: a SentencePiece word keeps its leading space,
         and prompt + output text is the whole text (vLLM's rule too). `include_stop`: the text
-        ends after the stop string found, not before it."""
+        ends after the stop string found, not before it. `keep_partial`: an output that ends
+        inside a character ends with U+FFFD for its bytes, as `tokenizer.decode` writes it
+        (lm-eval's Hugging Face backend), not without them (vLLM's text: its detokenizer never
+        releases a partial character)."""
         self._decode = decode
         self._include_stop = include_stop
+        self._keep_partial = keep_partial
         self._stop = [s for s in stop if s]
         context = list(context[-CONTEXT_IDS:]) if context else []
         context_text = decode(context) if context else ""
@@ -73,9 +78,12 @@ class TextStream:
         return self._release(self._complete[:safe])
 
     def finish(self) -> str:
-        """Everything not yet released (the request ended for another reason)."""
+        """Everything not yet released (the request ended for another reason); a last
+        character left incomplete only with `keep_partial`."""
         if self.stopped:
             return ""
+        if not self._keep_partial:
+            return self._release(self._complete)
         window = self._decode(self.ids[self._prefix :])
         return self._release(self._complete + window[len(self._prefix_text) :])
 
@@ -119,20 +127,24 @@ class RequestText:
     strings are found here, once more than `min_tokens` tokens are out (vLLM's rule). When one
     ends the text first, `stopped_by_text` says so: the engine does not know, and the caller
     must abort the request. `decode(ids, skip_special_tokens)` is the tokenizer's; the
-    request's `skip_special_tokens` says whether special tokens are written."""
+    request's `skip_special_tokens` says whether special tokens are written; `keep_partial`:
+    as `TextStream`'s (default: vLLM's text)."""
 
     def __init__(
         self,
         decode: Callable[[list[int], bool], str],
         params: SamplingParams,
         prompt: Sequence[int],
+        keep_partial: bool = False,
     ) -> None:
         skip = params.skip_special_tokens
 
         def text_of(ids: list[int]) -> str:
             return decode(ids, skip)
 
-        self._stream = TextStream(text_of, params.stop, prompt, params.include_stop_str_in_output)
+        self._stream = TextStream(
+            text_of, params.stop, prompt, params.include_stop_str_in_output, keep_partial
+        )
         self._stop_token_ids = params.stop_token_ids
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens

@@ -69,7 +69,7 @@ class RequestStream:
         self.client, self.request_id, self.prompt, self.params = client, request_id, prompt, params
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._text = RequestText(client.tokenizer.decode, params, prompt)
+        self._text = RequestText(client.tokenizer.decode, params, prompt, client.keep_partial)
         self._arrived: list[TokenOutput] = []
         self._error: Exception | None = None
         self._wake = asyncio.Event()
@@ -157,11 +157,15 @@ class RequestStream:
 
 
 class EngineClient:
-    """The engine process seen from the HTTP server (module docstring)."""
+    """The engine process seen from the HTTP server (module docstring). `keep_partial`: an
+    output cut inside a character ends with U+FFFD, as lm-eval's Hugging Face backend writes
+    it (`pipe eval`'s server), instead of without it, as vLLM writes it
+    (`pipeline.serve.engine.text.TextStream`)."""
 
-    def __init__(self, spec: EngineSpec, max_waiting: int) -> None:
+    def __init__(self, spec: EngineSpec, max_waiting: int, keep_partial: bool = False) -> None:
         self.spec = spec
         self.max_waiting = max_waiting
+        self.keep_partial = keep_partial
         self.finish_counts: Counter = Counter()
         self._engine_running = 0  # as of the engine's last message
         self._streams: dict[int, RequestStream] = {}

@@ -48,7 +48,9 @@ def serving(
     from pipeline.serve.http.engine_client import EngineClient
     from pipeline.serve.http.server import create_app
 
-    client = EngineClient(spec, max_waiting)
+    # lm-eval's Hugging Face backend, what `pipe eval`'s scores are held to, keeps U+FFFD for
+    # a generation cut inside a character; vLLM (and `pipe serve`) leave the partial one out.
+    client = EngineClient(spec, max_waiting, keep_partial=True)
     ready = client.start()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
