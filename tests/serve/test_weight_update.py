@@ -98,9 +98,9 @@ def _engine_pids(server) -> tuple[int, ...]:
 
 
 def test_a_push_serves_the_pushing_model_in_the_same_process(server, client, second_hf_dir):
+    from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.loading import open_generator
     from pipeline.serve.engine.sampling import SamplingParams
-    from pipeline.serve.generate_run import run_generation
 
     pids = _engine_pids(server)
     before = server.get("/v1/models")[1]["data"][0]["weight_version"]
@@ -111,10 +111,11 @@ def test_a_push_serves_the_pushing_model_in_the_same_process(server, client, sec
         expected = _hf_logprobs(second_hf_dir, ids)
         assert _served_logprobs(server, ids) == pytest.approx(expected, abs=1e-5)
     greedy = SamplingParams(max_new_tokens=8, greedy=True)
-    texts = run_generation(trained, PROBES, greedy, echo=lambda *a, **k: None)
-    for prompt, text in zip(PROBES, texts):
-        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
-        assert server.post("/v1/completions", body)[2]["choices"][0]["text"] == text
+    engine = Engine(trained.model, max_batch=len(PROBES))
+    outputs = engine.generate([trained.encode(prompt) for prompt in PROBES], greedy)
+    for prompt, output in zip(PROBES, outputs):
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        assert server.post("/v1/completions", body)[2]["choices"][0]["token_ids"] == output.output
     assert _engine_pids(server) == pids
     assert server.get("/weight_info")[1] == {"weight_version": "1"}
     assert server.get("/v1/models")[1]["data"][0]["weight_version"] == "1"
