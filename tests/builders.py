@@ -523,8 +523,9 @@ LAYOUT_MOE_RECIPES = ("tiny_moe", "tiny_qwen3_moe", "tiny_deepseek_v3")
 LAYOUT_QWEN3 = ["model.head_dim=16"]
 
 
-def layout_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
-    """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU.
+def layout_sets(recipe: str, run_dir: Path, *extra: str, save: bool = True) -> list[str]:
+    """The micro run of `recipe`: mock data, seq 32, gbs 8 in micro-batches of 2, fp32, CPU;
+    with `save` False, no checkpoint (a save is a second or more of a micro run on 2 cores).
 
     The mock data's sample indices (2 million samples a split: most of a micro run's time) are
     cached beside `run_dir`, so the runs of one test (every layout, every rank) build them once
@@ -550,6 +551,7 @@ def layout_sets(recipe: str, run_dir: Path, *extra: str) -> list[str]:
         f"scheduler.decay_iters={LAYOUT_RESUMED_ITERS}",  # the same schedule for runs of any length
         f"checkpoint.save_interval={LAYOUT_ITERS}",
         f"logging.run_dir={run_dir}",
+        *([] if save else ["checkpoint.enable=false"]),
         *extra,
     ]
 

@@ -41,7 +41,7 @@ LAYOUTS = {
 
 
 def _sets(flavor: str, run_dir: Path, *extra: str) -> list[str]:
-    return layout_sets("tiny", run_dir, f"model.flavor={flavor}", *SHAPE, *extra)
+    return layout_sets("tiny", run_dir, f"model.flavor={flavor}", *SHAPE, *extra, save=False)
 
 
 def _worker(rank: int, world_size: int, tmp: Path) -> dict:

@@ -36,7 +36,9 @@ def _worker(rank: int, world_size: int, tmp: Path) -> dict:
     out = {}
     for recipe in RECIPES:
         for name, extra in LAYOUTS.items():
-            result = train_and_probe(recipe, layout_sets(recipe, tmp / f"{recipe}_{name}", *extra))
+            result = train_and_probe(
+                recipe, layout_sets(recipe, tmp / f"{recipe}_{name}", *extra, save=False)
+            )
             if not result.pop("first_of_stage"):
                 result.pop("grads")
             out[(recipe, name)] = result
@@ -47,7 +49,9 @@ def _worker(rank: int, world_size: int, tmp: Path) -> dict:
 def test_family_layouts_equal_one_device(tmp_path: Path) -> None:
     reference = {}
     for recipe in RECIPES:
-        reference[recipe] = train_and_probe(recipe, layout_sets(recipe, tmp_path / recipe))
+        reference[recipe] = train_and_probe(
+            recipe, layout_sets(recipe, tmp_path / recipe, save=False)
+        )
     per_rank = run_distributed(_worker, 2, tmp_path)
     for key in per_rank[0]:
         recipe, _ = key

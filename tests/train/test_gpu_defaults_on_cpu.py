@@ -84,7 +84,9 @@ def _run(recipe: str, name: str, run_dir: Path, extra: list[str]) -> dict:
     torch._dynamo.reset()
     counters.clear()
     with _compile_backend(BACKEND):
-        result = train_and_probe(recipe, layout_sets(recipe, run_dir, *GPU_DEFAULTS, *extra))
+        result = train_and_probe(
+            recipe, layout_sets(recipe, run_dir, *GPU_DEFAULTS, *extra, save=False)
+        )
     result["compiled_graphs"] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     return result

@@ -36,7 +36,7 @@ FLAVORS = sorted({flavor for flavor, _, _ in ROWS})
 
 
 def _flavor_sets(flavor: str, run_dir: Path, *extra: str) -> list[str]:
-    return _sets(RECIPE, run_dir, f"model.flavor={flavor}", *extra)
+    return _sets(RECIPE, run_dir, f"model.flavor={flavor}", *extra, save=False)
 
 
 def _tp_placements() -> dict[str, tuple]:

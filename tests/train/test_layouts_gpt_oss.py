@@ -55,7 +55,7 @@ def _runs() -> list[tuple[str, str]]:
 def _worker(rank: int, world_size: int, tmp: Path) -> dict:
     out = {}
     for recipe, name in _runs():
-        sets = layout_sets(recipe, tmp / f"{recipe}_{name}", *LAYOUTS[name])
+        sets = layout_sets(recipe, tmp / f"{recipe}_{name}", *LAYOUTS[name], save=False)
         result = train_and_probe(recipe, sets)
         if not result.pop("first_of_stage"):
             result.pop("grads")
@@ -65,7 +65,9 @@ def _worker(rank: int, world_size: int, tmp: Path) -> dict:
 
 def test_gpt_oss_smollm3_and_seed_oss_layouts_equal_one_device(tmp_path: Path) -> None:
     references = {
-        recipe: train_and_probe(recipe, layout_sets(recipe, tmp_path / f"{recipe}_single"))
+        recipe: train_and_probe(
+            recipe, layout_sets(recipe, tmp_path / f"{recipe}_single", save=False)
+        )
         for recipe in (RECIPE, SMOLLM3, SEED_OSS)
     }
     names = set(references[RECIPE]["grads"])

@@ -39,7 +39,7 @@ def _train_and_probe(run: Path, *extra: str, recipe: str = "tiny_moe") -> dict:
     from tests.builders import _probe_gradients
 
     trainer = Trainer(
-        resolve_config(recipe, layout_sets(recipe, run, *LORA, *extra)), console=False
+        resolve_config(recipe, layout_sets(recipe, run, *LORA, *extra, save=False)), console=False
     )
     losses = trainer.train().losses
     _probe_gradients(trainer)
