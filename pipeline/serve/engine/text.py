@@ -6,7 +6,8 @@ ids[prefix:] minus the text of ids[prefix:read] is what the new tokens add, exac
 decoder does at the start of a sequence, and the window moves on once that text is complete. A
 token costs the decoding of a handful of ids, not of the whole output. Only what can no longer
 change is released: nothing that ends in an incomplete character, nothing that might be the start
-of a stop string.
+of a stop string. An output that ends inside a character ends without it, as vLLM's does
+(`keep_partial` writes it as `tokenizer.decode` does, U+FFFD for its bytes).
 
 `RequestText` is that stream for one request as the engine's tokens come: the HTTP server's
 engine client and `pipe generate` both make their text through it, so they release the same text
