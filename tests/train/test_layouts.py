@@ -120,12 +120,14 @@ RESUMED = {
 }
 
 
-def _layout_worker(rank: int, world_size: int, tmp: Path, layouts: list) -> dict:
-    """Run each (recipe, name, sets) layout in turn; return what the first rank of each
-    pipeline stage saw."""
+def _layout_worker(
+    rank: int, world_size: int, tmp: Path, layouts: list, resumed: set = RESUMED
+) -> dict:
+    """Run each (recipe, name, sets) layout in turn, saving checkpoints for the `resumed` ones
+    only; return what the first rank of each pipeline stage saw."""
     out = {}
     for recipe, name, extra in layouts:
-        if (recipe, name) not in RESUMED:
+        if (recipe, name) not in resumed:
             extra = [*extra, "checkpoint.enable=false"]
         result = _train_and_probe(recipe, _sets(recipe, tmp / f"{recipe}_{name}", *extra))
         if result.pop("first_of_stage"):

@@ -1,0 +1,105 @@
+"""The CPU engine's step, alone: a decode step at 1, 8 and 32 running requests, and a step that
+also runs a 64-token prompt, each with the engine's defaults and with resident rows or mixed
+passes off (the baselines, measured in the same run, alternating), printed as ms and ratios.
+
+Uses the serving benchmark's model (`serve.py --build-only` writes it), one thread, greedy
+requests on random token prompts of 64 tokens, after 30 decode steps; each figure is the median
+of alternating blocks of 10 steps.
+
+    python scripts/bench/serve.py --model-dir /tmp/serve-bench --build-only
+    python scripts/bench/engine_step.py --model-dir /tmp/serve-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = {
+    "defaults": {},
+    "gathering": {"resident_decode": False},  # no resident rows (nor mixed passes)
+    "two passes": {"mix_prompts": False},
+}
+
+
+def engines(model, rows: int) -> dict:
+    """One engine per setting, each with `rows` requests decoding (prompts of 64 tokens)."""
+    from pipeline.serve.engine.core import Engine
+    from pipeline.serve.engine.sampling import SamplingParams
+
+    out = {}
+    for name, options in SETTINGS.items():
+        random.seed(0)
+        engine = Engine(model, max_batch=rows + 1, cache_blocks=4096, **options)
+        for _ in range(rows):
+            prompt = [random.randrange(100, 30000) for _ in range(64)]
+            engine.add(prompt, SamplingParams(max_new_tokens=1900, greedy=True))
+        for _ in range(30):
+            engine.step()
+        out[name] = engine
+    return out
+
+
+def decode_ms(engine) -> float:
+    start = time.perf_counter()
+    for _ in range(10):
+        engine.step()
+    return (time.perf_counter() - start) / 10 * 1e3
+
+
+def prompt_ms(engine) -> float:
+    """A step that also runs a new 64-token prompt (a one-token request), then its own step."""
+    from pipeline.serve.engine.sampling import SamplingParams
+
+    took = []
+    for _ in range(5):
+        prompt = [random.randrange(100, 30000) for _ in range(64)]
+        engine.add(prompt, SamplingParams(max_new_tokens=1))
+        start = time.perf_counter()
+        engine.step()
+        took.append(time.perf_counter() - start)
+    return statistics.median(took) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pipe-serve-bench"))
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per figure")
+    args = parser.parse_args()
+
+    import torch
+
+    from pipeline.serve.engine.cpu_linear import prepack_linears
+    from pipeline.serve.engine.loading import open_generator
+
+    torch.set_num_threads(1)
+    model = open_generator(args.model_dir).model
+    prepack_linears(model)
+    for rows in (int(r) for r in args.rows.split(",")):
+        running = engines(model, rows)
+        for label, measure in (("decode step", decode_ms), ("+ a 64-token prompt", prompt_ms)):
+            times = {name: [] for name in running}
+            with torch.inference_mode():
+                for _ in range(args.blocks):
+                    for name, engine in running.items():
+                        times[name].append(measure(engine))
+            median = {name: statistics.median(t) for name, t in times.items()}
+            base = median["defaults"]
+            others = ", ".join(
+                f"{name} {ms:.1f} ms ({ms / base:.2f}x the defaults' time)"
+                for name, ms in median.items()
+                if name != "defaults"
+            )
+            print(f"{rows:3d} rows, {label}: defaults {base:.1f} ms; {others}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
