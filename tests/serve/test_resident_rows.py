@@ -96,7 +96,7 @@ def test_rows_over_the_budget_gather_instead(tiny_hf_dir) -> None:
     give the same tokens."""
     model = open_generator(tiny_hf_dir).model
     small = Engine(model, max_batch=3, block_size=4)
-    small.resident.budget_bytes = small.resident.position_bytes * 255  # under one row's step
+    small.resident.budget_bytes = small.cache.slot_bytes * 255  # under one row's step
     requests = _churn(small)
     list(small.run())
     assert small.resident.steps == 0 and small.resident.buffers[0] == []

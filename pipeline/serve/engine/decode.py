@@ -112,7 +112,7 @@ class LayerSlots:
         dtype = new[0].dtype
         resident = self.batch.resident
         if resident is not None:
-            read = resident.update(self.index, self.batch.positions[:, 0], *new)
+            read = resident.update(self.index, *new)
         else:
             read = self.cache.read(self.index, self.batch.read_slots, fresh=self.fresh)
         return [t.to(dtype) for t in read]

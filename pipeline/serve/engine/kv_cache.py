@@ -119,9 +119,19 @@ class BlockKVCache:
         return len(self._free) + len(self._evictable)
 
     @property
+    def slot_bytes(self) -> int:
+        """The bytes one slot (one token's entries) takes over every layer's pools."""
+        return sum(
+            pool.shape[1:].numel() * pool.element_size()
+            for pools in self.pools
+            for pool in pools
+            if pool.shape[0]  # linear attention's empty pools hold no slot
+        )
+
+    @property
     def pool_bytes(self) -> int:
-        """The bytes of every layer's pools."""
-        return sum(pool.numel() * pool.element_size() for pools in self.pools for pool in pools)
+        """The bytes of every layer's pools (their slots and the scratch slot)."""
+        return self.slot_bytes * (self.scratch_slot + 1)
 
     @property
     def cached_blocks(self) -> int:

@@ -50,9 +50,7 @@ class ResidentRows:
         self.lengths: list[int] = []  # positions held by each row
         self.length = 0  # the longest row's, this step
         self.steps = self.fills = self.moves = 0  # steps run over the rows; rows filled, moved
-        self.position_bytes = sum(
-            pool[0].numel() * pool.element_size() for pools in cache.pools for pool in pools
-        )
+        self._write_at: torch.Tensor | None = None  # this step's entry of each row, flat index
 
     def arrange(self, requests: Sequence[Any]) -> list[int] | None:
         """Make rows 0..n-1 hold `requests` (this step's decode rows: each with `computed`
@@ -73,21 +71,23 @@ class ResidentRows:
         for request in requests:
             if id(request) not in held:
                 self._fill(request)
-        self.lengths = [n + 1 for n in self.lengths]  # the step writes each row's next position
+        # the step writes each row's next position, at the same place in every layer
+        at = [row * self.capacity + n for row, n in enumerate(self.lengths)]
+        self._write_at = torch.tensor(at, device=self.cache.pools[0][0].device)
+        self.lengths = [n + 1 for n in self.lengths]
         self.steps += 1
         index = {id(request): i for i, request in enumerate(requests)}
         return [index[id(request)] for request in self.requests]
 
-    def update(self, layer: int, positions: torch.Tensor, *new: torch.Tensor) -> list[torch.Tensor]:
+    def update(self, layer: int, *new: torch.Tensor) -> list[torch.Tensor]:
         """Write the new tokens' entries (`[rows, 1, *entry]` each, rows in `arrange`'s order)
-        at their `positions` `[rows]`; return each kind's `[rows, length, *entry]` view."""
-        rows = positions.shape[0]
-        at = torch.arange(rows, device=positions.device) * self.capacity + positions
+        at each row's next position; return each kind's `[rows, length, *entry]` view."""
+        rows = len(self.requests)
         out = []
         for buffer, value in zip(self.buffers[layer], new):
             entry = buffer.shape[2:]
             flat = buffer.view(-1, *entry)
-            flat.index_copy_(0, at, value.reshape(rows, *entry).to(buffer.dtype))
+            flat.index_copy_(0, self._write_at, value.reshape(rows, *entry).to(buffer.dtype))
             out.append(buffer[:rows, : self.length])
         return out
 
@@ -95,8 +95,10 @@ class ResidentRows:
 
     def fits(self, requests: Sequence[Any]) -> bool:
         """Whether rows for `requests` (as `arrange` takes them) fit the budget."""
-        rows, capacity = self._size(requests)
-        return rows * capacity * self.position_bytes <= self.budget_bytes
+        return self._within_budget(*self._size(requests))
+
+    def _within_budget(self, rows: int, capacity: int) -> bool:
+        return rows * capacity * self.cache.slot_bytes <= self.budget_bytes
 
     def _size(self, requests: Sequence[Any]) -> tuple[int, int]:
         """The rows and capacity the buffers need for `requests`: rows to a power of two up to
@@ -107,9 +109,9 @@ class ResidentRows:
 
     def _fits(self, requests: Sequence[Any]) -> bool:
         """`fits`, growing the buffers if they must."""
-        if not self.fits(requests):
-            return False
         rows, capacity = self._size(requests)
+        if not self._within_budget(rows, capacity):
+            return False
         if (rows, capacity) != (self.rows, self.capacity):
             self._grow(rows, capacity)
         return True
