@@ -7,7 +7,9 @@ its tokenizer, starts `pipe serve` on it with pipe's defaults, and, at each conc
 32 by default), keeps that many streaming clients busy with completions of 64 new tokens on
 64-token prompts cut from the Linux documentation corpus (token-id prompts, so both servers see
 the same ids). It prints, per server and concurrency: streamed output tokens/s, time to first
-token and whole-request latency (p50, p90, p99), then pipe / other. Before the load, each server
+token and whole-request latency (p50, p90, p99), then pipe / other. `--repeats N` runs each load
+N times, the servers taking turns, and keeps each server's median run, so that a host whose speed
+drifts over minutes weighs on both servers alike. Before the load, each server
 answers a few prompts greedily, and their texts are compared with each other and with
 transformers' `generate` on the same weights.
 
@@ -238,6 +240,12 @@ def main() -> None:
     parser.add_argument("--other", help="URL of the server to compare with (e.g. vLLM's)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="loads per server and concurrency, the servers taking turns; the median is kept",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
@@ -345,15 +353,41 @@ def run(servers: dict, prompts: list[list[int]], concurrencies: list[int], args)
         report["greedy_pipe_equal_to_other"] = f"{equal}/{len(checked)}"
         print(f"pipe: greedy text equal to the other server's on {equal}/{len(checked)} prompts")
     for concurrency in concurrencies:
-        row = {"concurrency": concurrency}
-        for label, url in servers.items():
-            asyncio.run(load(url, names[label], prompts, concurrency, args.new_tokens, 1))  # warm
-            row[label] = asyncio.run(
-                load(url, names[label], prompts, concurrency, args.new_tokens, args.rounds)
-            )
+        row = measure_alternating(servers, names, prompts, concurrency, args)
         report["runs"].append(row)
         print_row(row)
     return report
+
+
+def measure_alternating(servers: dict, names: dict, prompts, concurrency: int, args) -> dict:
+    """Each server's figures at `concurrency`: `args.repeats` loads each, the servers taking
+    turns (the order flipped every repeat), so a machine whose speed drifts over minutes (a
+    shared host) weighs on both alike; each server's run of median tokens/s is kept, and each
+    repeat's pipe / other ratio listed."""
+    labels = list(servers)
+    runs: dict = {label: [] for label in labels}
+    for label in labels:  # warm
+        asyncio.run(load(servers[label], names[label], prompts, concurrency, args.new_tokens, 1))
+    for repeat in range(args.repeats):
+        for label in labels if repeat % 2 == 0 else labels[::-1]:
+            runs[label].append(
+                asyncio.run(
+                    load(
+                        servers[label],
+                        names[label],
+                        prompts,
+                        concurrency,
+                        args.new_tokens,
+                        args.rounds,
+                    )
+                )
+            )
+    row: dict = {"concurrency": concurrency}
+    for label, figures in runs.items():
+        row[label] = sorted(figures, key=lambda f: f["tok_s"])[len(figures) // 2]
+    if "other" in runs:
+        row["ratios"] = [p["tok_s"] / o["tok_s"] for p, o in zip(runs["pipe"], runs["other"])]
+    return row
 
 
 def print_row(row: dict) -> None:
@@ -372,6 +406,9 @@ def print_row(row: dict) -> None:
         print(
             f"c={row['concurrency']:>3} pipe / other: tokens/s {speed:.2f}x, TTFT p50 {ttft:.2f}x"
         )
+        if len(row["ratios"]) > 1:
+            each = ", ".join(f"{ratio:.2f}x" for ratio in row["ratios"])
+            print(f"c={row['concurrency']:>3} tokens/s ratio of each repeat: {each}")
 
 
 if __name__ == "__main__":

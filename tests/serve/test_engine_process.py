@@ -1,7 +1,7 @@
 """The engine in its own process, seen through `EngineClient`: the same tokens as the engine run
 in this process, several tokens in one delta for a consumer slower than the engine, admission
 refused at once, and a model that cannot load named in one line. Also the CPU linears packed
-for oneDNN, against `nn.Linear`."""
+for oneDNN, alone and stacked by input, against `nn.Linear`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ import pytest
 import torch
 from torch import nn
 
+from pipeline.core.model.shared_input import project
 from pipeline.serve.engine.core import Engine
-from pipeline.serve.engine.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
+from pipeline.serve.engine.cpu_linear import (
+    PrepackedLinear,
+    StackedLinears,
+    can_prepack,
+    prepack_linears,
+)
 from pipeline.serve.engine.loading import LoadError, open_generator
 from pipeline.serve.engine.process import EngineSpec
 from pipeline.serve.engine.request_checks import PromptTooLong
@@ -108,12 +114,40 @@ def test_a_prepacked_linear_equals_nn_linear(shape) -> None:
 
 
 @pytest.mark.skipif(not can_prepack(nn.Linear(2, 2)), reason="no oneDNN in this torch")
+@pytest.mark.skipif(not can_prepack(nn.Linear(2, 2)), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_linears_give_each_linear_its_own_product(bias) -> None:
+    """One product for linears of one input, each output bit for bit its linear's alone; a
+    linear called alone, or hooked, still gets its own; new weights take effect on repack."""
+    torch.manual_seed(0)
+    plain = [nn.Linear(48, n, bias=bias) for n in (64, 32, 32)]
+    linears = tuple(PrepackedLinear(linear) for linear in plain)
+    inputs = [torch.randn(*shape) for shape in [(1, 48), (1, 1, 48), (7, 48), (3, 5, 48)]]
+    apart = [[linear(x) for linear in linears] for x in inputs]
+    stack = StackedLinears(linears)
+    assert all(linear.packed is None for linear in linears)  # the stack holds the only copy
+    for x, expected in zip(inputs, apart):
+        for got, want in zip(project(x, *linears), expected):
+            assert torch.equal(got, want)
+        assert torch.equal(linears[1](x), expected[1])
+    with torch.no_grad():
+        plain[2].weight.mul_(2)
+    stack.repack()
+    torch.testing.assert_close(project(inputs[2], *linears)[2], plain[2](inputs[2]))
+    hooked = []
+    linears[0].register_forward_hook(lambda *_: hooked.append(True))
+    project(inputs[0], *linears)
+    assert hooked == [True] and not stack.serves(linears)
+
+
 def test_a_prepacked_model_generates_the_same_tokens(tiny_hf_dir) -> None:
     params = SamplingParams(max_new_tokens=NEW, greedy=True)
     model = open_generator(tiny_hf_dir).model
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert prepack_linears(model) == linears > 0
     assert not any(type(m) is nn.Linear for m in model.modules())
+    stacks = {id(m.stacked) for m in model.modules() if getattr(m, "stacked", None)}
+    assert len(stacks) == 2 * model.config.num_layers  # wq/wk/wv and w1/w3 of each layer
     engine = Engine(model, max_batch=2, cache_blocks=16, block_size=8)
     packed = engine.generate([PROMPT, PROMPT[:3]], params)
     assert packed[0].output == _in_process_tokens(tiny_hf_dir, params)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from pipeline.core.model.greedy import first_argmax
 from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import (
@@ -295,3 +296,23 @@ def test_params_and_logprobs_are_plain_picklable_data() -> None:
     assert pickle.loads(pickle.dumps(params)) == params
     logprobs = TokenLogprobs(-0.5, ((3, -0.5), (1, -1.5)))
     assert pickle.loads(pickle.dumps(logprobs)) == logprobs
+
+
+@pytest.mark.parametrize("vocab", [32000, 96, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_is_argmax(vocab, dtype) -> None:
+    """The blocked argmax (vocabularies of whole blocks: 32,000 and 96; 100 falls back) picks
+    argmax's entry: the first on ties, within and across blocks, the first NaN, entry 0 of a
+    row of -inf (a structured-output mask), one row or many."""
+    torch.manual_seed(0)
+    logits = torch.randn(9, vocab).to(dtype)
+    logits[1, [3, vocab - 1]] = 50.0  # a tie across blocks
+    logits[2, [vocab // 2, vocab // 2 + 1]] = 50.0  # a tie within a block
+    logits[3, [7, vocab - 5]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, vocab - 1] = 50.0  # the last entry
+    logits[6] = 1.0  # all equal
+    assert torch.equal(first_argmax(logits), logits.argmax(-1))
+    for row in logits:
+        assert torch.equal(first_argmax(row), row.argmax(-1))
+    assert torch.equal(first_argmax(logits[::2]), logits[::2].argmax(-1))  # strided rows

@@ -24,6 +24,7 @@ from pipeline.core.model.norms import LayerNorm
 from pipeline.core.model.recompute import RECOMPUTE_MODES, recompute
 from pipeline.core.model.rope import apply_rope, deinterleave, query_scale
 from pipeline.core.model.rope_scaling import yarn_softmax_factor
+from pipeline.core.model.shared_input import project
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ class Attention(nn.Module):
         cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = project(x, self.wq, self.wk, self.wv)
         gate = None
         if self.output_gate:  # each query head's rows are [query, gate]
             q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)

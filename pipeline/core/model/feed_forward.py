@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.core.model.activations import activation_fn
+from pipeline.core.model.shared_input import project
 
 
 def init_linear(linear: nn.Module, std: float) -> None:
@@ -47,7 +48,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.w2(self.act(self.w1(x)))
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        gate, up = project(x, self.w1, self.w3)
+        return self.w2(self.act(gate) * up)
 
     def init_weights(self, std: float, out_std: float) -> None:
         init_linear(self.w1, std)

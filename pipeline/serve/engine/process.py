@@ -140,7 +140,9 @@ def _load(spec: EngineSpec):
             dtype=dtype,
             lora_adapter=spec.lora_adapter,
         )
-        prepack_linears(gen.model)
+        # Adapter slots re-class linears, and a stack's linear then runs the stack's whole
+        # product for its own share: stacks only where no adapter can come.
+        prepack_linears(gen.model, stack=not spec.max_loras)
         engine = build_engine(
             gen,
             kv_cache_bytes=spec.kv_cache_bytes,

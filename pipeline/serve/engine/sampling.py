@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pipeline.core.model.greedy import greedy_token
+from pipeline.core.model.greedy import first_argmax, greedy_token
 
 if TYPE_CHECKING:
     from pipeline.serve.engine.structured_output import StructuredOutput
@@ -256,7 +256,7 @@ def _sample_rows(logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
     greedy = greedy if len(greedy) > 1 else []
     if greedy:  # one argmax and one read back for all (the first on a tie, as `greedy_token`)
         chosen = logits if len(greedy) == len(rows) else logits[greedy]  # no copy when all are
-        for i, token in zip(greedy, chosen.argmax(-1).tolist()):
+        for i, token in zip(greedy, first_argmax(chosen).tolist()):
             tokens[i] = token
     if plain:
         temperatures = torch.tensor(
