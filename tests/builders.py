@@ -8,6 +8,7 @@ Fixtures stay in conftest.py; everything here is a plain function or constant, i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -769,10 +770,17 @@ def served_text(
     """The text vLLM serves for `output` after `prompt`: the `tokenizers` library's
     `DecodeStream` (what vLLM's detokenizer steps), primed with the prompt, over the output's
     ids; a character the output leaves incomplete at its end is never written."""
-    from tokenizers import Tokenizer
     from tokenizers.decoders import DecodeStream
 
-    tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    tokenizer = _rust_tokenizer(str(Path(tokenizer_dir) / "tokenizer.json"))
     stream = DecodeStream(ids=list(prompt), skip_special_tokens=skip_special_tokens)
     pieces = (stream.step(tokenizer, token) for token in output)
     return "".join(piece for piece in pieces if piece is not None)
+
+
+@functools.lru_cache(maxsize=8)
+def _rust_tokenizer(path: str):
+    """The `tokenizers` library's tokenizer of `path`, read once (Llama 3's takes ~0.2 s)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)

@@ -168,7 +168,10 @@ class RolloutModel:
                 prefill_chunk=4096,
                 max_waiting=rows,
                 cuda_graphs=self.cuda_graphs,
-                pack_decode=self.trainer_shapes is None,  # else each row's keys in order
+                # On the trainer's shapes each row's keys in order, and no step mixing prompt
+                # chunks into the decode rows' pass (the padding is per call: `invariant`).
+                pack_decode=self.trainer_shapes is None,
+                mix_prompts=self.trainer_shapes is None,
             )
         return self.engine
 
