@@ -1,6 +1,7 @@
 """The CPU engine's step, alone: a decode step at 1, 8 and 32 running requests, and a step that
 also runs a 64-token prompt, each with the engine's defaults and with resident rows or mixed
-passes off (the baselines, measured in the same run, alternating), printed as ms and ratios.
+passes off, or with each linear multiplying alone instead of the stacked products of one input
+(the baselines, measured in the same run, alternating), printed as ms and ratios.
 
 Uses the serving benchmark's model (`serve.py --build-only` writes it), one thread, greedy
 requests on random token prompts of 64 tokens, after 30 decode steps; each figure is the median
@@ -13,10 +14,12 @@ of alternating blocks of 10 steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +29,7 @@ SETTINGS = {
     "defaults": {},
     "gathering": {"resident_decode": False},  # no resident rows (nor mixed passes)
     "two passes": {"mix_prompts": False},
+    "unstacked": {},  # the defaults, each linear multiplying alone (`stacks_off`)
 }
 
 
@@ -45,6 +49,30 @@ def engines(model, rows: int) -> dict:
             engine.step()
         out[name] = engine
     return out
+
+
+@contextlib.contextmanager
+def stacks_off(packs: dict):
+    """Each linear of a `StackedLinears` multiplies alone, on its own packed weight (`packs`:
+    `own_packs`), as before stacking; the stacks again after."""
+    for linear, (_, packed) in packs.items():
+        linear.stacked, linear.packed = None, packed
+    try:
+        yield
+    finally:
+        for linear, (stack, _) in packs.items():
+            linear.stacked, linear.packed = stack, None
+
+
+def own_packs(model) -> dict:
+    """Each stacked linear of `model`: its stack, and its weight packed alone (for `stacks_off`)."""
+    from pipeline.serve.engine.cpu_linear import pack
+
+    return {
+        module: (module.stacked, pack(module.weight))
+        for module in model.modules()
+        if getattr(module, "stacked", None) is not None
+    }
 
 
 def decode_ms(engine) -> float:
@@ -83,6 +111,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = open_generator(args.model_dir).model
     prepack_linears(model)
+    packs = own_packs(model)
     for rows in (int(r) for r in args.rows.split(",")):
         running = engines(model, rows)
         for label, measure in (("decode step", decode_ms), ("+ a 64-token prompt", prompt_ms)):
@@ -90,7 +119,9 @@ def main() -> None:
             with torch.inference_mode():
                 for _ in range(args.blocks):
                     for name, engine in running.items():
-                        times[name].append(measure(engine))
+                        alone = stacks_off(packs) if name == "unstacked" else nullcontext()
+                        with alone:
+                            times[name].append(measure(engine))
             median = {name: statistics.median(t) for name, t in times.items()}
             base = median["defaults"]
             others = ", ".join(

@@ -53,9 +53,9 @@ class PrepackedLinear(nn.Module):
 class StackedLinears:
     """`PrepackedLinear`s that read one input (`pipeline.core.model.shared_input`), multiplied
     as one: their weights stacked row-wise and packed once. A decode step of the serving
-    benchmark's model (8 layers, one thread) makes 33 products instead of 57, its linears
-    0.34 ms faster at one running request and 0.50 ms at 32 (4.64 -> 4.30 ms, 14.85 -> 14.35);
-    each output is bit for bit the separate product's (oneDNN reduces each output column alone).
+    benchmark's model (8 layers, one thread) makes 33 products instead of 57 and takes 3-4%
+    less time at 1 and 8 running requests (`scripts/bench/engine_step.py`, "unstacked"); each
+    output is bit for bit the separate product's (oneDNN reduces each output column alone).
     Without the stack's copy, the linears' own packed weights are dropped."""
 
     def __init__(self, linears: tuple[PrepackedLinear, ...]) -> None:
