@@ -26,6 +26,7 @@ from which the heads' keys and values are recomputed (DeepSeek's memory saving).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -118,9 +119,10 @@ class BlockKVCache:
         """Blocks `allocate` can hand out: the free list and the cached blocks nobody holds."""
         return len(self._free) + len(self._evictable)
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
-        """The bytes one slot (one token's entries) takes over every layer's pools."""
+        """The bytes one slot (one token's entries) takes over every layer's pools (fixed at
+        construction; read by every resident-rows step)."""
         return sum(
             pool.shape[1:].numel() * pool.element_size()
             for pools in self.pools
