@@ -1,14 +1,17 @@
 """The CPU engine's step, alone: a decode step at 1, 8 and 32 running requests, and a step that
 also runs a 64-token prompt, each with the engine's defaults and with resident rows or mixed
-passes off, or with each linear multiplying alone instead of the stacked products of one input
-(the baselines, measured in the same run, alternating), printed as ms and ratios.
+passes off, with each linear multiplying alone instead of the stacked products of one input, or
+with long rows' keys kept position by position instead of head by head (the baselines, measured
+in the same run, alternating), printed as ms and ratios.
 
 Uses the serving benchmark's model (`serve.py --build-only` writes it), one thread, greedy
-requests on random token prompts of 64 tokens, after 30 decode steps; each figure is the median
-of alternating blocks of 10 steps.
+requests on random token prompts of `--prompt-len` tokens (64), after 30 decode steps; each
+figure is the median of alternating blocks of 10 steps. Rows of more than 256 positions keep
+their keys and values head by head (`pipeline.serve.engine.resident_rows`); `--prompt-len 800`
+measures that against rows kept position by position ("keys by position").
 
     python scripts/bench/serve.py --model-dir /tmp/serve-bench --build-only
-    python scripts/bench/engine_step.py --model-dir /tmp/serve-bench
+    python scripts/bench/engine_step.py --model-dir /tmp/serve-bench [--prompt-len 800]
 """
 
 from __future__ import annotations
@@ -30,25 +33,43 @@ SETTINGS = {
     "gathering": {"resident_decode": False},  # no resident rows (nor mixed passes)
     "two passes": {"mix_prompts": False},
     "unstacked": {},  # the defaults, each linear multiplying alone (`stacks_off`)
+    "keys by position": {},  # the defaults, long rows' keys not kept head by head
 }
 
 
-def engines(model, rows: int) -> dict:
-    """One engine per setting, each with `rows` requests decoding (prompts of 64 tokens)."""
+def engines(model, rows: int, prompt_len: int) -> dict:
+    """One engine per setting, each with `rows` requests decoding (prompts of `prompt_len`)."""
     from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.sampling import SamplingParams
 
     out = {}
     for name, options in SETTINGS.items():
         random.seed(0)
-        engine = Engine(model, max_batch=rows + 1, cache_blocks=4096, **options)
-        for _ in range(rows):
-            prompt = [random.randrange(100, 30000) for _ in range(64)]
-            engine.add(prompt, SamplingParams(max_new_tokens=1900, greedy=True))
-        for _ in range(30):
-            engine.step()
+        with keys_by_position() if name == "keys by position" else nullcontext():
+            engine = Engine(model, max_batch=rows + 1, cache_blocks=4096, **options)
+            for _ in range(rows):
+                prompt = [random.randrange(100, 30000) for _ in range(prompt_len)]
+                new_tokens = min(1900, 2000 - prompt_len)  # within the model's 2,048
+                engine.add(prompt, SamplingParams(max_new_tokens=new_tokens, greedy=True))
+            for _ in range(30):
+                engine.step()
         out[name] = engine
     return out
+
+
+@contextlib.contextmanager
+def keys_by_position():
+    """Resident rows allocated inside the block keep each position's heads together at any
+    length, as before long rows were kept head by head. The rows keep their layout until they
+    grow again: measure fewer steps than their capacity has left."""
+    from pipeline.serve.engine import resident_rows
+
+    before = resident_rows.BY_HEAD_CAPACITY
+    resident_rows.BY_HEAD_CAPACITY = 1 << 62
+    try:
+        yield
+    finally:
+        resident_rows.BY_HEAD_CAPACITY = before
 
 
 @contextlib.contextmanager
@@ -101,6 +122,12 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/pipe-serve-bench"))
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per figure")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=64,
+        help="each request's prompt (800: a history past the keys kept head by head)",
+    )
     args = parser.parse_args()
 
     import torch
@@ -113,7 +140,7 @@ def main() -> None:
     prepack_linears(model)
     packs = own_packs(model)
     for rows in (int(r) for r in args.rows.split(",")):
-        running = engines(model, rows)
+        running = engines(model, rows, args.prompt_len)
         for label, measure in (("decode step", decode_ms), ("+ a 64-token prompt", prompt_ms)):
             times = {name: [] for name in running}
             with torch.inference_mode():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.serve.engine import resident_rows
 from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
@@ -66,15 +67,15 @@ def test_rows_hold_the_blocks_entries_as_requests_come_and_go(tiny_hf_dir) -> No
             slots = request.slots[:length]
             for kinds, pools in zip(resident.buffers, engine.cache.pools):
                 for buffer, pool in zip(kinds, pools):
-                    assert torch.equal(buffer[row, :length], pool[slots])
+                    assert torch.equal(resident.by_position(buffer)[row, :length], pool[slots])
             checked += 1
-    assert checked > 280 and resident.moves > 0 and resident.capacity > 256
+    assert checked > 280 and resident.moves > 0 and resident.capacity > 256 and resident.by_head
 
 
 def test_groups_prefix_cache_and_a_row_longer_than_the_first_capacity(tiny_hf_dir) -> None:
     """Groups (packed steps between resident ones leave rows out of date: they are filled
     again), the prefix cache's blocks, and a request that outgrows the rows' first capacity
-    (the rows are reallocated, keeping what they hold)."""
+    (the rows are reallocated, head by head from then on, keeping what they hold)."""
     model = open_generator(tiny_hf_dir).model
     prompt = list(range(3, 22))
     seeded = [SamplingParams(max_new_tokens=8, temperature=1.1, seed=s) for s in range(3)]
@@ -89,6 +90,42 @@ def test_groups_prefix_cache_and_a_row_longer_than_the_first_capacity(tiny_hf_di
         model, run, max_batch=8, block_size=4, cache_blocks=512
     )
     assert compared > 300 and engine.resident.capacity > 256 and engine.prompt_tokens_cached
+    assert engine.resident.by_head
+
+
+def test_rows_kept_head_by_head_give_the_same_bits(tiny_hf_dir, monkeypatch) -> None:
+    """Past `BY_HEAD_CAPACITY` positions the rows keep keys and values head by head; attention
+    reads the same numbers laid out otherwise, so tokens and log-probabilities are bit for bit
+    those of rows kept position by position."""
+    model = open_generator(tiny_hf_dir).model
+
+    def run(engine):
+        long = SamplingParams(max_new_tokens=300, temperature=0.8, seed=3, logprobs=2)
+        greedy = SamplingParams(max_new_tokens=280, greedy=True, logprobs=1)
+        return [engine.add(PROMPTS[0], long), engine.add(PROMPTS[1], greedy)]
+
+    by_head = Engine(model, max_batch=3, block_size=4, cache_blocks=512)
+    kept_by_head = _outputs(by_head, run(by_head))
+    monkeypatch.setattr(resident_rows, "BY_HEAD_CAPACITY", 1 << 62)
+    by_position = Engine(model, max_batch=3, block_size=4, cache_blocks=512)
+    kept_by_position = _outputs(by_position, run(by_position))
+    assert by_head.resident.by_head and by_head.resident.capacity > 256
+    assert not by_position.resident.by_head and by_position.resident.capacity > 256
+    assert kept_by_head == kept_by_position
+    assert sum(len(tokens) for tokens, _, _ in kept_by_head) == 580
+
+
+def test_every_family_gives_the_same_bits_head_by_head(family_model, monkeypatch) -> None:
+    """Rows kept head by head from the start (the threshold lowered to 0) against rows kept
+    position by position: the same tokens and log-probabilities, bit for bit, for every family
+    (latent attention's entries have no heads and keep the one layout)."""
+    outputs = []
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(resident_rows, "BY_HEAD_CAPACITY", threshold)
+        engine = Engine(family_model, max_batch=3, block_size=4, prefill_chunk=5)
+        outputs.append(_outputs(engine, _churn(engine)))
+        assert engine.resident.by_head == (threshold == 0) and engine.resident.moves > 0
+    assert outputs[0] == outputs[1]
 
 
 def test_rows_over_the_budget_gather_instead(tiny_hf_dir) -> None:

@@ -20,6 +20,16 @@ The rows cost memory beside the block cache: `rows x capacity` positions of ever
 capacity growing with the longest running request. When that would exceed `budget_bytes`, the
 step gathers as before and the rows are dropped (`arrange` returns None), to be refilled when
 the batch fits again.
+
+Attention reads each head's history on its own. Up to `BY_HEAD_CAPACITY` positions the rows keep
+each position's heads together (`[rows, capacity, heads, head_dim]`), as the blocks do; longer
+rows keep them head by head (`[rows, heads, capacity, head_dim]`, each head's history one
+matrix), which torch's SDPA reads faster for one query per row: 0.56x its time at one row and
+0.68-0.70x at 8 and 32 rows over 1,000 keys on the serving benchmark's model, where at 100 keys
+the layout by position is as fast at one row and ~10% faster at 8 and 32
+(`scripts/bench/decode_costs.py`). SDPA gives the same bits over either layout (every family
+checked in `tests/serve/test_resident_rows.py`). `update` and `by_position` show every layout as
+`[rows, positions, *entry]`. Entries without heads (latent attention's) keep the one layout.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import torch
 from pipeline.serve.engine.kv_cache import BlockKVCache
 
 CAPACITY_STEP = 256  # positions: capacity grows in these steps, so it is rarely reallocated
+# Rows of more positions keep entries of heads head by head (module docstring).
+BY_HEAD_CAPACITY = 256
 
 
 class ResidentRows:
@@ -42,8 +54,10 @@ class ResidentRows:
         self.cache, self.max_rows, self.budget_bytes = cache, max_rows, budget_bytes
         # Per layer, per kind of entry: `[rows, capacity, *entry]`, rows and capacity growing
         # with the batch; none for layers without keys and values (linear attention keeps
-        # states instead).
+        # states instead). Past `BY_HEAD_CAPACITY`, entries of heads (`[heads, head_dim]`)
+        # are kept head by head, `[rows, heads, capacity, head_dim]` (`by_head`).
         self.buffers: list[list[torch.Tensor]] = [[] for _ in cache.pools]
+        self.by_head = False
         self.rows = 0  # rows allocated
         self.capacity = 0  # positions each row holds
         self.requests: list[Any] = []  # the request in each row, rows packed at the front
@@ -74,6 +88,7 @@ class ResidentRows:
         # the step writes each row's next position, at the same place in every layer
         at = [row * self.capacity + n for row, n in enumerate(self.lengths)]
         self._write_at = torch.tensor(at, device=self.cache.pools[0][0].device)
+        self._write_by_head = {}
         self.lengths = [n + 1 for n in self.lengths]
         self.steps += 1
         index = {id(request): i for i, request in enumerate(requests)}
@@ -85,11 +100,33 @@ class ResidentRows:
         rows = len(self.requests)
         out = []
         for buffer, value in zip(self.buffers[layer], new):
-            entry = buffer.shape[2:]
-            flat = buffer.view(-1, *entry)
-            flat.index_copy_(0, self._write_at, value.reshape(rows, *entry).to(buffer.dtype))
-            out.append(buffer[:rows, : self.length])
+            entry = value.shape[2:]
+            if self._kept_by_head(entry):
+                flat, at = buffer.view(-1, entry[1]), self._write_index(entry[0])
+            else:
+                flat, at = buffer.view(-1, *entry), self._write_at
+            flat.index_copy_(0, at, value.reshape(-1, *flat.shape[1:]).to(buffer.dtype))
+            out.append(self.by_position(buffer)[:rows, : self.length])
         return out
+
+    def _kept_by_head(self, entry: torch.Size) -> bool:
+        return self.by_head and len(entry) == 2
+
+    def by_position(self, buffer: torch.Tensor) -> torch.Tensor:
+        """`buffer` seen as `[rows, capacity, *entry]` (a view where it is kept head by head)."""
+        return buffer.transpose(1, 2) if self.by_head and buffer.dim() == 4 else buffer
+
+    def _write_index(self, heads: int) -> torch.Tensor:
+        """This step's entry of each row and head in a buffer kept head by head, flat index
+        (rows, then heads: the order of the new entries)."""
+        index = self._write_by_head.get(heads)
+        if index is None:
+            row = self._write_at.div(self.capacity, rounding_mode="floor")[:, None]
+            position = (self._write_at % self.capacity)[:, None]
+            head = torch.arange(heads, device=row.device)
+            index = ((row * heads + head) * self.capacity + position).reshape(-1)
+            self._write_by_head[heads] = index
+        return index
 
     # ---- rows -------------------------------------------------------------------------------
 
@@ -117,16 +154,25 @@ class ResidentRows:
         return True
 
     def _grow(self, rows: int, capacity: int) -> None:
-        """Reallocate every layer's buffers at `rows x capacity`, keeping what rows hold."""
+        """Reallocate every layer's buffers at `rows x capacity`, keeping what rows hold (head
+        by head past `BY_HEAD_CAPACITY`)."""
         held, longest = len(self.requests), max(self.lengths, default=0)
+        before = [[self.by_position(buffer) for buffer in kinds] for kinds in self.buffers]
+        self.by_head = capacity > BY_HEAD_CAPACITY
         for layer, pools in enumerate(self.cache.pools):
-            old = self.buffers[layer]
             self.buffers[layer] = [
-                pool.new_zeros(rows, capacity, *pool.shape[1:]) for pool in pools if pool.shape[0]
+                self._new_buffer(pool.new_zeros, rows, capacity, pool.shape[1:])
+                for pool in pools
+                if pool.shape[0]
             ]
-            for buffer, before in zip(self.buffers[layer], old):
-                buffer[:held, :longest] = before[:held, :longest]
+            for buffer, old in zip(self.buffers[layer], before[layer]):
+                self.by_position(buffer)[:held, :longest] = old[:held, :longest]
         self.rows, self.capacity = rows, capacity
+
+    def _new_buffer(self, zeros, rows: int, capacity: int, entry: torch.Size) -> torch.Tensor:
+        if self._kept_by_head(entry):
+            return zeros(rows, entry[0], capacity, entry[1])
+        return zeros(rows, capacity, *entry)
 
     def _compact(self, kept: list[int]) -> None:
         """Keep only rows `kept` (ascending), moving the last kept rows into the holes."""
@@ -135,7 +181,7 @@ class ResidentRows:
         movers = [row for row in reversed(kept) if row >= len(kept)]
         for hole, row in zip(holes, movers):
             for kinds in self.buffers:
-                for buffer in kinds:
+                for buffer in map(self.by_position, kinds):
                     buffer[hole, : self.lengths[row]] = buffer[row, : self.lengths[row]]
             self.requests[hole], self.lengths[hole] = self.requests[row], self.lengths[row]
             self.moves += 1
@@ -147,7 +193,7 @@ class ResidentRows:
         slots = request.slots[:length]
         for kinds, pools in zip(self.buffers, self.cache.pools):
             for buffer, pool in zip(kinds, [pool for pool in pools if pool.shape[0]]):
-                torch.index_select(pool, 0, slots, out=buffer[row, :length])
+                self.by_position(buffer)[row, :length] = pool.index_select(0, slots)
         self.requests.append(request)
         self.lengths.append(length)
         self.fills += 1
