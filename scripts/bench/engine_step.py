@@ -5,10 +5,11 @@ with long rows' keys kept position by position instead of head by head (the base
 in the same run, alternating), printed as ms and ratios.
 
 Uses the serving benchmark's model (`serve.py --build-only` writes it), one thread, greedy
-requests on random token prompts of `--prompt-len` tokens (64), after 30 decode steps; each
-figure is the median of alternating blocks of 10 steps. Rows of more than 256 positions keep
-their keys and values head by head (`pipeline.serve.engine.resident_rows`); `--prompt-len 800`
-measures that against rows kept position by position ("keys by position").
+requests on random token prompts of `--prompt-len` tokens (64), after every prompt has run and
+30 decode steps more; each figure is the median of alternating blocks of 10 steps. Rows of more
+than 256 positions keep their keys and values head by head
+(`pipeline.serve.engine.resident_rows`); `--prompt-len 800` measures that against rows kept
+position by position ("keys by position").
 
     python scripts/bench/serve.py --model-dir /tmp/serve-bench --build-only
     python scripts/bench/engine_step.py --model-dir /tmp/serve-bench [--prompt-len 800]
@@ -47,10 +48,15 @@ def engines(model, rows: int, prompt_len: int) -> dict:
         random.seed(0)
         with keys_by_position() if name == "keys by position" else nullcontext():
             engine = Engine(model, max_batch=rows + 1, cache_blocks=4096, **options)
+            requests = []
             for _ in range(rows):
                 prompt = [random.randrange(100, 30000) for _ in range(prompt_len)]
                 new_tokens = min(1900, 2000 - prompt_len)  # within the model's 2,048
-                engine.add(prompt, SamplingParams(max_new_tokens=new_tokens, greedy=True))
+                params = SamplingParams(max_new_tokens=new_tokens, greedy=True)
+                requests.append(engine.add(prompt, params))
+            # every prompt run (long ones take many steps of `prefill_chunk` tokens), then 30
+            while any(request.computed < len(request.prompt) for request in requests):
+                engine.step()
             for _ in range(30):
                 engine.step()
         out[name] = engine
