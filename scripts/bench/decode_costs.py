@@ -23,7 +23,6 @@ each against a baseline measured in the same run (docs/benchmarks.md, "Serving")
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -136,11 +135,10 @@ def compiled(model_dir: Path, rows_list: list[int], blocks: int) -> None:
     """Decode steps of the forward compiled by inductor against the eager packed model."""
     import torch
     import torch._inductor.config as inductor
+    from engine_step import decode_ms, running_engine  # scripts/bench/, beside this script
 
-    from pipeline.serve.engine.core import Engine
     from pipeline.serve.engine.cpu_linear import PrepackedLinear, prepack_linears
     from pipeline.serve.engine.loading import open_generator
-    from pipeline.serve.engine.sampling import SamplingParams
 
     inductor.freezing = True
     inductor.cpp_wrapper = True
@@ -150,26 +148,16 @@ def compiled(model_dir: Path, rows_list: list[int], blocks: int) -> None:
     fused.forward = torch.compile(fused.forward, dynamic=True)
     fused.output = PrepackedLinear(fused.output)  # the head runs outside the forward
 
-    def engine(model, rows: int) -> Engine:
-        random.seed(0)
-        running = Engine(model, max_batch=rows + 1, cache_blocks=4096)
-        for _ in range(rows):
-            prompt = [random.randrange(100, 30000) for _ in range(64)]
-            running.add(prompt, SamplingParams(max_new_tokens=1900, greedy=True))
-        for _ in range(30):
-            running.step()
-        return running
-
     with torch.inference_mode():
         for rows in rows_list:
-            engines = {"eager": engine(eager, rows), "compiled": engine(fused, rows)}
+            engines = {
+                "eager": running_engine(eager, rows),
+                "compiled": running_engine(fused, rows),
+            }
             took = {name: [] for name in engines}
             for _ in range(blocks):
                 for name, running in engines.items():
-                    start = time.perf_counter()
-                    for _ in range(10):
-                        running.step()
-                    took[name].append((time.perf_counter() - start) / 10 * 1e3)
+                    took[name].append(decode_ms(running))
             median = {name: statistics.median(t) for name, t in took.items()}
             print(
                 f"compiled forward, {rows:2d} rows: decode step {median['compiled']:.1f} ms "
