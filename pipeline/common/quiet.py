@@ -11,10 +11,12 @@ This module imports nothing heavy itself, so any package of pipe may use it.
 
 from __future__ import annotations
 
+import io
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from types import ModuleType
 
 # Loggers whose warnings are addressed to library developers, not to pipe's users:
@@ -74,3 +76,32 @@ def ignore_dcp_single_process_warning() -> None:
     """Process-wide form of `quiet_dcp`, for an asynchronous save: it warns on its own thread,
     after any `catch_warnings` block of the caller has ended."""
     warnings.filterwarnings("ignore", message=_DCP_SINGLE_PROCESS)
+
+
+# lm-eval logs each task's defaults as warnings ("metric acc is defined, but aggregation is
+# not") and HF datasets logs its cache; both are addressed to whoever writes the task.
+_EVALUATION_LOGGERS = ("lm_eval", "datasets")
+
+
+@contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """Inside: lm-eval's and HF datasets' log lines and progress bars, for lm-eval run inside
+    `pipe train`, whose console is pipe's own.
+
+    Some of lm-eval's bars take no switch (building a task's requests), so standard error is
+    held in a buffer for the block; it is written out after all if the block raises.
+    """
+    loggers = [logging.getLogger(name) for name in _EVALUATION_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

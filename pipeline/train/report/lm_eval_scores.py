@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.common.lm_eval_tasks import task_manager
+from pipeline.common.quiet import quiet_lm_eval
 from pipeline.core.model.greedy import greedy_without_cache
 from pipeline.train.config.schema import ConfigError, TrainConfig
 from pipeline.train.report.samples import sample_tokenizer_path
@@ -27,6 +28,7 @@ from pipeline.train.report.samples import sample_tokenizer_path
 log = logging.getLogger(__name__)
 
 _BATCH_ROWS = 32  # sequences per forward when scoring loglikelihoods
+FEWSHOT_SEED = 1234  # `simple_evaluate`'s default `fewshot_random_seed`, what `pipe eval` runs
 
 
 def _harness_model_class():
@@ -127,7 +129,16 @@ def _continuation_score(
 
 
 class InLoopEvaluation:
-    """lm-eval's tasks on the training model, as `{"<task>/<metric>": score}` for the log."""
+    """lm-eval's tasks on the training model, as `{"<task>/<metric>": score}` for the log.
+
+    The tasks are loaded once, when the run starts (their documents read), and each evaluation
+    runs lm-eval's `evaluate` on them with the settings `pipe eval`'s `simple_evaluate` gives
+    them: zero-shot unless the task says otherwise, the harness's few-shot seed set again
+    before each evaluation so every evaluation asks the same questions. `simple_evaluate`
+    itself is not called: it would load the tasks again, collect the machine's environment for
+    its report, and reseed Python's, NumPy's and torch's global
+    generators in the middle of the run.
+    """
 
     def __init__(
         self,
@@ -149,22 +160,34 @@ class InLoopEvaluation:
             raise ConfigError(f"eval.lm_eval_tasks: unknown lm-eval task {unknown[0]!r}")
         self.tasks, self.limit, self.max_length = tasks, limit, max_length
         self.tokenizer = load_tokenizer(tokenizer_path)
+        try:
+            with quiet_lm_eval():
+                self.loaded = self.manager.load(tasks)
+        except (OSError, ValueError) as error:  # a dataset that cannot be found or read
+            raise ConfigError(f"eval.lm_eval_tasks: cannot load the tasks: {error}") from None
+        for task in self.loaded["tasks"].values():
+            if task.get_config("num_fewshot") is None:
+                task.set_config(key="num_fewshot", value=0)
 
     def scores(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
         """The tasks' metrics on `model`, one ordinary module on `device`."""
-        import lm_eval
+        from lm_eval.evaluator import evaluate
 
         harness_model = _harness_model_class()(model, self.tokenizer, device, self.max_length)
+        for task in self.loaded["tasks"].values():
+            task.set_fewshot_seed(seed=FEWSHOT_SEED)
         was_training = model.training
         model.eval()
         try:
-            results = lm_eval.simple_evaluate(
-                model=harness_model,
-                tasks=self.tasks,
-                limit=self.limit,
-                task_manager=self.manager,
-                verbosity="WARNING",
-            )
+            with quiet_lm_eval():
+                # no standard errors (the log keeps none), no per-document samples
+                results = evaluate(
+                    lm=harness_model,
+                    task_dict=self.loaded,
+                    limit=self.limit,
+                    bootstrap_iters=0,
+                    log_samples=False,
+                )
         finally:
             model.train(was_training)
         return flat_scores(results["results"])
