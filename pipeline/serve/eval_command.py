@@ -73,6 +73,7 @@ def evaluate(checkpoint: str, **options: Any) -> None:
         import uvicorn  # noqa: F401
     except ImportError:
         raise click.ClickException("pipe eval needs: pip install 'pipe-llm[eval]'") from None
+    from pipeline.common.quiet import quiet_lm_eval
     from pipeline.serve.engine.loading import LoadError
     from pipeline.serve.http.harness import run_harness, serving
 
@@ -80,7 +81,8 @@ def evaluate(checkpoint: str, **options: Any) -> None:
     output = options.pop("output")
     spec = engine_spec(checkpoint, options)
     try:
-        with serving(spec, checkpoint) as (base_url, max_length):
+        # lm-eval's warnings and bars held back; pipe's own bar counts the requests answered
+        with serving(spec, checkpoint, progress=True) as (base_url, max_length), quiet_lm_eval():
             results = run_harness(run, base_url, checkpoint, max_length)
     except (LoadError, ValueError) as error:
         raise click.ClickException(str(error)) from None

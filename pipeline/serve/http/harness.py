@@ -9,7 +9,7 @@ the tokenizer files and no hub. Scores are what the same harness gives against v
 
 from __future__ import annotations
 
-import socket
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -38,22 +38,24 @@ class HarnessRun:
 
 @contextmanager
 def serving(
-    spec: EngineSpec, model_name: str, max_waiting: int = 1024
+    spec: EngineSpec, model_name: str, max_waiting: int = 1024, progress: bool = False
 ) -> Iterator[tuple[str, int]]:
     """`pipe serve` in a thread, on a free loopback port: yields its base URL and the model's
     context length; the server and the engine process stop on leaving. `LoadError` if the
-    model cannot be loaded."""
+    model cannot be loaded. `progress`: on a terminal, a bar of the requests answered."""
     import uvicorn
 
     from pipeline.serve.http.engine_client import EngineClient
     from pipeline.serve.http.server import create_app
+    from pipeline.serve.http.startup import bind_socket
 
     # lm-eval's Hugging Face backend, what `pipe eval`'s scores are held to, keeps U+FFFD for
     # a generation cut inside a character; vLLM (and `pipe serve`) leave the partial one out.
     client = EngineClient(spec, max_waiting, keep_partial=True)
     ready = client.start()
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    # bound as `pipe serve` binds, Nagle's algorithm off: with it on, every small reply (the
+    # harness's tokenize calls, one at a time) waited ~40 ms for the client's delayed ACK
+    listener = bind_socket("127.0.0.1", 0)
     port = listener.getsockname()[1]
     config = uvicorn.Config(create_app(client, model_name), log_level="warning")
     server = uvicorn.Server(config)
@@ -61,12 +63,45 @@ def serving(
     thread.start()
     try:
         _wait_started(server, thread)
-        yield f"http://127.0.0.1:{port}", ready.max_context
+        with answered_bar(client) if progress else contextlib.nullcontext():
+            yield f"http://127.0.0.1:{port}", ready.max_context
     finally:
         server.should_exit = True
         thread.join()
         client.stop()
         listener.close()
+
+
+@contextmanager
+def answered_bar(client) -> Iterator[None]:
+    """On a terminal, pipe's bar of the requests `client`'s engine has answered, refreshed twice
+    a second from another thread (the harness's own bars are held back; the total is the
+    harness's to know)."""
+    from pipeline.common.progress import terminal_bar
+
+    bar = terminal_bar(None, desc="pipe eval", unit=" requests")
+    if bar is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def refresh() -> None:
+        bar.n = sum(list(client.finish_counts.values()))  # a copy: the loop adds reasons
+        bar.refresh()
+
+    def keep_refreshing() -> None:
+        while not stop.wait(0.5):
+            refresh()
+
+    refresher = threading.Thread(target=keep_refreshing, name="pipe-eval-progress", daemon=True)
+    refresher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        refresher.join()
+        refresh()
+        bar.close()
 
 
 def _wait_started(server, thread: threading.Thread) -> None:
