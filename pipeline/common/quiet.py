@@ -85,8 +85,8 @@ _EVALUATION_LOGGERS = ("lm_eval", "datasets")
 
 @contextmanager
 def quiet_lm_eval() -> Iterator[None]:
-    """Inside: lm-eval's and HF datasets' log lines and progress bars, for lm-eval run inside
-    `pipe train`, whose console is pipe's own.
+    """Inside: lm-eval's and HF datasets' log lines and progress bars, for lm-eval run by a pipe
+    command whose console is pipe's own (in-loop evaluation in `pipe train`, `pipe eval`).
 
     Some of lm-eval's bars take no switch (building a task's requests), so standard error is
     held in a buffer for the block; it is written out after all if the block raises.

@@ -136,8 +136,8 @@ class InLoopEvaluation:
     them: zero-shot unless the task says otherwise, the harness's few-shot seed set again
     before each evaluation so every evaluation asks the same questions. `simple_evaluate`
     itself is not called: it would load the tasks again, collect the machine's environment for
-    its report, and reseed Python's, NumPy's and torch's global
-    generators in the middle of the run.
+    its report, and reseed Python's, NumPy's and torch's global generators in the middle of the
+    run.
     """
 
     def __init__(
