@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -67,12 +69,14 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -
         p.start()
     results: dict[int, Any] = {}
     failures = []
-    for _ in range(world_size):
-        try:
-            rank, ok, value = queue.get(timeout=TIMEOUT_S)
-        except queue_module.Empty:
-            failures.append(f"a rank reported nothing within {TIMEOUT_S} s (crashed or hung)")
+    reported: set[int] = set()
+    while len(reported) < world_size:
+        report = _next_report(queue, procs, reported)
+        if isinstance(report, str):  # no report will come
+            failures.append(report)
             break
+        rank, ok, value = report
+        reported.add(rank)
         if ok:
             results[rank] = pickle.loads(value)
         else:
@@ -85,3 +89,25 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any) -
     if failures:
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def _next_report(queue: Any, procs: list, reported: set[int]) -> tuple | str:
+    """The next rank's report, or why none will come: a rank whose process ended with an error
+    (a crash, told at once with its signal, instead of after the timeout) or no report within
+    `TIMEOUT_S` (a hang)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1)
+        except queue_module.Empty:
+            for rank, process in enumerate(procs):
+                if rank not in reported and process.exitcode not in (None, 0):
+                    return f"rank {rank} died before reporting ({_exit_reason(process.exitcode)})"
+    return f"a rank reported nothing within {TIMEOUT_S} s (hung)"
+
+
+def _exit_reason(exitcode: int) -> str:
+    """`exitcode` of a process in words: the signal that killed it, or its exit status."""
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit status {exitcode}"
