@@ -6,12 +6,13 @@ each against a baseline measured in the same run (docs/benchmarks.md, "Serving")
   `F.linear` on the plain weight, both on a 64x64 weight that stays in cache, so what is left is
   each call's fixed cost; times the number of products in one decode step of the model.
 - attention: one layer's attention of `rows` single queries over `keys` cached keys, with the
-  model's heads, between reads of 128 MB (a real step streams the weights between two layers'
-  attention, so its keys are not in cache): torch's SDPA over resident rows kept position by
-  position (`[rows, capacity, kv_heads, head_dim]`, the engine's layout up to 256 positions; the
-  baseline), over rows kept head by head (`[rows, kv_heads, capacity, head_dim]`, the engine's
-  layout beyond), and the grouped product over the latter (the query heads of one key head as
-  one matrix: `torch.matmul`, softmax, `torch.matmul`; measured, not used).
+  model's heads, each layer after a read of 16 MB (a different 16 MB of 128 MB each time: a
+  real step streams the weights between two layers' attention, so its keys are not in cache):
+  torch's SDPA over resident rows kept position by position (`[rows, capacity, kv_heads,
+  head_dim]`, the engine's layout up to 256 positions; the baseline), over rows kept head by
+  head (`[rows, kv_heads, capacity, head_dim]`, the engine's layout beyond), and the grouped
+  product over the latter (the query heads of one key head as one matrix: `torch.matmul`,
+  softmax, `torch.matmul`; measured, not used).
 - `--compiled`: the model's forward compiled by inductor (freezing, the C++ wrapper, dynamic
   shapes; the output head packed as in serving) against the eager packed model, decode steps
   of the two engines alternating in one process (minutes: it compiles).
@@ -42,6 +43,11 @@ def per_call_us(call, calls: int = 20000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def medians(took: dict[str, list[float]]) -> dict[str, float]:
+    """Each variant's median of its alternating measurements."""
+    return {name: statistics.median(times) for name, times in took.items()}
+
+
 def products(model) -> None:
     """The packed product's fixed cost per call against `F.linear`'s, and the step's count."""
     import torch
@@ -57,7 +63,7 @@ def products(model) -> None:
     for _ in range(3):
         took["packed"].append(per_call_us(lambda: product(x, packed, None)))
         took["F.linear"].append(per_call_us(lambda: F.linear(x, weight)))
-    fixed = {name: statistics.median(t) for name, t in took.items()}
+    fixed = medians(took)
     print(
         f"products: a 64x64 product takes {fixed['packed']:.1f} us packed, "
         f"{fixed['F.linear']:.1f} us with F.linear ({fixed['packed'] / fixed['F.linear']:.1f}x); "
@@ -123,7 +129,7 @@ def attention(config, rows_list: list[int], keys_list: list[int], repeats: int) 
                         attend(layer)
                         total += time.perf_counter() - start
                     took[name].append(total / stream.shape[0] * 1e6)
-            median = {name: statistics.median(t) for name, t in took.items()}
+            median = medians(took)
             base = median["SDPA, rows by position"]
             cells = ", ".join(
                 f"{name} {us:.0f} us ({us / base:.2f}x)" for name, us in median.items()
@@ -158,7 +164,7 @@ def compiled(model_dir: Path, rows_list: list[int], blocks: int) -> None:
             for _ in range(blocks):
                 for name, running in engines.items():
                     took[name].append(decode_ms(running))
-            median = {name: statistics.median(t) for name, t in took.items()}
+            median = medians(took)
             print(
                 f"compiled forward, {rows:2d} rows: decode step {median['compiled']:.1f} ms "
                 f"against {median['eager']:.1f} ms eager "
