@@ -78,6 +78,34 @@ def ignore_dcp_single_process_warning() -> None:
     warnings.filterwarnings("ignore", message=_DCP_SINGLE_PROCESS)
 
 
+# DTensor logs, once per process and mesh, that gathering a tensor sharded twice along one
+# dimension (FSDP's strided shard under tensor parallelism) takes two all-gathers in a row and
+# that it cannot merge them. pipe gathers such tensors on purpose (a Hugging Face save, Muon's
+# whole-matrix update), and the hint names no setting a user could change.
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+_UNMERGEABLE_GATHER = "not possible to merge non-ascending order"
+
+
+class _DropMessagesWith(logging.Filter):
+    """Drops the records whose message contains `text`; lets every other one through."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_unmergeable_gather_hints() -> None:
+    """Keep DTensor's hint that a twice-sharded tensor's gather cannot be one collective out of
+    the output, process-wide (idempotent). Its other redistribution warnings (collectives that
+    a flattened mesh would merge) still show: those point at a fix in pipe."""
+    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    if not any(isinstance(f, _DropMessagesWith) for f in logger.filters):
+        logger.addFilter(_DropMessagesWith(_UNMERGEABLE_GATHER))
+
+
 # lm-eval logs each task's defaults as warnings ("metric acc is defined, but aggregation is
 # not") and HF datasets logs its cache; both are addressed to whoever writes the task.
 _EVALUATION_LOGGERS = ("lm_eval", "datasets")

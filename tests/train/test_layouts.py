@@ -11,7 +11,9 @@ Against the single-process run of the same recipe:
   agrees to GRAD_ATOL absolute, GRAD_RTOL relative.
 
 Only summation order differs between layouts (gradient sums over ranks, chunked attention,
-vocabulary-parallel softmax), so the tolerances are those of fp32 rounding. Layouts sharing a
+vocabulary-parallel softmax), so the tolerances are those of fp32 rounding. No layout makes
+torch's DTensor warn that it runs collectives one after another where one would do (the
+gradient norm of parameters sharded over two mesh dimensions needs their flattened mesh). Layouts sharing a
 world size run one after another in one spawn, since each spawn costs seconds of start-up.
 
 Checkpoints: the tp2 x pp2 x dp2 run of `tiny` saves at iteration ITERS; it is loaded under
@@ -30,11 +32,13 @@ process.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.common.quiet import quiet_unmergeable_gather_hints
 from pipeline.train.assembly.run_config import resolve_config
 from pipeline.train.loop.trainer import Trainer
 from tests.builders import LAYOUT_ITERS as ITERS
@@ -120,16 +124,37 @@ RESUMED = {
 }
 
 
+# DTensor warns here of collectives run one after another where one would do.
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+
+
+class _Recorder(logging.Handler):
+    """Keeps the messages of the records it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def _layout_worker(
     rank: int, world_size: int, tmp: Path, layouts: list, resumed: set = RESUMED
 ) -> dict:
     """Run each (recipe, name, sets) layout in turn, saving checkpoints for the `resumed` ones
-    only; return what the first rank of each pipeline stage saw."""
+    only; return what the first rank of each pipeline stage saw, and on every rank what torch's
+    DTensor logged while the layout ran (with the filter `pipe train` installs)."""
+    quiet_unmergeable_gather_hints()
+    logged = _Recorder()
+    logging.getLogger(REDISTRIBUTE_LOGGER).addHandler(logged)
     out = {}
     for recipe, name, extra in layouts:
         if (recipe, name) not in resumed:
             extra = [*extra, "checkpoint.enable=false"]
+        logged.messages = []
         result = _train_and_probe(recipe, _sets(recipe, tmp / f"{recipe}_{name}", *extra))
+        result["dtensor_warnings"] = logged.messages
         if result.pop("first_of_stage"):
             out[(recipe, name)] = result
         else:
@@ -167,6 +192,8 @@ def _assert_equal_to_reference(per_rank: list[dict], reference: dict[str, dict])
         ref = reference[recipe]
         grads: dict[str, torch.Tensor] = {}
         for result in (r[key] for r in per_rank):
+            # e.g. a gradient norm reduced over two mesh dimensions in two all-reduces
+            assert result["dtensor_warnings"] == [], key
             assert result["losses"].keys() == ref["losses"].keys(), key
             for step, loss in ref["losses"].items():
                 assert result["losses"][step] == pytest.approx(loss, rel=REL), (key, step)

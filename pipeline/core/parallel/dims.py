@@ -150,10 +150,14 @@ class ParallelDims:
         return self
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The ("pp", "dp", "cp", "tp") mesh over all ranks, plus the flattened "dp_cp" mesh
-        (FSDP shards over it), with tp > 1 the flattened "cp_tp" mesh (the ranks one
-        micro-batch's tokens are split over under sequence parallelism) and, with ep > 1, the
-        ("pp", "edp", "ep", "tp") expert mesh.
+        """The ("pp", "dp", "cp", "tp") mesh over all ranks, and beside it:
+
+        - the flattened "dp_cp" mesh (FSDP shards over it);
+        - with tp > 1, the flattened "cp_tp" mesh (the ranks one micro-batch's tokens are split
+          over under sequence parallelism) and, when dp or cp is > 1 too, the flattened
+          "dp_cp_tp" mesh (a reduction over a parameter's whole sharding in one collective);
+        - with ep > 1, the ("pp", "edp", "ep", "tp") expert mesh, and its "edp" and "ep"
+          flattened as "edp_ep" when both are > 1 (for the same reason).
 
         Needs an initialised default process group of `world_size` ranks; every rank must call it.
         """
@@ -165,12 +169,18 @@ class ParallelDims:
         self._meshes["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")
         if self.tp > 1:
             self._meshes["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp")
+        if self.tp > 1 and self.dp * self.cp > 1:
+            # A parameter sharded over ("dp_cp", "tp") reduces its gradient norm over both in
+            # one all-reduce when this flattened mesh exists (DTensor looks it up); without it
+            # torch runs two in a row and logs a warning from every rank.
+            self._meshes["dp_cp_tp"] = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
         if self.ep > 1:
             edp = self.dp * self.cp // self.ep
             ranks = mesh.mesh.reshape(self.pp, edp, self.ep, self.tp)
-            self._meshes["expert"] = DeviceMesh(
-                device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp")
-            )
+            expert = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
+            self._meshes["expert"] = expert
+            if edp > 1:  # experts sharded over both: their gradient norm in one all-reduce
+                self._meshes["edp_ep"] = expert["edp", "ep"]._flatten("edp_ep")
         return mesh
 
     @property

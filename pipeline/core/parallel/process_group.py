@@ -118,9 +118,14 @@ def rank_device(device: torch.device) -> torch.device:
 
 def start_process_group(device: torch.device) -> None:
     """Join the default process group (nccl for a CUDA `device`, else gloo) unless this
-    process already has one; torchrun's environment says where the others are."""
+    process already has one; torchrun's environment says where the others are. DTensor's
+    hint about gathers it cannot merge stays out of the output
+    (`quiet_unmergeable_gather_hints`)."""
     import torch.distributed as dist
 
+    from pipeline.common.quiet import quiet_unmergeable_gather_hints
+
+    quiet_unmergeable_gather_hints()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
