@@ -13,8 +13,9 @@ Against the single-process run of the same recipe:
 Only summation order differs between layouts (gradient sums over ranks, chunked attention,
 vocabulary-parallel softmax), so the tolerances are those of fp32 rounding. No layout makes
 torch's DTensor warn that it runs collectives one after another where one would do (the
-gradient norm of parameters sharded over two mesh dimensions needs their flattened mesh). Layouts sharing a
-world size run one after another in one spawn, since each spawn costs seconds of start-up.
+gradient norm of parameters sharded over two mesh dimensions needs their flattened mesh).
+Layouts sharing a world size run one after another in one spawn, since each spawn costs
+seconds of start-up.
 
 Checkpoints: the tp2 x pp2 x dp2 run of `tiny` saves at iteration ITERS; it is loaded under
 dp4 (4 processes) and under one process, and the next losses equal those of an uninterrupted

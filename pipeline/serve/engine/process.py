@@ -76,11 +76,12 @@ def batch_for_cache(cache_blocks: int) -> int:
 def engine_threads() -> int:
     """The engine's CPU threads by default: every core this process may use but one, which is
     left to the HTTP process (as vLLM's CPU build reserves one for its front end). On a quiet
-    machine a second core nearly halves a decode step (8.0 ms against 14.6 ms on the serving
-    benchmark's model at batch 1), but with one more busy process on the machine every core to
-    the engine made requests 3.5-5.7x slower at one client and 20-26x slower at eight than one
-    thread on 2 cores (docs/serve.md, "Engine threads"): torch's threads wait for the
-    one that shares its core at every product. `--engine-threads N` sets another number."""
+    machine a second core shortens a decode step of many requests (24.8 ms against 34.3 ms at
+    32 on the serving benchmark's model; at one request it gains nothing), but with one more
+    busy process on the machine every core to the engine made requests 3.5-5.7x slower at one
+    client and 20-26x slower at eight than one thread on 2 cores (docs/serve.md, "Engine
+    threads"): torch's threads wait for the one that shares its core at every product.
+    `--engine-threads N` sets another number."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) - 1)
 
