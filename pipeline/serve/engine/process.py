@@ -79,9 +79,9 @@ def engine_threads() -> int:
     machine a second core shortens a decode step of many requests (24.8 ms against 34.3 ms at
     32 on the serving benchmark's model; at one request it gains nothing), but with one more
     busy process on the machine every core to the engine made requests 3.5-5.7x slower at one
-    client and 20-26x slower at eight than one thread on 2 cores (docs/serve.md, "Engine
-    threads"): torch's threads wait for the one that shares its core at every product.
-    `--engine-threads N` sets another number."""
+    client and 20-26x slower at eight than one thread on 2 cores
+    (docs/serve.md, "Engine threads"): torch's threads wait for the one that shares its core
+    at every product. `--engine-threads N` sets another number."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) - 1)
 
