@@ -144,6 +144,13 @@ def test_hf_deepseek_v3_fine_tunes_under_ep2_tp2_and_converts_back(tmp_path: Pat
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+    # Neither torchrun's thread banner nor DTensor's warnings (two all-reduces for the gradient
+    # norm over dp x tp, one per rank) reach the user.
+    output = done.stdout + done.stderr
+    for noise in ("Setting OMP_NUM_THREADS", "While redistributing"):
+        assert noise not in output, output[-3000:]
+    if "OMP_NUM_THREADS" not in env:  # pipe's echoed command says what it set
+        assert done.stderr.startswith("OMP_NUM_THREADS=1 "), done.stderr[:300]
     losses = _train_losses(run_dir)
     assert sorted(losses) == list(range(1, 21))
     first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (18, 19, 20)) / 3

@@ -130,3 +130,15 @@ def test_torchrun_command_drops_nproc() -> None:
     command = torchrun_command(2, "train", argv)
     assert command[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
     assert command[6:] == ["pipeline", "train", "--dp", "2", "--iters", "3"]
+
+
+def test_torchrun_runs_with_one_thread_a_process_unless_told_otherwise() -> None:
+    """OMP_NUM_THREADS=1 is what torchrun sets itself (with a banner); pipe sets it first and
+    says so in its own line. A value the user set is kept."""
+    from pipeline.core.parallel.process_group import torchrun_environment
+
+    environment, added = torchrun_environment({"PATH": "/bin"})
+    assert environment == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    assert added == {"OMP_NUM_THREADS": "1"}
+    environment, added = torchrun_environment({"PATH": "/bin", "OMP_NUM_THREADS": "4"})
+    assert environment == {"PATH": "/bin", "OMP_NUM_THREADS": "4"} and added == {}

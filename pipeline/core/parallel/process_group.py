@@ -80,14 +80,23 @@ def torchrun_command(nproc_per_node: int, command: str, args: Sequence[str]) -> 
     ]
 
 
+def torchrun_environment(environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment to run torchrun in, and the variables added to `environ`: with
+    OMP_NUM_THREADS unset, 1. torchrun gives each process one thread then anyway, and prints a
+    four-line banner saying so; set here, it shows in pipe's one line instead."""
+    added = {} if "OMP_NUM_THREADS" in environ else {"OMP_NUM_THREADS": "1"}
+    return {**environ, **added}, added
+
+
 def relaunch_under_torchrun(nproc_per_node: int, command: str) -> NoReturn:
     """Replace this process by torchrun running the same `pipe COMMAND` (never returns); the
-    torchrun command line is written to stderr first."""
+    torchrun command line, with the variables pipe set for it, is written to stderr first."""
     line = torchrun_command(nproc_per_node, command, sys.argv[1:])
-    print(" ".join(line), file=sys.stderr)
+    environment, added = torchrun_environment(dict(os.environ))
+    print(" ".join([*(f"{k}={v}" for k, v in added.items()), *line]), file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, line)
+    os.execve(sys.executable, line, environment)
 
 
 def choose_device(name: str) -> torch.device:
