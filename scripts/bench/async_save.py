@@ -47,14 +47,18 @@ class _Enough(Exception):
     """Ends the timed run once it has what it measures."""
 
 
-def run_sets(run_dir: Path, save_at: int, async_save: bool) -> list[str]:
-    """`--set` assignments for the large model on mock data, one sequence of 16 a step."""
+def run_sets(
+    run_dir: Path, save_at: int, async_save: bool, *extra: str, iters: int | None = None
+) -> list[str]:
+    """`--set` assignments for the large model on mock data, one sequence of 16 a step, saving
+    every `save_at` iterations, for `iters` iterations (default: four saves' worth); `extra`
+    last."""
     return [
         *LARGE_MODEL,
         "data.mock=true",
         "data.seq_length=16",
         "data.num_workers=0",
-        f"training.iters={4 * save_at}",
+        f"training.iters={iters or 4 * save_at}",
         "training.micro_batch_size=1",
         "training.global_batch_size=1",
         "training.eval_interval=0",
@@ -65,7 +69,13 @@ def run_sets(run_dir: Path, save_at: int, async_save: bool) -> list[str]:
         f"checkpoint.save_interval={save_at}",
         f"checkpoint.async_save={str(async_save).lower()}",
         f"logging.run_dir={run_dir}",
+        *extra,
     ]
+
+
+def writing_dirs(save_dir: Path, iteration: int) -> list[Path]:
+    """The temporary directories of the save of `iteration` while it is being written."""
+    return list(save_dir.glob(f"iter_{iteration:07d}.tmp-*"))
 
 
 def timed_steps(run_dir: Path, save_at: int, async_save: bool) -> list[tuple[float, bool, bool]]:
@@ -80,7 +90,7 @@ def timed_steps(run_dir: Path, save_at: int, async_save: bool) -> list[tuple[flo
     save_dir = run_dir / "checkpoints"
 
     def in_flight() -> bool:
-        return any(save_dir.glob(f"iter_{save_at:07d}.tmp-*"))
+        return bool(writing_dirs(save_dir, save_at))
 
     def timed(iterator):
         after = sum(1 for s in steps[save_at:] if not (s[1] or s[2]))

@@ -26,34 +26,18 @@ from pipeline.train.loop.trainer import Trainer
 from tests.builders import micro_sets, records, run_training_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-# The benchmark's model (its checkpoint takes over a second to write, a step a few tenths of a
-# second on one thread) and its observed run, which sees a save as being written while the
-# save's `.tmp-` directory exists: from outside, so the run needs no help from the code under
-# test.
-from async_save import LARGE_MODEL, timed_steps  # noqa: E402
+# The benchmark's settings (a model whose checkpoint takes over a second to write, a step a
+# few tenths of a second on one thread) and its observed run, which sees a save as being
+# written while the save's `.tmp-` directory exists (`writing_dirs`): from outside, so the run
+# needs no help from the code under test.
+from async_save import run_sets, timed_steps, writing_dirs  # noqa: E402
 
 SAVE_AT = 8
 
 
 def large_sets(run_dir: Path, *extra: str, iters: int) -> list[str]:
-    """The large model on mock data, one sequence of 16 per step, background saves."""
-    return micro_sets(
-        run_dir,
-        *LARGE_MODEL,
-        "data.seq_length=16",
-        "training.micro_batch_size=1",
-        "training.global_batch_size=1",
-        "training.eval_interval=0",
-        f"checkpoint.save_interval={SAVE_AT}",
-        "checkpoint.async_save=true",
-        *extra,
-        iters=iters,
-        mbs=1,
-    )
-
-
-def _tmp_dirs(save_dir: Path, iteration: int) -> list[Path]:
-    return list(save_dir.glob(f"iter_{iteration:07d}.tmp-*"))
+    """The benchmark's run: the large model on mock data, background saves every `SAVE_AT`."""
+    return run_sets(run_dir, SAVE_AT, True, *extra, iters=iters)
 
 
 def test_training_goes_on_while_a_background_save_is_written(tmp_path: Path) -> None:
@@ -91,7 +75,7 @@ def _kill_during_second_write(proc, run_dir: Path) -> int:
     while True:
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "no training step ran during the background write"
-        writing = [d for d in _tmp_dirs(save_dir, target) if any(d.iterdir())]
+        writing = [d for d in writing_dirs(save_dir, target) if any(d.iterdir())]
         trained_on = _last_logged_step(run_dir) > target
         if writing and trained_on and not (save_dir / f"iter_{target:07d}").exists():
             proc.send_signal(signal.SIGKILL)
@@ -114,7 +98,7 @@ def test_sigkill_during_background_write_keeps_the_previous_checkpoint(tmp_path:
             proc.communicate(timeout=60)
     save_dir = tmp_path / "checkpoints"
     assert not (save_dir / f"iter_{killed_at:07d}").exists()
-    assert _tmp_dirs(save_dir, killed_at), "the killed save's temporary directory is gone"
+    assert writing_dirs(save_dir, killed_at), "the killed save's temporary directory is gone"
     previous = save_dir / f"iter_{SAVE_AT:07d}"
     assert read_tracker(save_dir) == previous
     assert [d.name for d in save_dir.glob("iter_*") if ".tmp-" not in d.name] == [previous.name]

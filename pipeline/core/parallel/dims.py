@@ -171,16 +171,17 @@ class ParallelDims:
             self._meshes["cp_tp"] = mesh["cp", "tp"]._flatten("cp_tp")
         if self.tp > 1 and self.dp * self.cp > 1:
             # A parameter sharded over ("dp_cp", "tp") reduces its gradient norm over both in
-            # one all-reduce when this flattened mesh exists (DTensor looks it up); without it
-            # torch runs two in a row and logs a warning from every rank.
-            self._meshes["dp_cp_tp"] = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
+            # one all-reduce when this flattened mesh exists (DTensor looks it up among the
+            # root mesh's flattened ones); without it torch runs two in a row and logs a
+            # warning from every rank. Nothing of pipe's asks for it by name.
+            mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
         if self.ep > 1:
             edp = self.dp * self.cp // self.ep
             ranks = mesh.mesh.reshape(self.pp, edp, self.ep, self.tp)
             expert = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
             self._meshes["expert"] = expert
             if edp > 1:  # experts sharded over both: their gradient norm in one all-reduce
-                self._meshes["edp_ep"] = expert["edp", "ep"]._flatten("edp_ep")
+                expert["edp", "ep"]._flatten("edp_ep")
         return mesh
 
     @property
