@@ -10,9 +10,10 @@ each against a baseline measured in the same run (docs/benchmarks.md, "Serving")
   real step streams the weights between two layers' attention, so its keys are not in cache):
   torch's SDPA over resident rows kept position by position (`[rows, capacity, kv_heads,
   head_dim]`, the engine's layout up to 256 positions; the baseline), over rows kept head by
-  head (`[rows, kv_heads, capacity, head_dim]`, the engine's layout beyond), and the grouped
+  head (`[rows, kv_heads, capacity, head_dim]`, the engine's layout beyond), the grouped
   product over the latter (the query heads of one key head as one matrix: `torch.matmul`,
-  softmax, `torch.matmul`; measured, not used).
+  softmax, `torch.matmul`; measured, not used), and pipe's C kernel over either layout (what
+  the engine runs for float32 models: `pipeline.core.kernels.cpu_decode_attention`).
 - `--compiled`: the model's forward compiled by inductor (freezing, the C++ wrapper, dynamic
   shapes; the output head packed as in serving) against the eager packed model, decode steps
   of the two engines alternating in one process (minutes: it compiles).
@@ -77,6 +78,8 @@ def attention_variants(config, rows: int, keys: int, layers: int = 8) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from pipeline.core.kernels.cpu_decode_attention import decode_attention
+
     heads, kv_heads = config.num_attention_heads, config.num_kv_heads or config.num_attention_heads
     dim = config.head_dim or config.hidden_size // heads
     group, capacity = heads // kv_heads, keys + 256
@@ -100,10 +103,20 @@ def attention_variants(config, rows: int, keys: int, layers: int = 8) -> dict:
         weights = (scores * dim**-0.5).softmax(-1)
         return torch.matmul(weights, v).view(rows, heads, 1, dim)
 
+    def kernel_by_position(i):
+        k, v = (t[:, :keys].transpose(1, 2) for t in by_position[i])
+        return decode_attention(q, k, v, None)
+
+    def kernel_by_head(i):
+        k, v = (t[:, :, :keys] for t in by_head[i])
+        return decode_attention(q, k, v, None)
+
     variants = {
         "SDPA, rows by position": sdpa_by_position,
         "SDPA, rows by head": sdpa_by_head,
         "grouped product, rows by head": grouped_by_head,
+        "pipe's C kernel, rows by position": kernel_by_position,
+        "pipe's C kernel, rows by head": kernel_by_head,
     }
     reference = sdpa_by_position(0)
     for name, attend in variants.items():

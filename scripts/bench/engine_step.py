@@ -1,8 +1,9 @@
 """The CPU engine's step, alone: a decode step at 1, 8 and 32 running requests, and a step that
 also runs a 64-token prompt, each with the engine's defaults and with resident rows or mixed
-passes off, with each linear multiplying alone instead of the stacked products of one input, or
-with long rows' keys kept position by position instead of head by head (the baselines, measured
-in the same run, alternating), printed as ms and ratios.
+passes off, with each linear multiplying alone instead of the stacked products of one input,
+with long rows' keys kept position by position instead of head by head, or with torch's SDPA
+for the decode rows' attention instead of pipe's C kernel (the baselines, measured in the same
+run, alternating), printed as ms and ratios.
 
 Uses the serving benchmark's model (`serve.py --build-only` writes it), one thread, greedy
 requests on random token prompts of `--prompt-len` tokens (64), after every prompt has run and
@@ -36,6 +37,7 @@ SETTINGS = {
     "two passes": {"mix_prompts": False},
     "unstacked": {},  # the defaults, each linear multiplying alone (`stacks_off`)
     "keys by position": {},  # the defaults, long rows' keys not kept head by head
+    "torch's attention": {},  # the defaults, decode attention in SDPA instead of pipe's C kernel
 }
 
 
@@ -77,6 +79,13 @@ def keys_by_position():
     from pipeline.serve.engine import resident_rows
 
     return mock.patch.object(resident_rows, "BY_HEAD_CAPACITY", 1 << 62)
+
+
+def torch_attention():
+    """Decode attention in torch's SDPA, as without a C compiler (`cpu_decode_attention`)."""
+    from pipeline.core.kernels import cpu_decode_attention
+
+    return mock.patch.object(cpu_decode_attention, "serves", lambda *a, **k: False)
 
 
 @contextlib.contextmanager
@@ -147,6 +156,8 @@ def main() -> None:
     model = open_generator(args.model_dir).model
     prepack_linears(model)
     packs = own_packs(model)
+    # what each setting switches on around its own measurements
+    during = {"unstacked": lambda: stacks_off(packs), "torch's attention": torch_attention}
     for rows in (int(r) for r in args.rows.split(",")):
         running = engines(model, rows, args.prompt_len)
         for label, measure in (("decode step", decode_ms), ("+ a 64-token prompt", prompt_ms)):
@@ -154,8 +165,7 @@ def main() -> None:
             with torch.inference_mode():
                 for _ in range(args.blocks):
                     for name, engine in running.items():
-                        alone = stacks_off(packs) if name == "unstacked" else nullcontext()
-                        with alone:
+                        with during.get(name, nullcontext)():
                             times[name].append(measure(engine))
             median = {name: statistics.median(t) for name, t in times.items()}
             base = median["defaults"]

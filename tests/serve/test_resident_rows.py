@@ -4,9 +4,13 @@ rows hold exactly the blocks' entries while requests come and go."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from unittest import mock
+
 import pytest
 import torch
 
+from pipeline.core.kernels import cpu_decode_attention
 from pipeline.serve.engine import resident_rows
 from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
@@ -49,6 +53,26 @@ def test_every_family_decodes_as_the_gathering_step(family_model) -> None:
     )
     assert compared >= 12 + 11  # every token of the two rows that ask
     assert engine.resident.steps > 10 and engine.resident.fills >= 5
+
+
+def test_every_family_decodes_with_pipes_kernel_as_with_torchs_attention(family_model) -> None:
+    """The decode rows' attention in pipe's C kernel (the CPU default for float32 models) and in
+    torch's SDPA give the same tokens, and log-probabilities to float32 rounding; the kernel
+    ran in the first engine only."""
+    kernel = cpu_decode_attention.decode_attention
+    outputs, calls, steps = [], [], []
+    for torch_attention in (False, True):
+        switch = mock.patch.object(cpu_decode_attention, "serves", return_value=False)
+        with (
+            switch if torch_attention else nullcontext(),
+            mock.patch.object(cpu_decode_attention, "decode_attention", wraps=kernel) as called,
+        ):
+            engine = Engine(family_model, max_batch=3, block_size=4, prefill_chunk=5)
+            outputs.append(_outputs(engine, _churn(engine)))
+        calls.append(called.call_count)
+        steps.append(engine.resident.steps)
+    assert _same(*outputs) >= 12 + 11
+    assert calls[0] >= steps[0] > 10 and calls[1] == 0, (calls, steps)
 
 
 def test_rows_hold_the_blocks_entries_as_requests_come_and_go(tiny_hf_dir) -> None:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pipeline.core.kernels import cpu_decode_attention
 from pipeline.core.kernels.attention_choice import (
     AttentionShape,
     BackendChoice,
@@ -147,6 +148,12 @@ def _sdpa(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     gqa = q.shape[1] != k.shape[1]
+    # One query per row over a cache, on a CPU: pipe's own kernel (its module says when).
+    if cpu_decode_attention.serves(
+        q, k, v, mask, causal=causal, document_ids=document_ids, alibi_slopes=alibi_slopes,
+        window=window,
+    ):  # fmt: skip
+        return cpu_decode_attention.decode_attention(q, k, v, mask, sinks)
     if alibi_slopes is not None and (window is not None or sinks is not None):
         raise ValueError("ALiBi with sliding windows or sinks is not supported")
     if window is not None or sinks is not None:

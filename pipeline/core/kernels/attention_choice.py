@@ -17,13 +17,13 @@ nodes put `$PIPE_CACHE_DIR` on shared storage (a mismatch would change kernels, 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from pipeline.common.atomic import write_json
+from pipeline.common.cache_dir import pipe_cache_dir
 
 __all__ = [
     "AttentionShape",
@@ -79,8 +79,7 @@ class BackendChoice:
 
 def cache_path() -> Path:
     """`$PIPE_CACHE_DIR/attention_backends.json`, else `~/.cache/pipe/attention_backends.json`."""
-    base = os.environ.get("PIPE_CACHE_DIR") or Path.home() / ".cache" / "pipe"
-    return Path(base) / CACHE_FILE
+    return pipe_cache_dir() / CACHE_FILE
 
 
 def device_name(device: torch.device) -> str:

@@ -155,6 +155,10 @@ def _load(spec: EngineSpec):
             prefix_caching=spec.prefix_caching,
             cuda_graphs=spec.cuda_graphs,
         )
+        if next(gen.model.parameters()).is_cpu:
+            from pipeline.core.kernels.cpu_decode_attention import kernel
+
+            kernel()  # built (or found) now, not during the first request's first step
         if spec.max_loras:
             from pipeline.serve.engine.lora_slots import install_named_adapters
 
