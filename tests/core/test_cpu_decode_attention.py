@@ -77,6 +77,16 @@ def test_kernel_equals_attention_in_float64(heads, kv_heads, qk_dim, v_dim, leng
                 torch.testing.assert_close(out, masked_sdpa(q, k, v, m, s), rtol=0, atol=1e-5)
 
 
+def test_a_row_that_sees_no_key_gets_zeros_as_from_sdpa():
+    """A padded row of a static decode batch has no visible key: zeros, as SDPA gives, not NaN."""
+    q, k, v, mask, sinks = random_inputs(3, 8, 4, 64, 64, 20)
+    mask[1] = False
+    for s in (None, sinks):
+        out = decode_attention(q, k, v, mask, s)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        torch.testing.assert_close(out, masked_sdpa(q, k, v, mask, s), rtol=0, atol=1e-5)
+
+
 def test_every_layout_gives_the_same_bits():
     """Keys kept position by position, head by head, or gathered contiguous: the same bits."""
     q, k, v, mask, _ = random_inputs(4, 8, 4, 64, 64, 40)

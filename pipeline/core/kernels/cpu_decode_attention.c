@@ -122,7 +122,7 @@ static inline int64_t score_stride(int64_t length) { return (length + 15) / 16 *
    times v[r, p, h / group], for rows r < rows and query heads h < heads.
 
    Strides are in elements. mask (one byte per row and position, nonzero: visible) may be
-   NULL: every position is visible. sinks (one logit per query head) may be NULL; a sink is one
+   NULL: every position is visible; a row with none visible (and no sink) gets zeros. sinks (one logit per query head) may be NULL; a sink is one
    more softmax column whose value is zero. Scratch, owned by the caller: scores
    [heads * score_stride(length)], acc [heads * v_dim], top and total
    [heads] each. */
@@ -203,7 +203,9 @@ void pipe_decode_attention_f32(
             p += all4 ? 4 : 1;
         }
         for (int64_t h = 0; h < heads; h++) {
-            float *o = out + r * out_row + h * out_head, inverse = 1.0f / total[h];
+            /* A row that sees no key (a padded row of a static batch) gets zeros, as from SDPA. */
+            float *o = out + r * out_row + h * out_head;
+            float inverse = total[h] > 0.0f ? 1.0f / total[h] : 0.0f;
             for (int64_t d = 0; d < v_dim; d++) o[d] = acc[h * v_dim + d] * inverse;
         }
     }
