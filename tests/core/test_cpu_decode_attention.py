@@ -7,6 +7,7 @@ batch around a row) compare the kernel with itself."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from unittest import mock
@@ -29,6 +30,17 @@ def _fresh_build(tmp_path, monkeypatch):
     native_library.load.cache_clear()
     yield
     native_library.load.cache_clear()
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch computing on `count` threads inside the block (the kernel serves one thread only)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def reference(q, k, v, mask, sinks):
@@ -129,11 +141,14 @@ def test_a_row_does_not_depend_on_the_batch_around_it():
 
 def test_attention_sends_one_query_per_row_to_the_kernel():
     """`attention` over a cache (causal=False, a mask) with one float32 query per row on a CPU
-    goes to the kernel; anything else stays with SDPA."""
+    on one thread goes to the kernel; anything else stays with SDPA."""
     q, k, v, mask, sinks = random_inputs(3, 8, 4, 64, 64, 20)
-    with mock.patch.object(
-        cpu_decode_attention, "decode_attention", wraps=decode_attention
-    ) as kernel:
+    with (
+        mock.patch.object(
+            cpu_decode_attention, "decode_attention", wraps=decode_attention
+        ) as kernel,
+        torch_threads(1),
+    ):
         attention(q, k, v, causal=False, mask=mask)
         attention(q, k, v, causal=False, mask=mask, sinks=sinks)
         attention(q, k, v, causal=False, mask=mask, backend="flex")
@@ -144,6 +159,8 @@ def test_attention_sends_one_query_per_row_to_the_kernel():
         attention(q, k, v, causal=True)
         slopes = torch.linspace(0.1, 0.8, 8)
         attention(q, k, v, causal=False, mask=mask, alibi_slopes=slopes)
+        with torch_threads(2):  # SDPA spreads over the threads; the kernel would not
+            attention(q, k, v, causal=False, mask=mask)
         attention(q.requires_grad_(), k, v, causal=False, mask=mask).sum().backward()
         assert kernel.call_count == 3
     assert q.grad is not None
@@ -151,26 +168,31 @@ def test_attention_sends_one_query_per_row_to_the_kernel():
 
 def test_options_off_and_without_a_compiler_torch_attends(monkeypatch, caplog):
     """`PIPE_NATIVE_KERNELS=0`: no build is tried. No compiler: one warning, then SDPA. Either
-    way `attention` still answers (SDPA's bits)."""
+    way `attention` still answers, with SDPA's bits (all on one thread, where the kernel would
+    otherwise serve: SDPA's bits for one query differ between one thread and two)."""
     q, k, v, mask, _ = random_inputs(3, 8, 4, 64, 64, 20)
     options = dict(causal=False, document_ids=None, alibi_slopes=None, window=None)
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with torch_threads(1):
+        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    monkeypatch.setenv("PIPE_NATIVE_KERNELS", "0")
-    with mock.patch.object(native_library, "compiler") as find:
-        assert not serves(q, k, v, mask, **options)
-        find.assert_not_called()
-    assert torch.equal(attention(q, k, v, causal=False, mask=mask), sdpa)
-
-    monkeypatch.delenv("PIPE_NATIVE_KERNELS")
-    native_library.load.cache_clear()
-    with (
-        mock.patch.object(native_library, "compiler", return_value=None),
-        caplog.at_level(logging.WARNING, logger=native_library.__name__),
-    ):
-        assert not serves(q, k, v, mask, **options)
-        assert not serves(q, k, v, mask, **options)
+        monkeypatch.setenv("PIPE_NATIVE_KERNELS", "0")
+        with mock.patch.object(native_library, "compiler") as find:
+            assert not serves(q, k, v, mask, **options)
+            find.assert_not_called()
         assert torch.equal(attention(q, k, v, causal=False, mask=mask), sdpa)
+
+        monkeypatch.delenv("PIPE_NATIVE_KERNELS")
+        native_library.load.cache_clear()
+        with (
+            mock.patch.object(native_library, "compiler", return_value=None),
+            caplog.at_level(logging.WARNING, logger=native_library.__name__),
+        ):
+            assert not serves(q, k, v, mask, **options)
+            assert not serves(q, k, v, mask, **options)
+            assert torch.equal(attention(q, k, v, causal=False, mask=mask), sdpa)
+        native_library.load.cache_clear()
+        assert serves(q, k, v, mask, **options)  # with the compiler again: the kernel's
+        assert not torch.equal(attention(q, k, v, causal=False, mask=mask), sdpa)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "no C compiler found" in warnings[0], warnings
     assert "cpu_decode_attention.c" in warnings[0]

@@ -15,6 +15,7 @@ from pipeline.serve.engine import resident_rows
 from pipeline.serve.engine.core import Engine
 from pipeline.serve.engine.loading import open_generator
 from pipeline.serve.engine.sampling import SamplingParams
+from tests.core.test_cpu_decode_attention import torch_threads
 from tests.serve.test_generation import FAMILIES, PROMPTS, _hf_family
 from tests.serve.test_static_decode import SETTINGS, _outputs, _same
 
@@ -56,9 +57,9 @@ def test_every_family_decodes_as_the_gathering_step(family_model) -> None:
 
 
 def test_every_family_decodes_with_pipes_kernel_as_with_torchs_attention(family_model) -> None:
-    """The decode rows' attention in pipe's C kernel (the CPU default for float32 models) and in
-    torch's SDPA give the same tokens, and log-probabilities to float32 rounding; the kernel
-    ran in the first engine only."""
+    """The decode rows' attention in pipe's C kernel (the CPU default for float32 models on one
+    thread) and in torch's SDPA give the same tokens, and log-probabilities to float32
+    rounding; the kernel ran in the first engine only."""
     kernel = cpu_decode_attention.decode_attention
     outputs, calls, steps = [], [], []
     for torch_attention in (False, True):
@@ -66,6 +67,7 @@ def test_every_family_decodes_with_pipes_kernel_as_with_torchs_attention(family_
         with (
             switch if torch_attention else nullcontext(),
             mock.patch.object(cpu_decode_attention, "decode_attention", wraps=kernel) as called,
+            torch_threads(1),
         ):
             engine = Engine(family_model, max_batch=3, block_size=4, prefill_chunk=5)
             outputs.append(_outputs(engine, _churn(engine)))

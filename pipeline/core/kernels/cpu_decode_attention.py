@@ -10,11 +10,16 @@ has its own. So this one is C (`cpu_decode_attention.c`, built for the machine o
 `pipeline.common.native_library`): it streams each row's keys once for all heads, then its
 values, and takes about half torch's time there (0.53x at 32 rows of 100 keys).
 
+The kernel runs on the calling thread alone, so it is used only where torch computes on one
+thread (`pipe serve`'s engine on a 2-core machine, where the other core serves HTTP): on N
+threads SDPA spreads the rows and heads over them and takes about 1/N of its one-thread time,
+which beats the kernel's half from two threads on.
+
 `serves` says when it applies: float32 tensors on a CPU, one query per row, no gradient, no
-ALiBi, under torch's eager mode (a compiled graph keeps torch's attention). Otherwise, or when
-no library could be built, `pipeline.core.kernels.attention` runs SDPA as before. Its results
-differ from SDPA's in the last bits (another order of summation), are the same for any thread
-count (it runs on the calling thread), and a row's are the same whatever else is in the batch.
+ALiBi, one torch thread, under torch's eager mode (a compiled graph keeps torch's attention).
+Otherwise, or when no library could be built, `pipeline.core.kernels.attention` runs SDPA as
+before. Its results differ from SDPA's in the last bits (another order of summation), and a
+row's are the same whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ def serves(
     ):
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if torch.get_num_threads() != 1:  # SDPA spreads rows and heads over the threads
         return False
     return not torch.compiler.is_compiling() and kernel() is not None
 
