@@ -2,8 +2,8 @@
 
 pipe ships as Python; the few hot loops that torch has no fast operation for (attention of one
 query per row on a CPU: `pipeline.core.kernels.cpu_decode_attention`) are plain C with no
-dependency, built the first time they are needed with the compiler Python itself was built
-with (`$CC`, else Python's own `CC`, else `cc`) for this machine's CPU (`-march=native`), and
+dependency, built the first time they are needed with the system's C compiler (`$CC`, else the
+one Python was built with, else `cc`) for this machine's CPU (`-march=native`), and
 kept in pipe's cache (`$PIPE_CACHE_DIR`, else `~/.cache/pipe`) under `native/NAME-HASH.so`. The
 hash covers the source, the compiler command, the flags and the CPU's model and features, so an
 edited source, another compiler or a cache shared by machines with other CPUs each get their
