@@ -75,7 +75,9 @@ def run_sets(
 
 def writing_dirs(save_dir: Path, iteration: int) -> list[Path]:
     """The temporary directories of the save of `iteration` while it is being written."""
-    return list(save_dir.glob(f"iter_{iteration:07d}.tmp-*"))
+    from pipeline.checkpoint.layout import iteration_dir_name
+
+    return list(save_dir.glob(f"{iteration_dir_name(iteration)}.tmp-*"))
 
 
 def timed_steps(run_dir: Path, save_at: int, async_save: bool) -> list[tuple[float, bool, bool]]:

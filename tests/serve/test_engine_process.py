@@ -102,6 +102,26 @@ def test_a_checkpoint_that_cannot_load_is_one_line(tmp_path) -> None:
     assert not client.process.is_alive()
 
 
+def test_the_decode_attention_kernel_is_built_while_loading_where_it_serves(
+    tiny_hf_dir, tmp_path, monkeypatch
+) -> None:
+    """A float32 engine on one thread has pipe's decode attention kernel built before it says
+    it is ready (not in its first request); on two threads, where torch's attention serves,
+    nothing is built."""
+    built = {}
+    for threads in (1, 2):
+        cache = tmp_path / f"threads{threads}"
+        monkeypatch.setenv("PIPE_CACHE_DIR", str(cache))
+        client = EngineClient(_spec(tiny_hf_dir, threads=threads), max_waiting=1)
+        client.start()
+        try:
+            built[threads] = sorted(p.name for p in cache.glob("native/*.so"))
+        finally:
+            client.stop()
+    assert len(built[1]) == 1 and built[1][0].startswith("cpu_decode_attention-"), built
+    assert built[2] == [], built
+
+
 @pytest.mark.skipif(not can_prepack(nn.Linear(2, 2)), reason="no oneDNN in this torch")
 @pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (7, 48), (3, 5, 48)])
 def test_a_prepacked_linear_equals_nn_linear(shape) -> None:

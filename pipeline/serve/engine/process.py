@@ -155,10 +155,13 @@ def _load(spec: EngineSpec):
             prefix_caching=spec.prefix_caching,
             cuda_graphs=spec.cuda_graphs,
         )
-        if next(gen.model.parameters()).is_cpu:
+        param = next(gen.model.parameters())
+        if param.is_cpu and param.dtype == torch.float32 and torch.get_num_threads() == 1:
             from pipeline.core.kernels.cpu_decode_attention import kernel
 
-            kernel()  # built (or found) now, not during the first request's first step
+            # built (or found) now, not during the first request's first step; only where it
+            # would serve (`cpu_decode_attention.serves`), so no other engine warns of a compiler
+            kernel()
         if spec.max_loras:
             from pipeline.serve.engine.lora_slots import install_named_adapters
 
