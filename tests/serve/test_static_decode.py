@@ -2,9 +2,9 @@
 gives today's decoding token for token: every family, greedy and seeded sampling (top-k, top-p,
 penalties, logit bias), log-probabilities, groups sharing a prompt, the prefix cache, prompt
 log-probabilities, adapters by name (against peft), structured-output and tool requests. Its
-step never synchronises with the host nor takes a shape other than its bucket's, and its inputs
-keep their memory from step to step (what a CUDA graph's replay needs; the capture itself is
-`test_cuda_graphs.py`'s, on a GPU)."""
+step (a MoE family's too, its experts in grouped products) never synchronises with the host nor
+takes a shape other than its bucket's, and its inputs keep their memory from step to step (what
+a CUDA graph's replay needs; the capture itself is `test_cuda_graphs.py`'s, on a GPU)."""
 
 from __future__ import annotations
 
@@ -209,8 +209,9 @@ def test_structured_output_and_tool_requests(tiny_hf_dir) -> None:
 
 
 class NoHostSync(TorchDispatchMode):
-    """Records the ops that wait on the device's values (a tensor read as a Python number, a
-    shape that depends on values) and the first dimension of every op's tensor inputs."""
+    """Records the ops that wait on the device's values (a tensor read as a Python number or
+    list, a shape that depends on values) and the first dimension of every op's tensor inputs.
+    `Tensor.tolist` reads the values without dispatching an op, so it is watched by hand."""
 
     WAITS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
 
@@ -218,6 +219,21 @@ class NoHostSync(TorchDispatchMode):
         super().__init__()
         self.waits: list[str] = []
         self.leading: set[int] = set()
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        plain, waits = self._tolist, self.waits
+
+        def tolist(tensor: torch.Tensor):
+            waits.append("tolist")
+            return plain(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__
@@ -233,11 +249,11 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_step_never_waits_on_the_device_and_keeps_its_buffers(llama) -> None:
-    """Under a mode that sees every op: the static step reads no value back to the host and
-    its tensors' leading dimension is the bucket (or the weights'); its inputs keep their
-    memory from step to step. The same mode catches the eager step's mask check."""
-    engine = Engine(llama, max_batch=4, block_size=4, static_decode=True)
+def _watched_steps(model) -> tuple[Engine, list, dict]:
+    """Three seeded requests leaving one by one on a static engine over `model`, every step
+    run under `NoHostSync`: the engine, (read slots' shape, mode) per step, and the memory of
+    each shape's inputs and output."""
+    engine = Engine(model, max_batch=4, block_size=4, static_decode=True)
     decoder, seen, pointers = engine.decoder, [], {}
     plain_step = decoder._step
 
@@ -256,14 +272,29 @@ def test_the_step_never_waits_on_the_device_and_keeps_its_buffers(llama) -> None
     for new, prompt in zip((4, 6, 8), PROMPTS):  # leaving one by one
         engine.add(prompt, SamplingParams(max_new_tokens=new, temperature=1.0, seed=new))
     list(engine.run())
+    return engine, seen, pointers
+
+
+def _assert_static(model, engine: Engine, seen: list, pointers: dict, rows_per_token: int) -> None:
+    """No step waited on the device; every tensor's leading dimension is the bucket's rows
+    (times `rows_per_token`: a MoE layer's (token, expert) assignments), their history's slots
+    (the cache's gather), one (broadcast) or a weight's; inputs kept their memory."""
     assert len(seen) >= 6
-    weights = {p.shape[0] for p in llama.parameters()} | {engine.cache.pools[0][0].shape[0]}
+    weights = {p.shape[0] for p in model.parameters()} | {engine.cache.pools[0][0].shape[0]}
     for (bucket, width), mode in seen:
         assert mode.waits == [], mode.waits
-        # the bucket's rows, their history's slots (the cache's gather), or broadcast over them
-        assert mode.leading <= {bucket, bucket * width, 1} | weights, (bucket, mode.leading)
+        rows = {bucket, bucket * width, bucket * rows_per_token, 1}
+        assert mode.leading <= rows | weights, (bucket, mode.leading)
     assert all(len(each) == 1 for each in pointers.values()), pointers  # same memory each step
     assert {bucket for (bucket, _), _ in seen} == {1, 2, 4}  # 3 rows padded to 4, then fewer
+
+
+def test_the_step_never_waits_on_the_device_and_keeps_its_buffers(llama) -> None:
+    """Under a mode that sees every op: the static step reads no value back to the host and
+    its tensors' leading dimension is the bucket (or the weights'); its inputs keep their
+    memory from step to step. The same mode catches the eager step's mask check."""
+    engine, seen, pointers = _watched_steps(llama)
+    _assert_static(llama, engine, seen, pointers, rows_per_token=1)
     # the check can fail: the eager step asks the host whether every row is as long
     from pipeline.serve.engine.batching import plain_batch
     from pipeline.serve.engine.decode import forward_cached
@@ -274,6 +305,21 @@ def test_the_step_never_waits_on_the_device_and_keeps_its_buffers(llama) -> None
     with mode:
         forward_cached(llama, engine.cache, plain_batch([(request, 1)], 0, torch.device("cpu")))
     assert "_local_scalar_dense.default" in mode.waits
+
+
+def test_a_moe_step_never_waits_on_the_device(tmp_path) -> None:
+    """Mixtral's static step, its experts in grouped products (`grouped_mm_serves`): no value
+    read back to the host, so a CUDA graph can hold it; the loop over experts would ask."""
+    from pipeline.core.model import moe
+
+    _hf_family("mixtral", tmp_path)
+    model = open_generator(tmp_path).model
+    engine, seen, pointers = _watched_steps(model)
+    _assert_static(model, engine, seen, pointers, rows_per_token=model.config.moe.top_k)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "grouped_mm_serves", lambda *a: False)
+        engine, seen, _ = _watched_steps(model)
+    assert all("tolist" in mode.waits for _, mode in seen)
 
 
 def test_buckets_widths_and_the_default_switch(llama, caplog) -> None:
@@ -295,8 +341,14 @@ def test_models_that_cannot_be_captured_say_why() -> None:
     from pipeline.core.model.flavors import get_flavor
     from pipeline.core.model.transformer import Transformer
 
+    # MoE: captured where the experts run as grouped products (float32 on a CPU, for the rule
+    # itself; a GPU needs bf16), not when a capacity factor drops tokens
     model = Transformer(get_flavor("tiny_moe"))
-    assert "MoE layers ask the host" in capture_problem(model, 1)
+    assert capture_problem(model, 1) is None
+    assert "MoE layers ask the host" in capture_problem(model.half(), 1)
+    dropping = get_flavor("tiny_moe")
+    dropping.moe.capacity_factor = 1.25
+    assert "drop tokens over a capacity" in capture_problem(Transformer(dropping), 1)
     recomputing = Transformer(get_flavor("tiny"), ModelOptions(activation_checkpointing="full"))
     assert "recompute activations" in capture_problem(recomputing, 1)
     assert capture_problem(Transformer(get_flavor("tiny")), 1) is None

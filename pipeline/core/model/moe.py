@@ -2,7 +2,10 @@
 plus shared experts that see every token (DeepSeek).
 
 Tokens are grouped by expert (a stable sort of the (token, k) assignments) and each expert runs
-one matmul over its group, so no token is dropped unless a capacity factor asks for it. The
+one matmul over its group, so no token is dropped unless a capacity factor asks for it: in
+training a loop over the experts; where no gradient flows, one grouped product per projection
+(`torch._grouped_mm`, `grouped_mm_serves` says where), which reads the groups' sizes on the
+device, so that a decode step never waits on the host and a CUDA graph can hold it. The
 router's auxiliary losses are kept on the module after each forward (`MoE.aux_loss`), and
 per-expert token counts for logging.
 
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipeline.core.model.config import MoEConfig
 from pipeline.core.model.feed_forward import FeedForward, init_linear
@@ -146,9 +150,102 @@ def grouped_swiglu(
     `lora` (an `ExpertAdapters`) adds each adapted stack's low-rank update; `biases` (b1, b3,
     b2) are added to the projections; `activation(gate, up)` replaces silu(gate) * up.
 
-    A plain loop over experts: simple and exact on every device. `torch._grouped_mm` would do it
-    in one kernel on recent GPUs; it belongs in a kernel backend tested against this.
+    Each projection runs as one grouped product (`torch._grouped_mm`) where `grouped_mm_serves`
+    says it may, else as a loop over the experts (`looped_swiglu`, the reference).
     """
+    if grouped_mm_serves(x, w1, w3, w2, *adapter_stacks(lora)):
+        return _grouped_swiglu(x, tokens_per_expert, w1, w3, w2, lora, biases, activation)
+    return looped_swiglu(x, tokens_per_expert, w1, w3, w2, lora, biases, activation)
+
+
+def adapter_stacks(lora: nn.Module | None) -> list[torch.Tensor]:
+    """The stacked low-rank factors of `lora` (an `ExpertAdapters`, or None: none)."""
+    return [t for pair in lora.local().values() for t in pair] if lora is not None else []
+
+
+def grouped_mm_serves(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs the experts' products of rows `x` by the stacks
+    `weights`: where no gradient flows (serving, generation, evaluation), on a CPU in float32
+    or bf16 and on a CUDA GPU of compute capability 9.0 or newer in bf16 with every inner size
+    a multiple of 8 (its 16-byte alignment); never for sharded weights (DTensor has no rule for
+    it). They agree with the loop to the dtype's rounding, not always to the bit (a group of
+    one row may take another kernel). Training keeps the loop: on a GPU the grouped weight
+    gradient needs each expert's rows padded to a multiple of 8, which is not written, and on
+    a CPU training's numbers stay what they were."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cpu", "cuda"):
+        return False
+    if any(isinstance(w, DTensor) for w in weights):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+        return False
+    dtype = _compute_dtype(x)
+    if x.device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16)
+    if dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return all(size % 8 == 0 for w in weights for size in w.shape[1:])
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' products run in: autocast's where it is on, else `x`'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _grouped_swiglu(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    lora: nn.Module | None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`grouped_swiglu` with one `torch._grouped_mm` per projection: the group ends are read on
+    the device, so the host never waits (a CUDA graph can hold the step)."""
+    # The loop's products run in autocast's dtype where it is on, else in their inputs' (the
+    # adapters' own for the low-rank update); here autocast is off and the casts are explicit.
+    dtype = _compute_dtype(x)
+    adapters = lora.local() if lora is not None else {}
+    adapter_dtype = {name: _compute_dtype(a) for name, (a, _) in adapters.items()}
+    bias = dict(zip(("w1", "w3", "w2"), biases)) if biases is not None else {}
+    ends = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    if bias:  # each row's expert: how many groups end at or before it
+        row_expert = torch.searchsorted(ends, torch.arange(len(x), device=x.device), right=True)
+
+    def grouped(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(rows, w.to(rows.dtype).transpose(-2, -1), offs=ends)
+
+    def project(name: str, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = grouped(rows.to(dtype), w)
+        if name in bias:
+            out = out + bias[name].to(dtype)[row_expert]
+        if name not in adapters:
+            return out
+        a, b = adapters[name]
+        low_rank = lora.dropout(rows.to(a.dtype)).to(adapter_dtype[name])
+        delta = grouped(grouped(low_rank, a), b) * lora.scaling
+        return out + delta.to(out.dtype)
+
+    with torch.autocast(x.device.type, enabled=False):
+        hidden = activation(project("w1", w1, x), project("w3", w3, x))
+        return project("w2", w2, hidden)
+
+
+def looped_swiglu(
+    x: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    lora: nn.Module | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+) -> torch.Tensor:
+    """`grouped_swiglu` as a plain loop over the experts, one product per group: simple and
+    exact on every device, the reference the grouped products are tested against."""
     # One host sync to learn the group sizes; unavoidable without a grouped kernel.
     groups = torch.split(x, tokens_per_expert.tolist())
     adapters = lora.local() if lora is not None else {}
@@ -171,6 +268,15 @@ def grouped_swiglu(
     return torch.cat(outputs) if outputs else x.new_empty(0, w2.shape[1])
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `expert_ids` name each expert, `[num_experts]` long. Counted into a tensor of
+    fixed size: `torch.bincount`'s size depends on the values, so a CUDA device would wait for
+    them and torch.compile would break its graph there."""
+    ids = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))
+
+
 def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
     """Switch/Megatron load-balancing loss without its coefficient: E * sum_e f_e * P_e.
 
@@ -178,7 +284,7 @@ def load_balancing_loss(probs: torch.Tensor, topk_idx: torch.Tensor) -> torch.Te
     mean router probability of expert e; the minimum, 1, is reached by a uniform router.
     """
     num_experts = probs.shape[-1]
-    counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    counts = expert_counts(topk_idx, num_experts)
     f = counts.float() / topk_idx.numel()
     p = probs.mean(dim=0)
     return num_experts * (f * p).sum()
@@ -321,7 +427,7 @@ class MoE(nn.Module):
         return probs, weights, topk_idx
 
     def _add_load(self, topk_idx: torch.Tensor) -> None:
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.config.num_experts).float()
+        counts = expert_counts(topk_idx, self.config.num_experts).float()
         self.expert_load = counts if self.expert_load is None else self.expert_load + counts
 
     def _dispatch_and_combine(
@@ -332,7 +438,7 @@ class MoE(nn.Module):
         # Stable sort keeps tokens in sequence order within each expert, so capacity dropping
         # below keeps the earliest tokens (GShard's position policy).
         order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=num_experts)
+        counts = expert_counts(flat_expert, num_experts)
         self.tokens_per_expert = counts.detach()
 
         capacity = self.capacity(x.shape[0])

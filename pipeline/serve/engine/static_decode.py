@@ -37,10 +37,14 @@ minutes of compile on a large model, no guards to fail on the cache's Python obj
 same code runs eagerly on a CPU (`Engine(static_decode=True)`), where the tests prove it gives
 today's tokens.
 
+Mixture-of-experts layers are captured where their experts run as grouped products
+(`pipeline.core.model.moe.grouped_mm_serves`: bf16 on a GPU of compute capability 9.0 or newer),
+which read each expert's number of tokens on the device; the loop over experts asks the host for
+them, and a capacity factor drops tokens by a shape that depends on values.
+
 What cannot be captured runs eagerly, the engine's ordinary decode step, for the reason
-`capture_problem` names: a mixture-of-experts layer (`pipeline.core.model.moe.grouped_swiglu` asks
-the host for each expert's number of tokens), a tensor-parallel or sharded model, a compiled one,
-and one whose layers recompute activations (a GRPO policy decoding on itself).
+`capture_problem` names: such a mixture-of-experts layer, a tensor-parallel or sharded model, a
+compiled one, and one whose layers recompute activations (a GRPO policy decoding on itself).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from pipeline.core.model.moe import MoE
+from pipeline.core.model.moe import MoE, adapter_stacks, grouped_mm_serves
 from pipeline.core.model.transformer import Transformer
 from pipeline.serve.engine.decode import BatchSlots, CachedBatch, layer_windows
 from pipeline.serve.engine.kv_cache import BlockKVCache
@@ -96,8 +100,14 @@ def capture_problem(model: Transformer, tp: int) -> str | None:
     """Why the decode step of `model` cannot be captured in a CUDA graph, or None if it can."""
     if tp > 1:
         return "tensor-parallel serving is not captured yet"
-    if any(isinstance(module, MoE) for module in model.modules()):
-        return "its MoE layers ask the host for each expert's token count (grouped_swiglu)"
+    moe = [module for module in model.modules() if isinstance(module, MoE)]
+    if any(module.config.capacity_factor is not None for module in moe):
+        return "its MoE layers drop tokens over a capacity (a shape that depends on values)"
+    if moe and not _grouped_experts(moe[0]):
+        return (
+            "its MoE layers ask the host for each expert's token count (grouped products of "
+            "experts need bf16 on a GPU of compute capability 9.0 or newer)"
+        )
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "its weights are sharded (DTensor)"
     if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
@@ -107,6 +117,15 @@ def capture_problem(model: Transformer, tp: int) -> str | None:
         # gradients
         return "its layers recompute activations (activation checkpointing)"
     return None
+
+
+def _grouped_experts(moe: MoE) -> bool:
+    """Whether `moe`'s experts (and their adapters, if any) run as grouped products in a decode
+    step, where no gradient flows."""
+    stacks = [*moe.experts.gate_up_down(), *adapter_stacks(moe.experts.lora)]
+    rows = torch.empty(0, device=stacks[0].device, dtype=stacks[0].dtype)
+    with torch.no_grad():
+        return grouped_mm_serves(rows, *stacks)
 
 
 def static_decoder(

@@ -148,6 +148,6 @@ class GRPOSection:
     Off: the engine's own shapes (fp32 rounding apart)."""
     rollout_cuda_graphs: Literal["auto", "on", "off"] = "auto"
     """Replay the rollout engine's decode steps from CUDA graphs, one captured per batch size
-    (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model, or a
-    policy that decodes on itself with activation checkpointing, decodes eagerly either way and
-    says why in the log."""
+    (`pipe serve --cuda-graphs`); auto: on when training on a CUDA device. A MoE model outside
+    bf16 on a GPU of compute capability 9.0 or newer, or a policy that decodes on itself with
+    activation checkpointing, decodes eagerly either way and says why in the log."""
