@@ -39,7 +39,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from pipeline.core.model.moe import EXPERT_BIASES, GroupedExperts, MoE
+from pipeline.core.model.moe import EXPERT_BIASES, GroupedExperts, MoE, expert_counts
 from pipeline.core.torch_compat import eager_before_2_13
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -157,7 +157,7 @@ class ExpertParallelMoE(MoE):
         dropping. Experts are contiguous per rank, so the order is also by destination rank."""
         flat_expert = topk_idx.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=self.config.num_experts)
+        counts = expert_counts(flat_expert, self.config.num_experts)
         capacity = self.capacity(num_tokens)
         if capacity is None:
             return order, counts, counts

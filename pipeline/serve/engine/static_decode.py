@@ -121,7 +121,8 @@ def capture_problem(model: Transformer, tp: int) -> str | None:
 
 def _grouped_experts(moe: MoE) -> bool:
     """Whether `moe`'s experts (and their adapters, if any) run as grouped products in a decode
-    step, where no gradient flows."""
+    step, where no gradient flows. One layer answers for all: a model's MoE layers share their
+    config, dtype and device, and adapters are added to every layer alike."""
     stacks = [*moe.experts.gate_up_down(), *adapter_stacks(moe.experts.lora)]
     rows = torch.empty(0, device=stacks[0].device, dtype=stacks[0].dtype)
     with torch.no_grad():
